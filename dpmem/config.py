@@ -1,0 +1,206 @@
+"""Structured configs: the schema of every config group, its defaults and its validation.
+
+Hydra checks types, enum values and unknown keys against these dataclasses; `validate` checks what a type
+cannot say (ranges, cross-field rules). Both end in a `ConfigError` whose message names the key and what is
+allowed, which the CLI prints as one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A bad configuration value: the message names the key and what is allowed."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+class Accountant(Enum):
+    pld = "pld"
+    rdp = "rdp"
+
+
+class Neighbouring(Enum):
+    add_remove = "add_remove"
+    replace_one = "replace_one"
+
+
+class Sampling(Enum):
+    auto = "auto"  # poisson for private methods, shuffle for non-private ones
+    poisson = "poisson"  # each example joins a step independently with rate q = B/n
+    fixed = "fixed"  # B examples drawn without replacement at every step (RDP, replace_one)
+    shuffle = "shuffle"  # epochs of shuffled fixed-size batches: no privacy accounting exists, non-private only
+
+
+class Schedule(Enum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class Device(Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    meta = "meta"
+
+
+class Precision(Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Optimizer(Enum):
+    adam = "adam"
+    adamw = "adamw"
+    sgd = "sgd"
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    family: str = MISSING  # which builder in dpmem.models makes it (vit, ...)
+    pretrained: Optional[str] = None  # hub id or local path; None = random init from `arch`
+    arch: dict[str, Any] = field(default_factory=dict)  # architecture fields of the transformers config
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    path: Optional[str] = None  # local file for data sets read from disk
+    test_fraction: float = 0.2  # held-out share for data sets without a fixed test split
+    split_seed: int = 0  # the train/test split is fixed by this seed, independent of train.seed
+
+
+@dataclass
+class MethodConfig:
+    name: str = MISSING
+    private: bool = False  # clip and noise per-sample gradients
+    optimizer: Optimizer = Optimizer.adam
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0  # sgd only
+    max_grad_norm: Optional[float] = None  # clipping threshold C (private methods)
+    # On the first step, check that the per-sample gradients sum to autograd's batch gradient: catches a
+    # parameter used outside the module that owns it (its per-sample gradient would be under-clipped).
+    check_coverage: bool = True
+
+
+@dataclass
+class PrivacyConfig:
+    epsilon: Optional[float] = None  # None = non-private
+    delta: Any = "1/n"  # a number in (0, 1), or "1/n" for the inverse training-set size
+    accountant: Accountant = Accountant.pld
+    neighbouring: Neighbouring = Neighbouring.add_remove
+    noise_seed: Optional[int] = None  # None = seeded from the OS so the noise cannot be replayed
+
+
+@dataclass
+class TrainConfig:
+    steps: Optional[int] = None  # logical steps; if None, derived from epochs
+    epochs: Optional[float] = None
+    batch_size: int = 128  # logical (expected, under Poisson sampling) batch size B
+    physical_batch_size: Optional[int] = None  # micro-batch size; None = whole logical batch at once
+    lr: float = 1e-3
+    schedule: Schedule = Schedule.constant
+    warmup_steps: int = 0
+    seed: int = 0  # model init and data sampling
+    eval_every: int = 0  # evaluate every N logical steps (0 = only at the end)
+    eval_batch_size: int = 256
+    sampling: Sampling = Sampling.auto
+    device: Device = Device.auto
+    precision: Precision = Precision.fp32  # bf16 = autocast on CUDA
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = True  # progress bar with loss, epsilon spent and samples/s
+    every: int = 10  # write metrics.jsonl (and update epsilon spent) every N logical steps
+    memory_steps: int = 3  # on CPU, count live tensor bytes over the first N steps (the counter slows ops)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    method: MethodConfig = MISSING
+    privacy: PrivacyConfig = MISSING
+    train: TrainConfig = MISSING
+    logging: LoggingConfig = MISSING
+    debug: bool = False  # show tracebacks for configuration errors
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, node in [("model", ModelConfig), ("data", DataConfig), ("method", MethodConfig),
+                        ("privacy", PrivacyConfig), ("train", TrainConfig), ("logging", LoggingConfig)]:
+        cs.store(group=group, name=f"{group}_schema", node=node)
+
+
+def resolve_delta(delta: Any, n: int) -> float:
+    if isinstance(delta, str):
+        if delta.strip() == "1/n":
+            return 1.0 / n
+        try:
+            delta = float(delta)
+        except ValueError:
+            raise ConfigError("privacy.delta", f"{delta!r} is not a number in (0, 1) or '1/n'") from None
+    delta = float(delta)
+    if not 0.0 < delta < 1.0:
+        raise ConfigError("privacy.delta", f"{delta} is outside (0, 1); use a number in (0, 1) or '1/n'")
+    return delta
+
+
+def validate(cfg: Any) -> None:
+    """Range and cross-field checks that the types cannot express. Raises ConfigError."""
+    t, p, m = cfg.train, cfg.privacy, cfg.method
+    if t.steps is None and t.epochs is None:
+        raise ConfigError("train.steps", "set train.steps or train.epochs")
+    if t.steps is not None and t.steps <= 0:
+        raise ConfigError("train.steps", f"{t.steps} must be a positive integer")
+    if t.epochs is not None and t.epochs <= 0:
+        raise ConfigError("train.epochs", f"{t.epochs} must be positive")
+    if t.batch_size <= 0:
+        raise ConfigError("train.batch_size", f"{t.batch_size} must be a positive integer")
+    if t.physical_batch_size is not None:
+        if t.physical_batch_size <= 0:
+            raise ConfigError("train.physical_batch_size", f"{t.physical_batch_size} must be positive")
+        if t.physical_batch_size > t.batch_size:
+            raise ConfigError("train.physical_batch_size",
+                              f"{t.physical_batch_size} is larger than train.batch_size={t.batch_size}; "
+                              "allowed: 1..train.batch_size")
+    if t.lr < 0:
+        raise ConfigError("train.lr", f"{t.lr} must be >= 0")
+    if t.eval_every < 0:
+        raise ConfigError("train.eval_every", f"{t.eval_every} must be >= 0 (0 = only at the end)")
+    if p.epsilon is not None and not p.epsilon > 0:
+        raise ConfigError("privacy.epsilon", f"{p.epsilon} must be > 0 (or null for non-private)")
+    if p.epsilon is not None:
+        resolve_delta(p.delta, n=2)  # the form is checked here; '1/n' is resolved once n is known
+    if m.private:
+        if m.max_grad_norm is None or not m.max_grad_norm > 0:
+            raise ConfigError("method.max_grad_norm", f"{m.max_grad_norm} must be > 0 for a private method")
+        if t.sampling == Sampling.shuffle and p.epsilon is not None:
+            raise ConfigError("train.sampling", "shuffle has no privacy accountant; allowed for private "
+                              "training: poisson (default), fixed (with privacy.accountant=rdp, "
+                              "privacy.neighbouring=replace_one)")
+        if t.sampling == Sampling.fixed and p.epsilon is not None and (
+                p.accountant != Accountant.rdp or p.neighbouring != Neighbouring.replace_one):
+            raise ConfigError("train.sampling", "fixed-size sampling is accounted only by privacy.accountant=rdp "
+                              "with privacy.neighbouring=replace_one")
+        if (t.sampling in (Sampling.poisson, Sampling.auto) and p.epsilon is not None
+                and p.accountant == Accountant.rdp and p.neighbouring == Neighbouring.replace_one):
+            raise ConfigError("privacy.accountant", "rdp accounts Poisson sampling only under add_remove; "
+                              "allowed with replace_one: pld")
+    if t.precision == Precision.bf16 and t.device == Device.cpu:
+        raise ConfigError("train.precision", "bf16 autocast is for CUDA; allowed on cpu: fp32")

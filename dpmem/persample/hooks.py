@@ -1,0 +1,169 @@
+"""Capture layer inputs in the forward pass and output gradients in the backward pass, and turn each pair into
+per-sample gradients with the rule of the layer's type. Vectorised over the batch; no loop over samples."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dpmem.persample import rules  # noqa: F401  (registers the layer rules)
+from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads
+from dpmem.persample.registry import Rule, rule_for
+
+# Per-sample gradients mix samples through batch statistics in these layers: there is no per-sample gradient.
+REFUSED = (nn.modules.batchnorm._BatchNorm, nn.RNNBase, nn.MultiheadAttention)
+
+
+@dataclass
+class _Owner:
+    """A module whose direct parameters get per-sample gradients, and how."""
+    name: str
+    module: nn.Module
+    params: dict[str, nn.Parameter]  # attribute name -> parameter (trainable, direct, owned here)
+    rule: Rule | None  # None = generic fallback
+    handles: list = field(default_factory=list)
+
+
+class PerSampleGradients:
+    """Per-sample gradients of every trainable parameter of `model`.
+
+    Inside `with psg.capture():` a forward and backward of a *summed* per-sample loss leave in `psg.grads` a
+    tensor (B, *param.shape) per trainable parameter. A parameter used by several modules (tied weights) gets
+    the sum over every use, before anyone takes a norm.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.grads: dict[nn.Parameter, torch.Tensor] = {}
+        self._active = False
+        self._owners: list[_Owner] = []
+        claimed: set[int] = set()
+        param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        modules = list(model.named_modules())  # a shared module is hooked once; its hooks fire per use
+        # Layer rules claim first, so a tied weight owned by a Linear and an Embedding gets both rules.
+        for with_rule in (True, False):
+            for mod_name, module in modules:
+                rule = rule_for(module)
+                if (rule is not None) != with_rule:
+                    continue
+                own = {n: p for n, p in module.named_parameters(recurse=False)
+                       if p.requires_grad and (with_rule or id(p) not in claimed)}
+                if not own:
+                    continue
+                if isinstance(module, REFUSED):
+                    name = param_names[id(next(iter(own.values())))]
+                    raise ValueError(f"{name}: {type(module).__name__} has no per-sample gradient (it mixes "
+                                     "samples); replace it (e.g. GroupNorm/LayerNorm) or freeze it")
+                if rule is not None and rule.check is not None:
+                    rule.check(mod_name, module)
+                claimed.update(id(p) for p in own.values())
+                self._owners.append(_Owner(mod_name, module, own, rule))
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in claimed]
+        if missing:
+            raise ValueError(f"no per-sample rule covers {missing[0]}; add a rule or freeze it")
+        for owner in self._owners:
+            self._hook(owner)
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        seen, out = set(), []
+        for owner in self._owners:
+            for p in owner.params.values():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    @contextlib.contextmanager
+    def capture(self, batch_size: int):
+        """Hooks are live inside; `batch_size` is the number of samples in the forward pass."""
+        self._active, self._batch = True, batch_size
+        try:
+            yield self
+        finally:
+            self._active = False
+
+    def clear(self) -> None:
+        self.grads = {}
+
+    def remove(self) -> None:
+        for owner in self._owners:
+            for h in owner.handles:
+                h.remove()
+            owner.handles.clear()
+
+    # -- hooks -------------------------------------------------------------------------------------------
+    def _hook(self, owner: _Owner) -> None:
+        rule, module = owner.rule, owner.module
+        scopes: list = []
+
+        def pre_hook(mod, args, kwargs):
+            if self._active and rule is not None and rule.scope is not None:
+                scope = rule.scope(mod)
+                scope.__enter__()
+                scopes.append(scope)
+
+        def post_hook(mod, args, kwargs, output):
+            if not self._active:
+                return
+            scope = None
+            if rule is not None and rule.scope is not None:
+                scope = scopes.pop()
+                scope.__exit__(None, None, None)
+            if not isinstance(output, torch.Tensor):
+                raise ValueError(f"{owner.name}: {type(mod).__name__} returns {type(output).__name__}, not a "
+                                 "tensor; no per-sample rule covers its parameters "
+                                 f"{', '.join(owner.params)}; add a rule or freeze them")
+            if not output.requires_grad:
+                return
+            if rule is None:
+                check_deterministic(owner.name, mod)
+                saved = capture_call(mod, args, kwargs, output, None)
+            else:
+                saved = rule.capture(mod, args, kwargs, output, scope)
+            output.register_hook(lambda g: self._accumulate(owner, saved, g))
+
+        owner.handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        owner.handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
+
+    def _accumulate(self, owner: _Owner, saved, grad_output: torch.Tensor) -> None:
+        batch = self._batch
+        if grad_output.shape[0] != batch and owner.rule is not None:
+            # Layers fed a batch-major flattening (OPT's FFN sees B·T rows): restore the batch dimension.
+            if grad_output.shape[0] % batch:
+                raise RuntimeError(f"{owner.name}: leading dimension {grad_output.shape[0]} is not a multiple "
+                                   f"of the batch size {batch}; inputs must be batch-first")
+            unflat = lambda t: t.reshape(batch, t.shape[0] // batch, *t.shape[1:])  # noqa: E731
+            grad_output, saved = unflat(grad_output), unflat(saved)
+        if owner.rule is None:
+            self._active = False  # the replay calls submodules whose hooks must not fire
+            try:
+                grads = fallback_grads(owner.module, list(owner.params), saved, grad_output)
+            finally:
+                self._active = True
+        else:
+            grads = owner.rule.compute(owner.module, saved, grad_output)
+        for name, g in grads.items():
+            p = owner.params.get(name)
+            if p is None:  # a frozen parameter of a rule-covered module
+                continue
+            self.grads[p] = self.grads[p] + g if p in self.grads else g
+
+
+def per_sample_norms(grads: dict[nn.Parameter, torch.Tensor]) -> torch.Tensor:
+    """Flat per-sample L2 norms over all parameters: sqrt(Σ_p ‖g_p,i‖²), shape (B,)."""
+    squares = [g.reshape(g.shape[0], -1).float().pow(2).sum(1) for g in grads.values()]
+    return torch.stack(squares).sum(0).sqrt()
+
+
+def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """min(1, C/‖gᵢ‖), with the same small guard against 0/0 as Opacus."""
+    return (max_norm / (norms + 1e-6)).clamp(max=1.0)
+
+
+def weighted_sum(grads: dict[nn.Parameter, torch.Tensor], weights: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+    """Σᵢ wᵢ gᵢ per parameter."""
+    return {p: torch.einsum("b,b...->...", weights.to(g.dtype), g) for p, g in grads.items()}

@@ -1,0 +1,49 @@
+"""The registry of per-sample gradient rules, one per layer type (the idea of Opacus' register_grad_sampler).
+
+A rule takes the module, the activations its `capture` kept from the forward pass and the gradient of the
+module's output (batch first), and returns {parameter name: per-sample gradient of shape (B, *param.shape)}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+Capture = Callable[[nn.Module, tuple, dict, Any, Any], Any]  # (module, args, kwargs, output, scope)
+Compute = Callable[[nn.Module, Any, torch.Tensor], dict[str, torch.Tensor]]
+
+
+def capture_first_input(module: nn.Module, args: tuple, kwargs: dict, output: Any, scope: Any) -> torch.Tensor:
+    return args[0].detach() if args else next(iter(kwargs.values())).detach()
+
+
+@dataclass(frozen=True)
+class Rule:
+    compute: Compute
+    capture: Capture = capture_first_input
+    # Optional: a context entered around the module's forward (for rules that must see inside it).
+    scope: Callable[[nn.Module], Any] | None = None
+    # Optional: raise a ValueError naming the parameter when a module of this type is configured unsupportedly.
+    check: Callable[[str, nn.Module], None] | None = None
+
+
+RULES: dict[type, Rule] = {}
+
+
+def register(*types: type, capture: Capture = capture_first_input, scope=None, check=None):
+    def wrap(compute: Compute) -> Compute:
+        for t in types:
+            RULES[t] = Rule(compute, capture, scope, check)
+        return compute
+    return wrap
+
+
+def rule_for(module: nn.Module) -> Rule | None:
+    """The rule of the module's type or of its nearest registered base class (subclasses share the math)."""
+    for t in type(module).__mro__:
+        if t in RULES:
+            return RULES[t]
+    return None

@@ -1,0 +1,17 @@
+"""nn.Linear: y = x Wᵀ + b, so the per-sample gradient is Gᵢᵀ Aᵢ summed over any middle (token) dims."""
+
+import torch
+from torch import nn
+
+from dpmem.persample.registry import register
+
+
+@register(nn.Linear)
+def linear(module: nn.Linear, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, torch.Tensor]:
+    batch = grad_output.shape[0]
+    a = activations.reshape(batch, -1, module.in_features).to(module.weight.dtype)
+    g = grad_output.reshape(batch, -1, module.out_features).to(module.weight.dtype)
+    grads = {"weight": torch.bmm(g.transpose(1, 2), a)}
+    if module.bias is not None:
+        grads["bias"] = g.sum(1)
+    return grads

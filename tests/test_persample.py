@@ -1,0 +1,215 @@
+"""Per-sample gradients against independent oracles: a loop of one-sample backward passes, and torch.func."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from transformers.pytorch_utils import Conv1D
+
+from dpmem.persample import PerSampleGradients
+
+torch.set_default_dtype(torch.float64)  # oracles and engine agree to ~1e-12; the test bound is 1e-5
+
+
+def engine_grads(model, loss_fn, batch):
+    psg = PerSampleGradients(model)
+    with psg.capture(batch_size=next(iter(batch.values())).shape[0]):
+        loss_fn(model, batch).sum().backward()
+    names = {p: n for n, p in model.named_parameters()}
+    out = {names[p]: g for p, g in psg.grads.items()}
+    psg.remove()
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def loop_grads(model, loss_fn, batch, size):
+    """The oracle: one forward/backward per sample, batch of one."""
+    per = {}
+    for i in range(size):
+        model.zero_grad(set_to_none=True)
+        one = {k: v[i:i + 1] for k, v in batch.items()}
+        loss_fn(model, one).sum().backward()
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                per.setdefault(n, []).append(p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+    model.zero_grad(set_to_none=True)
+    return {n: torch.stack(gs) for n, gs in per.items()}
+
+
+def assert_close(got, want):
+    assert set(got) == set(want), set(got) ^ set(want)
+    for n in want:
+        # a floor for gradients that vanish analytically (attention key biases): float64 noise is ~1e-17
+        err = (got[n] - want[n]).norm() / want[n].norm().clamp_min(1e-9)
+        assert err <= 1e-5, f"{n}: relative error {err:.2e}"
+
+
+class Wrap(nn.Module):
+    def __init__(self, layer, head_in):
+        super().__init__()
+        self.layer, self.head = layer, nn.Linear(head_in, 3)
+
+    def forward(self, x):
+        return self.head(self.layer(x).flatten(1).tanh())
+
+
+def mse_loss(model, batch):
+    return (model(batch["x"]) - batch["y"]).pow(2).sum(1)
+
+
+def with_direct_params():
+    class Scale(nn.Module):  # a module the generic fallback must cover: direct parameters, no rule
+        def __init__(self):
+            super().__init__()
+            self.cls = nn.Parameter(torch.randn(1, 1, 4))
+            self.pos = nn.Parameter(torch.randn(1, 6, 4))
+
+        def forward(self, x):
+            return torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1) * self.pos.exp()
+    return Wrap(nn.Sequential(nn.Linear(4, 4), Scale()), 24), torch.randn(5, 5, 4)
+
+
+CASES = {
+    "linear-2d": lambda: (Wrap(nn.Linear(6, 4), 4), torch.randn(5, 6)),
+    "linear-3d": lambda: (Wrap(nn.Linear(6, 4), 28), torch.randn(5, 7, 6)),
+    "conv1d-hf": lambda: (Wrap(Conv1D(4, 6), 28), torch.randn(5, 7, 6)),
+    "layernorm": lambda: (Wrap(nn.LayerNorm(6), 42), torch.randn(5, 7, 6) * 3 + 1),
+    "layernorm-2d-shape": lambda: (Wrap(nn.LayerNorm((3, 6)), 18), torch.randn(5, 3, 6)),
+    "conv2d": lambda: (Wrap(nn.Conv2d(3, 4, 3, stride=2, padding=1), 64), torch.randn(5, 3, 8, 8)),
+    "conv2d-groups-dilation": lambda: (Wrap(nn.Conv2d(4, 6, 3, groups=2, dilation=2), 96), torch.randn(5, 4, 8, 8)),
+    "conv2d-same-reflect": lambda: (Wrap(nn.Conv2d(2, 3, (3, 2), padding="same", padding_mode="reflect"), 75),
+                                    torch.randn(5, 2, 5, 5)),
+    "conv2d-same": lambda: (Wrap(nn.Conv2d(2, 3, 4, padding="same", bias=False), 48), torch.randn(5, 2, 4, 4)),
+    "fallback-direct-params": with_direct_params,
+    "fallback-groupnorm": lambda: (Wrap(nn.GroupNorm(2, 4), 36), torch.randn(5, 4, 3, 3)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_layer_rules_match_loop(case):
+    torch.manual_seed(0)
+    model, x = CASES[case]()
+    batch = {"x": x, "y": torch.randn(x.shape[0], 3)}
+    assert_close(engine_grads(model, mse_loss, batch), loop_grads(model, mse_loss, batch, x.shape[0]))
+
+
+def test_embedding_with_padding_and_tied_head_matches_torch_func():
+    torch.manual_seed(0)
+
+    class TiedLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(11, 4, padding_idx=0)
+            self.mix = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 11, bias=False)
+            self.head.weight = self.emb.weight  # tied: one parameter, two uses
+
+        def forward(self, ids):
+            return self.head(self.mix(self.emb(ids)).tanh())
+
+    model = TiedLM()
+    ids = torch.tensor([[1, 2, 2, 0], [3, 0, 0, 0], [4, 5, 6, 7]])
+    labels = torch.tensor([[2, 3, 4, 5], [1, 1, 2, 2], [7, 6, 5, 4]])
+
+    def loss(m, b):
+        logits = m(b["ids"])
+        return F.cross_entropy(logits.transpose(1, 2), b["labels"], reduction="none").sum(1)
+
+    batch = {"ids": ids, "labels": labels}
+    got = engine_grads(model, loss, batch)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def one(p, i, lab):
+        return loss(lambda x: functional_call(model, p, (x,)), {"ids": i[None], "labels": lab[None]}).sum()
+
+    want = vmap(grad(one), in_dims=(None, 0, 0))(params, ids, labels)
+    assert_close(got, want)
+    # the tied matrix's per-sample gradient is the sum of both uses: the padding row gets only the head's part
+    assert got["emb.weight"][:, 0].abs().sum() > 0
+
+
+def test_unsupported_parameter_is_an_error_naming_it():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    with pytest.raises(ValueError, match=r"1\.weight.*BatchNorm1d"):
+        PerSampleGradients(model)
+
+
+def test_embedding_options_that_mix_samples_are_refused():
+    with pytest.raises(ValueError, match="scale_grad_by_freq"):
+        PerSampleGradients(nn.Sequential(nn.Embedding(5, 3, scale_grad_by_freq=True)))
+
+
+def test_fallback_refuses_active_dropout():
+    class Drop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(x * self.w)
+
+    model = Drop()
+    psg = PerSampleGradients(model)
+    with psg.capture(batch_size=2), pytest.raises(ValueError, match="dropout"):
+        model(torch.randn(2, 3)).sum().backward()
+
+
+# -- tiny Hugging Face models ---------------------------------------------------------------------------
+
+def tiny_roberta():
+    from transformers import RobertaConfig, RobertaForMaskedLM
+    cfg = RobertaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=20, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, pad_token_id=1, tie_word_embeddings=True)
+    model = RobertaForMaskedLM(cfg)
+    assert model.lm_head.decoder.weight is model.roberta.embeddings.word_embeddings.weight
+    ids = torch.tensor([[0, 5, 6, 7, 8, 2], [0, 9, 10, 2, 1, 1], [0, 11, 2, 1, 1, 1]])
+    mask = (ids != 1).long()
+    labels = torch.full_like(ids, -100)
+    labels[:, 2] = torch.tensor([12, 13, 14])
+    labels[0, 4] = 15
+
+    def loss(m, b):
+        logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        return F.cross_entropy(logits.transpose(1, 2), b["labels"], reduction="none", ignore_index=-100).sum(1)
+    return model, loss, {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def tiny_vit():
+    from transformers import ViTConfig, ViTForImageClassification
+    cfg = ViTConfig(image_size=8, patch_size=2, num_channels=1, hidden_size=16, num_hidden_layers=2,
+                    num_attention_heads=2, intermediate_size=32, num_labels=4)
+    model = ViTForImageClassification(cfg)
+    x = torch.randn(3, 1, 8, 8)
+    y = torch.tensor([0, 3, 1])
+
+    def loss(m, b):
+        return F.cross_entropy(m(pixel_values=b["pixel_values"]).logits, b["labels"], reduction="none")
+    return model, loss, {"pixel_values": x, "labels": y}
+
+
+def tiny_opt():
+    from transformers import OPTConfig, OPTForCausalLM
+    cfg = OPTConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2,
+                    max_position_embeddings=16, word_embed_proj_dim=16, dropout=0.0, attention_dropout=0.0,
+                    pad_token_id=1)
+    model = OPTForCausalLM(cfg)
+    ids = torch.tensor([[1, 1, 2, 5, 6, 7], [2, 8, 9, 10, 11, 12], [1, 1, 1, 2, 13, 14]])  # left padding
+    mask = (ids != 1).long()
+
+    def loss(m, b):
+        logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+        target = b["input_ids"][:, 1:].masked_fill(b["attention_mask"][:, 1:] == 0, -100)
+        return F.cross_entropy(logits.transpose(1, 2), target, reduction="none", ignore_index=-100).sum(1)
+    return model, loss, {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("make", [tiny_roberta, tiny_vit, tiny_opt], ids=["roberta-mlm-tied", "vit", "opt"])
+def test_hf_models_match_loop(make):
+    torch.manual_seed(0)
+    model, loss, batch = make()
+    model.train()
+    size = next(iter(batch.values())).shape[0]
+    assert_close(engine_grads(model, loss, batch), loop_grads(model, loss, batch, size))
