@@ -1,0 +1,136 @@
+"""`dpmem VERB [hydra overrides]`: one Hydra app per verb, kept thin.
+
+Before Hydra runs, the overrides are checked against the config groups and composed once per sweep point, so a
+bad value ends in one line that names the key and what is allowed (exit 2), not a traceback. `debug=true`
+shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import hydra
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from dpmem.config import ConfigError, register_configs, validate
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+USAGE = """usage: dpmem train [-m] [key=value ...]
+
+  dpmem train                                      the embedded default (ViT on digits, dp-adam, eps=8)
+  dpmem train method=adam privacy=none             a non-private baseline
+  dpmem train -m method=adam,dp-adam privacy=eps2,eps8   a sweep (one run folder each)
+  dpmem train --help                               every config group and option
+"""
+MAX_PREFLIGHT = 256  # sweep points composed before launch; larger grids are checked per job
+
+register_configs()
+_failed: list[str] = []
+
+
+def _groups() -> dict[str, list[str]]:
+    conf = Path(CONF_DIR)
+    return {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in conf.iterdir() if d.is_dir()}
+
+
+def _error(message: str) -> "SystemExit":
+    print(f"dpmem: error: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def preflight(overrides: list[str]) -> None:
+    """Check group options and compose every sweep point (up to MAX_PREFLIGHT). Raises ConfigError."""
+    plain = [o for o in overrides if not o.startswith(("-", "hydra.", "hydra/"))]
+    try:
+        parsed = OverridesParser.create().parse_overrides(plain)
+    except Exception as e:  # hydra's OverrideParseException and friends
+        raise ConfigError("override", str(e).splitlines()[0]) from None
+    groups = _groups()
+    choices = []
+    for o in parsed:
+        key = o.key_or_group.lstrip("+~")
+        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
+        if key in groups:
+            for v in values:
+                if v not in groups[key]:
+                    raise ConfigError(key, f"unknown option {v!r}; allowed: {', '.join(groups[key])}")
+        prefix = o.input_line.split("=", 1)[0]
+        choices.append([f"{prefix}={v}" for v in values])
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        for point in itertools.islice(itertools.product(*choices), MAX_PREFLIGHT):
+            try:
+                cfg = compose("config", overrides=list(point))
+            except OmegaConfBaseException as e:
+                raise ConfigError(getattr(e, "full_key", None) or "config", _first_line(e)) from None
+            except Exception as e:  # hydra's composition errors
+                raise ConfigError("override", _first_line(e)) from None
+            validate(cfg)
+    GlobalHydra.instance().clear()
+
+
+def _first_line(e: Exception) -> str:
+    msg = getattr(e, "msg", None) or str(e)
+    return " ".join(line.strip() for line in msg.strip().splitlines()[:2] if line.strip())
+
+
+@hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
+def _train(cfg: DictConfig) -> None:
+    from dpmem.engine.trainer import run_training
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
+    try:
+        validate(cfg)
+        summary = run_training(cfg, run_dir)
+    except ConfigError as e:
+        if cfg.debug:
+            raise
+        raise _error(str(e)) from None
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except Exception as e:
+        if not multirun or cfg.debug:
+            raise
+        # a sweep goes on past a failed run; its summary.json says why, and the exit code says so at the end
+        print(f"dpmem: run {run_dir} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        _failed.append(str(run_dir))
+        return
+    if summary["status"] != "ok":
+        _failed.append(str(run_dir))
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return
+    verb, rest = argv[0], argv[1:]
+    if verb != "train":
+        raise _error(f"unknown command {verb!r}; allowed: train")
+    debug = any(a.lower() in ("debug=true", "debug=1") for a in rest)
+    if not any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith("--cfg") or a == "-c"
+               for a in rest):
+        try:
+            preflight(rest)
+        except ConfigError as e:
+            if debug:
+                raise
+            raise _error(str(e)) from None
+    sys.argv = [f"{Path(sys.argv[0]).name} {verb}"] + rest
+    _train()
+    if _failed:
+        raise _error(f"{len(_failed)} run(s) did not finish ok: {', '.join(_failed)}")
+
+
+if __name__ == "__main__":
+    main()

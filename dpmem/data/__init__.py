@@ -1,0 +1,37 @@
+"""Data sets as in-memory column tensors, with the task that turns a batch into per-sample losses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from dpmem.config import ConfigError
+
+
+@dataclass
+class DataBundle:
+    train: dict[str, torch.Tensor]  # columns, first dimension = examples
+    test: dict[str, torch.Tensor]
+    num_classes: int
+    input_shape: tuple[int, ...]  # of one example's model input
+    per_sample_loss: Callable  # (model, batch) -> losses of shape (B,)
+    predict: Callable  # (model, batch) -> predicted labels, for the accuracy metric
+    metric_name: str = "accuracy"
+
+    @property
+    def n_train(self) -> int:
+        return len(next(iter(self.train.values())))
+
+
+def take(columns: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {k: v[index] for k, v in columns.items()}
+
+
+def build_data(cfg) -> DataBundle:
+    from dpmem.data import digits, npz
+    loaders = {"digits": digits.load, "npz": npz.load}
+    if cfg.name not in loaders:
+        raise ConfigError("data.name", f"{cfg.name!r} is unknown; allowed: {', '.join(loaders)}")
+    return loaders[cfg.name](cfg)

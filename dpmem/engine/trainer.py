@@ -1,0 +1,248 @@
+"""The step loop: sample a logical batch, split it into physical micro-batches, let the method step, evaluate at
+an interval, meter memory and throughput, keep the privacy ledger, and leave a summary however the run ends."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import secrets
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from dpmem.config import ConfigError, resolve_delta
+from dpmem.data import DataBundle, build_data, take
+from dpmem.engine.metering import LiveTensorCounter, state_tensors
+from dpmem.engine.summary import append_metrics, summary_table, versions, write_summary
+from dpmem.methods import Noise, build_method
+from dpmem.models import build_model
+from dpmem.privacy import UnreachableTarget, calibrate_sigma, epsilon_spent
+from dpmem.privacy.sampling import make_batches
+
+
+def _value(x):
+    return x.value if hasattr(x, "value") else x
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device", "cuda was asked for but no CUDA device is available; allowed: auto, cpu")
+    return torch.device(name)
+
+
+def lr_at(step: int, total: int, cfg) -> float:
+    """Learning rate for 0-based `step`: linear warm-up, then constant, linear or cosine decay to 0."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    schedule = _value(cfg.schedule)
+    if schedule == "linear":
+        return cfg.lr * (1 - progress)
+    if schedule == "cosine":
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.lr
+
+
+@torch.no_grad()
+def evaluate(model, data: DataBundle, device, batch_size: int, autocast) -> float:
+    model.eval()
+    correct, n = 0, len(data.test["labels"])
+    for start in range(0, n, batch_size):
+        batch = {k: v[start:start + batch_size].to(device) for k, v in data.test.items()}
+        with autocast():
+            correct += int((data.predict(model, batch) == batch["labels"]).sum())
+    model.train()
+    return correct / max(n, 1)
+
+
+class Run:
+    """One training run in `run_dir`. `execute` returns the summary; it never raises for a training failure."""
+
+    def __init__(self, cfg, run_dir: Path):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.summary: dict = {}
+
+    # -- set-up (configuration errors surface here, before anything is trained) ----------------------------
+    def prepare(self) -> None:
+        cfg = self.cfg
+        t, p, m = cfg.train, cfg.privacy, cfg.method
+        self.device = resolve_device(_value(t.device))
+        torch.manual_seed(t.seed)
+        self.data = build_data(cfg.data)
+        n = self.data.n_train
+        if t.batch_size > n:
+            raise ConfigError("train.batch_size", f"{t.batch_size} is larger than the training set ({n})")
+        self.steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * n / t.batch_size))
+        self.sample_rate = t.batch_size / n
+        sampling = _value(t.sampling)
+        self.sampling = ("poisson" if m.private else "shuffle") if sampling == "auto" else sampling
+        self.private = bool(m.private)
+        self.accounted = self.private and p.epsilon is not None
+        self.delta = resolve_delta(p.delta, n) if self.accounted else None
+        self.accountant = dict(accountant=_value(p.accountant), neighbouring=_value(p.neighbouring),
+                               sampling=self.sampling, dataset_size=n)
+        self.sigma = 0.0
+        if self.accounted:
+            try:
+                self.sigma = calibrate_sigma(p.epsilon, self.delta, self.sample_rate, self.steps, **self.accountant)
+            except UnreachableTarget as e:
+                raise ConfigError("privacy.epsilon", str(e)) from None
+        self.model = build_model(cfg.model, self.data).to(self.device)
+        self.model.train()
+        noise = None
+        if self.private:
+            gen = None
+            if self.device.type != "meta":
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(p.noise_seed if p.noise_seed is not None else secrets.randbits(63))
+            noise = Noise(self.sigma, m.max_grad_norm, expected_batch_size=self.sample_rate * n, generator=gen)
+        self.method = build_method(m, self.model, t.lr, noise)
+        self.sampler_gen = torch.Generator().manual_seed(t.seed)
+        bf16 = _value(t.precision) == "bf16" and self.device.type == "cuda"
+        self.autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16
+                         else contextlib.nullcontext)
+        self.summary = {
+            "status": "running", "method": m.name, "model": cfg.model.name, "data": cfg.data.name,
+            "seed": t.seed, "private": self.private, "device": str(self.device),
+            "epsilon_target": p.epsilon if self.accounted else None, "epsilon_spent": 0.0 if self.accounted else None,
+            "delta": self.delta, "sigma": self.sigma if self.private else None,
+            "max_grad_norm": m.max_grad_norm if self.private else None,
+            "sample_rate": self.sample_rate, "sampling": self.sampling,
+            "accountant": self.accountant["accountant"] if self.accounted else None,
+            "neighbouring": self.accountant["neighbouring"] if self.accounted else None,
+            "steps": self.steps, "steps_done": 0, "samples_seen": 0, "batch_size": t.batch_size,
+            "physical_batch_size": t.physical_batch_size or t.batch_size, "n_train": n, "lr": t.lr,
+            "metric_name": self.data.metric_name, "metric_final": None, "metric_best": None,
+            "peak_memory_bytes": None, "peak_memory_allocated_bytes": None, "peak_memory_source": None,
+            "throughput_samples_per_s": None, "wall_time_s": None, "error": None,
+            "versions": versions(), "run_dir": str(self.run_dir),
+        }
+        write_summary(self.run_dir, self.summary)
+
+    def epsilon(self, steps: int) -> float | None:
+        if not self.accounted:
+            return None
+        return epsilon_spent(self.sigma, self.delta, self.sample_rate, steps, **self.accountant)
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def execute(self) -> dict:
+        start = time.perf_counter()
+        try:
+            self._train()
+            self.summary["status"] = "ok"
+        except KeyboardInterrupt:
+            self.summary["status"] = "interrupted"
+        except torch.OutOfMemoryError as e:
+            self.summary.update(status="oom", error=str(e).splitlines()[0])
+        except Exception as e:  # the summary records it; the caller decides the exit code
+            self.summary.update(status="failed", error=f"{type(e).__name__}: {e}")
+            self.exception = e
+        finally:
+            self.summary["wall_time_s"] = time.perf_counter() - start
+            done = self.summary["steps_done"]
+            if self.accounted and done != self._eps_steps:
+                self.summary["epsilon_spent"] = self.epsilon(done)
+            write_summary(self.run_dir, self.summary)
+        return self.summary
+
+    _eps_steps = 0
+    exception: Exception | None = None
+
+    def _train(self) -> None:
+        cfg, t, s = self.cfg, self.cfg.train, self.summary
+        log_cfg = cfg.logging
+        physical = t.physical_batch_size or t.batch_size
+        counter = None
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif log_cfg.memory_steps > 0:
+            counter = LiveTensorCounter().track(state_tensors(self.model, self.method.optimizer))
+            counter.__enter__()
+        bar = tqdm(total=self.steps, disable=not log_cfg.progress, dynamic_ncols=True, leave=True,
+                   desc=f"{cfg.method.name}")
+        samples, loss_sum, loss_count = 0, None, 0
+        self._eval_time, loop_start = 0.0, time.perf_counter()
+        try:
+            batches = make_batches(self.sampling, self.data.n_train, t.batch_size, self.steps, self.sampler_gen)
+            for step, index in enumerate(batches):
+                lr = lr_at(step, self.steps, t)
+                self.method.set_lr(lr)
+                micro = [{k: v.to(self.device, non_blocking=True) for k, v in take(self.data.train, chunk).items()}
+                         for chunk in index.split(physical)] if len(index) else []
+                with self.autocast():
+                    loss = self.method.step(micro, self.data.per_sample_loss)
+                loss_sum = loss if loss_sum is None else loss_sum + loss
+                loss_count += len(index)
+                samples += len(index)
+                s["steps_done"], s["samples_seen"] = step + 1, samples
+                if counter is not None and step + 1 == log_cfg.memory_steps:
+                    counter.__exit__(None, None, None)
+                    s.update(peak_memory_bytes=counter.peak, peak_memory_source="live_tensors")
+                    counter = None
+                last = step + 1 == self.steps
+                record = {}
+                if (step + 1) % log_cfg.every == 0 or last:
+                    mean_loss = float(loss_sum) / max(loss_count, 1)  # the host sync, once every `every` steps
+                    train_time = time.perf_counter() - loop_start - self._eval_time
+                    s["epsilon_spent"], self._eps_steps = self.epsilon(step + 1), step + 1
+                    s["throughput_samples_per_s"] = samples / max(train_time, 1e-9)
+                    self._memory(s)
+                    record = {"loss": mean_loss, "lr": lr, "epsilon": s["epsilon_spent"],
+                              "samples_per_s": s["throughput_samples_per_s"], "memory_bytes": s["peak_memory_bytes"]}
+                    bar.set_postfix(loss=f"{mean_loss:.3f}", eps=_short(s["epsilon_spent"]),
+                                    sps=f"{s['throughput_samples_per_s']:.0f}", refresh=False)
+                    loss_sum, loss_count = None, 0
+                if t.eval_every and (step + 1) % t.eval_every == 0 and not last:
+                    record[s["metric_name"]] = self._evaluate()
+                if record:
+                    append_metrics(self.run_dir, {"step": step + 1, **record})
+                    write_summary(self.run_dir, s)
+                bar.update(1)
+            final = self._evaluate()
+            s["metric_final"] = final
+            append_metrics(self.run_dir, {"step": s["steps_done"], s["metric_name"]: final, "final": True})
+        finally:
+            bar.close()
+            if counter is not None:
+                counter.__exit__(None, None, None)
+                s.update(peak_memory_bytes=counter.peak, peak_memory_source="live_tensors")
+            self._memory(s)
+
+    def _memory(self, s: dict) -> None:
+        if self.device.type == "cuda":
+            s.update(peak_memory_bytes=torch.cuda.max_memory_reserved(self.device),
+                     peak_memory_allocated_bytes=torch.cuda.max_memory_allocated(self.device),
+                     peak_memory_source="cuda_max_reserved")
+
+    def _evaluate(self) -> float:
+        tic = time.perf_counter()
+        value = evaluate(self.model, self.data, self.device, self.cfg.train.eval_batch_size, self.autocast)
+        self._eval_time += time.perf_counter() - tic
+        best = self.summary["metric_best"]
+        self.summary["metric_best"] = value if best is None else max(best, value)
+        return value
+
+
+def _short(eps):
+    return "-" if eps is None else f"{eps:.2f}"
+
+
+def run_training(cfg, run_dir: Path) -> dict:
+    """Prepare (ConfigError escapes), train, summarise. Writes the resolved config next to the records."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    run = Run(cfg, run_dir)
+    run.prepare()
+    summary = run.execute()
+    print(summary_table(summary))
+    if run.exception is not None:
+        raise run.exception
+    if summary["status"] == "interrupted":
+        raise KeyboardInterrupt
+    return summary

@@ -1,0 +1,25 @@
+"""Non-private baseline: Adam/AdamW (or SGD) on the mean loss of the sampled batch, with gradient accumulation."""
+
+from __future__ import annotations
+
+import torch
+
+from dpmem.methods.base import Method, batch_size, make_optimizer
+
+
+class Adam(Method):
+    def __init__(self, model, cfg, lr):
+        super().__init__(model, cfg, lr)
+        self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg, lr)
+
+    def step(self, microbatches, loss_fn):
+        total = sum(batch_size(mb) for mb in microbatches)
+        loss_sum = torch.zeros(())
+        for mb in microbatches:
+            losses = loss_fn(self.model, mb)
+            (losses.sum() / total).backward()
+            loss_sum = loss_sum.to(losses.device) + losses.detach().sum()
+        if total:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum

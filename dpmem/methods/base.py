@@ -1,0 +1,53 @@
+"""What every method shares: the optimiser it wraps and the interface the engine drives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]  # per-sample losses, shape (B,)
+
+
+@dataclass
+class Noise:
+    """The Gaussian mechanism of a private step: std sigma·C on the clipped sum, divided by the expected batch
+    size q·n (fixed, so that the normalisation itself reveals nothing about the sampled batch)."""
+    sigma: float
+    max_grad_norm: float
+    expected_batch_size: float
+    generator: torch.Generator | None  # None on the meta device
+
+
+def make_optimizer(params: Sequence[nn.Parameter], cfg, lr: float) -> torch.optim.Optimizer:
+    name = cfg.optimizer.value if hasattr(cfg.optimizer, "value") else str(cfg.optimizer)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+    return cls(params, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def batch_size(batch: Batch) -> int:
+    return len(next(iter(batch.values())))
+
+
+class Method:
+    """One logical step from its physical micro-batches. Returns the summed per-sample loss (a tensor, so the
+    step never syncs with the host)."""
+
+    private = False
+
+    def __init__(self, model: nn.Module, cfg, lr: float):
+        self.model, self.cfg = model, cfg
+
+    optimizer: torch.optim.Optimizer
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self, microbatches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
+        raise NotImplementedError

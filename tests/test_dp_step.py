@@ -1,0 +1,151 @@
+"""The private step: clipped sums against Opacus, the noise and its normalisation, micro-batching, meta device."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from opacus import GradSampleModule
+from opacus.optimizers import DPOptimizer
+from torch import nn
+
+from dpmem.engine.metering import LiveTensorCounter, state_tensors
+from dpmem.methods import DPAdam, Noise
+from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
+
+
+class Net(nn.Module):
+    """Every layer type that Opacus and dpmem both support."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+        self.norm = nn.LayerNorm(4)
+        self.fc = nn.Linear(2 * 16 + 4 * 3, 3)
+
+    def forward(self, x, ids):
+        a = self.conv(x).relu().flatten(1)
+        b = self.norm(self.emb(ids)).flatten(1)
+        return self.fc(torch.cat([a, b], 1))
+
+
+def make_batch(size=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(size, 1, 4, 4, generator=g) * torch.linspace(0.1, 5, size).view(-1, 1, 1, 1),
+            "ids": torch.randint(0, 10, (size, 3), generator=g), "y": torch.randint(0, 3, (size,), generator=g)}
+
+
+def loss_fn(model, b):
+    return F.cross_entropy(model(b["x"], b["ids"]), b["y"], reduction="none")
+
+
+def method_cfg(optimizer="sgd", C=1.0):
+    return OmegaConf.create({"name": "dp-sgd", "private": True, "optimizer": optimizer, "betas": [0.9, 0.999],
+                             "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0, "max_grad_norm": C,
+                             "check_coverage": True})
+
+
+def test_clipped_sum_equals_opacus():
+    torch.manual_seed(0)
+    model, batch, C = Net(), make_batch(), 5.0
+    # ours
+    psg = PerSampleGradients(model)
+    with psg.capture(8):
+        loss_fn(model, batch).sum().backward()
+    norms = per_sample_norms(psg.grads)
+    assert (norms > C).any() and (norms < C).any(), "the batch should be partly clipped"
+    ours = weighted_sum(psg.grads, clip_factors(norms, C))
+    psg.remove()
+    model.zero_grad(set_to_none=True)
+    # Opacus
+    gsm = GradSampleModule(model, loss_reduction="sum")
+    opt = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=C,
+                      expected_batch_size=8, loss_reduction="sum")
+    F.cross_entropy(gsm(batch["x"], batch["ids"]), batch["y"], reduction="sum").backward()
+    opt.clip_and_accumulate()
+    for p in model.parameters():
+        torch.testing.assert_close(ours[p], p.summed_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_private_gradient_is_clipped_sum_plus_noise_over_expected_batch():
+    torch.manual_seed(0)
+    model, batch = Net(), make_batch()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sigma, C, expected = 0.7, 5.0, 10.0  # the expected batch size, not the 8 sampled
+    method = DPAdam(model, method_cfg("sgd", C), lr=1.0,
+                    noise=Noise(sigma, C, expected, torch.Generator().manual_seed(123)))
+    method.step([batch], loss_fn)
+    # oracle: Opacus' clipped sum and the same noise draws, in dpmem's parameter order
+    reference = Net()
+    reference.load_state_dict(before)
+    gsm = GradSampleModule(reference, loss_reduction="sum")
+    opt = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=C,
+                      expected_batch_size=8, loss_reduction="sum")
+    F.cross_entropy(gsm(batch["x"], batch["ids"]), batch["y"], reduction="sum").backward()
+    opt.clip_and_accumulate()
+    summed = {n: p.summed_grad for n, p in reference.named_parameters()}
+    gen = torch.Generator().manual_seed(123)
+    names = {p: n for n, p in model.named_parameters()}
+    for p in method.params:
+        n = names[p]
+        noise = torch.randn(p.shape, generator=gen)
+        want = before[n] - (summed[n] + sigma * C * noise) / expected  # SGD with lr 1
+        torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_micro_batches_accumulate_to_the_same_step():
+    updates = []
+    for chunks in (1, 4):
+        torch.manual_seed(0)
+        model = Net()
+        method = DPAdam(model, method_cfg("adam", 0.5), lr=0.1, noise=Noise(0.0, 0.5, 8.0, None))
+        batch = make_batch()
+        micro = [{k: v[i::chunks] for k, v in batch.items()} for i in range(chunks)]
+        method.step(micro, loss_fn)
+        updates.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(updates[0], updates[1], rtol=1e-5, atol=1e-6)
+
+
+def test_empty_batch_still_adds_noise():
+    torch.manual_seed(0)
+    model = Net()
+    before = [p.detach().clone() for p in model.parameters()]
+    method = DPAdam(model, method_cfg("sgd", 1.0), lr=1.0, noise=Noise(1.0, 1.0, 4.0, torch.Generator().manual_seed(0)))
+    method.step([], loss_fn)
+    assert all(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+
+
+def test_coverage_check_catches_a_parameter_used_outside_its_module():
+    class Sneaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x, ids=None):
+            return self.fc(x) + x @ self.fc.weight  # the second use bypasses the Linear's hooks
+
+    model = Sneaky()
+    method = DPAdam(model, method_cfg(), lr=0.1, noise=Noise(0.0, 1.0, 4.0, None))
+    batch = {"x": torch.randn(4, 3), "y": torch.randint(0, 3, (4,))}
+    with pytest.raises(RuntimeError, match="fc.weight.*batch gradient"):
+        method.step([batch], lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none"))
+
+
+def _counted_step(device):
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Net()
+        batch = make_batch()
+        batch = {k: v.to(device) for k, v in batch.items()}
+    method = DPAdam(model, method_cfg("adam", 1.0), lr=0.1, noise=Noise(1.0, 1.0, 8.0, None))
+    with LiveTensorCounter().track(state_tensors(model, method.optimizer)) as counter:
+        for _ in range(2):  # the second step holds the Adam moments
+            method.step([batch], loss_fn)
+    return model, counter.peak
+
+
+def test_a_private_step_runs_on_meta_with_the_same_peak_as_cpu():
+    model, meta_peak = _counted_step("meta")
+    assert all(p.device.type == "meta" for p in model.parameters())
+    _, cpu_peak = _counted_step("cpu")
+    assert meta_peak == cpu_peak > 0
