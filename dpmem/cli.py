@@ -7,7 +7,9 @@ shows the traceback instead.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import typing
 import sys
 from pathlib import Path
 
@@ -18,9 +20,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from dpmem.config import ConfigError, register_configs, validate
+from dpmem.config import Config, ConfigError, register_configs, validate
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 USAGE = """usage: dpmem train [-m] [key=value ...]
@@ -69,9 +71,10 @@ def preflight(overrides: list[str]) -> None:
         for point in itertools.islice(itertools.product(*choices), MAX_PREFLIGHT):
             try:
                 cfg = compose("config", overrides=list(point))
-            except OmegaConfBaseException as e:
-                raise ConfigError(getattr(e, "full_key", None) or "config", _first_line(e)) from None
-            except Exception as e:  # hydra's composition errors
+            except Exception as e:  # hydra wraps OmegaConf's validation error, which names the key
+                cause = e if isinstance(e, OmegaConfBaseException) else e.__cause__
+                if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+                    raise ConfigError(cause.full_key, _first_line(cause) + _allowed_keys(cause)) from None
                 raise ConfigError("override", _first_line(e)) from None
             validate(cfg)
     GlobalHydra.instance().clear()
@@ -79,7 +82,20 @@ def preflight(overrides: list[str]) -> None:
 
 def _first_line(e: Exception) -> str:
     msg = getattr(e, "msg", None) or str(e)
-    return " ".join(line.strip() for line in msg.strip().splitlines()[:2] if line.strip())
+    return msg.strip().splitlines()[0].strip()
+
+
+def _allowed_keys(e: OmegaConfBaseException) -> str:
+    """For an unknown key, the keys its section allows."""
+    if not isinstance(e, (ConfigAttributeError, ConfigKeyError)):
+        return ""
+    section = e.full_key.split(".")[0]
+    schema = typing.get_type_hints(Config).get(section)
+    if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+        schema = Config if "." not in e.full_key else None
+    if schema is None:
+        return ""
+    return "; allowed: " + ", ".join(f.name for f in dataclasses.fields(schema))
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)

@@ -1,0 +1,118 @@
+"""The command line as a user meets it: bad input gives one clear line, a run writes a complete summary."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["train.steps=3", "train.batch_size=32", "logging.progress=false", "train.eval_batch_size=512"]
+
+
+def dpmem(*args, cwd):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    return subprocess.run([sys.executable, "-m", "dpmem.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("override,key,allowed", [
+    ("method=nope", "method", "adam, dp-adam, dp-sgd"),
+    ("privacy=eps3", "privacy", "eps1, eps2"),
+    ("privacy.epsilon=0", "privacy.epsilon", "> 0"),
+    ("privacy.epsilon=-1", "privacy.epsilon", "> 0"),
+    ("privacy.delta=1.5", "privacy.delta", "(0, 1)"),
+    ("privacy.delta=0", "privacy.delta", "(0, 1)"),
+    ("train.physical_batch_size=256", "train.physical_batch_size", "1..train.batch_size"),
+    ("privacy.accountant=moments", "privacy.accountant", "pld"),
+    ("train.no_such_key=1", "train.no_such_key", ""),
+    ("data=npz", "data.path", "data.path=FILE.npz"),
+])
+def test_bad_input_is_one_clear_line(tmp_path, override, key, allowed):
+    r = dpmem("train", override, *TINY, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    assert key in lines[0] and allowed in lines[0], lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_data_file_names_the_key(tmp_path):
+    r = dpmem("train", "data=npz", "data.path=/no/such/file.npz", *TINY, cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "data.path" in r.stderr and "does not exist" in r.stderr
+
+
+def test_unreachable_epsilon_is_refused_before_training(tmp_path):
+    r = dpmem("train", "privacy.epsilon=0.001", "train.batch_size=1437", "train.steps=10000",
+              "logging.progress=false", cwd=tmp_path)
+    assert r.returncode == 2 and "privacy.epsilon" in r.stderr and "unreachable" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    r = dpmem("train", "privacy.epsilon=-1", "debug=true", *TINY, cwd=tmp_path)
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+REQUIRED = ["method", "model", "data", "seed", "status", "epsilon_target", "epsilon_spent", "delta", "sigma",
+            "sample_rate", "steps", "batch_size", "metric_name", "metric_final", "metric_best",
+            "peak_memory_bytes", "throughput_samples_per_s", "wall_time_s", "versions"]
+
+
+def test_a_run_writes_a_complete_summary(tmp_path):
+    r = dpmem("train", *TINY, "hydra.run.dir=run", "train.physical_batch_size=8", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert not [k for k in REQUIRED if k not in summary]
+    assert summary["status"] == "ok" and summary["steps_done"] == 3
+    assert summary["method"] == "dp-adam" and summary["epsilon_target"] == 8
+    assert 0 < summary["epsilon_spent"] <= 8.0 and summary["sigma"] > 0
+    assert summary["delta"] == pytest.approx(1 / 1437) and summary["sample_rate"] == pytest.approx(32 / 1437)
+    assert 0 <= summary["metric_final"] <= 1 and summary["peak_memory_bytes"] > 0
+    assert summary["peak_memory_source"] == "live_tensors"
+    assert {"torch", "transformers", "dpmem", "git"} <= set(summary["versions"])
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["step"] == 3 and {"loss", "lr", "epsilon", "samples_per_s", "memory_bytes"} <= set(metrics[0])
+    assert (tmp_path / "run" / "config.yaml").exists()
+    assert "epsilon spent / target" in r.stdout  # the closing table
+
+
+def test_multirun_makes_one_run_folder_per_point(tmp_path):
+    r = dpmem("train", "-m", "method=adam,dp-adam", "privacy=eps2,none", *TINY, "hydra.sweep.dir=sweep",
+              cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    summaries = [json.loads(p.read_text()) for p in sorted((tmp_path / "sweep").glob("*/summary.json"))]
+    assert len(summaries) == 4 and all(s["status"] == "ok" for s in summaries)
+    seen = {(s["method"], s["epsilon_target"]) for s in summaries}
+    assert seen == {("adam", None), ("dp-adam", 2), ("dp-adam", None)}
+    dp_none = [s for s in summaries if s["method"] == "dp-adam" and s["epsilon_target"] is None][0]
+    assert dp_none["sigma"] == 0.0 and dp_none["epsilon_spent"] is None  # clipping only: not private
+
+
+def test_a_bad_point_in_a_sweep_is_caught_before_launch(tmp_path):
+    r = dpmem("train", "-m", "privacy.epsilon=2,-3", *TINY, "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert r.returncode == 2 and "privacy.epsilon" in r.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_ctrl_c_leaves_a_readable_summary(tmp_path):
+    import signal
+    import time
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    proc = subprocess.Popen([sys.executable, "-m", "dpmem.cli", "train", "train.steps=100000", "logging.every=1",
+                             "logging.progress=false", "hydra.run.dir=run"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["steps_done"] >= 2
+    assert 0 < summary["epsilon_spent"] < 8  # what the steps done actually spent
+    assert "interrupted" in out

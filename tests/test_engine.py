@@ -1,0 +1,58 @@
+"""The engine in-process: a crash leaves a summary that says what was done; samplers match their definitions."""
+
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from dpmem.cli import CONF_DIR
+from dpmem.engine.trainer import lr_at, run_training
+from dpmem.methods.dp_adam import DPAdam
+from dpmem.privacy.sampling import fixed_batches, poisson_batches, shuffled_batches
+
+
+def config(*overrides):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose("config", overrides=["train.steps=5", "train.batch_size=32", "logging.progress=false",
+                                            "logging.every=1", *overrides])
+
+
+def test_a_crash_leaves_a_readable_summary(tmp_path, monkeypatch):
+    real_step, calls = DPAdam.step, []
+
+    def failing_step(self, micro, loss_fn):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return real_step(self, micro, loss_fn)
+
+    monkeypatch.setattr(DPAdam, "step", failing_step)
+    with pytest.raises(RuntimeError, match="boom"):
+        run_training(config(), tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and "boom" in summary["error"]
+    assert summary["steps_done"] == 2 and summary["epsilon_spent"] > 0 and summary["wall_time_s"] > 0
+
+
+def test_poisson_sampling_rate_and_independence():
+    gen = torch.Generator().manual_seed(0)
+    n, q, steps = 1000, 0.05, 400
+    sizes = torch.tensor([len(b) for b in poisson_batches(n, q, steps, gen)], dtype=torch.float)
+    # Binomial(n, q): mean nq = 50, std sqrt(nq(1-q)) ~ 6.9; the mean of 400 draws is within 4 s.e.
+    assert abs(sizes.mean() - n * q) < 4 * (n * q * (1 - q) / steps) ** 0.5
+    assert sizes.std() == pytest.approx((n * q * (1 - q)) ** 0.5, rel=0.15)
+
+
+def test_fixed_and_shuffled_batches():
+    gen = torch.Generator().manual_seed(0)
+    assert all(len(b) == 7 and len(set(b.tolist())) == 7 for b in fixed_batches(20, 7, 10, gen))
+    epoch = list(shuffled_batches(20, 7, 3, gen))
+    assert [len(b) for b in epoch] == [7, 7, 6] and sorted(torch.cat(epoch).tolist()) == list(range(20))
+
+
+def test_learning_rate_schedules():
+    cfg = config("train.lr=1.0", "train.warmup_steps=2", "train.schedule=linear").train
+    assert [round(lr_at(s, 6, cfg), 3) for s in range(6)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+    cfg = config("train.lr=1.0", "train.schedule=cosine").train
+    assert lr_at(0, 10, cfg) == 1.0 and lr_at(5, 10, cfg) == pytest.approx(0.5)
