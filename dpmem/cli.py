@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
         return
+    if not Path(CONF_DIR).is_dir():
+        raise _error(f"config folder {CONF_DIR} not found: install dpmem from its repository with pip install -e .")
     verb, rest = argv[0], argv[1:]
     if verb != "train":
         raise _error(f"unknown command {verb!r}; allowed: train")

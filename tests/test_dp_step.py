@@ -11,6 +11,7 @@ from torch import nn
 from dpmem.engine.metering import LiveTensorCounter, state_tensors
 from dpmem.methods import DPAdam, Noise
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
+from tiny_models import tiny_vit
 
 
 class Net(nn.Module):
@@ -131,21 +132,25 @@ def test_coverage_check_catches_a_parameter_used_outside_its_module():
         method.step([batch], lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none"))
 
 
-def _counted_step(device):
+def net_case():
+    return Net(), loss_fn, make_batch()
+
+
+def _counted_step(make, device):
     torch.manual_seed(0)
     with torch.device(device):
-        model = Net()
-        batch = make_batch()
-        batch = {k: v.to(device) for k, v in batch.items()}
+        model, loss, batch = make()
+    batch = {k: v.to(device) for k, v in batch.items()}
     method = DPAdam(model, method_cfg("adam", 1.0), lr=0.1, noise=Noise(1.0, 1.0, 8.0, None))
     with LiveTensorCounter().track(state_tensors(model, method.optimizer)) as counter:
         for _ in range(2):  # the second step holds the Adam moments
-            method.step([batch], loss_fn)
+            method.step([batch], loss)
     return model, counter.peak
 
 
-def test_a_private_step_runs_on_meta_with_the_same_peak_as_cpu():
-    model, meta_peak = _counted_step("meta")
+@pytest.mark.parametrize("make", [net_case, tiny_vit], ids=["conv-emb-ln-linear", "vit"])
+def test_a_private_step_runs_on_meta_with_the_same_peak_as_cpu(make):
+    model, meta_peak = _counted_step(make, "meta")
     assert all(p.device.type == "meta" for p in model.parameters())
-    _, cpu_peak = _counted_step("cpu")
+    _, cpu_peak = _counted_step(make, "cpu")
     assert meta_peak == cpu_peak > 0
