@@ -66,6 +66,8 @@ class Run:
     def __init__(self, cfg, run_dir: Path):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.summary: dict = {}
+        self.exception: Exception | None = None  # a training failure, re-raised by run_training
+        self._eps_steps = 0  # the step count epsilon_spent was last computed for
 
     # -- set-up (configuration errors surface here, before anything is trained) ----------------------------
     def prepare(self) -> None:
@@ -150,19 +152,14 @@ class Run:
             write_summary(self.run_dir, self.summary)
         return self.summary
 
-    _eps_steps = 0
-    exception: Exception | None = None
-
     def _train(self) -> None:
         cfg, t, s = self.cfg, self.cfg.train, self.summary
         log_cfg = cfg.logging
         physical = t.physical_batch_size or t.batch_size
-        counter = None
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        elif log_cfg.memory_steps > 0:
-            counter = LiveTensorCounter().track(state_tensors(self.model, self.method.optimizer))
-            counter.__enter__()
+        # Memory is metered from the second step on (the first runs a one-off coverage check that keeps the
+        # batch gradient), for `memory_steps` steps on CPU/meta where the counter slows every op.
+        counter, meter_from = None, min(1, self.steps - 1)
+        meter_until = meter_from + log_cfg.memory_steps
         bar = tqdm(total=self.steps, disable=not log_cfg.progress, dynamic_ncols=True, leave=True,
                    desc=f"{cfg.method.name}")
         samples, loss_sum, loss_count = 0, None, 0
@@ -170,6 +167,12 @@ class Run:
         try:
             batches = make_batches(self.sampling, self.data.n_train, t.batch_size, self.steps, self.sampler_gen)
             for step, index in enumerate(batches):
+                if step == meter_from:
+                    if self.device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(self.device)
+                    elif log_cfg.memory_steps > 0:
+                        counter = LiveTensorCounter().track(state_tensors(self.model, self.method.optimizer))
+                        counter.__enter__()
                 lr = lr_at(step, self.steps, t)
                 self.method.set_lr(lr)
                 micro = [{k: v.to(self.device, non_blocking=True) for k, v in take(self.data.train, chunk).items()}
@@ -180,7 +183,7 @@ class Run:
                 loss_count += len(index)
                 samples += len(index)
                 s["steps_done"], s["samples_seen"] = step + 1, samples
-                if counter is not None and step + 1 == log_cfg.memory_steps:
+                if counter is not None and step + 1 == meter_until:
                     counter.__exit__(None, None, None)
                     s.update(peak_memory_bytes=counter.peak, peak_memory_source="live_tensors")
                     counter = None
