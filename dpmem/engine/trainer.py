@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import secrets
+import sys
 import time
 from pathlib import Path
 
@@ -161,6 +162,7 @@ class Run:
         counter, meter_from = None, min(1, self.steps - 1)
         meter_until = meter_from + log_cfg.memory_steps
         bar = tqdm(total=self.steps, disable=not log_cfg.progress, dynamic_ncols=True, leave=True,
+                   mininterval=0.5 if sys.stderr.isatty() else 30.0,  # a log file gets a line per 30 s
                    desc=f"{cfg.method.name}")
         samples, loss_sum, loss_count = 0, None, 0
         self._eval_time, loop_start = 0.0, time.perf_counter()

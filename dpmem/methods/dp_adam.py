@@ -49,8 +49,10 @@ class DPAdam(Method):
             loss_sum = loss_sum + losses.detach().sum()
         std = self.noise.sigma * self.noise.max_grad_norm
         for p in self.params:
-            noise = torch.randn(p.shape, generator=self.noise.generator, device=p.device, dtype=p.dtype)
-            p.grad = (summed[p] + std * noise) / self.noise.expected_batch_size
+            if std > 0:  # sigma = 0 only for privacy=none: clipping without noise
+                summed[p] += std * torch.randn(p.shape, generator=self.noise.generator, device=p.device,
+                                               dtype=p.dtype)
+            p.grad = summed[p] / self.noise.expected_batch_size
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum

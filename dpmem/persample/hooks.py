@@ -30,7 +30,7 @@ class _Owner:
 class PerSampleGradients:
     """Per-sample gradients of every trainable parameter of `model`.
 
-    Inside `with psg.capture():` a forward and backward of a *summed* per-sample loss leave in `psg.grads` a
+    Inside `with psg.capture(batch_size):` a forward and backward of a *summed* per-sample loss leave in `psg.grads` a
     tensor (B, *param.shape) per trainable parameter. A parameter used by several modules (tied weights) gets
     the sum over every use, before anyone takes a norm.
     """
