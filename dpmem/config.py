@@ -58,6 +58,11 @@ class Precision(Enum):
     bf16 = "bf16"
 
 
+class Direction(Enum):
+    gaussian = "gaussian"  # z ~ N(0, I), as the public DPZero code does
+    sphere = "sphere"  # uniform on the sphere of radius sqrt(d), as the DP-GRAPE paper describes DPZero
+
+
 class Optimizer(Enum):
     adam = "adam"
     adamw = "adamw"
@@ -93,6 +98,9 @@ class MethodConfig:
     # On the first step, check that the per-sample gradients sum to autograd's batch gradient: catches a
     # parameter used outside the module that owns it (its per-sample gradient would be under-clipped).
     check_coverage: bool = True
+    # zeroth-order methods (mezo, dpzero): perturbation size lambda and direction distribution
+    zo_eps: float = 1e-3
+    direction: Direction = Direction.gaussian
 
 
 @dataclass
@@ -186,6 +194,7 @@ def validate(cfg: Any) -> None:
         resolve_delta(p.delta, n=2)  # the form is checked here; '1/n' is resolved once n is known
     if m.private:
         if m.max_grad_norm is None or not m.max_grad_norm > 0:
+            # for dpzero C bounds the per-sample scalar (L⁺ − L⁻)/2λ, not a gradient norm
             raise ConfigError("method.max_grad_norm", f"{m.max_grad_norm} must be > 0 for a private method")
         if t.sampling == Sampling.shuffle and p.epsilon is not None:
             raise ConfigError("train.sampling", "shuffle has no privacy accountant; allowed for private "
@@ -199,5 +208,7 @@ def validate(cfg: Any) -> None:
                 and p.accountant == Accountant.rdp and p.neighbouring == Neighbouring.replace_one):
             raise ConfigError("privacy.accountant", "rdp accounts Poisson sampling only under add_remove; "
                               "allowed with replace_one: pld")
+    if not m.zo_eps > 0:
+        raise ConfigError("method.zo_eps", f"{m.zo_eps} must be > 0")
     if t.precision == Precision.bf16 and t.device == Device.cpu:
         raise ConfigError("train.precision", "bf16 autocast is for CUDA; allowed on cpu: fp32")

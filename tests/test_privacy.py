@@ -86,3 +86,11 @@ def test_more_steps_spend_more():
     assert 0 < a < b
     assert epsilon_spent(0.0, 1e-5, 0.01, 10) == math.inf
     assert epsilon_spent(1.0, 1e-5, 0.01, 0) == 0.0
+
+
+def test_replace_one_calibrates_twice_the_noise_without_subsampling():
+    """Replace-one moves one clipped contribution from +C to -C: without subsampling, exactly twice the noise of
+    add/remove. This is how dpmem applies the relation for every method (DPZero's code writes 2C/B by hand)."""
+    add = calibrate_sigma(1.0, 1e-5, 1.0, 1, "pld", "add_remove", tolerance=1e-5)
+    replace = calibrate_sigma(1.0, 1e-5, 1.0, 1, "pld", "replace_one", tolerance=1e-5)
+    assert replace / add == pytest.approx(2.0, rel=2e-3)

@@ -104,7 +104,7 @@ class Run:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(p.noise_seed if p.noise_seed is not None else secrets.randbits(63))
             noise = Noise(self.sigma, m.max_grad_norm, expected_batch_size=self.sample_rate * n, generator=gen)
-        self.method = build_method(m, self.model, t.lr, noise)
+        self.method = build_method(m, self.model, t.lr, noise, seed=t.seed)
         self.sampler_gen = torch.Generator().manual_seed(t.seed)
         bf16 = _value(t.precision) == "bf16" and self.device.type == "cuda"
         self.autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16

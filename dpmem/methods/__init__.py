@@ -6,17 +6,18 @@ from dpmem.config import ConfigError
 from dpmem.methods.adam import Adam
 from dpmem.methods.base import Method, Noise
 from dpmem.methods.dp_adam import DPAdam
+from dpmem.methods.dpzero import DPZero, MeZO
 
-METHODS = {"adam": Adam, "dp-adam": DPAdam, "dp-sgd": DPAdam}
+METHODS = {"adam": Adam, "dp-adam": DPAdam, "dp-sgd": DPAdam, "mezo": MeZO, "dpzero": DPZero}
 
 
-def build_method(cfg, model, lr: float, noise: Noise | None) -> Method:
+def build_method(cfg, model, lr: float, noise: Noise | None, seed: int = 0) -> Method:
     if cfg.name not in METHODS:
         raise ConfigError("method.name", f"{cfg.name!r} is unknown; allowed: {', '.join(METHODS)}")
     cls = METHODS[cfg.name]
     if cls.private != bool(cfg.private):
         raise ConfigError("method.private", f"{cfg.name} is {'private' if cls.private else 'non-private'}")
-    return cls(model, cfg, lr, noise) if cls.private else cls(model, cfg, lr)
+    return cls(model, cfg, lr, noise=noise, seed=seed)
 
 
-__all__ = ["build_method", "Method", "Noise", "METHODS"]
+__all__ = ["build_method", "Method", "Noise", "METHODS", "Adam", "DPAdam", "MeZO", "DPZero"]

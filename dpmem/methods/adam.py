@@ -8,7 +8,7 @@ from dpmem.methods.base import Method, batch_size, make_optimizer
 
 
 class Adam(Method):
-    def __init__(self, model, cfg, lr):
+    def __init__(self, model, cfg, lr, noise=None, seed=0):
         super().__init__(model, cfg, lr)
         self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg, lr)
 

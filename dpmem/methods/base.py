@@ -40,7 +40,7 @@ class Method:
 
     private = False
 
-    def __init__(self, model: nn.Module, cfg, lr: float):
+    def __init__(self, model: nn.Module, cfg, lr: float, noise: Noise | None = None, seed: int = 0):
         self.model, self.cfg = model, cfg
 
     optimizer: torch.optim.Optimizer

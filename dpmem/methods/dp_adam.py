@@ -17,7 +17,7 @@ from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, 
 class DPAdam(Method):
     private = True
 
-    def __init__(self, model, cfg, lr, noise: Noise):
+    def __init__(self, model, cfg, lr, noise: Noise, seed: int = 0):
         super().__init__(model, cfg, lr)
         self.noise = noise
         self.persample = PerSampleGradients(model)

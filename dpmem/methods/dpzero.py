@@ -1,0 +1,101 @@
+"""DPZero (Zhang et al. 2024) and MeZO (Malladi et al. 2023): zeroth-order training at inference memory
+(REFERENCE §2.6; details from the public DPZero code). One step, with a fresh direction seed s:
+
+    θ ← θ + λz ; L⁺ᵢ ;  θ ← θ − 2λz ; L⁻ᵢ ;  θ ← θ + λz          z = z(s), regenerated parameter by parameter
+    gᵢ = (L⁺ᵢ − L⁻ᵢ) / (2λ)                                          one scalar per sample
+    DPZero: g = ( Σᵢ clip(gᵢ, [−C, C]) + N(0, σ²C²) ) / (q·n)        MeZO: g = mean(gᵢ)
+    θ ← θ − η·g·z
+
+No backward pass and no stored activations: the forwards run under no_grad. The clipped quantity is a scalar,
+so the Gaussian mechanism is one-dimensional and the same accountant as every other method applies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpmem.methods.base import Method, Noise, batch_size
+
+
+class ZerothOrder(Method):
+    """MeZO; DPZero is the same step with per-sample clipping and noise."""
+
+    def __init__(self, model, cfg, lr, noise: Noise | None = None, seed: int = 0):
+        super().__init__(model, cfg, lr, noise, seed)
+        self.noise, self.lr = noise, lr
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = None  # no optimiser state: the update is θ ← θ − η·g·z
+        self.eps, self.direction = cfg.zo_eps, getattr(cfg.direction, "value", cfg.direction)
+        self.device = self.params[0].device
+        self.seeds = torch.Generator().manual_seed(seed)  # direction seeds, reproducible from the run seed
+        self.dim = sum(p.numel() for p in self.params)
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+
+    def _directions(self, seed: int):
+        """z for each parameter in turn, regenerated from `seed` (only one parameter's z exists at a time)."""
+        gen = None
+        if self.device.type != "meta":
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+        scale = None
+        if self.direction == "sphere":  # uniform on the sphere of radius √d, so that E[zzᵀ] = I as for Gaussian z
+            squares = sum(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).pow(2).sum()
+                          for p in self.params)
+            scale = (self.dim / squares).sqrt()
+            if gen is not None:
+                gen.manual_seed(seed)
+        for p in self.params:
+            z = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
+            yield p, (z if scale is None else z * scale).to(p.dtype)
+
+    @torch.no_grad()
+    def _perturb(self, seed: int, alpha) -> None:
+        for p, z in self._directions(seed):
+            p.add_(z * alpha)
+
+    @torch.no_grad()
+    def _losses(self, microbatches, loss_fn) -> torch.Tensor:
+        return torch.cat([loss_fn(self.model, mb).float() for mb in microbatches])
+
+    def per_sample_estimates(self, seed: int, microbatches, loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gᵢ, mean of L⁺ᵢ and L⁻ᵢ) for the direction of `seed`; the parameters end where they started."""
+        self._perturb(seed, self.eps)
+        plus = self._losses(microbatches, loss_fn)
+        self._perturb(seed, -2 * self.eps)
+        minus = self._losses(microbatches, loss_fn)
+        self._perturb(seed, self.eps)
+        return (plus - minus) / (2 * self.eps), (plus + minus) / 2
+
+    def aggregate(self, estimates: torch.Tensor) -> torch.Tensor:
+        return estimates.mean()
+
+    def step(self, microbatches, loss_fn):
+        seed = int(torch.randint(2**62, (1,), generator=self.seeds))  # host-side RNG, no device sync
+        if not microbatches:
+            estimates = torch.zeros(0, device=self.device)
+            loss = torch.zeros((), device=self.device)
+        else:
+            estimates, mid = self.per_sample_estimates(seed, microbatches, loss_fn)
+            loss = mid.sum()
+        g = self.aggregate(estimates)
+        self._perturb(seed, -self.lr * g)
+        return loss
+
+
+class MeZO(ZerothOrder):
+    def step(self, microbatches, loss_fn):
+        if not any(batch_size(mb) for mb in microbatches):
+            return torch.zeros((), device=self.device)  # nothing sampled: no estimate, no update
+        return super().step(microbatches, loss_fn)
+
+
+class DPZero(ZerothOrder):
+    private = True
+
+    def aggregate(self, estimates: torch.Tensor) -> torch.Tensor:
+        C, gen = self.noise.max_grad_norm, self.noise.generator
+        total = estimates.clamp(-C, C).sum()
+        if self.noise.sigma > 0:
+            total = total + self.noise.sigma * C * torch.randn((), generator=gen, device=self.device)
+        return total / self.noise.expected_batch_size
