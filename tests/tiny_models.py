@@ -23,10 +23,10 @@ def tiny_roberta():
     return model, loss, {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def tiny_vit():
+def tiny_vit(attn="sdpa"):
     from transformers import ViTConfig, ViTForImageClassification
     cfg = ViTConfig(image_size=8, patch_size=2, num_channels=1, hidden_size=16, num_hidden_layers=2,
-                    num_attention_heads=2, intermediate_size=32, num_labels=4)
+                    num_attention_heads=2, intermediate_size=32, num_labels=4, attn_implementation=attn)
     model = ViTForImageClassification(cfg)
     x = torch.randn(3, 1, 8, 8)
     y = torch.tensor([0, 3, 1])

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
 
 from dpmem.persample import rules  # noqa: F401  (registers the layer rules)
 from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads
-from dpmem.persample.registry import Rule, rule_for
+from dpmem.persample.registry import Projection, Rule, rule_for
 
 # Per-sample gradients mix samples through batch statistics in these layers: there is no per-sample gradient.
 REFUSED = (nn.modules.batchnorm._BatchNorm, nn.RNNBase, nn.MultiheadAttention)
@@ -38,6 +39,8 @@ class PerSampleGradients:
     def __init__(self, model: nn.Module):
         self.model = model
         self.grads: dict[nn.Parameter, torch.Tensor] = {}
+        # DP-GRAPE: parameter -> a function that (re)generates its Projection when its layer's gradient arrives
+        self.projections: dict[nn.Parameter, Callable[[], Projection]] = {}
         self._active = False
         self._owners: list[_Owner] = []
         claimed: set[int] = set()
@@ -66,6 +69,11 @@ class PerSampleGradients:
             raise ValueError(f"no per-sample rule covers {missing[0]}; add a rule or freeze it")
         for owner in self._owners:
             self._hook(owner)
+
+    def projectable(self) -> dict[str, nn.Parameter]:
+        """Module name -> weight, for the modules whose rule can project the weight's per-sample gradient."""
+        return {o.name: o.params["weight"] for o in self._owners
+                if o.rule is not None and o.rule.project is not None and "weight" in o.params}
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -145,7 +153,11 @@ class PerSampleGradients:
             finally:
                 self._active = True
         else:
-            grads = owner.rule.compute(owner.module, saved, grad_output)
+            wanted = {n: self.projections[p]() for n, p in owner.params.items() if p in self.projections}
+            if wanted:  # each projector exists only while its layer's gradients are projected
+                grads = owner.rule.project(owner.module, saved, grad_output, wanted)
+            else:
+                grads = owner.rule.compute(owner.module, saved, grad_output)
         for name, g in grads.items():
             p = owner.params.get(name)
             if p is None:  # a frozen parameter of a rule-covered module
@@ -167,3 +179,26 @@ def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
 def weighted_sum(grads: dict[nn.Parameter, torch.Tensor], weights: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
     """Σᵢ wᵢ gᵢ per parameter."""
     return {p: torch.einsum("b,b...->...", weights.to(g.dtype), g) for p, g in grads.items()}
+
+
+def verify_coverage(model: nn.Module, params: list[nn.Parameter], grads: dict[nn.Parameter, torch.Tensor],
+                    transform: Callable[[nn.Parameter, torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Once, on the first micro-batch, while autograd's batch gradients are still in `.grad`: the per-sample
+    gradients must sum to them (after `transform`, e.g. a projection). A parameter also used outside the module
+    that owns it would otherwise be under-clipped. Clears the `.grad`s. Skipped on the meta device."""
+    pairs = [(p, p.grad, grads.get(p)) for p in params]
+    for p in params:
+        p.grad = None
+    if not params or params[0].device.type == "meta":
+        return
+    names = {p: n for n, p in model.named_parameters()}
+    # float32 sums differ in rounding only; gradients that vanish analytically (attention key biases) are
+    # compared against the scale of the whole gradient, not their own
+    scale = max((float(b.abs().max()) for _, b, _ in pairs if b is not None), default=0.0)
+    for p, batch_grad, per_sample in pairs:
+        if batch_grad is None or per_sample is None:
+            continue
+        want = transform(p, batch_grad) if transform is not None else batch_grad
+        if not torch.allclose(per_sample.sum(0), want, rtol=1e-3, atol=1e-4 * scale):
+            raise RuntimeError(f"per-sample gradients of {names[p]} do not sum to its batch gradient: it is "
+                               "used outside the module that owns it; add a rule for that module")

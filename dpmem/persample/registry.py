@@ -14,6 +14,27 @@ from torch import nn
 
 Capture = Callable[[nn.Module, tuple, dict, Any, Any], Any]  # (module, args, kwargs, output, scope)
 Compute = Callable[[nn.Module, Any, torch.Tensor], dict[str, torch.Tensor]]
+# (module, activations, grad_output, {param name: Projection}) -> per-sample gradients, projected where asked
+Project = Callable[[nn.Module, Any, torch.Tensor, dict], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Projection:
+    """Project a matrix parameter's per-sample gradients (B, rows, cols) on one side with P (dim, r):
+    side 0 gives Pᵀ·grad of shape (B, r, cols), side 1 gives grad·P of shape (B, rows, r)."""
+    P: torch.Tensor
+    side: int
+
+
+def projected_outer(x: torch.Tensor, y: torch.Tensor, projection: Projection | None) -> torch.Tensor:
+    """Per-sample xᵢᵀ yᵢ for x (B, T, rows), y (B, T, cols), projected before the product when asked, so that
+    (B, rows, cols) never exists: side 0 is (xᵢP)ᵀyᵢ, side 1 is xᵢᵀ(yᵢP)."""
+    if projection is None:
+        return torch.bmm(x.transpose(1, 2), y)
+    P = projection.P.to(x.dtype)
+    if projection.side == 0:
+        return torch.bmm((x @ P).transpose(1, 2), y)
+    return torch.bmm(x.transpose(1, 2), y @ P)
 
 
 def capture_first_input(module: nn.Module, args: tuple, kwargs: dict, output: Any, scope: Any) -> torch.Tensor:
@@ -28,15 +49,17 @@ class Rule:
     scope: Callable[[nn.Module], Any] | None = None
     # Optional: raise a ValueError naming the parameter when a module of this type is configured unsupportedly.
     check: Callable[[str, nn.Module], None] | None = None
+    # Optional: per-sample gradients with some matrix parameters projected (DP-GRAPE); None = not projectable.
+    project: Project | None = None
 
 
 RULES: dict[type, Rule] = {}
 
 
-def register(*types: type, capture: Capture = capture_first_input, scope=None, check=None):
+def register(*types: type, capture: Capture = capture_first_input, scope=None, check=None, project=None):
     def wrap(compute: Compute) -> Compute:
         for t in types:
-            RULES[t] = Rule(compute, capture, scope, check)
+            RULES[t] = Rule(compute, capture, scope, check, project)
         return compute
     return wrap
 

@@ -3,13 +3,17 @@
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from dpmem.persample.registry import register
+from dpmem.persample.registry import projected_outer, register
 
 
-@register(Conv1D)
-def conv1d(module: Conv1D, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, torch.Tensor]:
+def _project(module: Conv1D, activations, grad_output, projections) -> dict[str, torch.Tensor]:
     batch = grad_output.shape[0]
     n_in, n_out = module.weight.shape
     a = activations.reshape(batch, -1, n_in).to(module.weight.dtype)
     g = grad_output.reshape(batch, -1, n_out).to(module.weight.dtype)
-    return {"weight": torch.bmm(a.transpose(1, 2), g), "bias": g.sum(1)}
+    return {"weight": projected_outer(a, g, projections.get("weight")), "bias": g.sum(1)}
+
+
+@register(Conv1D, project=_project)
+def conv1d(module: Conv1D, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, torch.Tensor]:
+    return _project(module, activations, grad_output, {})

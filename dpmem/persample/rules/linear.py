@@ -3,15 +3,19 @@
 import torch
 from torch import nn
 
-from dpmem.persample.registry import register
+from dpmem.persample.registry import projected_outer, register
 
 
-@register(nn.Linear)
-def linear(module: nn.Linear, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, torch.Tensor]:
+def _project(module: nn.Linear, activations, grad_output, projections) -> dict[str, torch.Tensor]:
     batch = grad_output.shape[0]
     a = activations.reshape(batch, -1, module.in_features).to(module.weight.dtype)
     g = grad_output.reshape(batch, -1, module.out_features).to(module.weight.dtype)
-    grads = {"weight": torch.bmm(g.transpose(1, 2), a)}
+    grads = {"weight": projected_outer(g, a, projections.get("weight"))}
     if module.bias is not None:
         grads["bias"] = g.sum(1)
     return grads
+
+
+@register(nn.Linear, project=_project)
+def linear(module: nn.Linear, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, torch.Tensor]:
+    return _project(module, activations, grad_output, {})
