@@ -98,6 +98,11 @@ class MethodConfig:
     # On the first step, check that the per-sample gradients sum to autograd's batch gradient: catches a
     # parameter used outside the module that owns it (its per-sample gradient would be under-clipped).
     check_coverage: bool = True
+    # grape: projection rank r, steps between new projectors F, and which layers are projected (fnmatch patterns
+    # of module names; None = every Linear/Conv1D except the output head)
+    rank: int = 16
+    refresh: int = 100
+    projected: Optional[list[str]] = None
     # zeroth-order methods (mezo, dpzero): perturbation size lambda and direction distribution
     zo_eps: float = 1e-3
     direction: Direction = Direction.gaussian
@@ -208,6 +213,8 @@ def validate(cfg: Any) -> None:
                 and p.accountant == Accountant.rdp and p.neighbouring == Neighbouring.replace_one):
             raise ConfigError("privacy.accountant", "rdp accounts Poisson sampling only under add_remove; "
                               "allowed with replace_one: pld")
+    if m.rank <= 0 or m.refresh <= 0:
+        raise ConfigError("method.rank" if m.rank <= 0 else "method.refresh", "must be a positive integer")
     if not m.zo_eps > 0:
         raise ConfigError("method.zo_eps", f"{m.zo_eps} must be > 0")
     if t.precision == Precision.bf16 and t.device == Device.cpu:

@@ -54,7 +54,7 @@ def bench_cell(model_cfg, method_name, batch, image_size, classes, steps, device
         peak = torch.cuda.max_memory_reserved()
         allocated = torch.cuda.max_memory_allocated()
     else:
-        with LiveTensorCounter().track(state_tensors(model, method.optimizer)) as counter:
+        with LiveTensorCounter().track(state_tensors(model, method)) as counter:
             method.step(micro, per_sample_loss)
         peak = allocated = counter.peak
     tic = time.perf_counter()

@@ -52,11 +52,8 @@ class LiveTensorCounter(TorchDispatchMode):
         return out
 
 
-def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """Tensors that exist between steps: parameters, buffers, gradients and optimiser state."""
+def state_tensors(model: torch.nn.Module, method=None) -> list[torch.Tensor]:
+    """Tensors that exist between steps: parameters, buffers, gradients and the method's optimiser state."""
     out = list(model.parameters()) + list(model.buffers())
     out += [p.grad for p in model.parameters() if p.grad is not None]
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return out
+    return out + (method.state_tensors() if method is not None else [])

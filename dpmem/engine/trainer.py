@@ -173,7 +173,7 @@ class Run:
                     if self.device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(self.device)
                     elif log_cfg.memory_steps > 0:
-                        counter = LiveTensorCounter().track(state_tensors(self.model, self.method.optimizer))
+                        counter = LiveTensorCounter().track(state_tensors(self.model, self.method))
                         counter.__enter__()
                 lr = lr_at(step, self.steps, t)
                 self.method.set_lr(lr)

@@ -7,8 +7,10 @@ from dpmem.methods.adam import Adam
 from dpmem.methods.base import Method, Noise
 from dpmem.methods.dp_adam import DPAdam
 from dpmem.methods.dpzero import DPZero, MeZO
+from dpmem.methods.grape import Grape
 
-METHODS = {"adam": Adam, "dp-adam": DPAdam, "dp-sgd": DPAdam, "mezo": MeZO, "dpzero": DPZero}
+METHODS = {"adam": Adam, "dp-adam": DPAdam, "dp-sgd": DPAdam, "mezo": MeZO, "dpzero": DPZero,
+           "grape": Grape}
 
 
 def build_method(cfg, model, lr: float, noise: Noise | None, seed: int = 0) -> Method:
@@ -20,4 +22,4 @@ def build_method(cfg, model, lr: float, noise: Noise | None, seed: int = 0) -> M
     return cls(model, cfg, lr, noise=noise, seed=seed)
 
 
-__all__ = ["build_method", "Method", "Noise", "METHODS", "Adam", "DPAdam", "MeZO", "DPZero"]
+__all__ = ["build_method", "Method", "Noise", "METHODS", "Adam", "DPAdam", "MeZO", "DPZero", "Grape"]

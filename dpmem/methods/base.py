@@ -45,6 +45,13 @@ class Method:
 
     optimizer: torch.optim.Optimizer
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Tensors the method keeps between steps (optimiser state), for the memory meter."""
+        opt = getattr(self, "optimizer", None)
+        if opt is None:
+            return []
+        return [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
