@@ -13,6 +13,7 @@ from torch import nn
 from dpmem.persample import rules  # noqa: F401  (registers the layer rules)
 from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads
 from dpmem.persample.registry import Projection, Rule, rule_for
+from dpmem.persample.sparse import SparseRows
 
 # Per-sample gradients mix samples through batch statistics in these layers: there is no per-sample gradient.
 REFUSED = (nn.modules.batchnorm._BatchNorm, nn.RNNBase, nn.MultiheadAttention)
@@ -162,12 +163,23 @@ class PerSampleGradients:
             p = owner.params.get(name)
             if p is None:  # a frozen parameter of a rule-covered module
                 continue
-            self.grads[p] = self.grads[p] + g if p in self.grads else g
+            if p not in self.grads:
+                self.grads[p] = g
+            elif isinstance(g, SparseRows):  # a tied weight: sparse + sparse stays sparse, + dense densifies
+                self.grads[p] = g + self.grads[p]
+            else:
+                self.grads[p] = self.grads[p] + g
 
 
-def per_sample_norms(grads: dict[nn.Parameter, torch.Tensor]) -> torch.Tensor:
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """Norms of half-precision gradients accumulate in float32; float64 stays float64."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def per_sample_norms(grads: dict[nn.Parameter, torch.Tensor | SparseRows]) -> torch.Tensor:
     """Flat per-sample L2 norms over all parameters: sqrt(Σ_p ‖g_p,i‖²), shape (B,)."""
-    squares = [g.reshape(g.shape[0], -1).float().pow(2).sum(1) for g in grads.values()]
+    squares = [g.squared_norms() if isinstance(g, SparseRows)
+               else _at_least_fp32(g).reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]
     return torch.stack(squares).sum(0).sqrt()
 
 
@@ -176,9 +188,11 @@ def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
     return (max_norm / (norms + 1e-6)).clamp(max=1.0)
 
 
-def weighted_sum(grads: dict[nn.Parameter, torch.Tensor], weights: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
-    """Σᵢ wᵢ gᵢ per parameter."""
-    return {p: torch.einsum("b,b...->...", weights.to(g.dtype), g) for p, g in grads.items()}
+def weighted_sum(grads: dict[nn.Parameter, torch.Tensor | SparseRows],
+                 weights: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+    """Σᵢ wᵢ gᵢ per parameter (dense)."""
+    return {p: g.weighted_sum(weights) if isinstance(g, SparseRows)
+            else torch.einsum("b,b...->...", weights.to(g.dtype), g) for p, g in grads.items()}
 
 
 def verify_coverage(model: nn.Module, params: list[nn.Parameter], grads: dict[nn.Parameter, torch.Tensor],
@@ -199,6 +213,7 @@ def verify_coverage(model: nn.Module, params: list[nn.Parameter], grads: dict[nn
         if batch_grad is None or per_sample is None:
             continue
         want = transform(p, batch_grad) if transform is not None else batch_grad
-        if not torch.allclose(per_sample.sum(0), want, rtol=1e-3, atol=1e-4 * scale):
+        total = weighted_sum({p: per_sample}, torch.ones(per_sample.shape[0], device=batch_grad.device))[p]
+        if not torch.allclose(total, want, rtol=1e-3, atol=1e-4 * scale):
             raise RuntimeError(f"per-sample gradients of {names[p]} do not sum to its batch gradient: it is "
                                "used outside the module that owns it; add a rule for that module")

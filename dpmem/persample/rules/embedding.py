@@ -1,5 +1,5 @@
 """nn.Embedding (and subclasses such as OPT's learned positions): the gradient of row v is the sum of G over the
-positions whose index is v. The indices are read from the F.embedding call itself, because subclasses may
+positions whose index is v, kept sparse (SparseRows) so that no (B, vocab, D) tensor is made. The indices are read from the F.embedding call itself, because subclasses may
 compute them inside forward (OPT derives positions from the attention mask)."""
 
 import torch
@@ -8,6 +8,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dpmem.persample.registry import register
+from dpmem.persample.sparse import SparseRows
 
 
 class _RecordIndices(TorchFunctionMode):
@@ -43,12 +44,10 @@ def _check(name: str, module: nn.Embedding) -> None:
 
 
 @register(nn.Embedding, capture=_capture, scope=_scope, check=_check)
-def embedding(module: nn.Embedding, indices: torch.Tensor, grad_output: torch.Tensor) -> dict[str, torch.Tensor]:
+def embedding(module: nn.Embedding, indices: torch.Tensor, grad_output: torch.Tensor) -> dict[str, SparseRows]:
     batch, dim = grad_output.shape[0], module.embedding_dim
     ids = indices.reshape(batch, -1)
     g = grad_output.reshape(batch, -1, dim).to(module.weight.dtype)
     if module.padding_idx is not None:  # F.embedding gives the padding row no gradient
         g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
-    grad = torch.zeros(batch, module.num_embeddings, dim, dtype=g.dtype, device=g.device)
-    grad.scatter_add_(1, ids.unsqueeze(-1).expand(-1, -1, dim), g)
-    return {"weight": grad}
+    return {"weight": SparseRows(ids, g, module.num_embeddings)}

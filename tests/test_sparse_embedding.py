@@ -1,0 +1,105 @@
+"""Embedding per-sample gradients without the (B, vocab, D) tensor: norms and clipped sums equal the dense ones."""
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch import nn
+
+from dpmem.engine.metering import LiveTensorCounter, state_tensors
+from dpmem.methods import DPAdam, Noise
+from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
+from dpmem.persample.sparse import SparseRows
+
+
+def test_sparse_rows_match_their_dense_form():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[3, 3, 0, 7], [1, 2, 1, 1], [5, 5, 5, 5]])  # repeated rows within a sample
+    rows = SparseRows(ids, torch.randn(3, 4, 6, generator=g, dtype=torch.float64), num_rows=9)
+    dense = rows.to_dense()
+    torch.testing.assert_close(rows.squared_norms(), dense.pow(2).sum((1, 2)))
+    w = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    torch.testing.assert_close(rows.weighted_sum(w), torch.einsum("b,bvd->vd", w, dense))
+    both = rows + rows
+    torch.testing.assert_close(both.to_dense(), 2 * dense)
+    torch.testing.assert_close(rows + dense, 2 * dense)  # with a dense (tied head) part it densifies
+
+
+class LM(nn.Module):
+    def __init__(self, tied: bool, vocab=30, dim=6):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim, padding_idx=0)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.mix(self.emb(ids)).tanh())
+
+
+def lm_loss(model, b):
+    logits = model(b["ids"])
+    return F.cross_entropy(logits.transpose(1, 2), b["labels"], reduction="none").sum(1)
+
+
+def make_batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 6, (5, 7), generator=g)  # a small id range: many repeats
+    ids[0, 4:] = 0
+    return {"ids": ids, "labels": torch.randint(0, 30, (5, 7), generator=g)}
+
+
+def dense_oracle(model, b):
+    """One backward per sample: dense per-sample gradients of every parameter."""
+    per = {p: [] for p in model.parameters()}
+    for i in range(5):
+        model.zero_grad(set_to_none=True)
+        lm_loss(model, {k: v[i:i + 1] for k, v in b.items()}).sum().backward()
+        for p in model.parameters():
+            per[p].append(p.grad.clone())
+    model.zero_grad(set_to_none=True)
+    return {p: torch.stack(g) for p, g in per.items()}
+
+
+def test_norms_and_clipped_sums_equal_dense_for_untied_and_tied_embeddings():
+    for tied in (False, True):
+        torch.manual_seed(0)
+        model, b = LM(tied).double(), make_batch()
+        psg = PerSampleGradients(model)
+        with psg.capture(5):
+            lm_loss(model, b).sum().backward()
+        assert isinstance(psg.grads[model.emb.weight], SparseRows) != tied  # tied: the dense head part joins
+        want = dense_oracle(model, b)
+        norms = per_sample_norms(psg.grads)
+        want_norms = torch.stack([g.reshape(5, -1).pow(2).sum(1) for g in want.values()]).sum(0).sqrt()
+        torch.testing.assert_close(norms, want_norms)
+        factors = clip_factors(norms, float(norms.median()))
+        got = weighted_sum(psg.grads, factors)
+        for p, g in want.items():
+            torch.testing.assert_close(got[p], torch.einsum("b,b...->...", factors, g))
+
+
+def test_no_batch_by_vocab_tensor_is_made():
+    vocab, dim, batch = 20000, 8, 16
+
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, dim)
+            self.head = nn.Linear(dim, 3)
+
+        def forward(self, ids):
+            return self.head(self.emb(ids).mean(1))
+
+    model = Bag()
+    cfg = OmegaConf.create({"name": "dp-adam", "private": True, "optimizer": "sgd", "betas": [0.9, 0.999],
+                            "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0, "max_grad_norm": 1.0,
+                            "check_coverage": False})
+    method = DPAdam(model, cfg, 0.1, Noise(1.0, 1.0, float(batch), None))
+    b = {"ids": torch.randint(0, vocab, (batch, 12)), "y": torch.randint(0, 3, (batch,))}
+    loss = lambda m, x: F.cross_entropy(m(x["ids"]), x["y"], reduction="none")  # noqa: E731
+    with LiveTensorCounter().track(state_tensors(model, method)) as counter:
+        method.step([b], loss)
+    dense_per_sample = batch * vocab * dim * 4
+    # weights, summed gradient, noise and update are a few vocab×dim matrices; B×vocab×dim would be 16 of them
+    assert counter.peak < dense_per_sample / 2, (counter.peak, dense_per_sample)
