@@ -26,7 +26,7 @@ from dpmem.engine.metering import LiveTensorCounter, state_tensors
 from dpmem.methods import METHODS, Noise, build_method
 from dpmem.models import build_model
 
-DEFAULT_METHODS = ["adam", "dp-adam", "grape", "mezo", "dpzero"]
+DEFAULT_METHODS = ["adam", "galore", "mezo", "dp-adam", "galore-dp-naive", "grape", "dpzero"]
 
 
 def method_config(name: str):

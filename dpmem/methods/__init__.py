@@ -7,10 +7,11 @@ from dpmem.methods.adam import Adam
 from dpmem.methods.base import Method, Noise
 from dpmem.methods.dp_adam import DPAdam
 from dpmem.methods.dpzero import DPZero, MeZO
+from dpmem.methods.galore import GaLore, GaLoreDPNaive
 from dpmem.methods.grape import Grape
 
 METHODS = {"adam": Adam, "dp-adam": DPAdam, "dp-sgd": DPAdam, "mezo": MeZO, "dpzero": DPZero,
-           "grape": Grape}
+           "grape": Grape, "galore": GaLore, "galore-dp-naive": GaLoreDPNaive}
 
 
 def build_method(cfg, model, lr: float, noise: Noise | None, seed: int = 0) -> Method:
@@ -22,4 +23,5 @@ def build_method(cfg, model, lr: float, noise: Noise | None, seed: int = 0) -> M
     return cls(model, cfg, lr, noise=noise, seed=seed)
 
 
-__all__ = ["build_method", "Method", "Noise", "METHODS", "Adam", "DPAdam", "MeZO", "DPZero", "Grape"]
+__all__ = ["build_method", "Method", "Noise", "METHODS", "Adam", "DPAdam", "MeZO", "DPZero", "Grape", "GaLore",
+           "GaLoreDPNaive"]

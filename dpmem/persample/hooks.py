@@ -71,11 +71,6 @@ class PerSampleGradients:
         for owner in self._owners:
             self._hook(owner)
 
-    def projectable(self) -> dict[str, nn.Parameter]:
-        """Module name -> weight, for the modules whose rule can project the weight's per-sample gradient."""
-        return {o.name: o.params["weight"] for o in self._owners
-                if o.rule is not None and o.rule.project is not None and "weight" in o.params}
-
     @property
     def parameters(self) -> list[nn.Parameter]:
         seen, out = set(), []

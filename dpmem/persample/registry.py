@@ -25,6 +25,14 @@ class Projection:
     P: torch.Tensor
     side: int
 
+    def project(self, g: torch.Tensor) -> torch.Tensor:
+        """A (rows, cols) matrix to its projected form."""
+        return self.P.T @ g if self.side == 0 else g @ self.P
+
+    def lift(self, u: torch.Tensor) -> torch.Tensor:
+        """A projected matrix back to (rows, cols)."""
+        return self.P @ u if self.side == 0 else u @ self.P.T
+
 
 def projected_outer(x: torch.Tensor, y: torch.Tensor, projection: Projection | None) -> torch.Tensor:
     """Per-sample xᵢᵀ yᵢ for x (B, T, rows), y (B, T, cols), projected before the product when asked, so that
@@ -62,6 +70,17 @@ def register(*types: type, capture: Capture = capture_first_input, scope=None, c
             RULES[t] = Rule(compute, capture, scope, check, project)
         return compute
     return wrap
+
+
+def projectable_weights(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Module name -> trainable weight of every layer whose rule can project its per-sample gradient."""
+    out = {}
+    for name, module in model.named_modules():
+        rule = rule_for(module)
+        weight = getattr(module, "weight", None)
+        if rule is not None and rule.project is not None and isinstance(weight, nn.Parameter) and weight.requires_grad:
+            out[name] = weight
+    return out
 
 
 def rule_for(module: nn.Module) -> Rule | None:

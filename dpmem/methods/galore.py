@@ -1,0 +1,82 @@
+"""GaLore (REFERENCE §2.2, Algorithm 4) and naive DP-GaLore (Algorithm 5).
+
+    every F steps (and at the first): U, S, Vᵀ ← SVD(G̃);  P ← top-r singular vectors of the smaller side
+    R̃ = Pᵀ G̃ (or G̃ P);  projected Adam on R̃, the update lifted back with the stored P
+
+GaLore takes G̃ from an ordinary backward pass. Naive DP-GaLore privatises first, exactly as DP-Adam (full
+per-sample gradients, flat clipping, full-dimensional noise), and only then projects: its sole gradient source
+is the Privatizer, so the SVD sees nothing but the privatised gradient (post-processing, no privacy cost).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpmem.methods.base import Method, Noise, batch_size
+from dpmem.methods.privatize import Privatizer
+from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
+from dpmem.persample import Projection
+
+
+def svd_projection(g: torch.Tensor, side: int, rank: int) -> Projection:
+    """Top-`rank` left singular vectors (side 0, m×r) or right singular vectors (side 1, n×r) of g."""
+    u, _, vh = torch.linalg.svd(g.float(), full_matrices=False)
+    P = u[:, :rank] if side == 0 else vh[:rank].T
+    return Projection(P.to(g.dtype).contiguous(), side)
+
+
+class GaLore(Method):
+    def __init__(self, model, cfg, lr, noise: Noise | None = None, seed: int = 0):
+        super().__init__(model, cfg, lr)
+        self.lr, self.rank, self.refresh, self.t = lr, cfg.rank, cfg.refresh, 0
+        self.params = self._parameters(model, noise, cfg)
+        self.optimizer = None
+        self.sides = choose_projected(model, cfg.projected)
+        self.projections: dict[torch.nn.Parameter, Projection] = {}  # stored: r·Σm, as in the paper's Table 2
+        shapes = {p: projected_shape(p, self.sides.get(p), self.rank) for p in self.params}
+        self.adam = ProjectedAdam(self.params, shapes, cfg.betas, cfg.eps, cfg.weight_decay)
+
+    def _parameters(self, model, noise, cfg) -> list[torch.nn.Parameter]:
+        return [p for p in model.parameters() if p.requires_grad]
+
+    def gradient(self, microbatches, loss_fn) -> tuple[dict, torch.Tensor]:
+        """The batch-mean gradient of an ordinary backward pass (micro-batches accumulate)."""
+        total = sum(batch_size(mb) for mb in microbatches)
+        loss_sum = torch.zeros((), device=self.params[0].device)
+        for mb in microbatches:
+            losses = loss_fn(self.model, mb)
+            (losses.sum() / total).backward()
+            loss_sum = loss_sum + losses.detach().sum()
+        grads = {p: p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params}
+        for p in self.params:
+            p.grad = None
+        return grads, loss_sum
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return self.adam.state_tensors() + [proj.P for proj in self.projections.values()]
+
+    def step(self, microbatches, loss_fn):
+        if not self.private and not any(batch_size(mb) for mb in microbatches):
+            return torch.zeros((), device=self.params[0].device)  # nothing sampled: no gradient
+        self.t = t = self.t + 1
+        grads, loss_sum = self.gradient(microbatches, loss_fn)
+        for p, side in self.sides.items():
+            if p not in self.projections or t % self.refresh == 0:
+                self.projections[p] = svd_projection(grads[p], side, self.rank)
+            grads[p] = self.projections[p].project(grads[p])
+        self.adam.step(grads, self.lr, t, self.projections.get)
+        return loss_sum
+
+
+class GaLoreDPNaive(GaLore):
+    private = True
+
+    def _parameters(self, model, noise, cfg):
+        self.privatize = Privatizer(model, noise, cfg.check_coverage)
+        return self.privatize.params
+
+    def gradient(self, microbatches, loss_fn):
+        return self.privatize(microbatches, loss_fn, {p: p.shape for p in self.params})

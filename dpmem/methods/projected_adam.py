@@ -1,0 +1,80 @@
+"""Adam with moments in a projected space (REFERENCE §2.3, Algorithm 2 — shared by DP-GRAPE and GaLore):
+
+    M ← β₁M + (1−β₁)R ;  V ← β₂V + (1−β₂)R² ;  α = η·√(1−β₂ᵗ)/(1−β₁ᵗ) ;  W ← W − α · lift(M / (√V + ε̂))
+
+Parameters without a projection keep full-size moments and lift is the identity. The caller says which
+projection lifts each parameter at step t (regenerated for DP-GRAPE, stored for GaLore); moments carry over
+when the projection changes, as the algorithm is written.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dpmem.config import ConfigError
+from dpmem.persample import Projection, projectable_weights
+
+# Output heads stay unprojected by default, as in the DP-GRAPE paper (RoBERTa's LM head, classifiers).
+HEAD_PATTERNS = ("*classifier*", "*lm_head*", "score", "*.score", "*qa_outputs*")
+
+
+def choose_projected(model: nn.Module, patterns) -> dict[nn.Parameter, int]:
+    """Parameter -> projected side (0 = rows when rows <= cols, else 1 = columns: always the smaller one) for the
+    layers named by `patterns` (fnmatch on module names; None = every projectable layer but the output head)."""
+    candidates = projectable_weights(model)
+    # a weight also used by another module (a tied LM head) has per-sample gradients that are not all projectable
+    shared = {id(p) for name, module in model.named_modules() for p in module.parameters(recurse=False)
+              if name not in candidates}
+    if patterns is None:
+        chosen = {n: p for n, p in candidates.items()
+                  if not any(fnmatch.fnmatch(n, pat) for pat in HEAD_PATTERNS) and id(p) not in shared}
+    else:
+        chosen = {n: p for n, p in candidates.items() if any(fnmatch.fnmatch(n, pat) for pat in patterns)}
+        if not chosen:
+            raise ConfigError("method.projected", f"{list(patterns)} matches no projectable layer; "
+                              f"allowed: {', '.join(candidates) or 'none (no Linear/Conv1D layers)'}")
+        tied = [n for n, p in chosen.items() if id(p) in shared]
+        if tied:
+            raise ConfigError("method.projected", f"{tied[0]} shares its weight with another layer; leave it "
+                              "unprojected")
+    return {p: 0 if p.shape[0] <= p.shape[1] else 1 for p in chosen.values()}
+
+
+def projected_shape(p: nn.Parameter, side: int | None, rank: int) -> torch.Size:
+    if side is None:
+        return p.shape
+    rows, cols = p.shape
+    return torch.Size((rank, cols) if side == 0 else (rows, rank))
+
+
+class ProjectedAdam:
+    def __init__(self, params: list[nn.Parameter], shapes: dict[nn.Parameter, torch.Size], betas, eps: float,
+                 weight_decay: float = 0.0):
+        self.params, self.betas, self.eps, self.weight_decay = params, tuple(betas), eps, weight_decay
+        self.moments = {p: (torch.zeros(shapes[p], device=p.device, dtype=p.dtype),
+                            torch.zeros(shapes[p], device=p.device, dtype=p.dtype)) for p in params}
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [m for pair in self.moments.values() for m in pair]
+
+    @torch.no_grad()
+    def step(self, grads: dict[nn.Parameter, torch.Tensor], lr: float, t: int,
+             projection: Callable[[nn.Parameter], Projection | None]) -> None:
+        beta1, beta2 = self.betas
+        alpha = lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
+        for p in self.params:
+            m, v = self.moments[p]
+            m.mul_(beta1).add_(grads[p], alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(grads[p], grads[p], value=1 - beta2)
+            update = m / (v.sqrt() + self.eps)
+            proj = projection(p)
+            if proj is not None:
+                update = proj.lift(update)
+            if self.weight_decay:
+                p.mul_(1 - lr * self.weight_decay)
+            p.sub_(alpha * update)
