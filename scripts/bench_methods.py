@@ -20,8 +20,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from dpmem.cli import CONF_DIR
-from dpmem.data import DataBundle
-from dpmem.data.images import per_sample_loss, predict
+from dpmem.data import DataBundle, images, text
 from dpmem.engine.metering import LiveTensorCounter, state_tensors
 from dpmem.methods import METHODS, Noise, build_method
 from dpmem.models import build_model
@@ -34,43 +33,59 @@ def method_config(name: str):
         return compose("config", overrides=[f"method={name}"]).method
 
 
-def bench_cell(model_cfg, method_name, batch, image_size, classes, steps, device):
-    shape = (1, image_size, image_size)
-    data = DataBundle({}, {}, classes, shape, per_sample_loss, predict)
+def make_inputs(model_cfg, batch, args, device):
+    """Random inputs of the model's kind: images for vit, token ids (all attended) for text models."""
+    labels = torch.randint(0, args.classes, (batch,), device=device)
+    if model_cfg.family == "vit":
+        shape = (1, args.image_size, args.image_size)
+        x = {"pixel_values": torch.randn(batch, *shape, device=device), "labels": labels}
+        return DataBundle({}, {}, args.classes, shape, images.per_sample_loss, images.predict), x
+    ids = torch.randint(3, model_cfg.arch.vocab_size, (batch, args.seq_len), device=device)
+    x = {"input_ids": ids, "labels": labels}
+    if device.type != "meta":  # transformers inspects the mask's values (.all()), which meta tensors lack
+        x["attention_mask"] = torch.ones_like(ids)
+    return DataBundle({}, {}, args.classes, (args.seq_len,), text.per_sample_loss, text.predict), x
+
+
+def bench_cell(model_cfg, method_name, batch, args, device):
+    data, inputs = make_inputs(model_cfg, batch, args, device)
     torch.manual_seed(0)
-    model = build_model(model_cfg, data).to(device).train()
+    with torch.device(device):  # on meta nothing is allocated: memory is planned, not measured
+        model = build_model(model_cfg, data).train()
     cfg = method_config(method_name)
     gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(0)
     noise = Noise(1.0, 1.0, float(batch), gen) if METHODS[method_name].private else None
     method = build_method(cfg, model, 1e-4, noise)
-    x = torch.randn(batch, *shape, device=device)
-    micro = [{"pixel_values": x, "labels": torch.randint(0, classes, (batch,), device=device)}]
-    method.step(micro, per_sample_loss)  # warm-up: optimiser state, one-off checks
+    micro, loss_fn = [inputs], data.per_sample_loss
+    method.step(micro, loss_fn)  # warm-up: optimiser state, one-off checks
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        method.step(micro, per_sample_loss)
+        method.step(micro, loss_fn)
         peak = torch.cuda.max_memory_reserved()
         allocated = torch.cuda.max_memory_allocated()
     else:
         with LiveTensorCounter().track(state_tensors(model, method)) as counter:
-            method.step(micro, per_sample_loss)
+            method.step(micro, loss_fn)
         peak = allocated = counter.peak
-    tic = time.perf_counter()
-    for _ in range(steps):
-        loss = method.step(micro, per_sample_loss)
-    float(loss)  # wait for the device
-    rate = steps * batch / (time.perf_counter() - tic)
+    rate = None
+    if device.type != "meta":
+        tic = time.perf_counter()
+        for _ in range(args.steps):
+            loss = method.step(micro, loss_fn)
+        float(loss)  # wait for the device
+        rate = args.steps * batch / (time.perf_counter() - tic)
     return {"peak": peak, "allocated": allocated, "rate": rate, "params": n_params}
 
 
 def ratio(value, base):
-    return f"{value / base:.2f}" if base else "-"
+    return f"{value / base:.2f}" if value is not None and base else "-"
 
 
 def table(rows, methods, device) -> str:
-    mem_name = "peak reserved (MiB)" if device.type == "cuda" else "peak live tensors (MiB)"
+    mem_name = {"cuda": "peak reserved (MiB)", "meta": "planned peak on meta (MiB)"}.get(device.type,
+                                                                                     "peak live tensors (MiB)")
     lines = [f"| B | method | {mem_name} | ×dp-adam | ×adam | samples/s | ×dp-adam | ×adam |",
              "|---|---|---|---|---|---|---|---|"]
     for batch, cells in rows:
@@ -79,7 +94,8 @@ def table(rows, methods, device) -> str:
             c = cells[m]
             mem = [ratio(c["peak"], base[b]["peak"]) if base[b] else "-" for b in ("dp-adam", "adam")]
             rate = [ratio(c["rate"], base[b]["rate"]) if base[b] else "-" for b in ("dp-adam", "adam")]
-            lines.append(f"| {batch} | {m} | {c['peak'] / 2**20:.1f} | {mem[0]} | {mem[1]} | {c['rate']:.0f} | "
+            speed = "-" if c["rate"] is None else f"{c['rate']:.0f}"
+            lines.append(f"| {batch} | {m} | {c['peak'] / 2**20:.1f} | {mem[0]} | {mem[1]} | {speed} | "
                          f"{rate[0]} | {rate[1]} |")
     return "\n".join(lines)
 
@@ -87,12 +103,14 @@ def table(rows, methods, device) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="vit-tiny")
-    ap.add_argument("--image-size", type=int, default=8)
+    ap.add_argument("--image-size", type=int, default=8, help="for image models")
+    ap.add_argument("--seq-len", type=int, default=128, help="for text models")
     ap.add_argument("--classes", type=int, default=10)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=sorted(METHODS))
     ap.add_argument("--steps", type=int, default=20, help="timed steps per cell")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cuda, cpu, or meta (memory only, no weights allocated: for models too big to run here)")
     ap.add_argument("--out", default="outputs/bench/methods.md")
     args, overrides = ap.parse_known_args()
     device = torch.device(args.device)
@@ -100,13 +118,15 @@ def main() -> None:
         model_cfg = compose("config", overrides=[f"model={args.model}", *overrides]).model
     rows = []
     for batch in args.batch_sizes:
-        cells = {m: bench_cell(model_cfg, m, batch, args.image_size, args.classes, args.steps, device)
-                 for m in args.methods}
+        cells = {m: bench_cell(model_cfg, m, batch, args, device) for m in args.methods}
         rows.append((batch, cells))
     params = rows[0][1][args.methods[0]]["params"]
-    header = (f"Methods on {args.model} ({params / 1e6:.2f}M trainable parameters, {args.image_size}x"
-              f"{args.image_size} inputs, overrides: {' '.join(overrides) or 'none'}), device {device}, "
-              f"one step metered after one warm-up step, {args.steps} steps timed.\n\n")
+    shape = (f"{args.image_size}x{args.image_size} images" if model_cfg.family == "vit"
+             else f"sequence length {args.seq_len}")
+    timed = "no timing on meta" if device.type == "meta" else f"{args.steps} steps timed"
+    header = (f"Methods on {args.model} ({params / 1e6:.2f}M trainable parameters, {shape}, overrides: "
+              f"{' '.join(overrides) or 'none'}), device {device}, one step metered after one warm-up step, "
+              f"{timed}.\n\n")
     text = header + table(rows, args.methods, device) + "\n"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,14 @@ def _vit(cfg, data: DataBundle) -> nn.Module:
                                                num_labels=data.num_classes))
 
 
+def _roberta(cfg, data: DataBundle) -> nn.Module:
+    """RoBERTa with a sequence-classification head (random init from `arch`, or a checkpoint)."""
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+    if cfg.pretrained:
+        return _from_pretrained(RobertaForSequenceClassification, cfg.pretrained, num_labels=data.num_classes)
+    return RobertaForSequenceClassification(RobertaConfig(**dict(cfg.arch), num_labels=data.num_classes))
+
+
 def _from_pretrained(cls, name: str, **kwargs) -> nn.Module:
     local = Path(name).expanduser()
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
@@ -35,7 +43,7 @@ def _from_pretrained(cls, name: str, **kwargs) -> nn.Module:
         raise ConfigError("model.pretrained", f"cannot load {name!r}{hint}: {str(e).splitlines()[0]}") from None
 
 
-FAMILIES = {"vit": _vit}
+FAMILIES = {"vit": _vit, "roberta": _roberta}
 
 
 def build_model(cfg, data: DataBundle) -> nn.Module:
