@@ -103,6 +103,7 @@ class MethodConfig:
     rank: int = 16
     refresh: int = 100
     projected: Optional[list[str]] = None
+    project_embeddings: bool = False  # grape: also project embedding / tied LM-head matrices (beyond the paper)
     # zeroth-order methods (mezo, dpzero): perturbation size lambda and direction distribution
     zo_eps: float = 1e-3
     direction: Direction = Direction.gaussian

@@ -18,7 +18,8 @@ from dpmem.persample import PerSampleGradients, Projection
 def grape_cfg(rank=3, refresh=2, projected=None, C=1.0):
     return OmegaConf.create({"name": "grape", "private": True, "optimizer": "adam", "betas": [0.9, 0.999],
                              "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0, "max_grad_norm": C,
-                             "check_coverage": True, "rank": rank, "refresh": refresh, "projected": projected})
+                             "check_coverage": True, "rank": rank, "refresh": refresh, "projected": projected,
+                             "project_embeddings": False})
 
 
 class Mixer(nn.Module):

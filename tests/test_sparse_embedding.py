@@ -103,3 +103,23 @@ def test_no_batch_by_vocab_tensor_is_made():
     dense_per_sample = batch * vocab * dim * 4
     # weights, summed gradient, noise and update are a few vocab×dim matrices; B×vocab×dim would be 16 of them
     assert counter.peak < dense_per_sample / 2, (counter.peak, dense_per_sample)
+
+
+def test_projected_embeddings_equal_dense_gradients_times_p_with_tied_head():
+    """method.project_embeddings: embedding (and tied LM-head) gradients projected along the hidden dimension."""
+    from dpmem.methods.projected_adam import choose_projected
+    from dpmem.persample import Projection
+    for tied in (False, True):
+        torch.manual_seed(0)
+        model, b = LM(tied).double(), make_batch()
+        sides = choose_projected(model, None, embeddings=True)
+        assert sides[model.emb.weight] == 1 and sides[model.head.weight] == 1  # hidden side for both
+        P = torch.randn(6, 2, dtype=torch.float64)
+        psg = PerSampleGradients(model)
+        psg.projections = {model.emb.weight: lambda: Projection(P, 1)}
+        with psg.capture(5):
+            lm_loss(model, b).sum().backward()
+        got = psg.grads[model.emb.weight]
+        got = got.to_dense() if isinstance(got, SparseRows) else got
+        want = dense_oracle(model, b)[model.emb.weight] @ P
+        torch.testing.assert_close(got, want)

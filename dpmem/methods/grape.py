@@ -33,7 +33,8 @@ class Grape(Method):
         self.params = self.privatize.params
         self.lr, self.rank, self.refresh, self.seed, self.t = lr, cfg.rank, cfg.refresh, seed, 0
         self.optimizer = None
-        self.sides = choose_projected(model, cfg.projected)  # parameter -> projected side (0 rows, 1 columns)
+        # parameter -> projected side (0 rows, 1 columns)
+        self.sides = choose_projected(model, cfg.projected, embeddings=cfg.project_embeddings)
         self.layer_index = {p: i for i, p in enumerate(self.sides)}
         self.shapes = {p: projected_shape(p, self.sides.get(p), self.rank) for p in self.params}
         self.adam = ProjectedAdam(self.params, self.shapes, cfg.betas, cfg.eps, cfg.weight_decay)

@@ -23,10 +23,15 @@ from dpmem.persample import Projection, projectable_weights
 HEAD_PATTERNS = ("*classifier*", "*lm_head*", "score", "*.score", "*qa_outputs*")
 
 
-def choose_projected(model: nn.Module, patterns) -> dict[nn.Parameter, int]:
+def choose_projected(model: nn.Module, patterns, embeddings: bool = False) -> dict[nn.Parameter, int]:
     """Parameter -> projected side (0 = rows when rows <= cols, else 1 = columns: always the smaller one) for the
-    layers named by `patterns` (fnmatch on module names; None = every projectable layer but the output head)."""
-    candidates = projectable_weights(model)
+    layers named by `patterns` (fnmatch on module names; None = every projectable layer but the output head).
+    `embeddings` adds every embedding matrix and any layer tied to one (an LM head), projected along the hidden
+    dimension (side 1): beyond the paper, which leaves them unprojected."""
+    all_weights = projectable_weights(model)
+    modules = dict(model.named_modules())
+    embedding_weights = {n: p for n, p in all_weights.items() if isinstance(modules[n], nn.Embedding)}
+    candidates = {n: p for n, p in all_weights.items() if n not in embedding_weights}
     # a weight also used by another module (a tied LM head) has per-sample gradients that are not all projectable
     shared = {id(p) for name, module in model.named_modules() for p in module.parameters(recurse=False)
               if name not in candidates}
@@ -39,10 +44,16 @@ def choose_projected(model: nn.Module, patterns) -> dict[nn.Parameter, int]:
             raise ConfigError("method.projected", f"{list(patterns)} matches no projectable layer; "
                               f"allowed: {', '.join(candidates) or 'none (no Linear/Conv1D layers)'}")
         tied = [n for n, p in chosen.items() if id(p) in shared]
-        if tied:
+        if tied and not embeddings:
             raise ConfigError("method.projected", f"{tied[0]} shares its weight with another layer; leave it "
                               "unprojected")
-    return {p: 0 if p.shape[0] <= p.shape[1] else 1 for p in chosen.values()}
+    sides = {p: 0 if p.shape[0] <= p.shape[1] else 1 for p in chosen.values()}
+    if embeddings:
+        tied_heads = {id(e) for e in embedding_weights.values()}
+        for n, p in all_weights.items():
+            if n in embedding_weights or id(p) in tied_heads:
+                sides[p] = 1
+    return sides
 
 
 def projected_shape(p: nn.Parameter, side: int | None, rank: int) -> torch.Size:

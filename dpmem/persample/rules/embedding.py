@@ -43,11 +43,21 @@ def _check(name: str, module: nn.Embedding) -> None:
                          "and max_norm mix samples or rewrite the weight); turn those options off or freeze it")
 
 
-@register(nn.Embedding, capture=_capture, scope=_scope, check=_check)
-def embedding(module: nn.Embedding, indices: torch.Tensor, grad_output: torch.Tensor) -> dict[str, SparseRows]:
+def _project(module: nn.Embedding, indices, grad_output, projections) -> dict[str, SparseRows]:
+    """Rows projected along the hidden dimension (side 1: (B, vocab, r)), still sparse."""
     batch, dim = grad_output.shape[0], module.embedding_dim
     ids = indices.reshape(batch, -1)
     g = grad_output.reshape(batch, -1, dim).to(module.weight.dtype)
     if module.padding_idx is not None:  # F.embedding gives the padding row no gradient
         g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
+    projection = projections.get("weight")
+    if projection is not None:
+        if projection.side != 1:
+            raise ValueError("embeddings are projected along the hidden dimension (side 1) only")
+        g = g @ projection.P.to(g.dtype)
     return {"weight": SparseRows(ids, g, module.num_embeddings)}
+
+
+@register(nn.Embedding, capture=_capture, scope=_scope, check=_check, project=_project)
+def embedding(module: nn.Embedding, indices: torch.Tensor, grad_output: torch.Tensor) -> dict[str, SparseRows]:
+    return _project(module, indices, grad_output, {})
