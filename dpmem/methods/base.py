@@ -41,20 +41,20 @@ class Method:
     private = False
 
     def __init__(self, model: nn.Module, cfg, lr: float, noise: Noise | None = None, seed: int = 0):
-        self.model, self.cfg = model, cfg
-
-    optimizer: torch.optim.Optimizer
+        self.model, self.cfg, self.lr = model, cfg, lr
+        self.optimizer: torch.optim.Optimizer | None = None  # methods with their own update leave it None
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Tensors the method keeps between steps (optimiser state), for the memory meter."""
-        opt = getattr(self, "optimizer", None)
-        if opt is None:
+        if self.optimizer is None:
             return []
-        return [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        return [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.lr = lr
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
 
     def step(self, microbatches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
         raise NotImplementedError

@@ -22,16 +22,12 @@ class ZerothOrder(Method):
 
     def __init__(self, model, cfg, lr, noise: Noise | None = None, seed: int = 0):
         super().__init__(model, cfg, lr, noise, seed)
-        self.noise, self.lr = noise, lr
+        self.noise = noise
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = None  # no optimiser state: the update is θ ← θ − η·g·z
         self.eps, self.direction = cfg.zo_eps, getattr(cfg.direction, "value", cfg.direction)
         self.device = self.params[0].device
         self.seeds = torch.Generator().manual_seed(seed)  # direction seeds, reproducible from the run seed
         self.dim = sum(p.numel() for p in self.params)
-
-    def set_lr(self, lr: float) -> None:
-        self.lr = lr
 
     def _directions(self, seed: int):
         """z for each parameter in turn, regenerated from `seed` (only one parameter's z exists at a time)."""

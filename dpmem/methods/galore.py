@@ -28,9 +28,8 @@ def svd_projection(g: torch.Tensor, side: int, rank: int) -> Projection:
 class GaLore(Method):
     def __init__(self, model, cfg, lr, noise: Noise | None = None, seed: int = 0):
         super().__init__(model, cfg, lr)
-        self.lr, self.rank, self.refresh, self.t = lr, cfg.rank, cfg.refresh, 0
+        self.rank, self.refresh, self.t = cfg.rank, cfg.refresh, 0
         self.params = self._parameters(model, noise, cfg)
-        self.optimizer = None
         self.sides = choose_projected(model, cfg.projected)
         self.projections: dict[torch.nn.Parameter, Projection] = {}  # stored: r·Σm, as in the paper's Table 2
         shapes = {p: projected_shape(p, self.sides.get(p), self.rank) for p in self.params}
@@ -51,9 +50,6 @@ class GaLore(Method):
         for p in self.params:
             p.grad = None
         return grads, loss_sum
-
-    def set_lr(self, lr: float) -> None:
-        self.lr = lr
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.adam.state_tensors() + [proj.P for proj in self.projections.values()]

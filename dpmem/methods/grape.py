@@ -31,8 +31,7 @@ class Grape(Method):
         super().__init__(model, cfg, lr)
         self.privatize = Privatizer(model, noise, cfg.check_coverage)
         self.params = self.privatize.params
-        self.lr, self.rank, self.refresh, self.seed, self.t = lr, cfg.rank, cfg.refresh, seed, 0
-        self.optimizer = None
+        self.rank, self.refresh, self.seed, self.t = cfg.rank, cfg.refresh, seed, 0
         # parameter -> projected side (0 rows, 1 columns)
         self.sides = choose_projected(model, cfg.projected, embeddings=cfg.project_embeddings)
         self.layer_index = {p: i for i, p in enumerate(self.sides)}
@@ -46,9 +45,6 @@ class Grape(Method):
         gen = None if p.device.type == "meta" else torch.Generator(device=p.device).manual_seed(seed)
         P = torch.randn(p.shape[side], self.rank, generator=gen, device=p.device) / math.sqrt(self.rank)
         return Projection(P.to(p.dtype), side)
-
-    def set_lr(self, lr: float) -> None:
-        self.lr = lr
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.adam.state_tensors()
