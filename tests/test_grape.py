@@ -173,3 +173,16 @@ def test_grape_peak_is_well_below_dp_adam():
     naive = peak(GaLoreDPNaive, grape_cfg(rank=4))
     grape = peak(Grape, grape_cfg(rank=4))
     assert grape < 0.35 * dp and grape < 0.35 * naive, (grape, dp, naive)
+
+
+def test_per_sample_buffers_are_b_times_r_times_max_dimension():
+    torch.manual_seed(0)
+    model, rank = Mixer(), 3
+    method = Grape(model, grape_cfg(rank=rank), 1e-3, Noise(1.0, 1.0, 6.0, None))
+    psg = method.privatize.persample
+    psg.projections = {p: (lambda p=p: method.projection(p, 1)) for p in method.sides}
+    with psg.capture(6):
+        loss_fn(model, batch()).sum().backward()
+    for p in method.sides:
+        assert psg.grads[p].numel() == 6 * rank * max(p.shape)  # never 6·out·in
+    psg.clear()
