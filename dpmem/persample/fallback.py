@@ -23,7 +23,8 @@ def capture_call(module, args, kwargs, output, scope):
     return tuple(detach(a) for a in args), {k: detach(v) for k, v in kwargs.items()}
 
 
-def fallback_grads(module: nn.Module, names: list[str], call: tuple, grad_output: torch.Tensor) -> dict[str, torch.Tensor]:
+def fallback_grads(module: nn.Module, names: list[str], call: tuple,
+                   grad_output: torch.Tensor) -> dict[str, torch.Tensor]:
     args, kwargs = call
     batch = grad_output.shape[0]
     batched = lambda x: isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch  # noqa: E731
