@@ -27,7 +27,7 @@ from dpmem.config import Config, ConfigError, register_configs, validate
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 USAGE = """usage: dpmem train [-m] [key=value ...]
 
-  dpmem train                                      the embedded default (ViT on digits, dp-adam, eps=8)
+  dpmem train                                      the embedded default (ViT on digits, grape, eps=8)
   dpmem train method=adam privacy=none             a non-private baseline
   dpmem train -m method=adam,dp-adam privacy=eps2,eps8   a sweep (one run folder each)
   dpmem train --help                               every config group and option

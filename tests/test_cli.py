@@ -68,7 +68,7 @@ def test_a_run_writes_a_complete_summary(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert not [k for k in REQUIRED if k not in summary]
     assert summary["status"] == "ok" and summary["steps_done"] == 3
-    assert summary["method"] == "dp-adam" and summary["epsilon_target"] == 8
+    assert summary["method"] == "grape" and summary["epsilon_target"] == 8
     assert 0 < summary["epsilon_spent"] <= 8.0 and summary["sigma"] > 0
     assert summary["delta"] == pytest.approx(1 / 1437) and summary["sample_rate"] == pytest.approx(32 / 1437)
     assert 0 <= summary["metric_final"] <= 1 and summary["peak_memory_bytes"] > 0

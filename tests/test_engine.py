@@ -29,7 +29,7 @@ def test_a_crash_leaves_a_readable_summary(tmp_path, monkeypatch):
 
     monkeypatch.setattr(DPAdam, "step", failing_step)
     with pytest.raises(RuntimeError, match="boom"):
-        run_training(config(), tmp_path)
+        run_training(config("method=dp-adam"), tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and "boom" in summary["error"]
     assert summary["steps_done"] == 2 and summary["epsilon_spent"] > 0 and summary["wall_time_s"] > 0
