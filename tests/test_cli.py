@@ -29,6 +29,7 @@ def dpmem(*args, cwd):
     ("privacy.accountant=moments", "privacy.accountant", "pld"),
     ("train.no_such_key=1", "train.no_such_key", ""),
     ("data=npz", "data.path", "data.path=FILE.npz"),
+    ("model=roberta-tiny", "model", "model=vit-tiny"),
 ])
 def test_bad_input_is_one_clear_line(tmp_path, override, key, allowed):
     r = dpmem("train", override, *TINY, cwd=tmp_path)

@@ -14,6 +14,8 @@ from dpmem.data import DataBundle
 
 def _vit(cfg, data: DataBundle) -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
+    if len(data.input_shape) != 3:
+        raise ConfigError("model", "a ViT needs an image data set; this one gives token ids")
     channels, height, width = data.input_shape
     if height != width:
         raise ConfigError("data", f"ViT needs square images, got {height}x{width}")
@@ -28,6 +30,8 @@ def _vit(cfg, data: DataBundle) -> nn.Module:
 def _roberta(cfg, data: DataBundle) -> nn.Module:
     """RoBERTa with a sequence-classification head (random init from `arch`, or a checkpoint)."""
     from transformers import RobertaConfig, RobertaForSequenceClassification
+    if len(data.input_shape) != 1:
+        raise ConfigError("model", "RoBERTa needs a text data set (token ids); with image data use model=vit-tiny")
     if cfg.pretrained:
         return _from_pretrained(RobertaForSequenceClassification, cfg.pretrained, num_labels=data.num_classes)
     return RobertaForSequenceClassification(RobertaConfig(**dict(cfg.arch), num_labels=data.num_classes))
