@@ -26,9 +26,6 @@ class LiveTensorCounter(TorchDispatchMode):
             self._add(t)
         return self
 
-    def reset_peak(self) -> None:
-        self.peak = self.current
-
     def _add(self, t) -> None:
         if not isinstance(t, torch.Tensor) or t.is_sparse:
             return
