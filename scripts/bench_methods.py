@@ -94,7 +94,7 @@ def table(rows, methods, device) -> str:
             c = cells[m]
             mem = [ratio(c["peak"], base[b]["peak"]) if base[b] else "-" for b in ("dp-adam", "adam")]
             rate = [ratio(c["rate"], base[b]["rate"]) if base[b] else "-" for b in ("dp-adam", "adam")]
-            speed = "-" if c["rate"] is None else f"{c['rate']:.0f}"
+            speed = "-" if c["rate"] is None else f"{c['rate']:.3g}"
             lines.append(f"| {batch} | {m} | {c['peak'] / 2**20:.1f} | {mem[0]} | {mem[1]} | {speed} | "
                          f"{rate[0]} | {rate[1]} |")
     return "\n".join(lines)
