@@ -158,6 +158,11 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
 
 
+def enum_value(x: Any) -> Any:
+    """An Enum field's value (configs built without the schema, e.g. in tests, hold plain strings)."""
+    return x.value if isinstance(x, Enum) else x
+
+
 def resolve_delta(delta: Any, n: int) -> float:
     if isinstance(delta, str):
         if delta.strip() == "1/n":

@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from dpmem.config import ConfigError, resolve_delta
+from dpmem.config import ConfigError, enum_value, resolve_delta
 from dpmem.data import DataBundle, build_data, take
 from dpmem.engine.metering import LiveTensorCounter, state_tensors
 from dpmem.engine.summary import append_metrics, summary_table, versions, write_summary
@@ -22,10 +22,6 @@ from dpmem.methods import Noise, build_method
 from dpmem.models import build_model
 from dpmem.privacy import UnreachableTarget, calibrate_sigma, epsilon_spent
 from dpmem.privacy.sampling import make_batches
-
-
-def _value(x):
-    return x.value if hasattr(x, "value") else x
 
 
 def resolve_device(name: str) -> torch.device:
@@ -41,7 +37,7 @@ def lr_at(step: int, total: int, cfg) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-    schedule = _value(cfg.schedule)
+    schedule = enum_value(cfg.schedule)
     if schedule == "linear":
         return cfg.lr * (1 - progress)
     if schedule == "cosine":
@@ -74,7 +70,7 @@ class Run:
     def prepare(self) -> None:
         cfg = self.cfg
         t, p, m = cfg.train, cfg.privacy, cfg.method
-        self.device = resolve_device(_value(t.device))
+        self.device = resolve_device(enum_value(t.device))
         torch.manual_seed(t.seed)
         self.data = build_data(cfg.data)
         n = self.data.n_train
@@ -82,12 +78,12 @@ class Run:
             raise ConfigError("train.batch_size", f"{t.batch_size} is larger than the training set ({n})")
         self.steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * n / t.batch_size))
         self.sample_rate = t.batch_size / n
-        sampling = _value(t.sampling)
+        sampling = enum_value(t.sampling)
         self.sampling = ("poisson" if m.private else "shuffle") if sampling == "auto" else sampling
         self.private = bool(m.private)
         self.accounted = self.private and p.epsilon is not None
         self.delta = resolve_delta(p.delta, n) if self.accounted else None
-        self.accountant = dict(accountant=_value(p.accountant), neighbouring=_value(p.neighbouring),
+        self.accountant = dict(accountant=enum_value(p.accountant), neighbouring=enum_value(p.neighbouring),
                                sampling=self.sampling, dataset_size=n)
         self.sigma = 0.0
         if self.accounted:
@@ -106,7 +102,7 @@ class Run:
             noise = Noise(self.sigma, m.max_grad_norm, expected_batch_size=self.sample_rate * n, generator=gen)
         self.method = build_method(m, self.model, t.lr, noise, seed=t.seed)
         self.sampler_gen = torch.Generator().manual_seed(t.seed)
-        bf16 = _value(t.precision) == "bf16" and self.device.type == "cuda"
+        bf16 = enum_value(t.precision) == "bf16" and self.device.type == "cuda"
         self.autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16
                          else contextlib.nullcontext)
         self.summary = {

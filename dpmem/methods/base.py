@@ -8,6 +8,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from dpmem.config import enum_value
+
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]  # per-sample losses, shape (B,)
 
@@ -23,7 +25,7 @@ class Noise:
 
 
 def make_optimizer(params: Sequence[nn.Parameter], cfg, lr: float) -> torch.optim.Optimizer:
-    name = cfg.optimizer.value if hasattr(cfg.optimizer, "value") else str(cfg.optimizer)
+    name = enum_value(cfg.optimizer)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
@@ -41,7 +43,7 @@ class Method:
     private = False
 
     def __init__(self, model: nn.Module, cfg, lr: float, noise: Noise | None = None, seed: int = 0):
-        self.model, self.cfg, self.lr = model, cfg, lr
+        self.model, self.cfg, self.lr, self.noise = model, cfg, lr, noise
         self.optimizer: torch.optim.Optimizer | None = None  # methods with their own update leave it None
 
     def state_tensors(self) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from dpmem.config import enum_value
 from dpmem.methods.base import Method, Noise, batch_size
 
 
@@ -22,9 +23,8 @@ class ZerothOrder(Method):
 
     def __init__(self, model, cfg, lr, noise: Noise | None = None, seed: int = 0):
         super().__init__(model, cfg, lr, noise, seed)
-        self.noise = noise
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.eps, self.direction = cfg.zo_eps, getattr(cfg.direction, "value", cfg.direction)
+        self.eps, self.direction = cfg.zo_eps, enum_value(cfg.direction)
         self.device = self.params[0].device
         self.seeds = torch.Generator().manual_seed(seed)  # direction seeds, reproducible from the run seed
         self.dim = sum(p.numel() for p in self.params)
