@@ -24,8 +24,10 @@ class ConfigError(ValueError):
 
 
 class Accountant(Enum):
+    auto = "auto"  # rc for dp-sgd-rc, pld for every other method
     pld = "pld"
     rdp = "rdp"
+    rc = "rc"  # DP-SGD-RC: PLD over the random sensitivity of randomized clipping (envelope of Prop. 5.2)
 
 
 class Neighbouring(Enum):
@@ -61,6 +63,18 @@ class Precision(Enum):
 class Direction(Enum):
     gaussian = "gaussian"  # z ~ N(0, I), as the public DPZero code does
     sphere = "sphere"  # uniform on the sphere of radius sqrt(d), as the DP-GRAPE paper describes DPZero
+
+
+class Clipping(Enum):
+    materialize = "materialize"  # one backward pass keeps every parameter's per-sample gradients
+    fgc = "fgc"  # two passes; each layer's per-sample gradient materialised for its norm only, then freed
+    ghost = "ghost"  # two passes; norms of linear-like layers from T×T Gram matrices (ghost clipping)
+    mixed = "mixed"  # two passes; per layer the cheaper of fgc and ghost (rows·cols vs 2T²)
+
+
+class Estimator(Enum):
+    hutch = "hutch"  # Hutchinson: k Gaussian probes
+    hutchpp = "hutchpp"  # Hutch++: k probes for a range sketch, k for the residual
 
 
 class Optimizer(Enum):
@@ -107,13 +121,18 @@ class MethodConfig:
     # zeroth-order methods (mezo, dpzero): perturbation size lambda and direction distribution
     zo_eps: float = 1e-3
     direction: Direction = Direction.gaussian
+    # dp-adam, dp-sgd, galore-dp-naive: how per-sample clipping is computed (same result, other memory/time)
+    clipping: Clipping = Clipping.materialize
+    # dp-sgd-rc: per-sample squared norms of linear-like layers estimated with k probes
+    estimator: Estimator = Estimator.hutch
+    k: int = 32
 
 
 @dataclass
 class PrivacyConfig:
     epsilon: Optional[float] = None  # None = non-private
     delta: Any = "1/n"  # a number in (0, 1), or "1/n" for the inverse training-set size
-    accountant: Accountant = Accountant.pld
+    accountant: Accountant = Accountant.auto
     neighbouring: Neighbouring = Neighbouring.add_remove
     noise_seed: Optional[int] = None  # None = seeded from the OS so the noise cannot be replayed
 
@@ -161,6 +180,13 @@ def register_configs() -> None:
 def enum_value(x: Any) -> Any:
     """An Enum field's value (configs built without the schema, e.g. in tests, hold plain strings)."""
     return x.value if isinstance(x, Enum) else x
+
+
+def resolve_accountant(cfg: Any) -> str:
+    accountant = enum_value(cfg.privacy.accountant)
+    if accountant == "auto":
+        return "rc" if cfg.method.name == "dp-sgd-rc" else "pld"
+    return accountant
 
 
 def resolve_delta(delta: Any, n: int) -> float:
@@ -219,6 +245,16 @@ def validate(cfg: Any) -> None:
                 and p.accountant == Accountant.rdp and p.neighbouring == Neighbouring.replace_one):
             raise ConfigError("privacy.accountant", "rdp accounts Poisson sampling only under add_remove; "
                               "allowed with replace_one: pld")
+    if p.epsilon is not None and m.private:
+        randomized = m.name == "dp-sgd-rc"
+        if randomized and p.accountant in (Accountant.pld, Accountant.rdp):
+            raise ConfigError("privacy.accountant", "dp-sgd-rc clips with estimated norms, which pld and rdp do not "
+                              "account for (epsilon would be understated); allowed: rc, auto")
+        if not randomized and p.accountant == Accountant.rc:
+            raise ConfigError("privacy.accountant", f"rc accounts randomized clipping (dp-sgd-rc), not {m.name}; "
+                              "allowed: auto, pld, rdp")
+    if m.k <= 0:
+        raise ConfigError("method.k", f"{m.k} must be a positive integer (number of probes)")
     if m.rank <= 0 or m.refresh <= 0:
         raise ConfigError("method.rank" if m.rank <= 0 else "method.refresh", "must be a positive integer")
     if not m.zo_eps > 0:

@@ -8,10 +8,13 @@ from opacus import GradSampleModule
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
+from dpmem.config import MethodConfig
 from dpmem.engine.metering import LiveTensorCounter, state_tensors
 from dpmem.methods import DPAdam, Noise
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
 from tiny_models import tiny_vit
+
+METHOD_SCHEMA = OmegaConf.structured(MethodConfig)  # defaults for keys a test leaves out
 
 
 class Net(nn.Module):
@@ -41,9 +44,8 @@ def loss_fn(model, b):
 
 
 def method_cfg(optimizer="sgd", C=1.0, check_coverage=True):
-    return OmegaConf.create({"name": "dp-sgd", "private": True, "optimizer": optimizer, "betas": [0.9, 0.999],
-                             "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0, "max_grad_norm": C,
-                             "check_coverage": check_coverage})
+    return OmegaConf.merge(METHOD_SCHEMA, {"name": "dp-sgd", "private": True, "optimizer": optimizer,
+                                           "max_grad_norm": C, "check_coverage": check_coverage})
 
 
 def test_clipped_sum_equals_opacus():

@@ -7,15 +7,17 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from dpmem.config import MethodConfig
 from dpmem.engine.metering import LiveTensorCounter, state_tensors
 from dpmem.methods import Adam, DPZero, MeZO, Noise
 from tiny_models import tiny_vit
 
+METHOD_SCHEMA = OmegaConf.structured(MethodConfig)  # defaults for keys a test leaves out
+
 
 def zo_cfg(direction="gaussian", zo_eps=1e-3):
-    return OmegaConf.create({"name": "dpzero", "private": True, "zo_eps": zo_eps, "direction": direction,
-                             "optimizer": "adam", "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
-                             "momentum": 0.0, "max_grad_norm": 1.0, "check_coverage": True})
+    return OmegaConf.merge(METHOD_SCHEMA, {"name": "dpzero", "private": True, "zo_eps": zo_eps,
+                                           "direction": direction, "max_grad_norm": 1.0})
 
 
 class Quadratic(nn.Module):

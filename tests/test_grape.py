@@ -10,16 +10,17 @@ from omegaconf import OmegaConf
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from dpmem.config import MethodConfig
 from dpmem.engine.metering import LiveTensorCounter, state_tensors
 from dpmem.methods import DPAdam, GaLoreDPNaive, Grape, Noise
 from dpmem.persample import PerSampleGradients, Projection
 
+METHOD_SCHEMA = OmegaConf.structured(MethodConfig)  # defaults for keys a test leaves out
+
 
 def grape_cfg(rank=3, refresh=2, projected=None, C=1.0):
-    return OmegaConf.create({"name": "grape", "private": True, "optimizer": "adam", "betas": [0.9, 0.999],
-                             "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0, "max_grad_norm": C,
-                             "check_coverage": True, "rank": rank, "refresh": refresh, "projected": projected,
-                             "project_embeddings": False})
+    return OmegaConf.merge(METHOD_SCHEMA, {"name": "grape", "private": True, "max_grad_norm": C, "rank": rank,
+                                           "refresh": refresh, "projected": projected})
 
 
 class Mixer(nn.Module):

@@ -8,7 +8,7 @@ from torch.func import functional_call, grad, vmap
 from transformers.pytorch_utils import Conv1D
 
 from dpmem.persample import PerSampleGradients
-from dpmem.persample.sparse import SparseRows
+from dpmem.persample.factored import Factored
 from tiny_models import tiny_opt, tiny_roberta, tiny_vit
 
 
@@ -27,7 +27,7 @@ def engine_grads(model, loss_fn, batch):
     with psg.capture(batch_size=next(iter(batch.values())).shape[0]):
         loss_fn(model, batch).sum().backward()
     names = {p: n for n, p in model.named_parameters()}
-    out = {names[p]: g.to_dense() if isinstance(g, SparseRows) else g for p, g in psg.grads.items()}
+    out = {names[p]: g.to_dense() if isinstance(g, Factored) else g for p, g in psg.grads.items()}
     psg.remove()
     model.zero_grad(set_to_none=True)
     return out

@@ -5,16 +5,19 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
+from dpmem.config import MethodConfig
 from dpmem.engine.metering import LiveTensorCounter, state_tensors
 from dpmem.methods import DPAdam, Noise
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
-from dpmem.persample.sparse import SparseRows
+from dpmem.persample.factored import Factored
+
+METHOD_SCHEMA = OmegaConf.structured(MethodConfig)  # defaults for keys a test leaves out
 
 
-def test_sparse_rows_match_their_dense_form():
+def test_factored_rows_match_their_dense_form():
     g = torch.Generator().manual_seed(0)
     ids = torch.tensor([[3, 3, 0, 7], [1, 2, 1, 1], [5, 5, 5, 5]])  # repeated rows within a sample
-    rows = SparseRows(ids, torch.randn(3, 4, 6, generator=g, dtype=torch.float64), num_rows=9)
+    rows = Factored.outer(ids, torch.randn(3, 4, 6, generator=g, dtype=torch.float64), rows=9)
     dense = rows.to_dense()
     torch.testing.assert_close(rows.squared_norms(), dense.pow(2).sum((1, 2)))
     w = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
@@ -68,7 +71,7 @@ def test_norms_and_clipped_sums_equal_dense_for_untied_and_tied_embeddings():
         psg = PerSampleGradients(model)
         with psg.capture(5):
             lm_loss(model, b).sum().backward()
-        assert isinstance(psg.grads[model.emb.weight], SparseRows) != tied  # tied: the dense head part joins
+        assert isinstance(psg.grads[model.emb.weight], Factored) != tied  # tied: the dense head part joins
         want = dense_oracle(model, b)
         norms = per_sample_norms(psg.grads)
         want_norms = torch.stack([g.reshape(5, -1).pow(2).sum(1) for g in want.values()]).sum(0).sqrt()
@@ -92,9 +95,8 @@ def test_no_batch_by_vocab_tensor_is_made():
             return self.head(self.emb(ids).mean(1))
 
     model = Bag()
-    cfg = OmegaConf.create({"name": "dp-adam", "private": True, "optimizer": "sgd", "betas": [0.9, 0.999],
-                            "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0, "max_grad_norm": 1.0,
-                            "check_coverage": False})
+    cfg = OmegaConf.merge(METHOD_SCHEMA, {"name": "dp-adam", "private": True, "optimizer": "sgd",
+                                          "max_grad_norm": 1.0, "check_coverage": False})
     method = DPAdam(model, cfg, 0.1, Noise(1.0, 1.0, float(batch), None))
     b = {"ids": torch.randint(0, vocab, (batch, 12)), "y": torch.randint(0, 3, (batch,))}
     loss = lambda m, x: F.cross_entropy(m(x["ids"]), x["y"], reduction="none")  # noqa: E731
@@ -120,6 +122,6 @@ def test_projected_embeddings_equal_dense_gradients_times_p_with_tied_head():
         with psg.capture(5):
             lm_loss(model, b).sum().backward()
         got = psg.grads[model.emb.weight]
-        got = got.to_dense() if isinstance(got, SparseRows) else got
+        got = got.to_dense() if isinstance(got, Factored) else got
         want = dense_oracle(model, b)[model.emb.weight] @ P
         torch.testing.assert_close(got, want)

@@ -14,11 +14,12 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from dpmem.config import ConfigError, enum_value, resolve_delta
+from dpmem.config import ConfigError, enum_value, resolve_accountant, resolve_delta
 from dpmem.data import DataBundle, build_data, take
 from dpmem.engine.metering import LiveTensorCounter, state_tensors
 from dpmem.engine.summary import append_metrics, summary_table, versions, write_summary
 from dpmem.methods import Noise, build_method
+from dpmem.methods.rc import rc_dimension
 from dpmem.models import build_model
 from dpmem.privacy import UnreachableTarget, calibrate_sigma, epsilon_spent
 from dpmem.privacy.sampling import make_batches
@@ -83,16 +84,18 @@ class Run:
         self.private = bool(m.private)
         self.accounted = self.private and p.epsilon is not None
         self.delta = resolve_delta(p.delta, n) if self.accounted else None
-        self.accountant = dict(accountant=enum_value(p.accountant), neighbouring=enum_value(p.neighbouring),
+        self.model = build_model(cfg.model, self.data).to(self.device)
+        self.model.train()
+        self.accountant = dict(accountant=resolve_accountant(cfg), neighbouring=enum_value(p.neighbouring),
                                sampling=self.sampling, dataset_size=n)
+        if self.accountant["accountant"] == "rc":  # the envelope of randomized clipping depends on the model
+            self.accountant.update(k=m.k, d=rc_dimension(self.model), estimator=enum_value(m.estimator))
         self.sigma = 0.0
         if self.accounted:
             try:
                 self.sigma = calibrate_sigma(p.epsilon, self.delta, self.sample_rate, self.steps, **self.accountant)
             except UnreachableTarget as e:
                 raise ConfigError("privacy.epsilon", str(e)) from None
-        self.model = build_model(cfg.model, self.data).to(self.device)
-        self.model.train()
         noise = None
         if self.private:
             gen = None
@@ -114,6 +117,10 @@ class Run:
             "sample_rate": self.sample_rate, "sampling": self.sampling,
             "accountant": self.accountant["accountant"] if self.accounted else None,
             "neighbouring": self.accountant["neighbouring"] if self.accounted else None,
+            "clipping": _clipping(m) if self.private else None,
+            # what the rc accountant assumed; d "inf" is the whole-model envelope (dpmem.methods.rc.rc_dimension)
+            "rc_accountant": ({"k": m.k, "d": _finite_or_inf(self.accountant["d"]),
+                               "estimator": self.accountant["estimator"]} if "d" in self.accountant else None),
             "steps": self.steps, "steps_done": 0, "samples_seen": 0, "batch_size": t.batch_size,
             "physical_batch_size": t.physical_batch_size or t.batch_size, "n_train": n, "lr": t.lr,
             "metric_name": self.data.metric_name, "metric_final": None, "metric_best": None,
@@ -227,6 +234,15 @@ class Run:
         best = self.summary["metric_best"]
         self.summary["metric_best"] = value if best is None else max(best, value)
         return value
+
+
+def _clipping(m) -> str:
+    """materialize | fgc | ghost | mixed, or the norm estimator of dp-sgd-rc."""
+    return enum_value(m.estimator if m.name == "dp-sgd-rc" else m.clipping)
+
+
+def _finite_or_inf(x: float):
+    return x if math.isfinite(x) else "inf"  # JSON has no infinity
 
 
 def _short(eps):

@@ -9,9 +9,10 @@ from dpmem.methods.dp_adam import DPAdam
 from dpmem.methods.dpzero import DPZero, MeZO
 from dpmem.methods.galore import GaLore, GaLoreDPNaive
 from dpmem.methods.grape import Grape
+from dpmem.methods.rc import DPSGDRC
 
 METHODS = {"adam": Adam, "dp-adam": DPAdam, "dp-sgd": DPAdam, "mezo": MeZO, "dpzero": DPZero,
-           "grape": Grape, "galore": GaLore, "galore-dp-naive": GaLoreDPNaive}
+           "grape": Grape, "galore": GaLore, "galore-dp-naive": GaLoreDPNaive, "dp-sgd-rc": DPSGDRC}
 
 
 def build_method(cfg, model, lr: float, noise: Noise | None, seed: int = 0) -> Method:
@@ -24,4 +25,4 @@ def build_method(cfg, model, lr: float, noise: Noise | None, seed: int = 0) -> M
 
 
 __all__ = ["build_method", "Method", "Noise", "METHODS", "Adam", "DPAdam", "MeZO", "DPZero", "Grape", "GaLore",
-           "GaLoreDPNaive"]
+           "GaLoreDPNaive", "DPSGDRC"]

@@ -1,8 +1,10 @@
 """DP-Adam / DP-SGD with flat clipping (REFERENCE §2.1, Algorithm 3): the privatised gradient G̃ of
-`Privatizer`, then the configured optimiser (Adam, AdamW or SGD) steps on it."""
+`Privatizer`, then the configured optimiser (Adam, AdamW or SGD) steps on it. `method.clipping` picks one pass
+with per-sample gradients (materialize) or two passes with per-sample norms only (fgc, ghost, mixed)."""
 
 from __future__ import annotations
 
+from dpmem.config import enum_value
 from dpmem.methods.base import Method, Noise, make_optimizer
 from dpmem.methods.privatize import Privatizer
 
@@ -12,9 +14,12 @@ class DPAdam(Method):
 
     def __init__(self, model, cfg, lr, noise: Noise, seed: int = 0):
         super().__init__(model, cfg, lr)
-        self.privatize = Privatizer(model, noise, cfg.check_coverage)
+        self.privatize = Privatizer(model, noise, cfg.check_coverage, self.clipping(cfg), cfg.k)
         self.params = self.privatize.params
         self.optimizer = make_optimizer(self.params, cfg, lr)
+
+    def clipping(self, cfg) -> str:
+        return enum_value(cfg.clipping)
 
     def step(self, microbatches, loss_fn):
         grads, loss_sum = self.privatize(microbatches, loss_fn, {p: p.shape for p in self.params})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from dpmem.config import enum_value
 from dpmem.methods.base import Method, Noise, batch_size
 from dpmem.methods.privatize import Privatizer
 from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
@@ -71,7 +72,7 @@ class GaLoreDPNaive(GaLore):
     private = True
 
     def _parameters(self, model, noise, cfg):
-        self.privatize = Privatizer(model, noise, cfg.check_coverage)
+        self.privatize = Privatizer(model, noise, cfg.check_coverage, enum_value(cfg.clipping), cfg.k)
         return self.privatize.params
 
     def gradient(self, microbatches, loss_fn):

@@ -18,6 +18,7 @@ import math
 import torch
 from torch import nn
 
+from dpmem.config import ConfigError, enum_value
 from dpmem.methods.base import Method, Noise
 from dpmem.methods.privatize import Privatizer
 from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
@@ -29,6 +30,9 @@ class Grape(Method):
 
     def __init__(self, model, cfg, lr, noise: Noise, seed: int = 0):
         super().__init__(model, cfg, lr)
+        if enum_value(cfg.clipping) != "materialize":
+            raise ConfigError("method.clipping", "grape clips projected per-sample gradients, which it materialises; "
+                              "allowed: materialize")
         self.privatize = Privatizer(model, noise, cfg.check_coverage)
         self.params = self.privatize.params
         self.rank, self.refresh, self.seed, self.t = cfg.rank, cfg.refresh, seed, 0

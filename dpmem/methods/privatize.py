@@ -4,6 +4,13 @@
 
 where gᵢ is sample i's gradient over all trainable parameters (projected ones as DP-GRAPE projects them).
 Clipped sums accumulate over physical micro-batches; the noise is drawn once per logical step.
+
+`clipping` says how Σᵢ min(1, C/‖gᵢ‖)·gᵢ is formed:
+- materialize: one backward pass keeps every parameter's per-sample gradients, then norms and the weighted sum;
+- fgc | ghost | mixed | hutch | hutchpp: two passes (Opacus' fast gradient clipping). The first backward keeps
+  only per-sample squared norms, one layer at a time (`dpmem.persample.norms` says how each rule gets them);
+  the second back-propagates Σᵢ min(1, C/‖gᵢ‖)·Lᵢ through the same graph, so autograd itself sums the clipped
+  gradients into `.grad`. With an estimator (DP-SGD-RC) ‖gᵢ‖ is the square root of the summed estimates.
 """
 
 from __future__ import annotations
@@ -15,25 +22,45 @@ from torch import nn
 
 from dpmem.methods.base import Noise, batch_size
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, verify_coverage, weighted_sum
+from dpmem.persample.norms import RULES, squared_norms
+
+CLIPPINGS = ("materialize",) + RULES
 
 
 class Privatizer:
-    def __init__(self, model: nn.Module, noise: Noise, check_coverage: bool = True):
-        self.model, self.noise = model, noise
+    def __init__(self, model: nn.Module, noise: Noise, check_coverage: bool = True, clipping: str = "materialize",
+                 k: int = 32):
+        if clipping not in CLIPPINGS:
+            raise ValueError(f"clipping {clipping!r}: allowed {', '.join(CLIPPINGS)}")
+        self.model, self.noise, self.clipping, self.k = model, noise, clipping, k
         self.persample = PerSampleGradients(model)
         self.params = self.persample.parameters
         self._check_coverage = check_coverage
+        self._keep_grads = False  # the second pass of two-pass clipping accumulates into .grad
         # autograd's batch gradient is a by-product of the backward pass: drop each as soon as it is made
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._drop_grad)
 
     def _drop_grad(self, p: nn.Parameter) -> None:
-        if not self._check_coverage:
+        if not self._check_coverage and not self._keep_grads:
             p.grad = None
 
     def __call__(self, microbatches, loss_fn, shapes: dict[nn.Parameter, torch.Size],
                  coverage_transform: Callable | None = None) -> tuple[dict[nn.Parameter, torch.Tensor], torch.Tensor]:
         """The privatised gradient (of shape `shapes[p]` per parameter) and the summed per-sample loss."""
+        if self.clipping == "materialize":
+            summed, loss_sum = self._materialized(microbatches, loss_fn, shapes, coverage_transform)
+        else:
+            summed, loss_sum = self._two_pass(microbatches, loss_fn)
+        std = self.noise.sigma * self.noise.max_grad_norm
+        for p in self.params:
+            if std > 0:  # sigma = 0 only for privacy=none: clipping without noise
+                summed[p] += std * torch.randn(summed[p].shape, generator=self.noise.generator, device=p.device,
+                                               dtype=p.dtype)
+            summed[p] /= self.noise.expected_batch_size
+        return summed, loss_sum
+
+    def _materialized(self, microbatches, loss_fn, shapes, coverage_transform):
         summed = {p: torch.zeros(shapes[p], device=p.device, dtype=p.dtype) for p in self.params}
         loss_sum = torch.zeros((), device=self.params[0].device)
         for mb in microbatches:
@@ -43,16 +70,39 @@ class Privatizer:
             grads = self.persample.grads
             if self._check_coverage:
                 self._check_coverage = False
-                verify_coverage(self.model, self.params, grads, coverage_transform)
+                ones = torch.ones(batch_size(mb), device=self.params[0].device)
+                verify_coverage(self.model, self.params, weighted_sum(grads, ones), coverage_transform)
             factors = clip_factors(per_sample_norms(grads), self.noise.max_grad_norm)
             for p, g in weighted_sum(grads, factors).items():
                 summed[p] += g
             self.persample.clear()
             loss_sum = loss_sum + losses.detach().sum()
-        std = self.noise.sigma * self.noise.max_grad_norm
-        for p in self.params:
-            if std > 0:  # sigma = 0 only for privacy=none: clipping without noise
-                summed[p] += std * torch.randn(summed[p].shape, generator=self.noise.generator, device=p.device,
-                                               dtype=p.dtype)
-            summed[p] /= self.noise.expected_batch_size
+        return summed, loss_sum
+
+    def _squared_norms(self, p: nn.Parameter, g) -> torch.Tensor:
+        return squared_norms(g, self.clipping, self.k, self.noise.generator)
+
+    def _two_pass(self, microbatches, loss_fn):
+        summed = {p: torch.zeros_like(p) for p in self.params}
+        loss_sum = torch.zeros((), device=self.params[0].device)
+        for mb in microbatches:
+            check = self._check_coverage
+            with self.persample.capture(batch_size(mb), norms=self._squared_norms, keep_sums=check):
+                losses = loss_fn(self.model, mb)
+                losses.sum().backward(retain_graph=True)  # first pass: norms only
+            if check:
+                self._check_coverage = False
+                verify_coverage(self.model, self.params, self.persample.sums)
+                self.persample.sums = {}
+            factors = clip_factors(self.persample.squared_norms.sqrt(), self.noise.max_grad_norm)
+            self._keep_grads = True
+            try:  # second pass: autograd forms Σᵢ fᵢ gᵢ in .grad
+                (losses * factors.to(losses.dtype)).sum().backward()
+            finally:
+                self._keep_grads = False
+            for p in self.params:  # out of .grad before the next first pass drops it
+                if p.grad is not None:
+                    summed[p] += p.grad
+                    p.grad = None
+            loss_sum = loss_sum + losses.detach().sum()
         return summed, loss_sum

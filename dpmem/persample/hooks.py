@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -13,7 +13,8 @@ from torch import nn
 from dpmem.persample import rules  # noqa: F401  (registers the layer rules)
 from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads
 from dpmem.persample.registry import Projection, Rule, rule_for
-from dpmem.persample.sparse import SparseRows
+from dpmem.persample.factored import Factored
+from dpmem.persample.norms import exact_squared_norms
 
 # Per-sample gradients mix samples through batch statistics in these layers: there is no per-sample gradient.
 REFUSED = (nn.modules.batchnorm._BatchNorm, nn.RNNBase, nn.MultiheadAttention)
@@ -35,6 +36,10 @@ class PerSampleGradients:
     Inside `with psg.capture(batch_size):` a forward and backward of a *summed* per-sample loss leave in `psg.grads` a
     tensor (B, *param.shape) per trainable parameter. A parameter used by several modules (tied weights) gets
     the sum over every use, before anyone takes a norm.
+
+    With `capture(batch_size, norms=f)` (the first pass of two-pass clipping) only squared norms are kept: layers
+    with a factored rule give `Factored` gradients, and as soon as every use of a parameter has arrived its
+    per-sample gradient is reduced by f(param, grad) -> (B,) and freed; `psg.squared_norms` holds the total.
     """
 
     def __init__(self, model: nn.Module):
@@ -43,6 +48,12 @@ class PerSampleGradients:
         # DP-GRAPE: parameter -> a function that (re)generates its Projection when its layer's gradient arrives
         self.projections: dict[nn.Parameter, Callable[[], Projection]] = {}
         self._active = False
+        self._norms: Callable[[nn.Parameter, Any], torch.Tensor] | None = None
+        self._keep_sums = False
+        self._uses: dict[nn.Parameter, int] = {}  # forward uses of each parameter in this capture
+        self._arrived: dict[nn.Parameter, int] = {}  # backward hooks seen per parameter
+        self.squared_norms: torch.Tensor | None = None
+        self.sums: dict[nn.Parameter, torch.Tensor] = {}  # Σᵢ gᵢ in norm mode with keep_sums
         self._owners: list[_Owner] = []
         claimed: set[int] = set()
         param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -82,13 +93,19 @@ class PerSampleGradients:
         return out
 
     @contextlib.contextmanager
-    def capture(self, batch_size: int):
-        """Hooks are live inside; `batch_size` is the number of samples in the forward pass."""
+    def capture(self, batch_size: int, norms: Callable[[nn.Parameter, Any], torch.Tensor] | None = None,
+                keep_sums: bool = False):
+        """Hooks are live inside; `batch_size` is the number of samples in the forward pass. With `norms`, keep
+        only squared norms (and, with `keep_sums`, Σᵢ gᵢ per parameter for the coverage check)."""
         self._active, self._batch = True, batch_size
+        self._norms, self._keep_sums = norms, keep_sums
+        self._uses, self._arrived, self.squared_norms, self.sums = {}, {}, None, {}
         try:
             yield self
+            for p in list(self.grads) if norms is not None else []:  # uses whose output got no gradient
+                self._reduce(p)
         finally:
-            self._active = False
+            self._active, self._norms = False, None
 
     def clear(self) -> None:
         self.grads = {}
@@ -123,12 +140,15 @@ class PerSampleGradients:
                                  f"{', '.join(owner.params)}; add a rule or freeze them")
             if not output.requires_grad:
                 return
+            for p in owner.params.values():
+                self._uses[p] = self._uses.get(p, 0) + 1
             if rule is None:
                 check_deterministic(owner.name, mod)
                 saved = capture_call(mod, args, kwargs, output, None)
             else:
                 saved = rule.capture(mod, args, kwargs, output, scope)
-            output.register_hook(lambda g: self._accumulate(owner, saved, g))
+            # a second backward through this graph (two-pass clipping) happens outside `capture`: ignore it
+            output.register_hook(lambda g: self._accumulate(owner, saved, g) if self._active else None)
 
         owner.handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
         owner.handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
@@ -152,6 +172,8 @@ class PerSampleGradients:
             wanted = {n: self.projections[p]() for n, p in owner.params.items() if p in self.projections}
             if wanted:  # each projector exists only while its layer's gradients are projected
                 grads = owner.rule.project(owner.module, saved, grad_output, wanted)
+            elif self._norms is not None and owner.rule.factors is not None:
+                grads = owner.rule.factors(owner.module, saved, grad_output)
             else:
                 grads = owner.rule.compute(owner.module, saved, grad_output)
         for name, g in grads.items():
@@ -160,21 +182,27 @@ class PerSampleGradients:
                 continue
             if p not in self.grads:
                 self.grads[p] = g
-            elif isinstance(g, SparseRows):  # a tied weight: sparse + sparse stays sparse, + dense densifies
+            elif isinstance(g, Factored):  # a tied weight: factored + factored stays factored, + dense densifies
                 self.grads[p] = g + self.grads[p]
             else:
                 self.grads[p] = self.grads[p] + g
+            if self._norms is not None:
+                self._arrived[p] = self._arrived.get(p, 0) + 1
+                if self._arrived[p] == self._uses.get(p, 0):  # every use is in: norm it and free it
+                    self._reduce(p)
+
+    def _reduce(self, p: nn.Parameter) -> None:
+        g = self.grads.pop(p)
+        if self._keep_sums:
+            self.sums[p] = weighted_sum({p: g}, torch.ones(g.shape[0], device=p.device))[p]
+        squares = self._norms(p, g)
+        self.squared_norms = squares if self.squared_norms is None else self.squared_norms + squares
 
 
-def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
-    """Norms of half-precision gradients accumulate in float32; float64 stays float64."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def per_sample_norms(grads: dict[nn.Parameter, torch.Tensor | SparseRows]) -> torch.Tensor:
+def per_sample_norms(grads: dict[nn.Parameter, torch.Tensor | Factored]) -> torch.Tensor:
     """Flat per-sample L2 norms over all parameters: sqrt(Σ_p ‖g_p,i‖²), shape (B,)."""
-    squares = [g.squared_norms() if isinstance(g, SparseRows)
-               else _at_least_fp32(g).reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]
+    squares = [g.squared_norms() if isinstance(g, Factored)
+               else exact_squared_norms(g) for g in grads.values()]
     return torch.stack(squares).sum(0).sqrt()
 
 
@@ -183,19 +211,20 @@ def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
     return (max_norm / (norms + 1e-6)).clamp(max=1.0)
 
 
-def weighted_sum(grads: dict[nn.Parameter, torch.Tensor | SparseRows],
+def weighted_sum(grads: dict[nn.Parameter, torch.Tensor | Factored],
                  weights: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
     """Σᵢ wᵢ gᵢ per parameter (dense)."""
-    return {p: g.weighted_sum(weights) if isinstance(g, SparseRows)
+    return {p: g.weighted_sum(weights) if isinstance(g, Factored)
             else torch.einsum("b,b...->...", weights.to(g.dtype), g) for p, g in grads.items()}
 
 
-def verify_coverage(model: nn.Module, params: list[nn.Parameter], grads: dict[nn.Parameter, torch.Tensor],
+def verify_coverage(model: nn.Module, params: list[nn.Parameter], totals: dict[nn.Parameter, torch.Tensor],
                     transform: Callable[[nn.Parameter, torch.Tensor], torch.Tensor] | None = None) -> None:
     """Once, on the first micro-batch, while autograd's batch gradients are still in `.grad`: the per-sample
-    gradients must sum to them (after `transform`, e.g. a projection). A parameter also used outside the module
-    that owns it would otherwise be under-clipped. Clears the `.grad`s. Skipped on the meta device."""
-    pairs = [(p, p.grad, grads.get(p)) for p in params]
+    gradients' sums `totals` (Σᵢ gᵢ per parameter) must equal them (after `transform`, e.g. a projection). A
+    parameter also used outside the module that owns it would otherwise be under-clipped. Clears the `.grad`s.
+    Skipped on the meta device."""
+    pairs = [(p, p.grad, totals.get(p)) for p in params]
     for p in params:
         p.grad = None
     if not params or params[0].device.type == "meta":
@@ -204,11 +233,10 @@ def verify_coverage(model: nn.Module, params: list[nn.Parameter], grads: dict[nn
     # float32 sums differ in rounding only; gradients that vanish analytically (attention key biases) are
     # compared against the scale of the whole gradient, not their own
     scale = max((float(b.abs().max()) for _, b, _ in pairs if b is not None), default=0.0)
-    for p, batch_grad, per_sample in pairs:
-        if batch_grad is None or per_sample is None:
+    for p, batch_grad, total in pairs:
+        if batch_grad is None or total is None:
             continue
         want = transform(p, batch_grad) if transform is not None else batch_grad
-        total = weighted_sum({p: per_sample}, torch.ones(per_sample.shape[0], device=batch_grad.device))[p]
         if not torch.allclose(total, want, rtol=1e-3, atol=1e-4 * scale):
             raise RuntimeError(f"per-sample gradients of {names[p]} do not sum to its batch gradient: it is "
                                "used outside the module that owns it; add a rule for that module")

@@ -59,15 +59,19 @@ class Rule:
     check: Callable[[str, nn.Module], None] | None = None
     # Optional: per-sample gradients with some matrix parameters projected (DP-GRAPE); None = not projectable.
     project: Project | None = None
+    # Optional: per-sample gradients as `Factored` outer products (linear-like layers), for ghost norms and
+    # norm estimators; None = only the dense `compute`.
+    factors: Compute | None = None
 
 
 RULES: dict[type, Rule] = {}
 
 
-def register(*types: type, capture: Capture = capture_first_input, scope=None, check=None, project=None):
+def register(*types: type, capture: Capture = capture_first_input, scope=None, check=None, project=None,
+             factors=None):
     def wrap(compute: Compute) -> Compute:
         for t in types:
-            RULES[t] = Rule(compute, capture, scope, check, project)
+            RULES[t] = Rule(compute, capture, scope, check, project, factors)
         return compute
     return wrap
 

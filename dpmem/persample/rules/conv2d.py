@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpmem.persample.factored import Factored
 from dpmem.persample.registry import register
 
 
@@ -22,12 +23,28 @@ def _explicit_padding(module: nn.Conv2d, x: torch.Tensor) -> tuple[torch.Tensor,
     return x, module.padding
 
 
-@register(nn.Conv2d)
-def conv2d(module: nn.Conv2d, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, torch.Tensor]:
-    batch, groups = grad_output.shape[0], module.groups
+def _unfold(module: nn.Conv2d, activations, grad_output) -> tuple[torch.Tensor, torch.Tensor]:
+    """Patches (B, in·kh·kw, L) and output gradients (B, out, L)."""
     x, padding = _explicit_padding(module, activations.to(module.weight.dtype))
     cols = F.unfold(x, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride)
-    g = grad_output.reshape(batch, module.out_channels, -1).to(module.weight.dtype)
+    return cols, grad_output.reshape(grad_output.shape[0], module.out_channels, -1).to(module.weight.dtype)
+
+
+def _factors(module: nn.Conv2d, activations, grad_output) -> dict[str, torch.Tensor | Factored]:
+    """Ungrouped convolutions are linear in their patches: gᵢ = Σ_l G[:, l] ⊗ cols[:, l]."""
+    if module.groups != 1:
+        return conv2d(module, activations, grad_output)
+    cols, g = _unfold(module, activations, grad_output)
+    grads = {"weight": Factored.outer(g.transpose(1, 2), cols.transpose(1, 2), param_shape=module.weight.shape)}
+    if module.bias is not None:
+        grads["bias"] = g.sum(2)
+    return grads
+
+
+@register(nn.Conv2d, factors=_factors)
+def conv2d(module: nn.Conv2d, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, torch.Tensor]:
+    batch, groups = grad_output.shape[0], module.groups
+    cols, g = _unfold(module, activations, grad_output)
     cols = cols.reshape(batch, groups, -1, cols.shape[-1])
     weight = torch.einsum("bgol,bgil->bgoi", g.reshape(batch, groups, -1, g.shape[-1]), cols)
     grads = {"weight": weight.reshape(batch, *module.weight.shape)}

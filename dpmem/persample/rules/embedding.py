@@ -1,5 +1,5 @@
 """nn.Embedding (and subclasses such as OPT's learned positions): the gradient of row v is the sum of G over the
-positions whose index is v, kept sparse (SparseRows) so that no (B, vocab, D) tensor is made. The indices are
+positions whose index is v, kept factored (token ids and rows, `Factored`) so that no (B, vocab, D) tensor is made. The indices are
 read from the F.embedding call itself, because subclasses may compute them inside forward (OPT derives positions
 from the attention mask)."""
 
@@ -9,7 +9,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dpmem.persample.registry import register
-from dpmem.persample.sparse import SparseRows
+from dpmem.persample.factored import Factored
 
 
 class _RecordIndices(TorchFunctionMode):
@@ -44,8 +44,8 @@ def _check(name: str, module: nn.Embedding) -> None:
                          "and max_norm mix samples or rewrite the weight); turn those options off or freeze it")
 
 
-def _project(module: nn.Embedding, indices, grad_output, projections) -> dict[str, SparseRows]:
-    """Rows projected along the hidden dimension (side 1: (B, vocab, r)), still sparse."""
+def _project(module: nn.Embedding, indices, grad_output, projections) -> dict[str, Factored]:
+    """Rows projected along the hidden dimension (side 1: (B, vocab, r)), still factored."""
     batch, dim = grad_output.shape[0], module.embedding_dim
     ids = indices.reshape(batch, -1)
     g = grad_output.reshape(batch, -1, dim).to(module.weight.dtype)
@@ -56,9 +56,14 @@ def _project(module: nn.Embedding, indices, grad_output, projections) -> dict[st
         if projection.side != 1:
             raise ValueError("embeddings are projected along the hidden dimension (side 1) only")
         g = g @ projection.P.to(g.dtype)
-    return {"weight": SparseRows(ids, g, module.num_embeddings)}
+    return {"weight": Factored.outer(ids, g, rows=module.num_embeddings)}
 
 
-@register(nn.Embedding, capture=_capture, scope=_scope, check=_check, project=_project)
-def embedding(module: nn.Embedding, indices: torch.Tensor, grad_output: torch.Tensor) -> dict[str, SparseRows]:
+def _factors(module: nn.Embedding, indices, grad_output) -> dict[str, Factored]:
     return _project(module, indices, grad_output, {})
+
+
+@register(nn.Embedding, capture=_capture, scope=_scope, check=_check, project=_project, factors=_factors)
+def embedding(module: nn.Embedding, indices: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Factored]:
+    """Factored even here: the dense form would be (B, vocab, D)."""
+    return _factors(module, indices, grad_output)

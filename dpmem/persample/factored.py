@@ -1,0 +1,125 @@
+"""Per-sample gradients kept as their factors. Every linear-like layer's per-sample gradient is a sum of outer
+products, gᵢ = Σ_u Σ_t left_u[i,t] ⊗ right_u[i,t] (rows × cols), one term u per use of the parameter:
+
+    nn.Linear (out, in)     left = output grad G (B, T, out), right = input A (B, T, in)
+    Conv1D (in, out)        left = A, right = G
+    nn.Conv2d (groups 1)    left = G (B, L, out), right = unfolded patches (B, L, in·kh·kw)
+    nn.Embedding (V, D)     left = token ids (B, T) standing for one-hot rows, right = G (B, T, D)
+
+A tied weight (RoBERTa's LM head is its word embeddings) is one `Factored` with a term per use. From the factors
+the (B, rows, cols) tensor is never needed: norms come from T×T Gram matrices (ghost clipping) or from random
+probes (Hutchinson, `dpmem.persample.norms`), clipped sums from one (rows, cols) product. Static shapes
+throughout, so it runs on the meta device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _is_ids(side: torch.Tensor) -> bool:
+    return side.dim() == 2  # (B, T) integer rows; a dense side is (B, T, n)
+
+
+def apply(side: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """side (B, T, n) or ids (B, T) times x of shape (n, k) or (B, n, k): (B, T, k)."""
+    if not _is_ids(side):
+        return side @ x.to(side.dtype)
+    if x.dim() == 2:
+        return x[side]
+    return torch.gather(x, 1, side.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+def apply_t(side: torch.Tensor, y: torch.Tensor, n: int) -> torch.Tensor:
+    """sideᵀ y per sample: side (B, T, n) or ids (B, T), y (B, T, k) -> (B, n, k)."""
+    if not _is_ids(side):
+        return side.transpose(1, 2) @ y.to(side.dtype)
+    out = torch.zeros(y.shape[0], n, y.shape[-1], dtype=y.dtype, device=y.device)
+    return out.scatter_add_(1, side.unsqueeze(-1).expand(-1, -1, y.shape[-1]), y)
+
+
+def gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-sample a bᵀ for two sides of the same dimension (dense or ids): (B, Ta, Tb)."""
+    if _is_ids(a) and _is_ids(b):
+        return (a.unsqueeze(2) == b.unsqueeze(1)).float()
+    if _is_ids(a):
+        return gram(b, a).transpose(1, 2)
+    if _is_ids(b):  # (a one-hotᵀ)[t, t'] = a[t, ids[t']]
+        return torch.gather(a, 2, b.unsqueeze(1).expand(-1, a.shape[1], -1))
+    return a @ b.transpose(1, 2)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if _is_ids(t) else t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+@dataclass
+class Factored:
+    terms: list[tuple[torch.Tensor, torch.Tensor]]  # (left, right) per use
+    rows: int
+    cols: int
+    param_shape: torch.Size  # the parameter's own shape (Conv2d kernels are (out, in, kh, kw))
+
+    @classmethod
+    def outer(cls, left: torch.Tensor, right: torch.Tensor, rows: int | None = None,
+              param_shape: torch.Size | None = None) -> "Factored":
+        """One use. `rows` is needed when `left` holds ids (the number of embedding rows)."""
+        rows = left.shape[-1] if rows is None else rows
+        cols = right.shape[-1]
+        return cls([(left, right)], rows, cols, torch.Size(param_shape or (rows, cols)))
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.terms[0][1].shape[0], *self.param_shape))
+
+    @property
+    def tokens(self) -> int:
+        """Positions summed over, across all uses (the T of the T×T Gram matrices)."""
+        return sum(right.shape[1] for _, right in self.terms)
+
+    def to_dense(self) -> torch.Tensor:
+        dense = sum(apply_t(left, right, self.rows) for left, right in self.terms)
+        return dense.reshape(self.shape)
+
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        """Σᵢ wᵢ gᵢ as one (param_shape) tensor, never (B, rows, cols)."""
+        out = None
+        for left, right in self.terms:
+            r = (right * weights.to(right.dtype).view(-1, 1, 1)).flatten(0, 1)
+            if _is_ids(left):
+                part = torch.zeros(self.rows, self.cols, dtype=r.dtype, device=r.device)
+                part.index_add_(0, left.flatten(), r)
+            else:
+                part = left.flatten(0, 1).T @ r
+            out = part if out is None else out + part
+        return out.reshape(self.param_shape)
+
+    def squared_norms(self) -> torch.Tensor:
+        """Exact ‖gᵢ‖² = Σ_{u,v} Σ_{t,t'} (L_u L_vᵀ)_{tt'} (R_u R_vᵀ)_{tt'}, shape (B,): ghost clipping."""
+        terms = [(_fp32(left), _fp32(right)) for left, right in self.terms]
+        total = 0
+        for u, (lu, ru) in enumerate(terms):
+            for v in range(u, len(terms)):
+                lv, rv = terms[v]
+                cross = (gram(lu, lv) * gram(ru, rv)).sum((1, 2))
+                total = total + (cross if u == v else 2 * cross)
+        return total
+
+    def multiply_t(self, x: torch.Tensor) -> torch.Tensor:
+        """gᵢᵀ x for x (rows, k) or (B, rows, k): (B, cols, k)."""
+        return sum(apply_t(right, apply(left, x), self.cols) for left, right in self.terms)
+
+    def multiply(self, y: torch.Tensor) -> torch.Tensor:
+        """gᵢ y for y (cols, k) or (B, cols, k): (B, rows, k)."""
+        return sum(apply_t(left, apply(right, y), self.rows) for left, right in self.terms)
+
+    def __add__(self, other):
+        """Two factored uses of a tied weight concatenate their terms; a dense use densifies (the norm needs the
+        sum of both parts)."""
+        if isinstance(other, Factored):
+            return Factored(self.terms + other.terms, self.rows, self.cols, self.param_shape)
+        return self.to_dense() + other
+
+    __radd__ = __add__

@@ -1,0 +1,76 @@
+"""Per-sample squared gradient norms of one parameter, the first pass of two-pass clipping
+(REFERENCE §2.1 FGC/GC, §2.5 Algorithm 2). Dense per-sample gradients (LayerNorm, biases, replayed modules) are
+always normed exactly; a `Factored` one (Linear, Conv1D, Conv2d, Embedding, tied sums) by the chosen rule:
+
+    fgc      materialise gᵢ (B, rows, cols) for this layer only, then ‖gᵢ‖²            memory B·rows·cols
+    ghost    Σ (LLᵀ ⊙ RRᵀ) from T×T Gram matrices                                  memory 2·B·T²
+    mixed    whichever of the two is smaller for this layer (2T² vs rows·cols)
+    hutch    ‖gᵢᵀP‖² with probes P ~ N(0, 1/k) on the larger side (k of them)         unbiased, memory B·k·(T + n)
+    hutchpp  Hutch++: exact on the range Q of gᵢgᵢᵀS, Hutchinson on the rest           lower variance
+
+The probes are drawn fresh for every call from the caller's generator (the privacy noise generator: the
+estimate's randomness is part of the mechanism and must be as secret as the noise) and shared by the batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dpmem.persample.factored import Factored
+
+RULES = ("fgc", "ghost", "mixed", "hutch", "hutchpp")
+ESTIMATORS = ("hutch", "hutchpp")
+
+
+def exact_squared_norms(g: torch.Tensor) -> torch.Tensor:
+    """Half-precision gradients are squared and summed in float32; float64 stays float64."""
+    return g.to(torch.promote_types(g.dtype, torch.float32)).reshape(g.shape[0], -1).pow(2).sum(1)
+
+
+def ghost_is_cheaper(g: Factored) -> bool:
+    """Ghost needs two T×T Gram matrices per sample, materialising needs rows×cols."""
+    return 2 * g.tokens ** 2 < g.rows * g.cols
+
+
+def _probes(n: int, k: int, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    dtype = torch.promote_types(like.dtype, torch.float32)
+    return torch.randn(n, k, generator=generator, device=like.device, dtype=dtype) / math.sqrt(k)
+
+
+def hutchinson(g: Factored, k: int, generator: torch.Generator | None = None, plus_plus: bool = False):
+    """Estimates of ‖gᵢ‖²_F = tr(O), O = gᵢgᵢᵀ (or gᵢᵀgᵢ: the Gram matrix of the LARGER side, so that the
+    probes' product lands in the smaller one), shape (B,)."""
+    left_larger = g.rows >= g.cols
+    into_small = g.multiply_t if left_larger else g.multiply  # x (n_large, k) -> (B, n_small, k)
+    back = g.multiply if left_larger else g.multiply_t
+    n = max(g.rows, g.cols)
+    like = g.terms[0][1]
+    P = _probes(n, k, like, generator)
+    sketch = into_small(P)
+    if not plus_plus:
+        return sketch.pow(2).sum((1, 2))
+    S = _probes(n, k, like, generator)
+    Q = torch.linalg.qr(back(into_small(S)))[0]  # (B, n, k): orthonormal basis of O·S
+    head = into_small(Q)  # tr(QᵀOQ) = ‖gᵀQ‖²
+    residual = sketch - head @ (Q.transpose(1, 2) @ P.to(Q.dtype))  # gᵀ(I − QQᵀ)P
+    return head.pow(2).sum((1, 2)) + residual.pow(2).sum((1, 2))
+
+
+def squared_norms(g, rule: str, k: int = 32, generator: torch.Generator | None = None) -> torch.Tensor:
+    """‖gᵢ‖² (exact, or estimated for factored gradients under an estimator rule), shape (B,)."""
+    if not isinstance(g, Factored):
+        return exact_squared_norms(g)
+    if rule in ESTIMATORS:
+        return hutchinson(g, k, generator, plus_plus=rule == "hutchpp")
+    if rule == "ghost" or (rule == "mixed" and ghost_is_cheaper(g)):
+        return g.squared_norms()
+    if rule in ("fgc", "mixed"):
+        return exact_squared_norms(g.to_dense())
+    raise ValueError(f"norm rule {rule!r}: allowed {', '.join(RULES)}")
+
+
+def estimated_dimension(g: Factored) -> int:
+    """The dimension d of the RC accountant for this parameter: rank(O) ≤ min(rows, cols)."""
+    return min(g.rows, g.cols)
