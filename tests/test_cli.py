@@ -30,6 +30,8 @@ def dpmem(*args, cwd):
     ("train.no_such_key=1", "train.no_such_key", ""),
     ("data=npz", "data.path", "data.path=FILE.npz"),
     ("model=roberta-tiny", "model", "model=vit-tiny"),
+    ("method.clipping=sometimes", "method.clipping", "materialize"),
+    ("method.k=0", "method.k", "positive"),
 ])
 def test_bad_input_is_one_clear_line(tmp_path, override, key, allowed):
     r = dpmem("train", override, *TINY, cwd=tmp_path)
@@ -38,6 +40,17 @@ def test_bad_input_is_one_clear_line(tmp_path, override, key, allowed):
     assert len(lines) == 1, r.stderr
     assert key in lines[0] and allowed in lines[0], lines[0]
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("overrides,key,allowed", [
+    (["method=dp-sgd-rc", "privacy.accountant=pld"], "privacy.accountant", "rc, auto"),  # pld would understate ε
+    (["method=dp-adam", "privacy.accountant=rc"], "privacy.accountant", "auto, pld, rdp"),
+    (["method=grape", "method.clipping=ghost"], "method.clipping", "materialize"),
+])
+def test_inconsistent_clipping_and_accounting_are_refused(tmp_path, overrides, key, allowed):
+    r = dpmem("train", *overrides, *TINY, cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert key in r.stderr and allowed in r.stderr, r.stderr
 
 
 def test_missing_data_file_names_the_key(tmp_path):

@@ -14,7 +14,9 @@ throughout, so it runs on the meta device.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from functools import reduce
 
 import torch
 
@@ -51,6 +53,11 @@ def gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b.transpose(1, 2)
 
 
+def _total(parts):
+    """Sum without `sum`'s leading 0 (0 + t copies t: a whole B×rows×cols tensor for fgc)."""
+    return reduce(operator.add, parts)
+
+
 def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if _is_ids(t) else t.to(torch.promote_types(t.dtype, torch.float32))
 
@@ -80,7 +87,7 @@ class Factored:
         return sum(right.shape[1] for _, right in self.terms)
 
     def to_dense(self) -> torch.Tensor:
-        dense = sum(apply_t(left, right, self.rows) for left, right in self.terms)
+        dense = _total(apply_t(left, right, self.rows) for left, right in self.terms)
         return dense.reshape(self.shape)
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
@@ -103,17 +110,19 @@ class Factored:
         for u, (lu, ru) in enumerate(terms):
             for v in range(u, len(terms)):
                 lv, rv = terms[v]
-                cross = (gram(lu, lv) * gram(ru, rv)).sum((1, 2))
+                left, right = gram(lu, lv), gram(ru, rv)
+                dtype = torch.promote_types(left.dtype, right.dtype)  # id Grams are float32
+                cross = torch.einsum("bst,bst->b", left.to(dtype), right.to(dtype))  # no third T×T tensor
                 total = total + (cross if u == v else 2 * cross)
         return total
 
     def multiply_t(self, x: torch.Tensor) -> torch.Tensor:
         """gᵢᵀ x for x (rows, k) or (B, rows, k): (B, cols, k)."""
-        return sum(apply_t(right, apply(left, x), self.cols) for left, right in self.terms)
+        return _total(apply_t(right, apply(left, x), self.cols) for left, right in self.terms)
 
     def multiply(self, y: torch.Tensor) -> torch.Tensor:
         """gᵢ y for y (cols, k) or (B, cols, k): (B, rows, k)."""
-        return sum(apply_t(left, apply(right, y), self.rows) for left, right in self.terms)
+        return _total(apply_t(left, apply(right, y), self.rows) for left, right in self.terms)
 
     def __add__(self, other):
         """Two factored uses of a tied weight concatenate their terms; a dense use densifies (the norm needs the

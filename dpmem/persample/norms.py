@@ -25,8 +25,9 @@ ESTIMATORS = ("hutch", "hutchpp")
 
 
 def exact_squared_norms(g: torch.Tensor) -> torch.Tensor:
-    """Half-precision gradients are squared and summed in float32; float64 stays float64."""
-    return g.to(torch.promote_types(g.dtype, torch.float32)).reshape(g.shape[0], -1).pow(2).sum(1)
+    """A fused reduction (no squared copy of g); half-precision gradients are reduced in float32."""
+    wide = torch.promote_types(g.dtype, torch.float32)
+    return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1, dtype=wide).pow(2)
 
 
 def ghost_is_cheaper(g: Factored) -> bool:
@@ -35,26 +36,30 @@ def ghost_is_cheaper(g: Factored) -> bool:
 
 
 def _probes(n: int, k: int, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """n×k probes with N(0, 1/k) entries (REFERENCE §8: variance 1/k, not 1/√k), so that E[PPᵀ] = I."""
     dtype = torch.promote_types(like.dtype, torch.float32)
     return torch.randn(n, k, generator=generator, device=like.device, dtype=dtype) / math.sqrt(k)
 
 
 def hutchinson(g: Factored, k: int, generator: torch.Generator | None = None, plus_plus: bool = False):
     """Estimates of ‖gᵢ‖²_F = tr(O), O = gᵢgᵢᵀ (or gᵢᵀgᵢ: the Gram matrix of the LARGER side, so that the
-    probes' product lands in the smaller one), shape (B,)."""
+    probes' product lands in the smaller one), shape (B,). Products run in the factors' dtype; sums of squares
+    and the QR in at least float32."""
     left_larger = g.rows >= g.cols
     into_small = g.multiply_t if left_larger else g.multiply  # x (n_large, k) -> (B, n_small, k)
     back = g.multiply if left_larger else g.multiply_t
     n = max(g.rows, g.cols)
     like = g.terms[0][1]
+    wide = torch.promote_types(like.dtype, torch.float32)
     P = _probes(n, k, like, generator)
-    sketch = into_small(P)
+    sketch = into_small(P).to(wide)
     if not plus_plus:
         return sketch.pow(2).sum((1, 2))
     S = _probes(n, k, like, generator)
-    Q = torch.linalg.qr(back(into_small(S)))[0]  # (B, n, k): orthonormal basis of O·S
-    head = into_small(Q)  # tr(QᵀOQ) = ‖gᵀQ‖²
-    residual = sketch - head @ (Q.transpose(1, 2) @ P.to(Q.dtype))  # gᵀ(I − QQᵀ)P
+    Q = torch.linalg.qr(back(into_small(S)).to(wide))[0]  # (B, n, k): orthonormal basis of O·S
+    del S
+    head = into_small(Q).to(wide)  # tr(QᵀOQ) = ‖gᵀQ‖²
+    residual = sketch - head @ (Q.transpose(1, 2) @ P)  # gᵀ(I − QQᵀ)P
     return head.pow(2).sum((1, 2)) + residual.pow(2).sum((1, 2))
 
 
