@@ -124,7 +124,10 @@ def test_ctrl_c_leaves_a_readable_summary(tmp_path):
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # no orphan left training if the interrupt was lost
     assert proc.returncode == 130, err
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["steps_done"] >= 2

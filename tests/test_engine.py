@@ -35,6 +35,31 @@ def test_a_crash_leaves_a_readable_summary(tmp_path, monkeypatch):
     assert summary["steps_done"] == 2 and summary["epsilon_spent"] > 0 and summary["wall_time_s"] > 0
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped one, on purpose
+def test_ctrl_c_in_a_weakref_callback_still_stops_the_run(tmp_path, monkeypatch):
+    """Python prints and drops an exception raised in a weakref callback (the live-tensor counter runs one per
+    freed tensor): Ctrl-C landing there must still end the run, at the next step."""
+    import os
+    import signal
+    import weakref
+    real_step, calls = DPAdam.step, []
+
+    def step(self, micro, loss_fn):
+        calls.append(1)
+        if len(calls) == 2:
+            t = torch.zeros(1)
+            weakref.finalize(t, lambda: (os.kill(os.getpid(), signal.SIGINT), sum(range(1000))))
+            del t  # the callback runs here; the handler's KeyboardInterrupt is raised inside it and dropped
+        return real_step(self, micro, loss_fn)
+
+    monkeypatch.setattr(DPAdam, "step", step)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(config("method=dp-adam"), tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["steps_done"] == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the run's handler is gone
+
+
 def test_poisson_sampling_rate_and_independence():
     gen = torch.Generator().manual_seed(0)
     n, q, steps = 1000, 0.05, 400

@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import math
 import secrets
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -138,6 +140,7 @@ class Run:
     # -- the loop -----------------------------------------------------------------------------------------
     def execute(self) -> dict:
         start = time.perf_counter()
+        restore = self._catch_ctrl_c()
         try:
             self._train()
             self.summary["status"] = "ok"
@@ -149,12 +152,27 @@ class Run:
             self.summary.update(status="failed", error=f"{type(e).__name__}: {e}")
             self.exception = e
         finally:
+            restore()
             self.summary["wall_time_s"] = time.perf_counter() - start
             done = self.summary["steps_done"]
             if self.accounted and done != self._eps_steps:
                 self.summary["epsilon_spent"] = self.epsilon(done)
             write_summary(self.run_dir, self.summary)
         return self.summary
+
+    def _catch_ctrl_c(self):
+        """Ctrl-C raises KeyboardInterrupt and is remembered: one that lands in a weakref callback (the live-tensor
+        counter's, on every free) is printed and dropped by Python, so the loop re-raises it at the next step."""
+        self._ctrl_c = False
+        if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+            return lambda: None
+
+        def handler(signum, frame):
+            self._ctrl_c = True
+            raise KeyboardInterrupt
+        previous = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, handler)
+        return lambda: signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
 
     def _train(self) -> None:
         cfg, t, s = self.cfg, self.cfg.train, self.summary
@@ -172,6 +190,8 @@ class Run:
         try:
             batches = make_batches(self.sampling, self.data.n_train, t.batch_size, self.steps, self.sampler_gen)
             for step, index in enumerate(batches):
+                if self._ctrl_c:
+                    raise KeyboardInterrupt
                 if step == meter_from:
                     if self.device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(self.device)
@@ -211,6 +231,8 @@ class Run:
                     append_metrics(self.run_dir, {"step": step + 1, **record})
                     write_summary(self.run_dir, s)
                 bar.update(1)
+            if self._ctrl_c:
+                raise KeyboardInterrupt
             final = self._evaluate()
             s["metric_final"] = final
             append_metrics(self.run_dir, {"step": s["steps_done"], s["metric_name"]: final, "final": True})
