@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -17,3 +19,23 @@ def test_bench_methods_writes_a_row_per_method_and_batch(tmp_path):
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 2 ") or line.startswith("| 4 ")]
     methods = {"adam", "galore", "mezo", "dp-adam", "galore-dp-naive", "grape", "dpzero"}
     assert len(rows) == 2 * len(methods) and {row.split("|")[2].strip() for row in rows} == methods
+
+
+def test_rc_sigma_writes_its_three_tables(tmp_path):
+    """σ in the tables is calibrate_sigma's, and the ratio column divides by the DP-SGD σ in the heading."""
+    from dpmem.privacy import calibrate_sigma
+    out = tmp_path / "sigma.md"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "rc_sigma.py"), "--out", str(out), "--ks", "64",
+                        "--ds", "4", "--epsilons", "9", "--xplus-ks", "8", "--xplus-ds", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.read_text().splitlines() if line.startswith("| ") and not line.startswith("| d ")
+            and not line.startswith("| k ")}
+    q, steps = 64 / 1127, round(10 * 1127 / 64)
+    base = calibrate_sigma(0.7, 1e-5, q, steps, "pld", tolerance=1e-4)
+    hutch = calibrate_sigma(0.7, 1e-5, q, steps, "rc", k=64, d=2048, tolerance=1e-4)
+    assert float(rows["64"][0]) == pytest.approx(hutch, rel=1e-3)
+    assert float(rows["64"][2]) == pytest.approx(hutch / base, rel=1e-3)
+    assert len(rows["4"]) == 2 and rows["∞ (dpmem's whole-model d)"][0] == rows["∞ (dpmem's whole-model d)"][1]
+    assert rows["2"][0].endswith("(2.000)")  # (x₊ - 1)·dk at d = 2

@@ -1,5 +1,6 @@
 """Privacy accounting by dp-accounting: epsilon spent for a noise multiplier, and the noise multiplier for a
-target epsilon. One DP event per logical step: a sampled Gaussian mechanism with noise multiplier sigma."""
+target epsilon. One DP event per logical step: a sampled Gaussian mechanism with noise multiplier sigma; with
+accountant "rc" its sensitivity is random (DP-SGD-RC's randomized clipping, dpmem.privacy.rc)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,18 @@ import dp_accounting
 from absl import logging as absl_logging
 from dp_accounting import pld, rdp
 
+from dpmem.privacy import rc
+
 NeighborRel = dp_accounting.NeighboringRelation
 RELATIONS = {"add_remove": NeighborRel.ADD_OR_REMOVE_ONE, "replace_one": NeighborRel.REPLACE_ONE}
-ACCOUNTANTS = ("pld", "rdp")
+ACCOUNTANTS = ("pld", "rdp", "rc")
 SAMPLINGS = ("poisson", "fixed")
 # PLD discretisation: 1e-3 keeps a 1000-step composition under a second and errs on the pessimistic side.
 PLD_DISCRETIZATION = 1e-3
 MIN_SIGMA, MAX_SIGMA = 0.05, 1e3
+# Randomized clipping with few probes has a heavy-tailed sensitivity (k = 1, 2 need noise multipliers in the
+# hundreds to hundreds of thousands), so rc searches further before refusing a target.
+RC_MAX_SIGMA = 1e7
 # RDP's series for fractional orders near 1 warn and drop those orders; the result stays an upper bound.
 absl_logging.set_verbosity(absl_logging.ERROR)
 
@@ -58,15 +64,31 @@ def _check(delta: float, sample_rate: float, steps: int) -> None:
         raise ValueError(f"steps={steps} must be >= 0")
 
 
+def _check_rc(neighbouring: str, sampling: str, k, d, estimator: str) -> None:
+    if neighbouring != "add_remove":
+        raise ValueError(f"accountant rc: neighbouring {neighbouring!r} is not supported, allowed add_remove")
+    if sampling != "poisson":
+        raise ValueError(f"accountant rc: sampling {sampling!r} is not supported, allowed poisson")
+    rc.check_args(k, d, estimator)
+
+
 def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, accountant: str = "pld",
                   neighbouring: str = "add_remove", sampling: str = "poisson",
-                  dataset_size: int | None = None) -> float:
-    """Epsilon after `steps` sampled Gaussian steps with noise multiplier `sigma` (inf if sigma is 0)."""
+                  dataset_size: int | None = None, k: int = 32, d: float | None = None,
+                  estimator: str = "hutch") -> float:
+    """Epsilon after `steps` sampled Gaussian steps with noise multiplier `sigma` (inf if sigma is 0).
+
+    k, d, estimator: rc only: probes, envelope dimension (a positive integer, e.g. [H]'s max-min layer size, or
+    math.inf, see dpmem.methods.rc.rc_dimension) and norm estimator ("hutch" or "hutchpp") of DP-SGD-RC."""
     _check(delta, sample_rate, steps)
+    if accountant == "rc":
+        _check_rc(neighbouring, sampling, k, d, estimator)
     if steps == 0:
         return 0.0
     if sigma <= 0:
         return math.inf
+    if accountant == "rc":
+        return rc.rc_epsilon(sigma, delta, sample_rate, steps, k, d, estimator, PLD_DISCRETIZATION)
     acc = _accountant(accountant, neighbouring)
     event = _event(sigma, sample_rate, steps, sampling, dataset_size)
     if not acc.supports(event):
@@ -75,30 +97,56 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
     return float(acc.get_epsilon(delta))
 
 
+def _bracket(eps, epsilon: float, max_sigma: float, unreachable: str) -> tuple[float, float]:
+    """Noise multipliers lo < hi with eps(lo) > epsilon >= eps(hi), by doubling/halving from 1. Below MIN_SIGMA a
+    PLD needs ~1/sigma^2 buckets (memory) and no DP training runs there; above max_sigma the target is refused."""
+    lo, hi = 1.0, 1.0
+    while eps(hi) > epsilon:
+        lo, hi = hi, hi * 2
+        if hi > max_sigma:
+            raise UnreachableTarget(f"{unreachable}, even with noise multiplier {max_sigma:g}")
+    if lo == hi:
+        while lo > MIN_SIGMA and eps(lo) <= epsilon:
+            hi, lo = lo, lo / 2
+        lo = min(lo, hi / 2)
+    return lo, hi
+
+
+def _calibrate_rc(epsilon: float, delta: float, sample_rate: float, steps: int, k: int, d: float, estimator: str,
+                  tolerance: float) -> float:
+    """Bisection: rc has no dp-accounting event, and its epsilon is inf (not a number to interpolate) while the
+    +inf loss mass of the lower envelope tail exceeds delta."""
+    def eps(s: float) -> float:
+        return rc.rc_epsilon(s, delta, sample_rate, steps, k, d, estimator, PLD_DISCRETIZATION)
+
+    lo, hi = _bracket(eps, epsilon, RC_MAX_SIGMA, f"epsilon={epsilon} at delta={delta} is unreachable by DP-SGD-RC "
+                      f"(k={k}, d={d}, {estimator}) over {steps} steps")
+    while hi - lo > tolerance * max(1.0, lo):  # relative above 1: k = 1 needs sigma ~ 1e5
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if eps(mid) <= epsilon else (mid, hi)
+    return hi
+
+
 def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "pld",
                     neighbouring: str = "add_remove", sampling: str = "poisson",
-                    dataset_size: int | None = None, tolerance: float = 1e-3) -> float:
-    """The smallest noise multiplier whose epsilon after `steps` steps is at most `epsilon` (to `tolerance`)."""
+                    dataset_size: int | None = None, tolerance: float = 1e-3, k: int = 32, d: float | None = None,
+                    estimator: str = "hutch") -> float:
+    """The smallest noise multiplier whose epsilon after `steps` steps is at most `epsilon` (to `tolerance`; for rc
+    relative above sigma = 1). k, d, estimator: rc only, as in epsilon_spent."""
     _check(delta, sample_rate, steps)
     if not epsilon > 0:
         raise ValueError(f"epsilon={epsilon} must be > 0")
     if steps <= 0:
         raise ValueError(f"steps={steps} must be positive")
+    if accountant == "rc":
+        _check_rc(neighbouring, sampling, k, d, estimator)
+        return _calibrate_rc(epsilon, delta, sample_rate, steps, k, d, estimator, tolerance)
+
     def eps(s: float) -> float:
         return epsilon_spent(s, delta, sample_rate, steps, accountant, neighbouring, sampling, dataset_size)
 
-    # Bracket by doubling/halving from sigma = 1. Below MIN_SIGMA a PLD needs ~1/sigma^2 buckets (memory), and
-    # no DP training runs there; above MAX_SIGMA the target is refused as unreachable.
-    lo, hi = 1.0, 1.0
-    while eps(hi) > epsilon:
-        lo, hi = hi, hi * 2
-        if hi > MAX_SIGMA:
-            raise UnreachableTarget(f"epsilon={epsilon} at delta={delta} is unreachable with sample rate "
-                                    f"{sample_rate:.4g} over {steps} steps, even with noise multiplier {MAX_SIGMA:g}")
-    if lo == hi:
-        while lo > MIN_SIGMA and eps(lo) <= epsilon:
-            hi, lo = lo, lo / 2
-        lo = min(lo, hi / 2)
+    lo, hi = _bracket(eps, epsilon, MAX_SIGMA, f"epsilon={epsilon} at delta={delta} is unreachable with sample rate "
+                      f"{sample_rate:.4g} over {steps} steps")
     sigma = dp_accounting.calibrate_dp_mechanism(
         lambda: _accountant(accountant, neighbouring),
         lambda s: _event(s, sample_rate, steps, sampling, dataset_size),
