@@ -134,6 +134,9 @@ class PrivacyConfig:
     delta: Any = "1/n"  # a number in (0, 1), or "1/n" for the inverse training-set size
     accountant: Accountant = Accountant.auto
     neighbouring: Neighbouring = Neighbouring.add_remove
+    # rc: d of the envelope. model = sound for the whole model (inf unless one matrix is trained alone);
+    # max_layer = [H]'s max over estimated layers of min(p, d); or a positive integer (dpmem.methods.rc.rc_dimension)
+    rc_dimension: Any = "model"
     noise_seed: Optional[int] = None  # None = seeded from the OS so the noise cannot be replayed
 
 
@@ -253,6 +256,12 @@ def validate(cfg: Any) -> None:
         if not randomized and p.accountant == Accountant.rc:
             raise ConfigError("privacy.accountant", f"rc accounts randomized clipping (dp-sgd-rc), not {m.name}; "
                               "allowed: auto, pld, rdp")
+        if randomized and p.neighbouring != Neighbouring.add_remove:
+            raise ConfigError("privacy.neighbouring", "the rc accountant of dp-sgd-rc is for add_remove only; "
+                              "allowed: add_remove")
+    d = p.rc_dimension
+    if d not in ("model", "max_layer") and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+        raise ConfigError("privacy.rc_dimension", f"{d!r}: allowed model, max_layer or a positive integer")
     if m.k <= 0:
         raise ConfigError("method.k", f"{m.k} must be a positive integer (number of probes)")
     if m.rank <= 0 or m.refresh <= 0:

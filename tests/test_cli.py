@@ -46,6 +46,9 @@ def test_bad_input_is_one_clear_line(tmp_path, override, key, allowed):
     (["method=dp-sgd-rc", "privacy.accountant=pld"], "privacy.accountant", "rc, auto"),  # pld would understate ε
     (["method=dp-adam", "privacy.accountant=rc"], "privacy.accountant", "auto, pld, rdp"),
     (["method=grape", "method.clipping=ghost"], "method.clipping", "materialize"),
+    (["method=dp-sgd-rc", "privacy.neighbouring=replace_one"], "privacy.neighbouring", "add_remove"),
+    (["method=dp-sgd-rc", "privacy.rc_dimension=wide"], "privacy.rc_dimension", "model, max_layer"),
+    (["method=dp-sgd-rc", "privacy.rc_dimension=0"], "privacy.rc_dimension", "positive integer"),
 ])
 def test_inconsistent_clipping_and_accounting_are_refused(tmp_path, overrides, key, allowed):
     r = dpmem("train", *overrides, *TINY, cwd=tmp_path)
@@ -92,6 +95,24 @@ def test_a_run_writes_a_complete_summary(tmp_path):
     assert metrics[0]["step"] == 3 and {"loss", "lr", "epsilon", "samples_per_s", "memory_bytes"} <= set(metrics[0])
     assert (tmp_path / "run" / "config.yaml").exists()
     assert "epsilon spent / target" in r.stdout  # the closing table
+
+
+@pytest.mark.parametrize("choice", ["model", "max_layer"])
+def test_dp_sgd_rc_run_is_accounted_by_the_rc_accountant(tmp_path, choice):
+    """The summary says which accountant and envelope produced ε, and ε is that accountant's for the run's σ.
+    vit-tiny's estimated matrices are its patch convolution (64 × 1·2·2), 64×64 attention, 64×128 / 128×64 MLP
+    and 10×64 head: max-min 64. Its biases and LayerNorms are normed exactly, so the sound d is inf."""
+    from dpmem.privacy import epsilon_spent
+    r = dpmem("train", "method=dp-sgd-rc", f"privacy.rc_dimension={choice}", *TINY, "hydra.run.dir=run",
+              cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["status"] == "ok" and s["accountant"] == "rc" and s["clipping"] == "hutch"
+    d = float("inf") if choice == "model" else 64
+    assert s["rc_accountant"] == {"k": 32, "d": "inf" if choice == "model" else 64, "d_max_layer": 64,
+                                  "estimator": "hutch"}
+    want = epsilon_spent(s["sigma"], s["delta"], s["sample_rate"], 3, "rc", k=32, d=d)
+    assert s["epsilon_spent"] == pytest.approx(want, rel=1e-9) and 0.99 * 8 < want <= 8
 
 
 def test_multirun_makes_one_run_folder_per_point(tmp_path):

@@ -21,7 +21,7 @@ from dpmem.data import DataBundle, build_data, take
 from dpmem.engine.metering import LiveTensorCounter, state_tensors
 from dpmem.engine.summary import append_metrics, summary_table, versions, write_summary
 from dpmem.methods import Noise, build_method
-from dpmem.methods.rc import rc_dimension
+from dpmem.methods.rc import max_layer_dimension, rc_dimension
 from dpmem.models import build_model
 from dpmem.privacy import UnreachableTarget, calibrate_sigma, epsilon_spent
 from dpmem.privacy.sampling import make_batches
@@ -91,7 +91,11 @@ class Run:
         self.accountant = dict(accountant=resolve_accountant(cfg), neighbouring=enum_value(p.neighbouring),
                                sampling=self.sampling, dataset_size=n)
         if self.accountant["accountant"] == "rc":  # the envelope of randomized clipping depends on the model
-            self.accountant.update(k=m.k, d=rc_dimension(self.model), estimator=enum_value(m.estimator))
+            try:
+                d, d_max_layer = rc_dimension(self.model, p.rc_dimension), max_layer_dimension(self.model)
+            except ValueError as e:
+                raise ConfigError("method.name", f"dp-sgd-rc: {e}") from None
+            self.accountant.update(k=m.k, d=d, estimator=enum_value(m.estimator))
         self.sigma = 0.0
         if self.accounted:
             try:
@@ -120,8 +124,10 @@ class Run:
             "accountant": self.accountant["accountant"] if self.accounted else None,
             "neighbouring": self.accountant["neighbouring"] if self.accounted else None,
             "clipping": _clipping(m) if self.private else None,
-            # what the rc accountant assumed; d "inf" is the whole-model envelope (dpmem.methods.rc.rc_dimension)
+            # what the rc accountant assumed; d "inf" is the whole-model envelope (dpmem.methods.rc.rc_dimension),
+            # d_max_layer [H]'s max over layers of min(p, d), for comparison
             "rc_accountant": ({"k": m.k, "d": _finite_or_inf(self.accountant["d"]),
+                               "d_max_layer": d_max_layer,
                                "estimator": self.accountant["estimator"]} if "d" in self.accountant else None),
             "steps": self.steps, "steps_done": 0, "samples_seen": 0, "batch_size": t.batch_size,
             "physical_batch_size": t.physical_batch_size or t.batch_size, "n_train": n, "lr": t.lr,

@@ -57,7 +57,7 @@ def rc_dimension(model: nn.Module, choice="model"):
     them (and, by Prop. B.24, over exact ones equal to 1), so the sound envelope is the d → ∞ one (that of
     Hutch++): "model" gives inf then, and min(p, d) for a model that trains one matrix alone. [H]'s d = max over
     layers of min(p, d) leaves out the other layers' directions and the exact ones, and so understates ε for a
-    whole model (by little: the d → ∞ envelope moves σ by ≤ 0.1% at [H]'s Table 4 setting)."""
+    whole model (by little: the d → ∞ envelope moves σ by 0.05% at [H]'s Table 4 setting)."""
     if choice == "max_layer":
         return max_layer_dimension(model)
     if choice != "model":
