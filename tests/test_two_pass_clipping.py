@@ -13,7 +13,6 @@ from transformers.pytorch_utils import Conv1D
 from dpmem.config import MethodConfig
 from dpmem.engine.metering import LiveTensorCounter, state_tensors
 from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive, Noise
-from dpmem.methods.rc import rc_dimension
 from dpmem.persample import PerSampleGradients
 from dpmem.persample.factored import Factored
 from dpmem.persample.norms import ghost_is_cheaper, hutchinson, squared_norms
@@ -205,13 +204,6 @@ def test_rc_with_many_probes_approaches_exact_clipping():
     errors = [(step(DPSGDRC, method_cfg("dp-sgd-rc", "sgd", k=k)) - want).norm() / (want - start).norm()
               for k in (2, 2000)]
     assert errors[1] < 0.1 < errors[0], errors
-
-
-def test_rc_dimension_is_finite_only_for_a_lone_estimated_matrix():
-    lone = nn.Linear(8, 3, bias=False)
-    assert rc_dimension(lone) == 3
-    assert rc_dimension(nn.Linear(8, 3)) == math.inf  # the bias is normed exactly (Prop. B.24)
-    assert rc_dimension(Layers()) == math.inf
 
 
 def peak(clipping, layer, tokens):
