@@ -19,7 +19,7 @@ from torch import nn
 
 from dpmem.config import enum_value
 from dpmem.methods.dp_adam import DPAdam
-from dpmem.persample import rule_for
+from dpmem.persample import factored_weights
 
 
 class DPSGDRC(DPAdam):
@@ -28,16 +28,8 @@ class DPSGDRC(DPAdam):
 
 
 def estimated_matrices(model: nn.Module) -> list[nn.Parameter]:
-    """The trainable weights whose per-sample squared norms dp-sgd-rc estimates (their rules give factors)."""
-    out, seen = [], set()
-    for module in model.modules():
-        rule = rule_for(module)
-        p = getattr(module, "weight", None)
-        if (isinstance(p, nn.Parameter) and p.requires_grad and rule is not None and rule.factors is not None
-                and getattr(module, "groups", 1) == 1 and id(p) not in seen):  # a tied weight counts once
-            out.append(p)
-            seen.add(id(p))
-    return out
+    """The trainable weights whose per-sample squared norms dp-sgd-rc estimates, a tied weight once."""
+    return list({id(p): p for p in factored_weights(model).values()}.values())
 
 
 def max_layer_dimension(model: nn.Module) -> int:

@@ -2,7 +2,7 @@
 
 from dpmem.persample.hooks import (PerSampleGradients, clip_factors, per_sample_norms, verify_coverage,
                                    weighted_sum)
-from dpmem.persample.registry import Projection, projectable_weights, register, rule_for
+from dpmem.persample.registry import Projection, factored_weights, projectable_weights, register, rule_for
 
 __all__ = ["PerSampleGradients", "Projection", "per_sample_norms", "clip_factors", "weighted_sum",
-           "verify_coverage", "register", "rule_for", "projectable_weights"]
+           "verify_coverage", "register", "rule_for", "projectable_weights", "factored_weights"]

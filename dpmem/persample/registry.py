@@ -60,31 +60,43 @@ class Rule:
     # Optional: per-sample gradients with some matrix parameters projected (DP-GRAPE); None = not projectable.
     project: Project | None = None
     # Optional: per-sample gradients as `Factored` outer products (linear-like layers), for ghost norms and
-    # norm estimators; None = only the dense `compute`.
+    # norm estimators; None = only the dense `compute`. `factorable` says for which modules the weight's gradient
+    # does come out factored (`factors` falls back to the dense form for the others).
     factors: Compute | None = None
+    factorable: Callable[[nn.Module], bool] = lambda module: True
 
 
 RULES: dict[type, Rule] = {}
 
 
 def register(*types: type, capture: Capture = capture_first_input, scope=None, check=None, project=None,
-             factors=None):
+             factors=None, factorable=Rule.factorable):
     def wrap(compute: Compute) -> Compute:
         for t in types:
-            RULES[t] = Rule(compute, capture, scope, check, project, factors)
+            RULES[t] = Rule(compute, capture, scope, check, project, factors, factorable)
         return compute
     return wrap
 
 
-def projectable_weights(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Module name -> trainable weight of every layer whose rule can project its per-sample gradient."""
+def _weights(model: nn.Module, wanted: Callable[[Rule, nn.Module], bool]) -> dict[str, nn.Parameter]:
     out = {}
     for name, module in model.named_modules():
         rule = rule_for(module)
         weight = getattr(module, "weight", None)
-        if rule is not None and rule.project is not None and isinstance(weight, nn.Parameter) and weight.requires_grad:
+        if rule is not None and wanted(rule, module) and isinstance(weight, nn.Parameter) and weight.requires_grad:
             out[name] = weight
     return out
+
+
+def projectable_weights(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Module name -> trainable weight of every layer whose rule can project its per-sample gradient."""
+    return _weights(model, lambda rule, module: rule.project is not None)
+
+
+def factored_weights(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Module name -> trainable weight of every layer whose per-sample gradient comes out `Factored` in the
+    two-pass pipeline (a tied weight under each module that uses it)."""
+    return _weights(model, lambda rule, module: rule.factors is not None and rule.factorable(module))
 
 
 def rule_for(module: nn.Module) -> Rule | None:

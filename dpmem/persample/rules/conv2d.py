@@ -30,9 +30,13 @@ def _unfold(module: nn.Conv2d, activations, grad_output) -> tuple[torch.Tensor, 
     return cols, grad_output.reshape(grad_output.shape[0], module.out_channels, -1).to(module.weight.dtype)
 
 
+def _ungrouped(module: nn.Conv2d) -> bool:
+    return module.groups == 1
+
+
 def _factors(module: nn.Conv2d, activations, grad_output) -> dict[str, torch.Tensor | Factored]:
     """Ungrouped convolutions are linear in their patches: gᵢ = Σ_l G[:, l] ⊗ cols[:, l]."""
-    if module.groups != 1:
+    if not _ungrouped(module):
         return conv2d(module, activations, grad_output)
     cols, g = _unfold(module, activations, grad_output)
     grads = {"weight": Factored.outer(g.transpose(1, 2), cols.transpose(1, 2), param_shape=module.weight.shape)}
@@ -41,7 +45,7 @@ def _factors(module: nn.Conv2d, activations, grad_output) -> dict[str, torch.Ten
     return grads
 
 
-@register(nn.Conv2d, factors=_factors)
+@register(nn.Conv2d, factors=_factors, factorable=_ungrouped)
 def conv2d(module: nn.Conv2d, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, torch.Tensor]:
     batch, groups = grad_output.shape[0], module.groups
     cols, g = _unfold(module, activations, grad_output)
