@@ -196,9 +196,7 @@ def envelope_cdf(x, k: int, d, estimator: str = "hutch"):
     fe = chi2_mean_cdf(x, k)
     if estimator == "hutchpp":
         return np.where(x >= 1, 1.0, fe)
-    if d == 1:
-        return fe
-    xp = x_plus(k, d)
+    xp = x_plus(k, d)  # 1 for d = 1: χ²(k)/k throughout
     out = np.where(x <= 1, fe, chi2_mean_cdf(x, k * d))
     mid = (x > 1) & (x < xp)
     if mid.any():
