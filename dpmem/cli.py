@@ -26,11 +26,16 @@ from dpmem.config import Config, ConfigError, register_configs, validate
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 USAGE = """usage: dpmem train [-m] [key=value ...]
+       dpmem memory [key=value ...]
 
   dpmem train                                      the embedded default (ViT on digits, grape, eps=8)
   dpmem train method=adam privacy=none             a non-private baseline
   dpmem train -m method=adam,dp-adam privacy=eps2,eps8   a sweep (one run folder each)
   dpmem train --help                               every config group and option
+  dpmem memory model=opt-6.7b data=synthetic method=dp-adam,grape train.batch_size=1,2,4
+                                                   plan peak memory on the meta device (no weights)
+  dpmem memory model=vit-base data=synthetic method=dp-adam,grape memory.budget=24GB
+                                                   the largest batch that fits, per method
 """
 MAX_PREFLIGHT = 256  # sweep points composed before launch; larger grids are checked per job
 
@@ -48,8 +53,9 @@ def _error(message: str) -> "SystemExit":
     return SystemExit(2)
 
 
-def preflight(overrides: list[str]) -> None:
-    """Check group options and compose every sweep point (up to MAX_PREFLIGHT). Raises ConfigError."""
+def sweep_points(overrides: list[str]) -> list[list[str]]:
+    """Every point of the sweep the overrides describe (`a=1,2 b=3,4`: four points), group options checked.
+    Raises ConfigError."""
     plain = [o for o in overrides if not o.startswith(("-", "hydra.", "hydra/"))]
     try:
         parsed = OverridesParser.create().parse_overrides(plain)
@@ -66,17 +72,29 @@ def preflight(overrides: list[str]) -> None:
                     raise ConfigError(key, f"unknown option {v!r}; allowed: {', '.join(groups[key])}")
         prefix = o.input_line.split("=", 1)[0]
         choices.append([f"{prefix}={v}" for v in values])
+    return [list(point) for point in itertools.product(*choices)]
+
+
+def compose_point(point: list[str]) -> DictConfig:
+    """The validated config of one sweep point (inside an initialised Hydra). Raises ConfigError."""
+    try:
+        cfg = compose("config", overrides=point)
+    except Exception as e:  # hydra wraps OmegaConf's validation error, which names the key
+        cause = e if isinstance(e, OmegaConfBaseException) else e.__cause__
+        if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+            raise ConfigError(cause.full_key, _first_line(cause) + _allowed_keys(cause)) from None
+        raise ConfigError("override", _first_line(e)) from None
+    validate(cfg)
+    return cfg
+
+
+def preflight(overrides: list[str]) -> None:
+    """Check group options and compose every sweep point (up to MAX_PREFLIGHT). Raises ConfigError."""
+    points = sweep_points(overrides)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        for point in itertools.islice(itertools.product(*choices), MAX_PREFLIGHT):
-            try:
-                cfg = compose("config", overrides=list(point))
-            except Exception as e:  # hydra wraps OmegaConf's validation error, which names the key
-                cause = e if isinstance(e, OmegaConfBaseException) else e.__cause__
-                if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
-                    raise ConfigError(cause.full_key, _first_line(cause) + _allowed_keys(cause)) from None
-                raise ConfigError("override", _first_line(e)) from None
-            validate(cfg)
+        for point in points[:MAX_PREFLIGHT]:
+            compose_point(point)
     GlobalHydra.instance().clear()
 
 
@@ -133,8 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     if not Path(CONF_DIR).is_dir():
         raise _error(f"config folder {CONF_DIR} not found: install dpmem from its repository with pip install -e .")
     verb, rest = argv[0], argv[1:]
+    if verb == "memory":
+        return _memory(rest)
     if verb != "train":
-        raise _error(f"unknown command {verb!r}; allowed: train")
+        raise _error(f"unknown command {verb!r}; allowed: train, memory")
     debug = any(a.lower() in ("debug=true", "debug=1") for a in rest)
     if not any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith("--cfg") or a == "-c"
                for a in rest):
@@ -148,6 +168,50 @@ def main(argv: list[str] | None = None) -> None:
     _train()
     if _failed:
         raise _error(f"{len(_failed)} run(s) did not finish ok: {', '.join(_failed)}")
+
+
+def _memory(argv: list[str]) -> None:
+    """`dpmem memory`: plan every point of the sweep (comma lists, with or without -m) into one folder."""
+    from datetime import datetime
+
+    from dpmem.engine.planner import largest_batch, parse_bytes, plan
+    from dpmem.report import memory as report
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE, end="")
+        return
+    overrides = [a for a in argv if a not in ("-m", "--multirun")]
+    debug = any(a.lower() in ("debug=true", "debug=1") for a in overrides)
+    try:
+        points = sweep_points(overrides)
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            cfgs = [compose_point(p) for p in points]
+        GlobalHydra.instance().clear()
+        varying = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
+        labels = [" ".join(p[i] for i in varying if not p[i].startswith("train.batch_size=")) or cfg.method.name
+                  for p, cfg in zip(points, cfgs)]
+        mem = cfgs[0].memory
+        out = Path(mem.dir or datetime.now().strftime("outputs/memory/%Y-%m-%d/%H-%M-%S"))
+        rows, found = [], None
+        if mem.budget is None:
+            for label, cfg in zip(labels, cfgs):
+                rows.append({"label": label, **plan(cfg)})
+                print(f"dpmem memory: {label} B={rows[-1]['batch_size']}: peak "
+                      f"{rows[-1]['peak_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
+        else:
+            budget, found = parse_bytes(mem.budget), []
+            for label in dict.fromkeys(labels):  # batch sizes are searched, not taken from the overrides
+                cfg = cfgs[labels.index(label)]
+                batch, at = largest_batch(cfg, budget)
+                found.append({"label": label, "largest_batch": batch, "plan": {"label": label, **at}})
+                print(f"dpmem memory: {label}: largest batch {batch}", file=sys.stderr)
+    except ConfigError as e:
+        if debug:
+            raise
+        raise _error(str(e)) from None
+    print(report.write(out, rows, mem.budget, found), end="")
+    print(f"dpmem memory: wrote {out}/memory.json", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,7 @@ class ModelConfig:
     name: str = MISSING
     family: str = MISSING  # which builder in dpmem.models makes it (vit, ...)
     pretrained: Optional[str] = None  # hub id or local path; None = random init from `arch`
+    head: str = "classifier"  # text models: classifier | mlm (prompt over label words) | causal (LM loss)
     arch: dict[str, Any] = field(default_factory=dict)  # architecture fields of the transformers config
 
 
@@ -97,6 +98,12 @@ class DataConfig:
     path: Optional[str] = None  # local file for data sets read from disk
     test_fraction: float = 0.2  # held-out share for data sets without a fixed test split
     split_seed: int = 0  # the train/test split is fixed by this seed, independent of train.seed
+    # data=synthetic: the shape of random inputs (images for image models, token ids for text models)
+    image_size: int = 32
+    channels: int = 3
+    seq_len: int = 128
+    num_classes: int = 10
+    n_train: int = 1024
 
 
 @dataclass
@@ -164,6 +171,29 @@ class LoggingConfig:
     memory_steps: int = 3  # on CPU, count live tensor bytes over the first N steps (the counter slows ops)
 
 
+class PlanTarget(Enum):
+    cuda = "cuda"
+    cpu = "cpu"
+
+
+class PlanDevice(Enum):
+    meta = "meta"  # shapes only: any model, no weights, nothing allocated
+    cpu = "cpu"  # the same steps on real tensors (small models), to check a plan
+
+
+@dataclass
+class MemoryConfig:
+    """dpmem memory: plan peak memory by running real steps on the meta device."""
+    steps: int = 3  # steps run; all but the first are metered, so optimiser state exists
+    budget: Optional[str] = None  # e.g. 24GB (= 24 GiB, as GPU sizes are quoted): the largest batch that fits
+    allocator_overhead: float = 0.1  # CUDA caching allocator: reserved ≈ tensor bytes × (1 + this)
+    # what the plan is for: cuda rounds every storage up to 512 bytes and picks CUDA's attention kernel; cpu
+    # counts exact bytes with the CPU's kernel (to compare with a CPU run)
+    target: PlanTarget = PlanTarget.cuda
+    device: PlanDevice = PlanDevice.meta
+    dir: Optional[str] = None  # output folder; None = outputs/memory/DATE/TIME
+
+
 @dataclass
 class Config:
     model: ModelConfig = MISSING
@@ -172,6 +202,7 @@ class Config:
     privacy: PrivacyConfig = MISSING
     train: TrainConfig = MISSING
     logging: LoggingConfig = MISSING
+    memory: MemoryConfig = MISSING
     debug: bool = False  # show tracebacks for configuration errors
 
 
@@ -268,5 +299,11 @@ def validate(cfg: Any) -> None:
         raise ConfigError("method.rank" if m.rank <= 0 else "method.refresh", "must be a positive integer")
     if not m.zo_eps > 0:
         raise ConfigError("method.zo_eps", f"{m.zo_eps} must be > 0")
+    mem = cfg.get("memory")
+    if mem is not None:
+        if mem.steps < 2:
+            raise ConfigError("memory.steps", f"{mem.steps}: at least 2 (the first creates the optimiser state)")
+        if not mem.allocator_overhead >= 0:
+            raise ConfigError("memory.allocator_overhead", f"{mem.allocator_overhead} must be >= 0 (a fraction)")
     if t.precision == Precision.bf16 and t.device == Device.cpu:
         raise ConfigError("train.precision", "bf16 autocast is for CUDA; allowed on cpu: fp32")

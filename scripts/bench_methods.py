@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 
 from dpmem.cli import CONF_DIR
 from dpmem.data import DataBundle, images, text
-from dpmem.engine.metering import LiveTensorCounter, state_tensors
+from dpmem.engine.metering import LiveTensorCounter
 from dpmem.methods import METHODS, Noise, build_method
 from dpmem.models import build_model
 
@@ -44,7 +44,9 @@ def make_inputs(model_cfg, batch, args, device):
     x = {"input_ids": ids, "labels": labels}
     if device.type != "meta":  # transformers inspects the mask's values (.all()), which meta tensors lack
         x["attention_mask"] = torch.ones_like(ids)
-    return DataBundle({}, {}, args.classes, (args.seq_len,), text.per_sample_loss, text.predict), x
+    loss, predict = text.task(model_cfg.head, list(range(3, 3 + args.classes)))
+    x["mask_pos"] = torch.full((batch,), args.seq_len - 1, device=device)  # where the mlm head reads
+    return DataBundle({}, {}, args.classes, (args.seq_len,), loss, predict), x
 
 
 def bench_cell(model_cfg, method_name, batch, args, device):
@@ -66,7 +68,7 @@ def bench_cell(model_cfg, method_name, batch, args, device):
         peak = torch.cuda.max_memory_reserved()
         allocated = torch.cuda.max_memory_allocated()
     else:
-        with LiveTensorCounter().track(state_tensors(model, method)) as counter:
+        with LiveTensorCounter().track_state(model, method) as counter:
             method.step(micro, loss_fn)
         peak = allocated = counter.peak
     rate = None

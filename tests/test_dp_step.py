@@ -9,7 +9,7 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpmem.config import MethodConfig
-from dpmem.engine.metering import LiveTensorCounter, state_tensors
+from dpmem.engine.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, Noise
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
 from tiny_models import tiny_vit
@@ -145,7 +145,7 @@ def _counted_step(make, device):
     batch = {k: v.to(device) for k, v in batch.items()}
     # the one-off coverage check computes on real tensors only, so it is off for this comparison
     method = DPAdam(model, method_cfg("adam", 1.0, check_coverage=False), lr=0.1, noise=Noise(1.0, 1.0, 8.0, None))
-    with LiveTensorCounter().track(state_tensors(model, method)) as counter:
+    with LiveTensorCounter().track_state(model, method) as counter:
         for _ in range(2):  # the second step holds the Adam moments
             method.step([batch], loss)
     return model, counter.peak

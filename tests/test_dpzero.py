@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from dpmem.config import MethodConfig
-from dpmem.engine.metering import LiveTensorCounter, state_tensors
+from dpmem.engine.metering import LiveTensorCounter
 from dpmem.methods import Adam, DPZero, MeZO, Noise
 from tiny_models import tiny_vit
 
@@ -99,13 +99,13 @@ def test_dpzero_peak_is_a_forward_pass_and_far_below_adam():
         return run(model, loss, batch)
 
     def forward_only(model, loss, batch):
-        with LiveTensorCounter().track(state_tensors(model)) as c, torch.no_grad():
+        with LiveTensorCounter().track_state(model) as c, torch.no_grad():
             loss(model, batch)
         return c.peak
 
     def dpzero(model, loss, batch):
         method = DPZero(model, zo_cfg(), 1e-3, noise=Noise(1.0, 1.0, 3.0, None), seed=0)
-        with LiveTensorCounter().track(state_tensors(model)) as c:
+        with LiveTensorCounter().track_state(model) as c:
             for _ in range(2):
                 method.step([batch], loss)
         return c.peak
@@ -114,7 +114,7 @@ def test_dpzero_peak_is_a_forward_pass_and_far_below_adam():
         method = Adam(model, OmegaConf.create({"optimizer": "adam", "betas": [0.9, 0.999], "eps": 1e-8,
                                                "weight_decay": 0.0}), 1e-3)
         method.step([batch], loss)  # creates the moments
-        with LiveTensorCounter().track(state_tensors(model, method)) as c:
+        with LiveTensorCounter().track_state(model, method) as c:
             method.step([batch], loss)
         return c.peak
 

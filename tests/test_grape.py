@@ -11,7 +11,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from dpmem.config import MethodConfig
-from dpmem.engine.metering import LiveTensorCounter, state_tensors
+from dpmem.engine.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, GaLoreDPNaive, Grape, Noise
 from dpmem.persample import PerSampleGradients, Projection
 
@@ -166,7 +166,7 @@ def test_grape_peak_is_well_below_dp_adam():
                                             reduction="none")
         method = method_cls(model, cfg, 1e-3, noise=Noise(1.0, 1.0, 32.0, None))
         method.step([x], loss)
-        with LiveTensorCounter().track(state_tensors(model, method)) as counter:
+        with LiveTensorCounter().track_state(model, method) as counter:
             method.step([x], loss)
         return counter.peak
 

@@ -39,3 +39,15 @@ def test_rc_sigma_writes_its_three_tables(tmp_path):
     assert float(rows["64"][2]) == pytest.approx(hutch / base, rel=1e-3)
     assert len(rows["4"]) == 2 and rows["∞ (dpmem's whole-model d)"][0] == rows["∞ (dpmem's whole-model d)"][1]
     assert rows["2"][0].endswith("(2.000)")  # (x₊ - 1)·dk at d = 2
+
+
+def test_validate_memory_says_when_there_is_no_gpu(tmp_path):
+    out = tmp_path / "validate.md"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "validate_memory.py"), "--methods", "adam", "grape",
+                        "--out", str(out), "train.batch_size=4"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert text.startswith("No CUDA device here")
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| adam ") or line.startswith("| grape ")]
+    assert len(rows) == 2 and all(row[2].strip() == row[3].strip() for row in rows)  # meta == CPU

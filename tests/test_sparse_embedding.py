@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from dpmem.config import MethodConfig
-from dpmem.engine.metering import LiveTensorCounter, state_tensors
+from dpmem.engine.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, Noise
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
 from dpmem.persample.factored import Factored
@@ -100,7 +100,7 @@ def test_no_batch_by_vocab_tensor_is_made():
     method = DPAdam(model, cfg, 0.1, Noise(1.0, 1.0, float(batch), None))
     b = {"ids": torch.randint(0, vocab, (batch, 12)), "y": torch.randint(0, 3, (batch,))}
     loss = lambda m, x: F.cross_entropy(m(x["ids"]), x["y"], reduction="none")  # noqa: E731
-    with LiveTensorCounter().track(state_tensors(model, method)) as counter:
+    with LiveTensorCounter().track_state(model, method) as counter:
         method.step([b], loss)
     dense_per_sample = batch * vocab * dim * 4
     # weights, summed gradient, noise and update are a few vocab×dim matrices; B×vocab×dim would be 16 of them

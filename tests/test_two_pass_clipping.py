@@ -11,7 +11,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from dpmem.config import MethodConfig
-from dpmem.engine.metering import LiveTensorCounter, state_tensors
+from dpmem.engine.metering import LiveTensorCounter
 from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive, Noise
 from dpmem.persample import PerSampleGradients
 from dpmem.persample.factored import Factored
@@ -215,7 +215,7 @@ def peak(clipping, layer, tokens):
     cfg = method_cfg(optimizer="sgd", clipping=clipping)
     cfg.check_coverage = False
     method = DPAdam(model, cfg, lr=0.1, noise=Noise(1.0, 0.5, 4.0, None))
-    with LiveTensorCounter().track(state_tensors(model, method)) as counter:
+    with LiveTensorCounter().track_state(model, method) as counter:
         method.step([b], loss)
     return counter.peak
 

@@ -29,9 +29,15 @@ def take(columns: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, tor
     return {k: v[index] for k, v in columns.items()}
 
 
-def build_data(cfg) -> DataBundle:
-    from dpmem.data import digits, npz
-    loaders = {"digits": digits.load, "npz": npz.load}
+def build_data(cfg, model_cfg) -> DataBundle:
+    """The data set of `cfg`; synthetic data takes its kind (images or token ids) from the model."""
+    from dpmem.data import digits, npz, synthetic
+    loaders = {"digits": digits.load, "npz": npz.load, "synthetic": lambda c: synthetic.load(c, model_cfg)}
     if cfg.name not in loaders:
         raise ConfigError("data.name", f"{cfg.name!r} is unknown; allowed: {', '.join(loaders)}")
     return loaders[cfg.name](cfg)
+
+
+def example_batch(data: DataBundle, size: int, device) -> dict[str, torch.Tensor]:
+    """A batch of `size` copies of the first training example on `device` (meta: shapes only), for planning."""
+    return {k: v[:1].expand(size, *v.shape[1:]).contiguous().to(device) for k, v in data.train.items()}

@@ -1,8 +1,11 @@
 """Memory and throughput meters. On CUDA the allocator's peaks; elsewhere (CPU, meta) a TorchDispatchMode that
-counts the bytes of live tensor storages, which is exact and device-independent."""
+counts the bytes of live tensor storages, which is exact and device-independent, and says what they were at the
+peak: parameters, gradients, per-sample state, optimiser state, activations and temporaries."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
 from typing import Iterable
 
@@ -10,47 +13,94 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+CATEGORIES = ("parameters", "gradients", "per_sample", "optimizer_state", "activations", "temporaries")
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to a multiple of 512 bytes
+
+# What the code running now is making; storages created under no label are temporaries. A context variable, so
+# that labelling costs nothing when no counter is active and nested labels unwind on exceptions.
+_label: contextvars.ContextVar[str] = contextvars.ContextVar("dpmem_memory_label", default="temporaries")
+
+
+@contextlib.contextmanager
+def memory_label(category: str):
+    """Storages created inside count as `category` (one of CATEGORIES) in a LiveTensorCounter's breakdown."""
+    token = _label.set(category)
+    try:
+        yield
+    finally:
+        _label.reset(token)
+
+
+def labelled_forward(loss_fn):
+    """`loss_fn` with what its forward pass creates (and autograd saves) counted as activations."""
+    def forward(model, batch):
+        with memory_label("activations"):
+            return loss_fn(model, batch)
+    return forward
+
 
 class LiveTensorCounter(TorchDispatchMode):
     """Counts the bytes of every storage an op creates while the mode is active, until that storage dies.
-    `track` adds storages made before (parameters, optimiser state). `current` and `peak` are in bytes."""
+    `track`/`track_state` add storages made before (parameters, optimiser state). `current` and `peak` are in
+    bytes, each storage rounded up to a multiple of `block` (1: exact bytes; CUDA_BLOCK: what CUDA's allocator
+    would hand out). `peak_breakdown` splits the peak by category; a storage that is some parameter's `.grad` at
+    the peak counts as a gradient whatever made it."""
 
-    def __init__(self):
+    def __init__(self, block: int = 1):
         super().__init__()
-        self._live: dict[int, weakref.ref] = {}
+        self.block = block
+        self._live: dict[int, tuple[weakref.ref, int, str]] = {}
+        self._params: list[torch.nn.Parameter] = []
         self.current = 0
         self.peak = 0
+        self.by_category = dict.fromkeys(CATEGORIES, 0)
+        self.peak_breakdown = dict.fromkeys(CATEGORIES, 0)
 
-    def track(self, tensors: Iterable[torch.Tensor]) -> "LiveTensorCounter":
+    def track(self, tensors: Iterable[torch.Tensor], category: str = "parameters") -> "LiveTensorCounter":
         for t in tensors:
-            self._add(t)
+            self._add(t, category)
         return self
 
-    def _add(self, t) -> None:
+    def track_state(self, model: torch.nn.Module, method=None) -> "LiveTensorCounter":
+        """Everything that exists between steps: parameters and buffers, gradients, the method's optimiser state."""
+        self._params = list(model.parameters())
+        self.track(self._params).track(model.buffers())
+        self.track((p.grad for p in self._params if p.grad is not None), "gradients")
+        return self.track(method.state_tensors() if method is not None else [], "optimizer_state")
+
+    def _add(self, t, category: str) -> None:
         if not isinstance(t, torch.Tensor) or t.is_sparse:
             return
         storage = t.untyped_storage()
         key = id(storage)
         if key in self._live:
             return
-        size = storage.nbytes()
-        self._live[key] = weakref.ref(storage, lambda _, key=key, size=size: self._free(key, size))
+        size = -(-storage.nbytes() // self.block) * self.block
+        self._live[key] = (weakref.ref(storage, lambda _, key=key: self._free(key)), size, category)
         self.current += size
-        self.peak = max(self.peak, self.current)
+        self.by_category[category] += size
+        if self.current > self.peak:
+            self._new_peak()
 
-    def _free(self, key: int, size: int) -> None:
-        if self._live.pop(key, None) is not None:
-            self.current -= size
+    def _free(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self.current -= entry[1]
+            self.by_category[entry[2]] -= entry[1]
+
+    def _new_peak(self) -> None:
+        self.peak = self.current
+        breakdown = dict(self.by_category)
+        for p in self._params:
+            entry = self._live.get(id(p.grad.untyped_storage())) if p.grad is not None else None
+            if entry is not None and entry[2] != "gradients":
+                breakdown[entry[2]] -= entry[1]
+                breakdown["gradients"] += entry[1]
+        self.peak_breakdown = breakdown
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        category = _label.get()
         for t in tree_flatten(out)[0]:
-            self._add(t)
+            self._add(t, category)
         return out
-
-
-def state_tensors(model: torch.nn.Module, method=None) -> list[torch.Tensor]:
-    """Tensors that exist between steps: parameters, buffers, gradients and the method's optimiser state."""
-    out = list(model.parameters()) + list(model.buffers())
-    out += [p.grad for p in model.parameters() if p.grad is not None]
-    return out + (method.state_tensors() if method is not None else [])

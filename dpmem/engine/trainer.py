@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from dpmem.config import ConfigError, enum_value, resolve_accountant, resolve_delta
 from dpmem.data import DataBundle, build_data, take
-from dpmem.engine.metering import LiveTensorCounter, state_tensors
+from dpmem.engine.metering import LiveTensorCounter
 from dpmem.engine.summary import append_metrics, summary_table, versions, write_summary
 from dpmem.methods import Noise, build_method
 from dpmem.methods.rc import max_layer_dimension, rc_dimension
@@ -75,7 +75,7 @@ class Run:
         t, p, m = cfg.train, cfg.privacy, cfg.method
         self.device = resolve_device(enum_value(t.device))
         torch.manual_seed(t.seed)
-        self.data = build_data(cfg.data)
+        self.data = build_data(cfg.data, cfg.model)
         n = self.data.n_train
         if t.batch_size > n:
             raise ConfigError("train.batch_size", f"{t.batch_size} is larger than the training set ({n})")
@@ -202,7 +202,7 @@ class Run:
                     if self.device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(self.device)
                     elif log_cfg.memory_steps > 0:
-                        counter = LiveTensorCounter().track(state_tensors(self.model, self.method))
+                        counter = LiveTensorCounter().track_state(self.model, self.method)
                         counter.__enter__()
                 lr = lr_at(step, self.steps, t)
                 self.method.set_lr(lr)

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dpmem.engine.metering import memory_label
 from dpmem.methods.base import Noise, batch_size
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, verify_coverage, weighted_sum
 from dpmem.persample.norms import RULES, squared_norms
@@ -61,7 +62,8 @@ class Privatizer:
         return summed, loss_sum
 
     def _materialized(self, microbatches, loss_fn, shapes, coverage_transform):
-        summed = {p: torch.zeros(shapes[p], device=p.device, dtype=p.dtype) for p in self.params}
+        with memory_label("gradients"):
+            summed = {p: torch.zeros(shapes[p], device=p.device, dtype=p.dtype) for p in self.params}
         loss_sum = torch.zeros((), device=self.params[0].device)
         for mb in microbatches:
             with self.persample.capture(batch_size(mb)):
@@ -73,8 +75,8 @@ class Privatizer:
                 ones = torch.ones(batch_size(mb), device=self.params[0].device)
                 verify_coverage(self.model, self.params, weighted_sum(grads, ones), coverage_transform)
             factors = clip_factors(per_sample_norms(grads), self.noise.max_grad_norm)
-            for p, g in weighted_sum(grads, factors).items():
-                summed[p] += g
+            for p, g in grads.items():  # one parameter at a time: no second model-sized temporary
+                summed[p] += weighted_sum({p: g}, factors)[p]
             self.persample.clear()
             loss_sum = loss_sum + losses.detach().sum()
         return summed, loss_sum
@@ -83,7 +85,8 @@ class Privatizer:
         return squared_norms(g, self.clipping, self.k, self.noise.generator)
 
     def _two_pass(self, microbatches, loss_fn):
-        summed = {p: torch.zeros_like(p) for p in self.params}
+        with memory_label("gradients"):
+            summed = {p: torch.zeros_like(p) for p in self.params}
         loss_sum = torch.zeros((), device=self.params[0].device)
         for mb in microbatches:
             check = self._check_coverage

@@ -124,9 +124,19 @@ class Factored:
         """gᵢ y for y (cols, k) or (B, cols, k): (B, rows, k)."""
         return _total(apply_t(left, apply(right, y), self.rows) for left, right in self.terms)
 
+    def add_to_(self, dense: torch.Tensor) -> torch.Tensor:
+        """dense (B, *param_shape) += these per-sample gradients, in place: no second (B, rows, cols) tensor."""
+        flat = dense.view(dense.shape[0], self.rows, self.cols)
+        for left, right in self.terms:
+            if _is_ids(left):  # row ids[i, t] of sample i gets right[i, t]
+                flat.scatter_add_(1, left.unsqueeze(-1).expand(-1, -1, self.cols), right.to(flat.dtype))
+            else:
+                flat.baddbmm_(left.transpose(1, 2).to(flat.dtype), right.to(flat.dtype))
+        return dense
+
     def __add__(self, other):
         """Two factored uses of a tied weight concatenate their terms; a dense use densifies (the norm needs the
-        sum of both parts)."""
+        sum of both parts). `add_to_` does the latter without a copy."""
         if isinstance(other, Factored):
             return Factored(self.terms + other.terms, self.rows, self.cols, self.param_shape)
         return self.to_dense() + other

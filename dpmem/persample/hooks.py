@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from dpmem.engine.metering import memory_label
 from dpmem.persample import rules  # noqa: F401  (registers the layer rules)
 from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads
 from dpmem.persample.registry import Projection, Rule, rule_for
@@ -102,8 +103,9 @@ class PerSampleGradients:
         self._uses, self._arrived, self.squared_norms, self.sums = {}, {}, None, {}
         try:
             yield self
-            for p in list(self.grads) if norms is not None else []:  # uses whose output got no gradient
-                self._reduce(p)
+            with memory_label("per_sample"):
+                for p in list(self.grads) if norms is not None else []:  # uses whose output got no gradient
+                    self._reduce(p)
         finally:
             self._active, self._norms = False, None
 
@@ -154,6 +156,10 @@ class PerSampleGradients:
         owner.handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
 
     def _accumulate(self, owner: _Owner, saved, grad_output: torch.Tensor) -> None:
+        with memory_label("per_sample"):
+            self._per_sample(owner, saved, grad_output)
+
+    def _per_sample(self, owner: _Owner, saved, grad_output: torch.Tensor) -> None:
         batch = self._batch
         if grad_output.shape[0] != batch and owner.rule is not None:
             # Layers fed a batch-major flattening (OPT's FFN sees B·T rows): restore the batch dimension.
@@ -180,12 +186,7 @@ class PerSampleGradients:
             p = owner.params.get(name)
             if p is None:  # a frozen parameter of a rule-covered module
                 continue
-            if p not in self.grads:
-                self.grads[p] = g
-            elif isinstance(g, Factored):  # a tied weight: factored + factored stays factored, + dense densifies
-                self.grads[p] = g + self.grads[p]
-            else:
-                self.grads[p] = self.grads[p] + g
+            self.grads[p] = g if p not in self.grads else _tied_sum(self.grads[p], g)
             if self._norms is not None:
                 self._arrived[p] = self._arrived.get(p, 0) + 1
                 if self._arrived[p] == self._uses.get(p, 0):  # every use is in: norm it and free it
@@ -197,6 +198,17 @@ class PerSampleGradients:
             self.sums[p] = weighted_sum({p: g}, torch.ones(g.shape[0], device=p.device))[p]
         squares = self._norms(p, g)
         self.squared_norms = squares if self.squared_norms is None else self.squared_norms + squares
+
+
+def _tied_sum(a, b):
+    """Two uses' per-sample gradients of one tied weight: factored + factored stays factored; otherwise the sum
+    is dense, formed in one of the rules' fresh dense tensors in place (a copy would be another B×rows×cols)."""
+    if isinstance(a, Factored) and isinstance(b, Factored):
+        return a + b
+    dense, other = (b, a) if isinstance(a, Factored) else (a, b)
+    if not dense.is_contiguous():  # a broadcast view cannot be added into
+        return dense + (other.to_dense() if isinstance(other, Factored) else other)
+    return other.add_to_(dense) if isinstance(other, Factored) else dense.add_(other)
 
 
 def per_sample_norms(grads: dict[nn.Parameter, torch.Tensor | Factored]) -> torch.Tensor:

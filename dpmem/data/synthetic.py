@@ -1,0 +1,39 @@
+"""Random inputs of a given shape: for memory planning (`dpmem memory`) and throughput runs on any model.
+Images (channels × image_size²) for image models, token ids (seq_len) for text models; labels are random, so
+there is nothing to learn. No attention mask: every token is attended, as in a batch without padding."""
+
+from __future__ import annotations
+
+import torch
+
+from dpmem.config import ConfigError
+from dpmem.data import DataBundle
+from dpmem.data import images, text
+
+
+def load(cfg, model_cfg) -> DataBundle:
+    gen = torch.Generator().manual_seed(cfg.split_seed)
+    n, n_test, classes = cfg.n_train, max(1, round(cfg.n_train * cfg.test_fraction)), cfg.num_classes
+    if classes < 2:
+        raise ConfigError("data.num_classes", f"{classes} must be >= 2")
+    if model_cfg.family == "vit":
+        shape = (cfg.channels, cfg.image_size, cfg.image_size)
+
+        def columns(m):
+            return {"pixel_values": torch.randn(m, *shape, generator=gen),
+                    "labels": torch.randint(0, classes, (m,), generator=gen)}
+        return DataBundle(columns(n), columns(n_test), classes, shape, images.per_sample_loss, images.predict)
+    vocab = model_cfg.arch.get("vocab_size")
+    if not vocab:
+        raise ConfigError("model.arch.vocab_size", "synthetic text needs the model's vocabulary size")
+    if vocab < classes + 3:
+        raise ConfigError("data.num_classes", f"{classes} label words do not fit a vocabulary of {vocab}")
+    head = model_cfg.head
+    label_words = list(range(vocab - classes, vocab))  # the last ids: never special tokens
+
+    def columns(m):
+        ids = torch.randint(3, vocab - classes, (m, cfg.seq_len), generator=gen)
+        return {"input_ids": ids, "labels": torch.randint(0, classes, (m,), generator=gen),
+                "mask_pos": torch.full((m,), cfg.seq_len - 1)}  # the mlm head reads the last position
+    loss, predict = text.task(head, label_words)
+    return DataBundle(columns(n), columns(n_test), classes, (cfg.seq_len,), loss, predict)

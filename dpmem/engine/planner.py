@@ -1,0 +1,161 @@
+"""Memory planning: real training steps of the real method code on the `meta` device (no weights, nothing
+allocated) under the live-tensor counter, which gives the peak and what it is made of, in seconds, for any model
+that has an architecture config. `device=cpu` (or cuda) runs the same steps on real tensors, to check the plan."""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from dpmem.config import ConfigError, enum_value
+from dpmem.data import build_data, example_batch
+from dpmem.engine.metering import CUDA_BLOCK, LiveTensorCounter, labelled_forward
+from dpmem.methods import Noise, build_method
+from dpmem.models import build_model
+
+# GPU memory is quoted in binary units whatever the suffix (a "24GB" card and an "80GB" H100 hold 24 and 80 GiB)
+UNITS = {"b": 1, "kb": 2**10, "mb": 2**20, "gb": 2**30, "tb": 2**40,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text) -> int:
+    """'24GB' or '24GiB' (both 24·2³⁰, as GPU sizes are quoted), '512MiB', or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match and match.group(2).lower() or "b"
+    try:
+        value = float(match.group(1)) * UNITS[unit]
+    except (AttributeError, KeyError, ValueError):
+        raise ConfigError("memory.budget", f"{text!r}: give a size such as 24GB, 24GiB or 80e9") from None
+    if not value > 0:
+        raise ConfigError("memory.budget", f"{text!r} must be positive")
+    return int(value)
+
+
+class AttentionKernels(TorchFunctionMode):
+    """On meta, scaled_dot_product_attention has no fused kernel and takes the math path, which keeps the
+    B×H×T×T attention weights for backward; the target device's fused kernel keeps O(B·H·T). This routes meta
+    calls to the kernel the target would pick: on cpu the one its own dispatcher picks (asked with stand-in
+    tensors of the same shapes); on cuda, in fp32, memory-efficient attention unless grouped-query heads differ
+    (CUDA's efficient kernel does not take enable_gqa; that case stays on the math path). The CPU flash kernel
+    reads grouped-query heads from the shapes."""
+
+    def __init__(self, target: str):
+        super().__init__()
+        self.target = target
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args[0].device.type == "meta":
+            call = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
+                            args), **kwargs)
+            q, k, v = call["query"], call["key"], call["value"]
+            mask, dropout = call.get("attn_mask"), call.get("dropout_p", 0.0)
+            causal, scale = call.get("is_causal", False), call.get("scale")
+            gqa = call.get("enable_gqa", False) and q.shape[-3] != k.shape[-3]
+            if self.target == "cpu" and _cpu_flash(tuple(q.shape), tuple(k.shape), q.dtype, _sig(mask), dropout,
+                                                   causal, call.get("enable_gqa", False)):
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, dropout, causal, attn_mask=mask, scale=scale)[0]
+            if self.target == "cuda" and not gqa:
+                bias = mask if mask is None or mask.dtype != torch.bool else \
+                    torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+                return torch.ops.aten._scaled_dot_product_efficient_attention(
+                    q, k, v, bias, q.requires_grad, dropout, causal, scale=scale)[0]
+        return func(*args, **kwargs)
+
+
+def _sig(mask):
+    return None if mask is None else (tuple(mask.shape), mask.dtype)
+
+
+@functools.cache
+def _cpu_flash(q_shape, k_shape, dtype, mask, dropout, causal, gqa) -> bool:
+    """Would the CPU dispatcher run these shapes through its flash kernel? Asked with real CPU stand-ins."""
+    q, k = torch.empty(q_shape, dtype=dtype, requires_grad=True), torch.empty(k_shape, dtype=dtype)
+    m = None if mask is None else torch.empty(mask[0], dtype=mask[1])
+    choice = torch._fused_sdp_choice(q, k, k, m, dropout, causal, enable_gqa=gqa)
+    return choice == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value
+
+
+def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = None, device: str | None = None
+         ) -> dict:
+    """Run `cfg.memory.steps` steps of cfg's method on one logical batch of `batch_size` (default
+    train.batch_size) split into physical micro-batches (default train.physical_batch_size), on `device`
+    (default memory.device), metering every step after the first (which creates the optimiser state and runs
+    one-off checks). Returns the peak tensor bytes and its breakdown."""
+    t, m, mem = cfg.train, cfg.method, cfg.memory
+    if enum_value(t.precision) != "fp32":
+        raise ConfigError("train.precision", "memory is planned in fp32: autocast has no meta backend, so a bf16 "
+                          "plan would be a guess; allowed: fp32 (measure bf16 on a GPU: scripts/validate_memory.py)")
+    batch = batch_size or t.batch_size
+    physical = min(physical_batch_size or t.physical_batch_size or batch, batch)
+    device = torch.device(device or enum_value(mem.device))
+    tic = time.perf_counter()
+    torch.manual_seed(t.seed)
+    data = build_data(cfg.data, cfg.model)
+    with torch.device(device):
+        model = build_model(cfg.model, data, weights=False).train()
+    noise = None
+    if m.private:  # sigma and the generator change values, not memory
+        gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(0)
+        noise = Noise(1.0, m.max_grad_norm, float(batch), gen)
+    method = build_method(m, model, t.lr, noise, seed=t.seed)
+    sizes = [physical] * (batch // physical) + ([batch % physical] if batch % physical else [])
+    micro = [example_batch(data, size, device) for size in sizes]
+    loss_fn = labelled_forward(data.per_sample_loss)
+    target = enum_value(mem.target)
+    block = CUDA_BLOCK if target == "cuda" else 1
+    with AttentionKernels(target):
+        method.step(micro, loss_fn)
+        counter = LiveTensorCounter(block).track_state(model, method)
+        counter.track((v for mb in micro for v in mb.values()), "activations")  # the inputs
+        if device.type == "cuda":  # a real GPU: its allocator's peaks beside the count (scripts/validate_memory)
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        with counter:
+            for _ in range(mem.steps - 1):
+                method.step(micro, loss_fn)
+    cuda = {}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        cuda = {"cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+                "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+    params = list(model.parameters())
+    return {
+        "method": m.name, "model": cfg.model.name, "data": cfg.data.name, "input_shape": list(data.input_shape),
+        "batch_size": batch, "physical_batch_size": physical, "device": device.type, "target": target,
+        "steps": mem.steps,
+        "parameters": sum(p.numel() for p in params),
+        "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
+        "peak_bytes": counter.peak, "breakdown": counter.peak_breakdown,
+        "rounding": f"{block}-byte blocks" if block > 1 else "exact bytes",
+        "allocator_overhead": mem.allocator_overhead,
+        "reserved_estimate_bytes": math.ceil(counter.peak * (1 + mem.allocator_overhead)),
+        "wall_s": time.perf_counter() - tic, **cuda,
+    }
+
+
+def largest_batch(cfg, budget: int, limit: int = 1 << 16) -> tuple[int, dict | None]:
+    """The largest batch, in one physical batch, whose reserved estimate fits `budget` bytes, and its plan;
+    (0, plan at 1) if not even one example fits. Doubling, then bisection: memory grows with the batch."""
+    fits = {}
+
+    def ok(b):
+        fits[b] = plan(cfg, b, physical_batch_size=b)
+        return fits[b]["reserved_estimate_bytes"] <= budget
+    if not ok(1):
+        return 0, fits[1]
+    low = 1
+    while low < limit and ok(min(2 * low, limit)):
+        low = min(2 * low, limit)
+    high = min(2 * low, limit + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if ok(mid) else (low, mid)
+    return low, fits[low]

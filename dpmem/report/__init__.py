@@ -1,0 +1,1 @@
+"""Turn records (memory plans, run summaries) into tables and figures."""

@@ -1,0 +1,91 @@
+"""Memory plans as a markdown table, memory.json and figures: peak against batch size for every configuration,
+and per configuration the peak's breakdown stacked by category."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from dpmem.engine.metering import CATEGORIES
+
+GIB = 2**30
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.2f}"
+
+
+def plans_table(rows: list[dict]) -> str:
+    unit, scale = ("GiB", GIB) if max(r["reserved_estimate_bytes"] for r in rows) >= GIB else ("MiB", 2**20)
+    head = (["configuration", "B", "physical B", f"peak {unit}", f"reserved est. {unit}"] + list(CATEGORIES)
+            + ["plan s"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        size = lambda x: f"{x / scale:.2f}"  # noqa: E731
+        cells = [r["label"], str(r["batch_size"]), str(r["physical_batch_size"]), size(r["peak_bytes"]),
+                 size(r["reserved_estimate_bytes"])] + [size(r["breakdown"][c]) for c in CATEGORIES]
+        lines.append("| " + " | ".join(cells + [f"{r['wall_s']:.1f}"]) + " |")
+    return "\n".join(lines)
+
+
+def budget_table(budget: str, found: list[dict]) -> str:
+    lines = [f"Largest batch (one physical batch) whose reserved estimate fits {budget}:", "",
+             "| configuration | largest B | reserved est. GiB at that B |", "|---|---|---|"]
+    for f in found:
+        plan = f["plan"]
+        reserved = _gib(plan["reserved_estimate_bytes"]) if f["largest_batch"] else "does not fit at B = 1: " + \
+            _gib(plan["reserved_estimate_bytes"])
+        lines.append(f"| {f['label']} | {f['largest_batch']} | {reserved} |")
+    return "\n".join(lines)
+
+
+def write(out: Path, rows: list[dict], budget: str | None = None, found: list[dict] | None = None) -> str:
+    """memory.json, memory.md and (for batch-size sweeps) PNG figures in `out`; returns the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows0 = rows[0] if rows else (found[0]["plan"] if found else {})
+    text = (f"Planned peak memory: {rows0.get('steps')} steps on {rows0.get('device')}, the first unmetered; "
+            f"tensors counted in {rows0.get('rounding')}; reserved estimate = peak × "
+            f"(1 + {rows0.get('allocator_overhead')}); GiB = 2³⁰, MiB = 2²⁰ bytes.\n\n")
+    if rows:
+        text += plans_table(rows) + "\n"
+    if found is not None:
+        text += "\n" + budget_table(budget, found) + "\n"
+    (out / "memory.json").write_text(json.dumps({"plans": rows, "budget": budget, "largest_batch": found},
+                                                indent=2) + "\n")
+    (out / "memory.md").write_text(text)
+    _figures(out, rows)
+    return text
+
+
+def _figures(out: Path, rows: list[dict]) -> None:
+    by_label = defaultdict(list)
+    for r in rows:
+        by_label[r["label"]].append(r)
+    sweeps = {k: sorted(v, key=lambda r: r["batch_size"]) for k, v in by_label.items() if len(v) > 1}
+    if not sweeps:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, rs in sweeps.items():
+        ax.plot([r["batch_size"] for r in rs], [r["reserved_estimate_bytes"] / GIB for r in rs], "o-", label=label)
+    ax.set(xlabel="batch size", ylabel="reserved estimate (GiB)", xscale="log", title="Planned peak memory")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "memory_vs_batch.png", dpi=120)
+    plt.close(fig)
+    for label, rs in sweeps.items():
+        fig, ax = plt.subplots(figsize=(6, 4))
+        x = [r["batch_size"] for r in rs]
+        ax.stackplot(x, *[[r["breakdown"][c] / GIB for r in rs] for c in CATEGORIES], labels=CATEGORIES)
+        ax.set(xlabel="batch size", ylabel="GiB at the peak", title=label)
+        ax.legend(loc="upper left", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / f"memory_{_safe(label)}.png", dpi=120)
+        plt.close(fig)
+
+
+def _safe(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in label)

@@ -1,0 +1,164 @@
+"""Memory planning on the meta device: the plan equals what real tensors hold, its breakdown adds up to the peak
+and matches sizes computed from the model, the budget search finds what a scan finds, and the CLI writes it all."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from dpmem.cli import CONF_DIR
+from dpmem.config import ConfigError
+from dpmem.data import build_data
+from dpmem.engine.metering import CATEGORIES
+from dpmem.engine.planner import largest_batch, parse_bytes, plan
+from dpmem.engine.trainer import run_training
+from dpmem.models import build_model
+
+
+def config(*overrides):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose("config", overrides=["train.batch_size=8", "logging.progress=false", *overrides])
+
+
+def blocks(nbytes: int, block: int = 512) -> int:
+    return -(-nbytes // block) * block
+
+
+CASES = [
+    ("model=vit-tiny", "method=adam"),
+    ("model=vit-tiny", "method=dp-adam"),
+    ("model=vit-tiny", "method=dp-adam", "method.clipping=ghost"),
+    ("model=vit-tiny", "method=grape", "train.physical_batch_size=3"),
+    ("model=vit-tiny", "method=galore-dp-naive"),
+    ("model=vit-tiny", "method=dp-sgd-rc", "method.estimator=hutchpp"),
+    ("model=vit-tiny", "method=dpzero"),
+    ("model=roberta-tiny", "model.head=mlm", "data=synthetic", "data.seq_len=12", "method=dp-adam"),
+    ("model=opt-tiny", "data=synthetic", "data.seq_len=12", "method=grape"),
+    ("model=llama-tiny", "data=synthetic", "data.seq_len=12", "method=dp-adam", "method.clipping=mixed"),
+]
+
+
+@pytest.mark.parametrize("overrides", CASES, ids=lambda o: " ".join(o))
+def test_the_meta_plan_equals_a_real_cpu_run(overrides):
+    """The same steps on real CPU tensors hold exactly the bytes the meta plan predicts (the issue asks for 5%)."""
+    meta = plan(config(*overrides, "memory.target=cpu"))
+    cpu = plan(config(*overrides, "memory.target=cpu"), device="cpu")
+    assert meta["device"] == "meta" and cpu["device"] == "cpu"
+    assert abs(meta["peak_bytes"] - cpu["peak_bytes"]) <= 0.05 * cpu["peak_bytes"]
+    assert meta["peak_bytes"] == cpu["peak_bytes"] and meta["breakdown"] == cpu["breakdown"]
+    assert sum(meta["breakdown"].values()) == meta["peak_bytes"]
+    assert set(meta["breakdown"]) == set(CATEGORIES)
+
+
+@pytest.mark.parametrize("method", ["adam", "dp-adam"])
+def test_the_plan_equals_the_trainers_counted_peak(tmp_path, method):
+    """A `dpmem train` run on CPU (fixed-size batches, so every step has B examples) counts the peak the plan
+    predicts on meta."""
+    run = ["train.steps=4", "logging.memory_steps=2", "train.sampling=fixed" if method == "dp-adam" else
+           "train.sampling=shuffle", "privacy.accountant=rdp", "privacy.neighbouring=replace_one",
+           f"method={method}", "memory.target=cpu"]
+    summary = run_training(config(*run), tmp_path)
+    assert summary["status"] == "ok" and summary["peak_memory_source"] == "live_tensors"
+    # the trainer also holds the indices it sampled and the batch it took from the data set
+    assert plan(config(*run))["peak_bytes"] == pytest.approx(summary["peak_memory_bytes"], rel=0.01)
+
+
+def test_the_breakdown_matches_sizes_computed_from_the_model():
+    """Parameters, optimiser state and per-sample gradients at the peak, against sizes taken from a model built
+    independently: dp-adam (materialize) holds every parameter's B per-sample gradients at its peak."""
+    batch = 8
+    cfg = config("method=dp-adam", f"train.batch_size={batch}")
+    with torch.device("meta"):
+        model = build_model(cfg.model, build_data(cfg.data, cfg.model))
+    tensors = list(model.parameters()) + list(model.buffers())
+    params = sum(blocks(t.numel() * t.element_size()) for t in tensors)
+    adam = sum(2 * blocks(p.numel() * 4) + blocks(4) for p in model.parameters())  # moments and step count
+    # the peak comes in the first encoder layer's backward (a bias or two short of all its per-sample gradients)
+    # and before the patch embeddings', which are made last, when the activations they would join are gone
+    per_sample = sum(blocks(batch * p.numel() * 4) for n, p in model.named_parameters()
+                     if not n.startswith("vit.embeddings."))
+    got = plan(cfg)["breakdown"]
+    assert got["parameters"] == params
+    assert got["optimizer_state"] == adam
+    assert got["per_sample"] == pytest.approx(per_sample, rel=0.01)
+
+
+def test_grape_plans_far_below_dp_adam_on_a_large_model():
+    """RoBERTa-large's shapes, no weights: per-sample state is what grape removes (the paper's 68.7% at B = 40)."""
+    sizes = {m: plan(config("model=roberta-large", "data=synthetic", "data.seq_len=16", "train.batch_size=4",
+                            f"method={m}", "memory.steps=2")) for m in ("dp-adam", "grape")}
+    assert sizes["grape"]["breakdown"]["per_sample"] < 0.5 * sizes["dp-adam"]["breakdown"]["per_sample"]
+    assert sizes["grape"]["peak_bytes"] < sizes["dp-adam"]["peak_bytes"]
+
+
+def test_the_budget_search_finds_what_a_scan_finds():
+    cfg = config("method=dp-adam")
+    reserved = [plan(cfg, b, physical_batch_size=b)["reserved_estimate_bytes"] for b in range(1, 13)]
+    assert reserved == sorted(reserved)
+    for largest in (1, 7, 11):
+        budget = (reserved[largest - 1] + reserved[largest]) // 2
+        assert largest_batch(cfg, budget)[0] == largest
+    batch, at_one = largest_batch(cfg, reserved[0] - 1)
+    assert batch == 0 and at_one["reserved_estimate_bytes"] == reserved[0]
+
+
+def test_reserved_estimate_adds_the_allocator_fraction():
+    p = plan(config("method=adam", "memory.allocator_overhead=0.25"))
+    assert p["reserved_estimate_bytes"] == pytest.approx(1.25 * p["peak_bytes"], abs=1)
+
+
+@pytest.mark.parametrize("text,expected", [("24GB", 24 * 2**30), ("24GiB", 24 * 2**30), ("512MiB", 2**29),
+                                           ("1.5e9", 1_500_000_000), ("80 gb", 80 * 2**30)])
+def test_budgets_parse(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "24XB", "-1GB", "0"])
+def test_bad_budgets_are_refused(text):
+    with pytest.raises(ConfigError, match="memory.budget"):
+        parse_bytes(text)
+
+
+def dpmem(*args, cwd):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    return subprocess.run([sys.executable, "-m", "dpmem.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_dpmem_memory_sweep_writes_table_json_and_figures(tmp_path):
+    r = dpmem("memory", "-m", "method=adam,dp-adam", "train.batch_size=2,4", f"memory.dir={tmp_path}/out",
+              cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    record = json.loads((tmp_path / "out" / "memory.json").read_text())
+    plans = record["plans"]
+    assert [(p["label"], p["batch_size"]) for p in plans] == [
+        ("method=adam", 2), ("method=adam", 4), ("method=dp-adam", 2), ("method=dp-adam", 4)]
+    assert all(p["device"] == "meta" and p["steps"] == 3 for p in plans)
+    assert "| method=dp-adam | 4 |" in r.stdout and (tmp_path / "out" / "memory.md").read_text() in r.stdout
+    figures = {p.name for p in (tmp_path / "out").glob("*.png")}
+    assert figures == {"memory_vs_batch.png", "memory_method=adam.png", "memory_method=dp-adam.png"}
+
+
+def test_dpmem_memory_budget_reports_the_largest_batch(tmp_path):
+    r = dpmem("memory", "method=adam,grape", "memory.budget=3MiB", f"memory.dir={tmp_path}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    found = {f["label"]: f for f in json.loads((tmp_path / "memory.json").read_text())["largest_batch"]}
+    assert set(found) == {"method=adam", "method=grape"}
+    for f in found.values():
+        assert f["largest_batch"] >= 1 and f["plan"]["reserved_estimate_bytes"] <= 3 * 2**20
+        assert f["plan"]["batch_size"] == f["largest_batch"]
+
+
+@pytest.mark.parametrize("override,key", [("memory.budget=lots", "memory.budget"),
+                                          ("train.precision=bf16", "train.precision"),
+                                          ("memory.steps=1", "memory.steps"),
+                                          ("model=opt-tiny", "model")])
+def test_dpmem_memory_bad_input_is_one_line(tmp_path, override, key):
+    r = dpmem("memory", override, f"memory.dir={tmp_path}", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and key in lines[0], r.stderr
