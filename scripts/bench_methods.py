@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -24,6 +23,7 @@ from dpmem.data import DataBundle, images, text
 from dpmem.engine.metering import LiveTensorCounter
 from dpmem.methods import METHODS, Noise, build_method
 from dpmem.models import build_model
+from dpmem.report import write_markdown
 
 DEFAULT_METHODS = ["adam", "galore", "mezo", "dp-adam", "galore-dp-naive", "grape", "dpzero"]
 
@@ -130,10 +130,7 @@ def main() -> None:
               f"{' '.join(overrides) or 'none'}), device {device}, one step metered after one warm-up step, "
               f"{timed}.\n\n")
     text = header + table(rows, args.methods, device) + "\n"
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(text)
+    write_markdown(args.out, text)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,13 @@ outputs/bench/validate_memory.md.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
 
 from dpmem.cli import CONF_DIR
 from dpmem.engine.planner import plan
+from dpmem.report import write_markdown
 
 MIB = 2**20
 
@@ -56,10 +56,7 @@ def main() -> None:
             lines.append(f"| {method} | {planned['peak_bytes'] / MIB:.2f} | {counted / MIB:.2f} | "
                          f"{planned['peak_bytes'] / counted:.3f} |")
     text = "\n".join(lines) + "\n"
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(text)
+    write_markdown(args.out, text)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ from torch import nn
 
 from dpmem.engine.metering import memory_label
 from dpmem.methods.base import Noise, batch_size
-from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, verify_coverage, weighted_sum
+from dpmem.persample import (PerSampleGradients, clip_factors, per_sample_norms, verify_coverage, weighted_sum,
+                             weighted_sum_of)
 from dpmem.persample.norms import RULES, squared_norms
 
 CLIPPINGS = ("materialize",) + RULES
@@ -76,7 +77,7 @@ class Privatizer:
                 verify_coverage(self.model, self.params, weighted_sum(grads, ones), coverage_transform)
             factors = clip_factors(per_sample_norms(grads), self.noise.max_grad_norm)
             for p, g in grads.items():  # one parameter at a time: no second model-sized temporary
-                summed[p] += weighted_sum({p: g}, factors)[p]
+                summed[p] += weighted_sum_of(g, factors)
             self.persample.clear()
             loss_sum = loss_sum + losses.detach().sum()
         return summed, loss_sum

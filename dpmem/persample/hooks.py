@@ -195,7 +195,7 @@ class PerSampleGradients:
     def _reduce(self, p: nn.Parameter) -> None:
         g = self.grads.pop(p)
         if self._keep_sums:
-            self.sums[p] = weighted_sum({p: g}, torch.ones(g.shape[0], device=p.device))[p]
+            self.sums[p] = weighted_sum_of(g, torch.ones(g.shape[0], device=p.device))
         squares = self._norms(p, g)
         self.squared_norms = squares if self.squared_norms is None else self.squared_norms + squares
 
@@ -207,7 +207,7 @@ def _tied_sum(a, b):
         return a + b
     dense, other = (b, a) if isinstance(a, Factored) else (a, b)
     if not dense.is_contiguous():  # a broadcast view cannot be added into
-        return dense + (other.to_dense() if isinstance(other, Factored) else other)
+        return other + dense
     return other.add_to_(dense) if isinstance(other, Factored) else dense.add_(other)
 
 
@@ -223,11 +223,17 @@ def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
     return (max_norm / (norms + 1e-6)).clamp(max=1.0)
 
 
+def weighted_sum_of(g: torch.Tensor | Factored, weights: torch.Tensor) -> torch.Tensor:
+    """Σᵢ wᵢ gᵢ of one parameter's per-sample gradients (dense)."""
+    if isinstance(g, Factored):
+        return g.weighted_sum(weights)
+    return torch.einsum("b,b...->...", weights.to(g.dtype), g)
+
+
 def weighted_sum(grads: dict[nn.Parameter, torch.Tensor | Factored],
                  weights: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
     """Σᵢ wᵢ gᵢ per parameter (dense)."""
-    return {p: g.weighted_sum(weights) if isinstance(g, Factored)
-            else torch.einsum("b,b...->...", weights.to(g.dtype), g) for p, g in grads.items()}
+    return {p: weighted_sum_of(g, weights) for p, g in grads.items()}
 
 
 def verify_coverage(model: nn.Module, params: list[nn.Parameter], totals: dict[nn.Parameter, torch.Tensor],

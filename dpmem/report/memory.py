@@ -12,8 +12,8 @@ from dpmem.engine.metering import CATEGORIES
 GIB = 2**30
 
 
-def _gib(x: float) -> str:
-    return f"{x / GIB:.2f}"
+def _size(x: float, scale: int = GIB) -> str:
+    return f"{x / scale:.2f}"
 
 
 def plans_table(rows: list[dict]) -> str:
@@ -22,9 +22,8 @@ def plans_table(rows: list[dict]) -> str:
             + ["plan s"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        size = lambda x: f"{x / scale:.2f}"  # noqa: E731
-        cells = [r["label"], str(r["batch_size"]), str(r["physical_batch_size"]), size(r["peak_bytes"]),
-                 size(r["reserved_estimate_bytes"])] + [size(r["breakdown"][c]) for c in CATEGORIES]
+        cells = [r["label"], str(r["batch_size"]), str(r["physical_batch_size"]), _size(r["peak_bytes"], scale),
+                 _size(r["reserved_estimate_bytes"], scale)] + [_size(r["breakdown"][c], scale) for c in CATEGORIES]
         lines.append("| " + " | ".join(cells + [f"{r['wall_s']:.1f}"]) + " |")
     return "\n".join(lines)
 
@@ -34,8 +33,8 @@ def budget_table(budget: str, found: list[dict]) -> str:
              "| configuration | largest B | reserved est. GiB at that B |", "|---|---|---|"]
     for f in found:
         plan = f["plan"]
-        reserved = _gib(plan["reserved_estimate_bytes"]) if f["largest_batch"] else "does not fit at B = 1: " + \
-            _gib(plan["reserved_estimate_bytes"])
+        reserved = _size(plan["reserved_estimate_bytes"]) if f["largest_batch"] else "does not fit at B = 1: " + \
+            _size(plan["reserved_estimate_bytes"])
         lines.append(f"| {f['label']} | {f['largest_batch']} | {reserved} |")
     return "\n".join(lines)
 
