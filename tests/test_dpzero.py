@@ -48,6 +48,19 @@ def test_step_with_zero_lr_restores_the_parameters():
         assert (p.detach() - a).norm() <= 1e-6 * a.norm()
 
 
+def test_both_passes_take_the_same_dropout_masks():
+    """Under a fixed dropout mask this loss is linear in θ, so its central difference is exact whatever λ; with
+    other masks in L⁻ than in L⁺ the estimate would be the masks' difference over 2λ instead."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5)).train()
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
+    estimates = []
+    for zo_eps in (1e-3, 1e-1):
+        torch.manual_seed(0)
+        method = MeZO(model, zo_cfg(zo_eps=zo_eps), lr=0.0)
+        estimates.append(method.per_sample_estimates(1, [{"x": x}], lambda m, b: m(b["x"]).sum(1))[0])
+    torch.testing.assert_close(estimates[0], estimates[1], rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("direction", ["gaussian", "sphere"])
 def test_zeroth_order_estimates_average_to_the_true_gradient(direction):
     model = Quadratic()

@@ -18,7 +18,7 @@ from dpmem.persample import PerSampleGradients, Projection
 METHOD_SCHEMA = OmegaConf.structured(MethodConfig)  # defaults for keys a test leaves out
 
 
-def grape_cfg(rank=3, refresh=2, projected=None, C=1.0):
+def grape_cfg(rank=2, refresh=2, projected=None, C=1.0):
     return OmegaConf.merge(METHOD_SCHEMA, {"name": "grape", "private": True, "max_grad_norm": C, "rank": rank,
                                            "refresh": refresh, "projected": projected})
 
@@ -85,7 +85,7 @@ def test_projected_sides_are_the_smaller_dimension():
     assert sides == {"up.weight": 1, "down.weight": 0, "conv_wide.weight": 0, "conv_tall.weight": 1}
     # the head is not projected by default, and P has N(0, 1/r) entries
     P = method.projection(method.model.down.weight, 1).P
-    assert P.shape == (4, 3)
+    assert P.shape == (4, 2)
     big = Grape(nn.Sequential(nn.Linear(400, 300)), grape_cfg(rank=50, projected=["0"]), 1e-3,
                 Noise(1.0, 1.0, 6.0, None))
     assert big.projection(big.params[0], 1).P.var().item() == pytest.approx(1 / 50, rel=0.05)
@@ -178,7 +178,7 @@ def test_grape_peak_is_well_below_dp_adam():
 
 def test_per_sample_buffers_are_b_times_r_times_max_dimension():
     torch.manual_seed(0)
-    model, rank = Mixer(), 3
+    model, rank = Mixer(), 2
     method = Grape(model, grape_cfg(rank=rank), 1e-3, Noise(1.0, 1.0, 6.0, None))
     psg = method.privatize.persample
     psg.projections = {p: (lambda p=p: method.projection(p, 1)) for p in method.sides}

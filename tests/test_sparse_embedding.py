@@ -114,7 +114,7 @@ def test_projected_embeddings_equal_dense_gradients_times_p_with_tied_head():
     for tied in (False, True):
         torch.manual_seed(0)
         model, b = LM(tied).double(), make_batch()
-        sides = choose_projected(model, None, embeddings=True)
+        sides = choose_projected(model, None, 2, embeddings=True)
         assert sides[model.emb.weight] == 1 and sides[model.head.weight] == 1  # hidden side for both
         P = torch.randn(6, 2, dtype=torch.float64)
         psg = PerSampleGradients(model)

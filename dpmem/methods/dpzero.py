@@ -55,9 +55,12 @@ class ZerothOrder(Method):
         return torch.cat([loss_fn(self.model, mb).float() for mb in microbatches])
 
     def per_sample_estimates(self, seed: int, microbatches, loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gᵢ, mean of L⁺ᵢ and L⁻ᵢ) for the direction of `seed`; the parameters end where they started."""
+        """(gᵢ, mean of L⁺ᵢ and L⁻ᵢ) for the direction of `seed`; the parameters end where they started. Both
+        passes draw the same random numbers, so that active dropout (the model's, LoRA's) takes the same masks
+        and L⁺, L⁻ are one function at two points; otherwise their difference over 2λ is the masks' noise."""
         self._perturb(seed, self.eps)
-        plus = self._losses(microbatches, loss_fn)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            plus = self._losses(microbatches, loss_fn)
         self._perturb(seed, -2 * self.eps)
         minus = self._losses(microbatches, loss_fn)
         self._perturb(seed, self.eps)

@@ -31,7 +31,7 @@ class GaLore(Method):
         super().__init__(model, cfg, lr)
         self.rank, self.refresh, self.t = cfg.rank, cfg.refresh, 0
         self.params = self._parameters(model, noise, cfg)
-        self.sides = choose_projected(model, cfg.projected)
+        self.sides = choose_projected(model, cfg.projected, cfg.rank)
         self.projections: dict[torch.nn.Parameter, Projection] = {}  # stored: r·Σm, as in the paper's Table 2
         shapes = {p: projected_shape(p, self.sides.get(p), self.rank) for p in self.params}
         self.adam = ProjectedAdam(self.params, shapes, cfg.betas, cfg.eps, cfg.weight_decay)

@@ -37,7 +37,7 @@ class Grape(Method):
         self.params = self.privatize.params
         self.rank, self.refresh, self.seed, self.t = cfg.rank, cfg.refresh, seed, 0
         # parameter -> projected side (0 rows, 1 columns)
-        self.sides = choose_projected(model, cfg.projected, embeddings=cfg.project_embeddings)
+        self.sides = choose_projected(model, cfg.projected, cfg.rank, embeddings=cfg.project_embeddings)
         self.layer_index = {p: i for i, p in enumerate(self.sides)}
         self.shapes = {p: projected_shape(p, self.sides.get(p), self.rank) for p in self.params}
         self.adam = ProjectedAdam(self.params, self.shapes, cfg.betas, cfg.eps, cfg.weight_decay)
