@@ -65,6 +65,8 @@ class PerSampleGradients:
                 rule = rule_for(module)
                 if (rule is not None) != with_rule:
                     continue
+                if rule is None and type(module).forward is nn.Module.forward:
+                    continue  # a container (ParameterDict) has no forward to replay: its parameters stay unclaimed
                 own = {n: p for n, p in module.named_parameters(recurse=False)
                        if p.requires_grad and (with_rule or id(p) not in claimed)}
                 if not own:
