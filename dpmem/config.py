@@ -7,6 +7,7 @@ allowed, which the CLI prints as one line.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -84,26 +85,53 @@ class Optimizer(Enum):
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters through peft (DP-LoRA with a private method): only the adapters (and modules_to_save) train."""
+    r: Optional[int] = None  # adapter rank; None = no LoRA (full fine-tuning)
+    alpha: float = 8.0
+    dropout: float = 0.0
+    target_modules: Optional[list[str]] = None  # module-name suffixes (peft's rule); None = peft's default per family
+    modules_to_save: Optional[list[str]] = None  # fully trained besides the adapters; None = the classifier head if any
+
+
+@dataclass
 class ModelConfig:
     name: str = MISSING
     family: str = MISSING  # which builder in dpmem.models makes it (vit, ...)
     pretrained: Optional[str] = None  # hub id or local path; None = random init from `arch`
+    tokenizer: Optional[str] = None  # hub id or local path of the tokenizer; None = the one of `pretrained`
     head: str = "classifier"  # text models: classifier | mlm (prompt over label words) | causal (LM loss)
     arch: dict[str, Any] = field(default_factory=dict)  # architecture fields of the transformers config
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    # fnmatch patterns of the parameter names trained; the rest is frozen. None = all (or LoRA's choice).
+    # E.g. [H]'s BillSum run trains Llama-3.2-1B's last five layers: ["model.layers.1[1-5].*"]
+    trainable: Optional[list[str]] = None
 
 
 @dataclass
 class DataConfig:
     name: str = MISSING
-    path: Optional[str] = None  # local file for data sets read from disk
+    path: Optional[str] = None  # local file (or folder) read instead of the hub / torchvision download
+    root: str = "~/.cache/dpmem"  # torchvision data sets: downloaded into and read from here
     test_fraction: float = 0.2  # held-out share for data sets without a fixed test split
     split_seed: int = 0  # the train/test split is fixed by this seed, independent of train.seed
+    # text tasks (dpmem.data.tasks): which examples are used
+    k: Optional[int] = None  # few-shot: k training examples per class (LM-BFF/MeZO); None = no per-class sampling
+    fewshot_seed: int = 42  # seed of the k-shot draw (the papers: 13, 21, 42; 100 for the search's dev set)
+    n_test: Optional[int] = 1000  # test examples drawn (with split_seed) from the test split; None = all
+    n_dev: Optional[int] = None  # dev examples (per class when k is set) drawn from the training split, disjoint
+    eval_split: str = "test"  # evaluated during and after training: test | dev
+    max_length: int = 256  # tokens per example; the longest text field is truncated to fit
+    max_new_tokens: int = 50  # generation tasks: greedy decoding length
+    template: Optional[str] = None  # prompt with {field} and {mask}; None = the task's template for the model's head
+    label_words: Optional[list[str]] = None  # one per class; None = the task's
+    columns: dict[str, str] = field(default_factory=dict)  # csv/jsonl: task field -> column name in the file
     # data=synthetic: the shape of random inputs (images for image models, token ids for text models)
     image_size: int = 32
     channels: int = 3
     seq_len: int = 128
     num_classes: int = 10
-    n_train: int = 1024
+    n_train: Optional[int] = None  # synthetic: examples made; text tasks: training examples drawn (None = all)
 
 
 @dataclass
@@ -209,6 +237,14 @@ class Config:
 def register_configs() -> None:
     """The root schema types every group's node, so each group's YAML files are validated against it."""
     ConfigStore.instance().store(name="config_schema", node=Config)
+
+
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "DPMEM_OFFLINE")
+
+
+def offline() -> bool:
+    """Downloads are off: any of the hub's offline variables (or DPMEM_OFFLINE) is set to a true value."""
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in OFFLINE_VARIABLES)
 
 
 def enum_value(x: Any) -> Any:

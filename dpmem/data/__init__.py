@@ -1,9 +1,10 @@
-"""Data sets as in-memory column tensors, with the task that turns a batch into per-sample losses."""
+"""Data sets as in-memory column tensors, with the task that turns a batch into per-sample losses and the metric
+that scores the model on the evaluation split."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -13,26 +14,42 @@ from dpmem.config import ConfigError
 @dataclass
 class DataBundle:
     train: dict[str, torch.Tensor]  # columns, first dimension = examples
-    test: dict[str, torch.Tensor]
-    num_classes: int
+    test: dict[str, torch.Tensor]  # the evaluated split (data.eval_split)
+    num_classes: int  # 0 for generation tasks
     input_shape: tuple[int, ...]  # of one example's model input
     per_sample_loss: Callable  # (model, batch) -> losses of shape (B,)
     predict: Callable  # (model, batch) -> predicted labels, for the accuracy metric
     metric_name: str = "accuracy"
+    # (model, device, batch_size, autocast) -> the metric on `test`; None = accuracy of `predict` on test["labels"]
+    score: Optional[Callable] = None
+    # right-padded token columns: a batch drops the padding all its examples share (same losses, less compute)
+    trim_padding: bool = False
 
     @property
     def n_train(self) -> int:
         return len(next(iter(self.train.values())))
 
+    def batch(self, columns: dict[str, torch.Tensor], index) -> dict[str, torch.Tensor]:
+        """The examples `index` (a tensor of indices or a slice) of `columns` (train or test)."""
+        out = take(columns, index)
+        mask = out.get("attention_mask")
+        if self.trim_padding and mask is not None and len(mask):
+            width = int(mask.sum(1).max())
+            out = {k: v[:, :width] if v.dim() == 2 and v.shape[1] == mask.shape[1] else v for k, v in out.items()}
+        return out
 
-def take(columns: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:
+
+def take(columns: dict[str, torch.Tensor], index) -> dict[str, torch.Tensor]:
     return {k: v[index] for k, v in columns.items()}
 
 
 def build_data(cfg, model_cfg) -> DataBundle:
-    """The data set of `cfg`; synthetic data takes its kind (images or token ids) from the model."""
-    from dpmem.data import digits, npz, synthetic
-    loaders = {"digits": digits.load, "npz": npz.load, "synthetic": lambda c: synthetic.load(c, model_cfg)}
+    """The data set of `cfg`. Synthetic data takes its kind (images or token ids) from the model; text tasks take
+    the model's tokenizer and head (which prompt, how a class is read off)."""
+    from dpmem.data import digits, npz, synthetic, tasks, vision
+    loaders = {"digits": digits.load, "npz": npz.load, "synthetic": lambda c: synthetic.load(c, model_cfg),
+               **{name: vision.load for name in vision.DATASETS},
+               **{name: (lambda c: tasks.load(c, model_cfg)) for name in tasks.TASKS}}
     if cfg.name not in loaders:
         raise ConfigError("data.name", f"{cfg.name!r} is unknown; allowed: {', '.join(loaders)}")
     return loaders[cfg.name](cfg)

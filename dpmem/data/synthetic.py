@@ -13,6 +13,8 @@ from dpmem.data import images, text
 
 def load(cfg, model_cfg) -> DataBundle:
     gen = torch.Generator().manual_seed(cfg.split_seed)
+    if not cfg.n_train or cfg.n_train < 1:
+        raise ConfigError("data.n_train", f"{cfg.n_train}: synthetic data needs a positive number of examples")
     n, n_test, classes = cfg.n_train, max(1, round(cfg.n_train * cfg.test_fraction)), cfg.num_classes
     if classes < 2:
         raise ConfigError("data.num_classes", f"{classes} must be >= 2")
@@ -35,5 +37,5 @@ def load(cfg, model_cfg) -> DataBundle:
         ids = torch.randint(3, vocab - classes, (m, cfg.seq_len), generator=gen)
         return {"input_ids": ids, "labels": torch.randint(0, classes, (m,), generator=gen),
                 "mask_pos": torch.full((m,), cfg.seq_len - 1)}  # the mlm head reads the last position
-    loss, predict = text.task(head, label_words)
+    loss, predict = text.task(head, label_words, generative=head == "causal")  # causal: LM loss
     return DataBundle(columns(n), columns(n_test), classes, (cfg.seq_len,), loss, predict)

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from dpmem.config import ConfigError, enum_value, resolve_accountant, resolve_delta
-from dpmem.data import DataBundle, build_data, take
+from dpmem.data import DataBundle, build_data
 from dpmem.engine.metering import LiveTensorCounter
 from dpmem.engine.summary import append_metrics, summary_table, versions, write_summary
 from dpmem.methods import Noise, build_method
@@ -50,14 +50,19 @@ def lr_at(step: int, total: int, cfg) -> float:
 
 @torch.no_grad()
 def evaluate(model, data: DataBundle, device, batch_size: int, autocast) -> float:
+    """The data set's metric on its evaluation split (accuracy of `predict` unless the task scores itself)."""
     model.eval()
-    correct, n = 0, len(data.test["labels"])
-    for start in range(0, n, batch_size):
-        batch = {k: v[start:start + batch_size].to(device) for k, v in data.test.items()}
-        with autocast():
-            correct += int((data.predict(model, batch) == batch["labels"]).sum())
-    model.train()
-    return correct / max(n, 1)
+    try:
+        if data.score is not None:
+            return data.score(model, device, batch_size, autocast)
+        correct, n = 0, len(data.test["labels"])
+        for start in range(0, n, batch_size):
+            batch = {k: v.to(device) for k, v in data.batch(data.test, slice(start, start + batch_size)).items()}
+            with autocast():
+                correct += int((data.predict(model, batch) == batch["labels"]).sum())
+        return correct / max(n, 1)
+    finally:
+        model.train()
 
 
 class Run:
@@ -206,7 +211,8 @@ class Run:
                         counter.__enter__()
                 lr = lr_at(step, self.steps, t)
                 self.method.set_lr(lr)
-                micro = [{k: v.to(self.device, non_blocking=True) for k, v in take(self.data.train, chunk).items()}
+                micro = [{k: v.to(self.device, non_blocking=True)
+                          for k, v in self.data.batch(self.data.train, chunk).items()}
                          for chunk in index.split(physical)] if len(index) else []
                 with self.autocast():
                     loss = self.method.step(micro, self.data.per_sample_loss)

