@@ -19,7 +19,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from dpmem.config import Config, ConfigError, register_configs, validate
@@ -27,6 +27,7 @@ from dpmem.config import Config, ConfigError, register_configs, validate
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 USAGE = """usage: dpmem train [-m] [key=value ...]
        dpmem memory [key=value ...]
+       dpmem spectrum mode=layer|trajectory [key=value ...]
 
   dpmem train                                      the embedded default (ViT on digits, grape, eps=8)
   dpmem train method=adam privacy=none             a non-private baseline
@@ -36,6 +37,9 @@ USAGE = """usage: dpmem train [-m] [key=value ...]
                                                    plan peak memory on the meta device (no weights)
   dpmem memory model=vit-base data=synthetic method=dp-adam,grape memory.budget=24GB
                                                    the largest batch that fits, per method
+  dpmem spectrum mode=layer spectrum.clip=[null,1.0] spectrum.sigma=[0,0.5,2.0]
+                                                   singular values of each layer's (clipped, noised) gradient
+  dpmem spectrum mode=trajectory method=dp-adam    PCA of a private run's clipped gradients, and subspace.pt
 """
 MAX_PREFLIGHT = 256  # sweep points composed before launch; larger grids are checked per job
 
@@ -45,7 +49,9 @@ _failed: list[str] = []
 
 def _groups() -> dict[str, list[str]]:
     conf = Path(CONF_DIR)
-    return {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in conf.iterdir() if d.is_dir()}
+    # options in sub-folders are named by their path: experiment=spectrum/layer-vit-digits
+    return {d.name: sorted(f.relative_to(d).with_suffix("").as_posix() for f in d.rglob("*.yaml"))
+            for d in conf.iterdir() if d.is_dir()}
 
 
 def _error(message: str) -> "SystemExit":
@@ -153,8 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     verb, rest = argv[0], argv[1:]
     if verb == "memory":
         return _memory(rest)
+    if verb == "spectrum":
+        return _spectrum(rest)
     if verb != "train":
-        raise _error(f"unknown command {verb!r}; allowed: train, memory")
+        raise _error(f"unknown command {verb!r}; allowed: train, memory, spectrum")
     debug = any(a.lower() in ("debug=true", "debug=1") for a in rest)
     if not any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith("--cfg") or a == "-c"
                for a in rest):
@@ -212,6 +220,40 @@ def _memory(argv: list[str]) -> None:
         raise _error(str(e)) from None
     print(report.write(out, rows, mem.budget, found), end="")
     print(f"dpmem memory: wrote {out}/memory.json", file=sys.stderr)
+
+
+def _spectrum(argv: list[str]) -> None:
+    """`dpmem spectrum`: one configuration (the C and sigma lists are swept inside), into one folder."""
+    from datetime import datetime
+
+    from dpmem.spectrum import run_spectrum
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE, end="")
+        return
+    # `mode=` is short for `spectrum.mode=`
+    overrides = [("spectrum." + a) if a.startswith("mode=") else a for a in argv if a not in ("-m", "--multirun")]
+    debug = any(a.lower() in ("debug=true", "debug=1") for a in overrides)
+    try:
+        points = sweep_points(overrides)
+        if len(points) > 1:
+            raise ConfigError("override", "dpmem spectrum takes one configuration (no comma lists); the settings "
+                              "it compares are lists: spectrum.clip=[null,1.0] spectrum.sigma=[0,0.5,2.0]")
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            cfg = compose_point(points[0])
+        GlobalHydra.instance().clear()
+        mode = cfg.spectrum.mode.value
+        out = Path(cfg.spectrum.dir or datetime.now().strftime(f"outputs/spectrum/%Y-%m-%d/%H-%M-%S_{mode}"))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        _, text = run_spectrum(cfg, out)
+    except ConfigError as e:
+        if debug:
+            raise
+        raise _error(str(e)) from None
+    print(text, end="")
+    print(f"dpmem spectrum: wrote {out}/spectrum.json", file=sys.stderr)
 
 
 if __name__ == "__main__":

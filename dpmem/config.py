@@ -84,6 +84,25 @@ class Optimizer(Enum):
     sgd = "sgd"
 
 
+class SubspaceWhere(Enum):
+    clipped = "clipped"  # Li et al.: project the clipped sum; the noise stays in all p dimensions
+    privatised = "privatised"  # project the noisy gradient: noise only in the k directions
+
+
+class SpectrumMode(Enum):
+    layer = "layer"  # DP-GRAPE Fig. 1: each projected layer's (clipped, noised) batch gradient at given steps
+    trajectory = "trajectory"  # Li et al. §4.2: PCA of the clipped mean gradients of a whole private run
+
+
+@dataclass
+class SubspaceConfig:
+    """Subspace re-training (dp-adam, dp-sgd, galore-dp-naive, dp-sgd-rc): project onto the top-k directions of a
+    `dpmem spectrum mode=trajectory` run's subspace.pt."""
+    path: Optional[str] = None  # None = no projection
+    k: Optional[int] = None  # directions used; None = all stored
+    where: SubspaceWhere = SubspaceWhere.clipped
+
+
 @dataclass
 class LoraConfig:
     """LoRA adapters through peft (DP-LoRA with a private method): only the adapters (and modules_to_save) train."""
@@ -161,6 +180,7 @@ class MethodConfig:
     # dp-sgd-rc: per-sample squared norms of linear-like layers estimated with k probes
     estimator: Estimator = Estimator.hutch
     k: int = 32
+    subspace: SubspaceConfig = field(default_factory=SubspaceConfig)
 
 
 @dataclass
@@ -223,6 +243,26 @@ class MemoryConfig:
 
 
 @dataclass
+class SpectrumConfig:
+    """dpmem spectrum: singular values of gradients, and what clipping and noise do to them."""
+    mode: SpectrumMode = SpectrumMode.layer
+    dir: Optional[str] = None  # output folder; None = outputs/spectrum/DATE/TIME_MODE
+    # layer: the top singular values of each projected layer's batch gradient (method.projected picks the layers)
+    top: int = 64
+    steps: list[int] = field(default_factory=lambda: [1])  # measured before these (1-based) steps' updates
+    clip: Optional[list[Optional[float]]] = None  # C values (null = no clipping); None = [null, method.max_grad_norm]
+    sigma: Optional[list[float]] = None  # noise multipliers; None = [0, the sigma privacy gives]
+    # trajectory: the clipped mean gradient of every step of the run, stored in chunks, then PCA
+    params: Optional[list[str]] = None  # fnmatch patterns of the recorded parameters; None = all trained
+    chunk: int = 100  # gradients per file on disk (memory is bounded by one chunk)
+    k: int = 100  # principal components
+    iterations: int = 10  # orthogonal iterations ([L]: 10 ≈ 100)
+    ks: list[int] = field(default_factory=lambda: [1, 10, 20, 100])  # G_k reported for these k
+    gradients: Optional[str] = None  # analyse the chunks of an earlier trajectory folder instead of training
+    seed: int = 0  # noise of the layer mode, start of the orthogonal iteration
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
@@ -231,6 +271,7 @@ class Config:
     train: TrainConfig = MISSING
     logging: LoggingConfig = MISSING
     memory: MemoryConfig = MISSING
+    spectrum: SpectrumConfig = MISSING
     debug: bool = False  # show tracebacks for configuration errors
 
 
@@ -335,6 +376,15 @@ def validate(cfg: Any) -> None:
         raise ConfigError("method.rank" if m.rank <= 0 else "method.refresh", "must be a positive integer")
     if not m.zo_eps > 0:
         raise ConfigError("method.zo_eps", f"{m.zo_eps} must be > 0")
+    sp = cfg.get("spectrum")
+    if sp is not None:
+        for key in ("top", "chunk", "k"):
+            if sp[key] < 1:
+                raise ConfigError(f"spectrum.{key}", f"{sp[key]} must be a positive integer")
+        if sp.iterations < 0:
+            raise ConfigError("spectrum.iterations", f"{sp.iterations} must be >= 0")
+        if not sp.steps or min(sp.steps) < 1:
+            raise ConfigError("spectrum.steps", f"{list(sp.steps)}: 1-based step numbers, e.g. [1]")
     mem = cfg.get("memory")
     if mem is not None:
         if mem.steps < 2:

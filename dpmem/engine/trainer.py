@@ -22,6 +22,7 @@ from dpmem.engine.metering import LiveTensorCounter
 from dpmem.engine.summary import append_metrics, summary_table, versions, write_summary
 from dpmem.methods import Noise, build_method
 from dpmem.methods.rc import max_layer_dimension, rc_dimension
+from dpmem.methods.subspace import privacy_of
 from dpmem.models import build_model
 from dpmem.privacy import UnreachableTarget, calibrate_sigma, epsilon_spent
 from dpmem.privacy.sampling import make_batches
@@ -115,6 +116,11 @@ class Run:
                 gen.manual_seed(p.noise_seed if p.noise_seed is not None else secrets.randbits(63))
             noise = Noise(self.sigma, m.max_grad_norm, expected_batch_size=self.sample_rate * n, generator=gen)
         self.method = build_method(m, self.model, t.lr, noise, seed=t.seed)
+        self.leak = None  # why a private run is not private after all (a subspace from its own data)
+        subspace = getattr(getattr(self.method, "privatize", None), "subspace", None)
+        if subspace is not None:
+            ok, why = privacy_of(subspace.source, cfg.data)
+            self.leak = None if ok else why
         self.sampler_gen = torch.Generator().manual_seed(t.seed)
         bf16 = enum_value(t.precision) == "bf16" and self.device.type == "cuda"
         self.autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16
@@ -141,11 +147,18 @@ class Run:
             "throughput_samples_per_s": None, "wall_time_s": None, "error": None,
             "versions": versions(), "run_dir": str(self.run_dir),
         }
+        if subspace is not None:
+            self.summary["subspace"] = {"path": m.subspace.path, "k": subspace.k, "where": subspace.where,
+                                        "private": self.leak is None, "why": why}
+        if self.leak is not None:
+            self.summary.update(private=False, epsilon_spent="inf" if self.accounted else None)
         write_summary(self.run_dir, self.summary)
 
-    def epsilon(self, steps: int) -> float | None:
+    def epsilon(self, steps: int) -> float | str | None:
         if not self.accounted:
             return None
+        if self.leak is not None:
+            return "inf"  # JSON has no infinity
         return epsilon_spent(self.sigma, self.delta, self.sample_rate, steps, **self.accountant)
 
     # -- the loop -----------------------------------------------------------------------------------------
@@ -188,7 +201,6 @@ class Run:
     def _train(self) -> None:
         cfg, t, s = self.cfg, self.cfg.train, self.summary
         log_cfg = cfg.logging
-        physical = t.physical_batch_size or t.batch_size
         # Memory is metered from the second step on (the first runs a one-off coverage check that keeps the
         # batch gradient), for `memory_steps` steps on CPU/meta where the counter slows every op.
         counter, meter_from = None, min(1, self.steps - 1)
@@ -199,8 +211,7 @@ class Run:
         samples, loss_sum, loss_count = 0, None, 0
         self._eval_time, loop_start = 0.0, time.perf_counter()
         try:
-            batches = make_batches(self.sampling, self.data.n_train, t.batch_size, self.steps, self.sampler_gen)
-            for step, index in enumerate(batches):
+            for step, index in enumerate(self.batches()):
                 if self._ctrl_c:
                     raise KeyboardInterrupt
                 if step == meter_from:
@@ -211,9 +222,7 @@ class Run:
                         counter.__enter__()
                 lr = lr_at(step, self.steps, t)
                 self.method.set_lr(lr)
-                micro = [{k: v.to(self.device, non_blocking=True)
-                          for k, v in self.data.batch(self.data.train, chunk).items()}
-                         for chunk in index.split(physical)] if len(index) else []
+                micro = self.microbatches(index)
                 with self.autocast():
                     loss = self.method.step(micro, self.data.per_sample_loss)
                 loss_sum = loss if loss_sum is None else loss_sum + loss
@@ -255,6 +264,17 @@ class Run:
                 s.update(peak_memory_bytes=counter.peak, peak_memory_source="live_tensors")
             self._memory(s)
 
+    def microbatches(self, index: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """A logical batch (training-set indices) as physical micro-batches on the device."""
+        physical = self.cfg.train.physical_batch_size or self.cfg.train.batch_size
+        return [{k: v.to(self.device, non_blocking=True) for k, v in self.data.batch(self.data.train, chunk).items()}
+                for chunk in index.split(physical)] if len(index) else []
+
+    def batches(self):
+        """The logical batches of the run's `steps` steps, as the sampler draws them."""
+        t = self.cfg.train
+        return make_batches(self.sampling, self.data.n_train, t.batch_size, self.steps, self.sampler_gen)
+
     def _memory(self, s: dict) -> None:
         if self.device.type == "cuda":
             s.update(peak_memory_bytes=torch.cuda.max_memory_reserved(self.device),
@@ -280,7 +300,7 @@ def _finite_or_inf(x: float):
 
 
 def _short(eps):
-    return "-" if eps is None else f"{eps:.2f}"
+    return "-" if eps is None else eps if isinstance(eps, str) else f"{eps:.2f}"
 
 
 def run_training(cfg, run_dir: Path) -> dict:

@@ -10,6 +10,7 @@ from dpmem.methods.dpzero import DPZero, MeZO
 from dpmem.methods.galore import GaLore, GaLoreDPNaive
 from dpmem.methods.grape import Grape
 from dpmem.methods.rc import DPSGDRC
+from dpmem.methods.subspace import SubspaceProjection
 
 METHODS = {"adam": Adam, "dp-adam": DPAdam, "dp-sgd": DPAdam, "mezo": MeZO, "dpzero": DPZero,
            "grape": Grape, "galore": GaLore, "galore-dp-naive": GaLoreDPNaive, "dp-sgd-rc": DPSGDRC}
@@ -21,7 +22,13 @@ def build_method(cfg, model, lr: float, noise: Noise | None, seed: int = 0) -> M
     cls = METHODS[cfg.name]
     if cls.private != bool(cfg.private):
         raise ConfigError("method.private", f"{cfg.name} is {'private' if cls.private else 'non-private'}")
-    return cls(model, cfg, lr, noise=noise, seed=seed)
+    method = cls(model, cfg, lr, noise=noise, seed=seed)
+    if cfg.subspace.path is not None:
+        if cls is Grape or not hasattr(method, "privatize"):  # grape's clipped sums live in its projected space
+            raise ConfigError("method.subspace.path", f"{cfg.name} has no full privatised gradient to project; "
+                              "allowed with dp-adam, dp-sgd, galore-dp-naive, dp-sgd-rc")
+        method.privatize.subspace = SubspaceProjection(cfg.subspace, model, method.privatize.params)
+    return method
 
 
 __all__ = ["build_method", "Method", "Noise", "METHODS", "Adam", "DPAdam", "MeZO", "DPZero", "Grape", "GaLore",

@@ -39,6 +39,8 @@ class Privatizer:
         self.params = self.persample.parameters
         self._check_coverage = check_coverage
         self._keep_grads = False  # the second pass of two-pass clipping accumulates into .grad
+        self.observe: Callable[[dict[nn.Parameter, torch.Tensor]], None] | None = None
+        self.subspace = None  # dpmem.methods.subspace.SubspaceProjection, for subspace re-training
         # autograd's batch gradient is a by-product of the backward pass: drop each as soon as it is made
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._drop_grad)
@@ -54,12 +56,13 @@ class Privatizer:
             summed, loss_sum = self._materialized(microbatches, loss_fn, shapes, coverage_transform)
         else:
             summed, loss_sum = self._two_pass(microbatches, loss_fn)
-        std = self.noise.sigma * self.noise.max_grad_norm
-        for p in self.params:
-            if std > 0:  # sigma = 0 only for privacy=none: clipping without noise
-                summed[p] += std * torch.randn(summed[p].shape, generator=self.noise.generator, device=p.device,
-                                               dtype=p.dtype)
-            summed[p] /= self.noise.expected_batch_size
+        if self.observe is not None:  # e.g. dpmem spectrum's recorder of the non-noised clipped mean
+            self.observe({p: s / self.noise.expected_batch_size for p, s in summed.items()})
+        if self.subspace is not None and self.subspace.where == "clipped":
+            summed = self.subspace(summed)
+        summed = add_noise(summed, self.noise)
+        if self.subspace is not None and self.subspace.where == "privatised":
+            summed = self.subspace(summed)
         return summed, loss_sum
 
     def _materialized(self, microbatches, loss_fn, shapes, coverage_transform):
@@ -110,3 +113,13 @@ class Privatizer:
                     p.grad = None
             loss_sum = loss_sum + losses.detach().sum()
         return summed, loss_sum
+
+
+def add_noise(summed: dict[nn.Parameter, torch.Tensor], noise: Noise) -> dict[nn.Parameter, torch.Tensor]:
+    """The Gaussian mechanism on clipped sums, in place: (Σᵢ clip(gᵢ) + N(0, σ²C² I)) / (q·n)."""
+    std = noise.sigma * noise.max_grad_norm
+    for p, s in summed.items():
+        if std > 0:  # sigma = 0 only for privacy=none: clipping without noise
+            s += std * torch.randn(s.shape, generator=noise.generator, device=s.device, dtype=s.dtype)
+        s /= noise.expected_batch_size
+    return summed

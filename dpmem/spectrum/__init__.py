@@ -1,0 +1,35 @@
+"""`dpmem spectrum`: how the singular values of gradients decay, and what clipping and noise do to that decay.
+
+- mode=layer (DP-GRAPE Fig. 1): `dpmem.spectrum.layer`;
+- mode=trajectory (Li et al. §4.2): `dpmem.spectrum.trajectory`, whose subspace.pt feeds subspace re-training
+  (`method.subspace.path`, `dpmem.methods.subspace`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dpmem.config import ConfigError, enum_value
+
+
+def run_spectrum(cfg, out: Path) -> tuple[dict, str]:
+    """Measure (and for trajectory, train) into `out`; returns the numbers and the markdown summary."""
+    from dpmem.report import spectrum as report
+    from dpmem.engine.trainer import resolve_device
+    from dpmem.spectrum.layer import run_layer_mode
+    from dpmem.spectrum.trajectory import analyse, record
+
+    out.mkdir(parents=True, exist_ok=True)
+    if enum_value(cfg.spectrum.mode) == "layer":
+        result = run_layer_mode(cfg, out)
+    else:
+        if cfg.spectrum.gradients is not None:
+            folder = Path(cfg.spectrum.gradients).expanduser()
+            folder = folder / "gradients" if (folder / "gradients").is_dir() else folder
+        else:
+            run, folder = record(cfg, out)
+            if run.summary["status"] not in ("ok", "interrupted"):
+                raise ConfigError("spectrum", f"the recording run ended {run.summary['status']}: "
+                                  f"{run.summary.get('error')}") if run.exception is None else run.exception
+        result = analyse(folder, cfg.spectrum, out, resolve_device(enum_value(cfg.train.device)))
+    return result, report.write(out, result)

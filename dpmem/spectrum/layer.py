@@ -1,0 +1,128 @@
+"""`dpmem spectrum mode=layer` (DP-GRAPE Fig. 1): the top singular values of each projected layer's batch gradient,
+raw and privatised as a DP method privatises it — per-sample gradients clipped at C over all trainable parameters
+(flat clipping), summed, Gaussian noise of std σ·C added, divided by the expected batch size (`add_noise`, the
+code every private method uses). Without clipping (C = ∞) no noise is added: its scale σ·C would be infinite.
+
+Every setting (C, σ) sees the same batch, the same per-sample gradients and the same noise draw z (scaled by
+σ·C), so the curves differ only by clipping and noise. Between measured steps the model trains with the
+configured method."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dpmem.config import ConfigError
+from dpmem.engine.summary import write_summary
+from dpmem.engine.trainer import Run, lr_at
+from dpmem.methods.base import Noise
+from dpmem.methods.privatize import add_noise
+from dpmem.methods.projected_adam import choose_projected
+from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum_of
+from dpmem.spectrum.linalg import power_law_slope, top_singular_values
+
+Setting = tuple[float | None, float]  # (C, sigma); C None = no clipping
+
+
+def settings(sp, max_grad_norm: float | None, sigma: float) -> list[Setting]:
+    """(C, σ) pairs: spectrum.clip × spectrum.sigma (defaults: no clipping and method.max_grad_norm; 0 and the
+    σ the privacy config gives), with C = ∞ only at σ = 0."""
+    clips = list(sp.clip) if sp.clip is not None else [None] + ([max_grad_norm] if max_grad_norm else [])
+    sigmas = list(sp.sigma) if sp.sigma is not None else [0.0] + ([sigma] if sigma > 0 else [])
+    for c in clips:
+        if c is not None and not c > 0:
+            raise ConfigError("spectrum.clip", f"{c}: clipping thresholds must be > 0 (null = no clipping)")
+    for s in sigmas:
+        if not s >= 0:
+            raise ConfigError("spectrum.sigma", f"{s}: noise multipliers must be >= 0")
+    out: list[Setting] = []
+    for c in clips:
+        for s in ([0.0] if c is None else sigmas):
+            if (c, float(s)) not in out:
+                out.append((c, float(s)))
+    return out
+
+
+def label(setting: Setting) -> str:
+    c, s = setting
+    return "no clipping" if c is None else f"C = {c:g}, sigma = {s:g}"
+
+
+def measure(model, microbatches, loss_fn, layers: dict[str, torch.nn.Parameter], chosen: list[Setting],
+            expected_batch_size: float, top: int, seed: int) -> list[dict]:
+    """Per setting: {clip, sigma, label, per_layer: {name: top singular values}, mean, mean_normalized, slope}."""
+    persample = PerSampleGradients(model)
+    clips = list(dict.fromkeys(c for c, _ in chosen))
+    sums = {c: {n: torch.zeros_like(p) for n, p in layers.items()} for c in clips}
+    try:
+        for mb in microbatches:
+            with persample.capture(len(next(iter(mb.values())))):
+                loss_fn(model, mb).sum().backward()
+            grads = persample.grads
+            norms = per_sample_norms(grads)
+            for c in clips:
+                factors = torch.ones_like(norms) if c is None else clip_factors(norms, c)
+                for n, p in layers.items():
+                    sums[c][n] += weighted_sum_of(grads[p], factors)
+            persample.clear()
+            for p in model.parameters():
+                p.grad = None
+    finally:
+        persample.remove()
+    results = []
+    for c, s in chosen:
+        # the same z for every setting: a fresh generator with one seed, drawn in the same order
+        gen = torch.Generator(device=next(iter(layers.values())).device).manual_seed(seed)
+        noise = Noise(sigma=s, max_grad_norm=c if c is not None else 1.0, expected_batch_size=expected_batch_size,
+                      generator=gen)
+        private = add_noise({n: g.clone() for n, g in sums[c].items()}, noise)
+        per_layer = {n: top_singular_values(g.reshape(g.shape[0], -1), top) for n, g in private.items()}
+        results.append(summarise(c, s, per_layer))
+    return results
+
+
+def summarise(c, s, per_layer: dict[str, torch.Tensor]) -> dict:
+    """The layers' spectra averaged rank by rank (over the ranks every layer has), raw and each divided by its
+    layer's largest singular value (the shape of the decay, free of the layers' scales)."""
+    n = min(len(v) for v in per_layer.values())
+    stacked = torch.stack([v[:n] for v in per_layer.values()])
+    mean = stacked.mean(0)
+    normalized = (stacked / stacked[:, :1].clamp(min=1e-300)).mean(0)
+    slope, _ = power_law_slope(mean)
+    return {"clip": c, "sigma": s, "label": label((c, s)), "mean": mean.tolist(),
+            "mean_normalized": normalized.tolist(), "slope": slope,
+            "per_layer": {name: v.tolist() for name, v in per_layer.items()}}
+
+
+def run_layer_mode(cfg, out) -> dict:
+    """Train up to the last of spectrum.steps with the configured method, measuring before each listed step."""
+    sp, m = cfg.spectrum, cfg.method
+    steps = sorted(set(sp.steps))
+    run = Run(cfg, out)
+    run.prepare()
+    if steps[-1] > run.steps:
+        raise ConfigError("spectrum.steps", f"{steps[-1]} is beyond the run's {run.steps} steps")
+    chosen = settings(sp, m.max_grad_norm, run.sigma)
+    sides = choose_projected(run.model, m.projected, m.rank)
+    names = {p: n for n, p in run.model.named_parameters()}
+    layers = {names[p]: p for p in sides}
+    measured = []
+    for step, index in enumerate(run.batches(), start=1):
+        micro = run.microbatches(index)
+        if step in steps:
+            with run.autocast():
+                rows = measure(run.model, micro, run.data.per_sample_loss, layers, chosen,
+                               run.sample_rate * run.data.n_train, sp.top, sp.seed)
+            measured.append({"step": step, "batch_size": len(index), "settings": rows})
+        if step == steps[-1]:
+            break
+        run.method.set_lr(lr_at(step - 1, run.steps, cfg.train))
+        with run.autocast():
+            run.method.step(micro, run.data.per_sample_loss)
+    run.summary.update(status="ok", steps_done=steps[-1] - 1)  # the updates between measurements
+    write_summary(run.run_dir, run.summary)
+    return {"mode": "layer", "model": cfg.model.name, "data": cfg.data.name, "method": m.name,
+            "sigma_from_privacy": run.sigma if math.isfinite(run.sigma) else None,
+            "expected_batch_size": run.sample_rate * run.data.n_train, "top": sp.top,
+            "layers": list(layers), "steps": measured}
