@@ -107,6 +107,9 @@ def run_layer_mode(cfg, out) -> dict:
     sides = choose_projected(run.model, m.projected, m.rank)
     names = {p: n for n, p in run.model.named_parameters()}
     layers = {names[p]: p for p in sides}
+    if not layers:
+        raise ConfigError("method.projected", f"{cfg.model.name} has no trained matrix with both sides > "
+                          f"method.rank={m.rank} to measure")
     measured = []
     for step, index in enumerate(run.batches(), start=1):
         micro = run.microbatches(index)
