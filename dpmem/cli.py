@@ -28,6 +28,7 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 USAGE = """usage: dpmem train [-m] [key=value ...]
        dpmem memory [key=value ...]
        dpmem spectrum mode=layer|trajectory [key=value ...]
+       dpmem report PATH... [--out DIR]
 
   dpmem train                                      the embedded default (ViT on digits, grape, eps=8)
   dpmem train method=adam privacy=none             a non-private baseline
@@ -40,6 +41,7 @@ USAGE = """usage: dpmem train [-m] [key=value ...]
   dpmem spectrum mode=layer spectrum.clip=[null,1.0] spectrum.sigma=[0,0.5,2.0]
                                                    singular values of each layer's (clipped, noised) gradient
   dpmem spectrum mode=trajectory method=dp-adam    PCA of a private run's clipped gradients, and subspace.pt
+  dpmem report outputs/multirun/DATE               the runs' summaries as tables (method x epsilon, tasks)
 """
 MAX_PREFLIGHT = 256  # sweep points composed before launch; larger grids are checked per job
 
@@ -161,8 +163,10 @@ def main(argv: list[str] | None = None) -> None:
         return _memory(rest)
     if verb == "spectrum":
         return _spectrum(rest)
+    if verb == "report":
+        return _report(rest)
     if verb != "train":
-        raise _error(f"unknown command {verb!r}; allowed: train, memory, spectrum")
+        raise _error(f"unknown command {verb!r}; allowed: train, memory, spectrum, report")
     debug = any(a.lower() in ("debug=true", "debug=1") for a in rest)
     if not any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith("--cfg") or a == "-c"
                for a in rest):
@@ -254,6 +258,31 @@ def _spectrum(argv: list[str]) -> None:
         raise _error(str(e)) from None
     print(text, end="")
     print(f"dpmem spectrum: wrote {out}/spectrum.json", file=sys.stderr)
+
+
+def _report(argv: list[str]) -> None:
+    """`dpmem report PATH... [--out DIR]`: tables of every summary.json under the paths."""
+    from dpmem.report import runs
+
+    if not argv or any(a in ("-h", "--help") for a in argv):
+        print(USAGE, end="")
+        return
+    out = None
+    if "--out" in argv:
+        i = argv.index("--out")
+        if i + 1 >= len(argv):
+            raise _error("--out needs a folder")
+        out, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
+    paths = [Path(a) for a in argv]
+    try:
+        summaries, missing = runs.collect(paths)
+    except FileNotFoundError as e:
+        raise _error(str(e)) from None
+    if not summaries and not missing:
+        raise _error(f"no summary.json under {', '.join(map(str, paths))}")
+    out = out or paths[0] / "report"
+    print(runs.write(out, summaries, missing), end="")
+    print(f"dpmem report: wrote {out}/report.md, report.csv, report.tex", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import sys
 from pathlib import Path
 
 import torch
 
 from dpmem.config import ConfigError
+from dpmem.engine.summary import summary_table
 from dpmem.engine.trainer import Run
 from dpmem.methods.grape import Grape
 from dpmem.methods.subspace import data_identity, save_subspace
@@ -83,6 +85,7 @@ def record(cfg, out: Path) -> tuple[Run, Path]:
         run.execute()
     finally:
         recorder.flush()
+    print(summary_table(run.summary), file=sys.stderr)
     return run, folder
 
 

@@ -1,0 +1,164 @@
+"""`dpmem report PATH...`: every run's summary.json under the given folders as the papers' tables.
+
+Rows are method × ε (and, within a method, the settings that differ between its runs, such as a swept
+method.subspace.k), columns are tasks (data sets); a cell is the final metric's mean ± standard error over seeds,
+in percent (accuracy, F1, EM, ROUGE-1 are fractions in the summaries). A cell whose runs ran out of memory says OOM;
+the best private result of each column is marked (bold in markdown, \\textbf in LaTeX). Runs that did not finish
+ok (failed, interrupted, still running or dead with status running) and run folders with no summary are listed,
+never silently dropped. Written as report.md, report.csv (one line per cell) and report.tex."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+OK = "ok"
+
+
+def collect(paths: list[Path]) -> tuple[list[dict], list[str]]:
+    """Every summary under `paths`, and the run folders (with a config.yaml) that have none."""
+    summaries, missing = [], []
+    for root in paths:
+        root = Path(root)
+        if not root.exists():
+            raise FileNotFoundError(f"{root} does not exist")
+        for f in sorted(root.rglob("summary.json")):
+            s = json.loads(f.read_text())
+            s["run_dir"] = str(f.parent)
+            config = f.parent / "config.yaml"
+            s["config"] = _flat(OmegaConf.to_container(OmegaConf.load(config))) if config.exists() else {}
+            summaries.append(s)
+        for c in sorted(root.rglob("config.yaml")):
+            if c.parent.name != ".hydra" and not (c.parent / "summary.json").exists():
+                missing.append(str(c.parent))
+    return summaries, missing
+
+
+# what is averaged over (seeds) or is a row or column already, so never tells two variants apart
+NOT_A_VARIANT = ("train.seed", "data.fewshot_seed", "privacy.", "data.", "logging.", "memory.", "spectrum.", "debug",
+                 "method.name", "train.device", "train.eval_batch_size",
+                 "model.arch.", "model.family", "model.pretrained", "model.tokenizer")  # model.name says these
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}."))
+    return out
+
+
+def variants(summaries: list[dict]) -> None:
+    """Label each summary with the settings that differ between runs of its method on its data set (e.g.
+    method.subspace.k=10), so a sweep over them gives one row each; seeds, the row's ε and the column's data set
+    are not settings here."""
+    by_method = defaultdict(list)
+    for s in summaries:
+        by_method[(s["method"], s["data"])].append(s)
+    for runs in by_method.values():
+        keys = set().union(*(r["config"] for r in runs))
+        varying = sorted(k for k in keys if not k.startswith(NOT_A_VARIANT)
+                         and len({json.dumps(r["config"].get(k), sort_keys=True) for r in runs}) > 1)
+        for r in runs:
+            r["variant"] = ", ".join(f"{k.split('.', 1)[-1]}={r['config'].get(k)}" for k in varying)
+
+
+def _epsilon(s: dict) -> str:
+    """The row's ε: non-private for non-private methods, noise-free runs and runs that leak (epsilon_spent inf)."""
+    eps = s.get("epsilon_target")
+    return "non-private" if eps is None or not s.get("private", True) else f"{eps:g}"
+
+
+def cells(summaries: list[dict]) -> dict[tuple[str, str, str], dict]:
+    """(method, ε, data) -> {values (final metric of each ok run), n, mean, se, oom, metric}."""
+    variants(summaries)
+    grouped: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
+    for s in summaries:
+        row = f"{s['method']} ({s['variant']})" if s["variant"] else s["method"]
+        grouped[(row, _epsilon(s), s["data"])].append(s)
+    out = {}
+    for key, runs in grouped.items():
+        values = [r["metric_final"] for r in runs if r["status"] == OK and r.get("metric_final") is not None]
+        n = len(values)
+        mean = statistics.fmean(values) if n else None
+        se = statistics.stdev(values) / math.sqrt(n) if n > 1 else None
+        out[key] = {"values": values, "n": n, "mean": mean, "se": se,
+                    "oom": any(r["status"] == "oom" for r in runs), "private": key[1] != "non-private",
+                    "metric": runs[0].get("metric_name")}
+    return out
+
+
+def _text(cell: dict | None) -> str:
+    if cell is None:
+        return ""
+    if cell["n"] == 0:
+        return "OOM" if cell["oom"] else "–"
+    text = f"{100 * cell['mean']:.1f}"
+    return text + (f" ± {100 * cell['se']:.1f}" if cell["se"] is not None else "")
+
+
+def _epsilon_order(eps: str) -> float:
+    return math.inf if eps == "non-private" else float(eps)
+
+
+def table(table_cells: dict) -> tuple[list[str], list[tuple[str, str]], dict, set]:
+    """Columns (tasks), rows (method, ε), cell texts and the best private cell per column."""
+    columns = sorted({d for _, _, d in table_cells})
+    rows = sorted({(m, e) for m, e, _ in table_cells}, key=lambda r: (r[0], _epsilon_order(r[1])))
+    best = set()
+    for d in columns:
+        private = [(c["mean"], k) for k, c in table_cells.items() if k[2] == d and c["private"] and c["n"]]
+        if private:
+            top = max(m for m, _ in private)
+            best |= {k for m, k in private if m == top}
+    return columns, rows, {k: _text(c) for k, c in table_cells.items()}, best
+
+
+def unfinished(summaries: list[dict], missing: list[str]) -> list[str]:
+    lines = [f"{s['run_dir']}: {s['status']}" + (f" ({s['error']})" if s.get("error") else "")
+             + f", {s.get('steps_done')}/{s.get('steps')} steps" for s in summaries if s["status"] not in (OK, "oom")]
+    lines += [f"{d}: no summary.json (the run died before it started)" for d in missing]
+    return lines
+
+
+def write(out: Path, summaries: list[dict], missing: list[str]) -> str:
+    """report.md, report.csv and report.tex in `out`; returns the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    table_cells = cells(summaries)
+    columns, rows, texts, best = table(table_cells)
+    metrics = sorted({str(c["metric"]) for c in table_cells.values()})
+    md = [f"Final {', '.join(metrics)} (%), mean ± standard error over seeds; **bold**: best private result per "
+          "column; OOM: out of memory.", "",
+          "| method | ε | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
+    tex = [r"\begin{tabular}{ll" + "c" * len(columns) + "}", r"\toprule",
+           "method & $\\varepsilon$ & " + " & ".join(columns) + r" \\", r"\midrule"]
+    for m, e in rows:
+        md_cells, tex_cells = [], []
+        for d in columns:
+            key, text = (m, e, d), texts.get((m, e, d), "")
+            md_cells.append(f"**{text}**" if key in best else text)
+            tex_text = text.replace("±", r"$\pm$").replace("–", "--")
+            tex_cells.append(rf"\textbf{{{tex_text}}}" if key in best else tex_text)
+        md.append(f"| {m} | {e} | " + " | ".join(md_cells) + " |")
+        tex.append(f"{m} & {e} & " + " & ".join(tex_cells) + r" \\")
+    tex += [r"\bottomrule", r"\end{tabular}"]
+    left = unfinished(summaries, missing)
+    if left:
+        md += ["", f"Not in the table ({len(left)}):", ""] + [f"- {line}" for line in left]
+    with open(out / "report.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["method", "epsilon", "data", "metric", "n", "mean", "se", "oom", "best_private", "cell"])
+        for key in sorted(table_cells, key=lambda k: (k[0], _epsilon_order(k[1]), k[2])):
+            c = table_cells[key]
+            w.writerow([*key, c["metric"], c["n"], c["mean"], c["se"], c["oom"], key in best, texts[key]])
+    text = "\n".join(md) + "\n"
+    (out / "report.md").write_text(text)
+    (out / "report.tex").write_text("\n".join(tex) + "\n")
+    return text

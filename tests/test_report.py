@@ -1,0 +1,95 @@
+"""dpmem report on summaries written here: cells, means and standard errors (against the statistics module), OOM
+cells, the best private result per column, and the runs that are not in the table."""
+
+import csv
+import json
+import math
+import statistics
+
+import pytest
+
+from dpmem.cli import main
+
+
+def summary(root, name, method, data, eps, seed, status="ok", metric=None, **extra):
+    d = root / name
+    d.mkdir(parents=True)
+    s = {"status": status, "method": method, "data": data, "epsilon_target": eps, "private": eps is not None,
+         "seed": seed, "metric_name": "accuracy", "metric_final": metric, "steps_done": 10, "steps": 10,
+         "error": None, **extra}
+    (d / "summary.json").write_text(json.dumps(s))
+    (d / "config.yaml").write_text("method: {}\n")
+
+
+@pytest.fixture
+def runs(tmp_path):
+    root = tmp_path / "sweep"
+    grape_sst2 = [0.90, 0.92, 0.95]
+    for seed, acc in enumerate(grape_sst2):
+        summary(root, f"g{seed}", "grape", "sst2", 2.0, seed, metric=acc)
+    for seed, acc in enumerate([0.80, 0.84]):
+        summary(root, f"a{seed}", "dp-adam", "sst2", 2.0, seed, metric=acc)
+    summary(root, "a-rte", "dp-adam", "rte", 2.0, 0, metric=0.61)
+    summary(root, "g-rte", "grape", "rte", 2.0, 0, metric=0.60)
+    summary(root, "adam", "adam", "sst2", None, 0, metric=0.97)  # non-private: never marked best
+    summary(root, "oom", "dp-adam", "mnli", 2.0, 0, status="oom", error="CUDA out of memory")
+    summary(root, "boom", "grape", "mnli", 2.0, 1, status="failed", error="RuntimeError: boom")
+    summary(root, "half", "grape", "mnli", 2.0, 2, status="running", steps_done=4)
+    (root / "dead").mkdir()
+    (root / "dead" / "config.yaml").write_text("x: 1\n")  # died before its first summary
+    return root, grape_sst2
+
+
+def read_csv(path):
+    with open(path) as f:
+        return {(r["method"], r["epsilon"], r["data"]): r for r in csv.DictReader(f)}
+
+
+def test_report_cells_means_standard_errors_oom_and_best(runs, capsys):
+    root, grape_sst2 = runs
+    main(["report", str(root), "--out", str(root / "out")])
+    md = (root / "out" / "report.md").read_text()
+    assert md == capsys.readouterr().out
+    rows = read_csv(root / "out" / "report.csv")
+    g = rows[("grape", "2", "sst2")]
+    assert int(g["n"]) == 3
+    assert float(g["mean"]) == pytest.approx(statistics.fmean(grape_sst2))
+    assert float(g["se"]) == pytest.approx(statistics.stdev(grape_sst2) / math.sqrt(3))
+    assert g["cell"] == "92.3 ± 1.5" and g["best_private"] == "True"
+    assert rows[("dp-adam", "2", "sst2")]["cell"] == "82.0 ± 2.0"
+    assert rows[("dp-adam", "2", "rte")]["cell"] == "61.0" and rows[("dp-adam", "2", "rte")]["best_private"] == "True"
+    assert rows[("adam", "non-private", "sst2")]["best_private"] == "False"  # 97.0 is higher, but not private
+    assert rows[("dp-adam", "2", "mnli")]["cell"] == "OOM"
+    assert rows[("grape", "2", "mnli")]["cell"] == "–"  # one failed and one half-finished run: no value
+    assert "| grape | 2 | – | **60.0** |" not in md  # 60.0 < 61.0 on rte
+    assert "| grape | 2 | – | 60.0 | **92.3 ± 1.5** |" in md
+    assert "| dp-adam | 2 | OOM | **61.0** | 82.0 ± 2.0 |" in md
+    assert "| adam | non-private |  |  | 97.0 |" in md
+    # everything left out is listed with why
+    assert "boom: failed (RuntimeError: boom)" in md and "half: running" in md and "4/10 steps" in md
+    assert "dead: no summary.json" in md and "Not in the table (3)" in md
+    tex = (root / "out" / "report.tex").read_text()
+    assert r"\textbf{92.3 $\pm$ 1.5}" in tex and r"\begin{tabular}{llccc}" in tex
+
+
+def test_report_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["report", str(tmp_path / "nowhere")])
+    assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["report", str(tmp_path)])
+    assert "no summary.json" in capsys.readouterr().err
+
+
+def test_a_swept_setting_gets_a_row_of_its_own_and_seeds_are_averaged(tmp_path, capsys):
+    root = tmp_path / "sweep"
+    for k in (10, 100):
+        for seed in (0, 1):
+            summary(root, f"k{k}s{seed}", "dp-adam", "digits", 8.0, seed, metric=k / 1000 + seed / 100)
+            (root / f"k{k}s{seed}" / "config.yaml").write_text(
+                f"method:\n  name: dp-adam\n  subspace:\n    k: {k}\ntrain:\n  seed: {seed}\n  lr: 0.001\n")
+    main(["report", str(root)])
+    rows = read_csv(root / "report" / "report.csv")
+    assert set(rows) == {("dp-adam (subspace.k=10)", "8", "digits"), ("dp-adam (subspace.k=100)", "8", "digits")}
+    assert float(rows[("dp-adam (subspace.k=100)", "8", "digits")]["mean"]) == pytest.approx(0.105)
+    assert rows[("dp-adam (subspace.k=100)", "8", "digits")]["n"] == "2"
