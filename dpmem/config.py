@@ -212,11 +212,29 @@ class TrainConfig:
     precision: Precision = Precision.fp32  # bf16 = autocast on CUDA
 
 
+class WandbMode(Enum):
+    online = "online"
+    offline = "offline"  # written under the run folder; `wandb sync` uploads it later
+    disabled = "disabled"
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases: the run's config, every metrics.jsonl record and the final summary. Off by default."""
+    enabled: bool = False
+    project: str = "dpmem"
+    entity: Optional[str] = None
+    group: Optional[str] = None  # e.g. the experiment's name, to group a sweep
+    tags: list[str] = field(default_factory=list)
+    mode: WandbMode = WandbMode.online
+
+
 @dataclass
 class LoggingConfig:
     progress: bool = True  # progress bar with loss, epsilon spent and samples/s
     every: int = 10  # write metrics.jsonl (and update epsilon spent) every N logical steps
     memory_steps: int = 3  # on CPU, count live tensor bytes over the first N steps (the counter slows ops)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 class PlanTarget(Enum):

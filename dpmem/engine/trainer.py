@@ -20,6 +20,7 @@ from dpmem.config import ConfigError, enum_value, resolve_accountant, resolve_de
 from dpmem.data import DataBundle, build_data
 from dpmem.engine.metering import LiveTensorCounter
 from dpmem.engine.summary import append_metrics, summary_table, versions, write_summary
+from dpmem.engine.tracking import open_tracker
 from dpmem.methods import Noise, build_method
 from dpmem.methods.rc import max_layer_dimension, rc_dimension
 from dpmem.methods.subspace import privacy_of
@@ -165,6 +166,7 @@ class Run:
     def execute(self) -> dict:
         start = time.perf_counter()
         restore = self._catch_ctrl_c()
+        self.tracker = open_tracker(self.cfg, self.run_dir)
         try:
             self._train()
             self.summary["status"] = "ok"
@@ -182,7 +184,12 @@ class Run:
             if self.accounted and done != self._eps_steps:
                 self.summary["epsilon_spent"] = self.epsilon(done)
             write_summary(self.run_dir, self.summary)
+            self.tracker.finish(self.summary)
         return self.summary
+
+    def _record(self, record: dict) -> None:
+        append_metrics(self.run_dir, record)
+        self.tracker.log(record)
 
     def _catch_ctrl_c(self):
         """Ctrl-C raises KeyboardInterrupt and is remembered: one that lands in a weakref callback (the live-tensor
@@ -249,14 +256,14 @@ class Run:
                 if t.eval_every and (step + 1) % t.eval_every == 0 and not last:
                     record[s["metric_name"]] = self._evaluate()
                 if record:
-                    append_metrics(self.run_dir, {"step": step + 1, **record})
+                    self._record({"step": step + 1, **record})
                     write_summary(self.run_dir, s)
                 bar.update(1)
             if self._ctrl_c:
                 raise KeyboardInterrupt
             final = self._evaluate()
             s["metric_final"] = final
-            append_metrics(self.run_dir, {"step": s["steps_done"], s["metric_name"]: final, "final": True})
+            self._record({"step": s["steps_done"], s["metric_name"]: final, "final": True})
         finally:
             bar.close()
             if counter is not None:
