@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import typing
 import sys
 from pathlib import Path
@@ -131,6 +132,10 @@ def _train(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
+    prior = run_dir / "summary.json"
+    if cfg.train.skip_done and prior.exists() and json.loads(prior.read_text()).get("status") == "ok":
+        print(f"dpmem: {run_dir} is done (status ok), skipped (train.skip_done)", file=sys.stderr)
+        return
     try:
         validate(cfg)
         summary = run_training(cfg, run_dir)

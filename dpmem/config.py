@@ -210,6 +210,11 @@ class TrainConfig:
     sampling: Sampling = Sampling.auto
     device: Device = Device.auto
     precision: Precision = Precision.fp32  # bf16 = autocast on CUDA
+    # faults: checkpoint.pt in the run folder every N steps (0 = never); a run started again in the same folder
+    # (the same hydra.run.dir / hydra.sweep.dir) resumes from it, privacy accounting included
+    checkpoint_every: int = 0
+    resume: bool = True
+    skip_done: bool = False  # a run whose folder already holds a summary with status ok is not run again
 
 
 class WandbMode(Enum):
@@ -352,6 +357,8 @@ def validate(cfg: Any) -> None:
                               "allowed: 1..train.batch_size")
     if t.lr < 0:
         raise ConfigError("train.lr", f"{t.lr} must be >= 0")
+    if t.checkpoint_every < 0:
+        raise ConfigError("train.checkpoint_every", f"{t.checkpoint_every} must be >= 0 (0 = no checkpoints)")
     if t.eval_every < 0:
         raise ConfigError("train.eval_every", f"{t.eval_every} must be >= 0 (0 = only at the end)")
     if p.epsilon is not None and not p.epsilon > 0:

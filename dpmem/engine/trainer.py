@@ -4,7 +4,9 @@ an interval, meter memory and throughput, keep the privacy ledger, and leave a s
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 import secrets
 import signal
 import sys
@@ -170,6 +172,7 @@ class Run:
         try:
             self._train()
             self.summary["status"] = "ok"
+            (self.run_dir / "checkpoint.pt").unlink(missing_ok=True)  # a finished run resumes nothing
         except KeyboardInterrupt:
             self.summary["status"] = "interrupted"
         except torch.OutOfMemoryError as e:
@@ -215,10 +218,14 @@ class Run:
         bar = tqdm(total=self.steps, disable=not log_cfg.progress, dynamic_ncols=True, leave=True,
                    mininterval=0.5 if sys.stderr.isatty() else 30.0,  # a log file gets a line per 30 s
                    desc=f"{cfg.method.name}")
-        samples, loss_sum, loss_count = 0, None, 0
+        done = self._resume() if t.resume else 0
+        bar.update(done)
+        samples, loss_sum, loss_count = s["samples_seen"], None, 0
         self._eval_time, loop_start = 0.0, time.perf_counter()
         try:
             for step, index in enumerate(self.batches()):
+                if step < done:  # drawn again and skipped, so the sampler is where the lost run had it
+                    continue
                 if self._ctrl_c:
                     raise KeyboardInterrupt
                 if step == meter_from:
@@ -258,6 +265,8 @@ class Run:
                 if record:
                     self._record({"step": step + 1, **record})
                     write_summary(self.run_dir, s)
+                if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and not last:
+                    self._checkpoint(step + 1)
                 bar.update(1)
             if self._ctrl_c:
                 raise KeyboardInterrupt
@@ -270,6 +279,43 @@ class Run:
                 counter.__exit__(None, None, None)
                 s.update(peak_memory_bytes=counter.peak, peak_memory_source="live_tensors")
             self._memory(s)
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    def _checkpoint(self, step: int) -> None:
+        """Weights, method state (optimiser, projections, noise and direction generators), the global RNG (dropout)
+        and the summary so far, written atomically. It holds the noise generator's state: keep it as private as
+        the data."""
+        state = {"step": step, "model": self.model.state_dict(), "method": self.method.state_dict(),
+                 "torch_rng": torch.get_rng_state(),
+                 "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
+                 "summary": {k: self.summary[k] for k in RESUMED}}
+        tmp = self.run_dir / "checkpoint.pt.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, self.run_dir / "checkpoint.pt")
+
+    def _resume(self) -> int:
+        """Steps already done by an earlier run in this folder (0 without a checkpoint), their state restored.
+        ε spent is recomputed for those steps: the accountant sees each step once, and the steps lost after the
+        checkpoint are drawn again with the same batches and noise, so they release nothing new."""
+        path = self.run_dir / "checkpoint.pt"
+        if not path.exists():
+            return 0
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.method.load_state_dict(state["method"])
+        torch.set_rng_state(state["torch_rng"].cpu())
+        if state["cuda_rng"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state_all([r.cpu() for r in state["cuda_rng"]])
+        step = state["step"]
+        self.summary.update(state["summary"], resumed_from_step=step)
+        if self.accounted:
+            self.summary["epsilon_spent"], self._eps_steps = self.epsilon(step), step
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists():  # records of the lost steps are written again
+            kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= step]
+            metrics.write_text("".join(line + "\n" for line in kept))
+        write_summary(self.run_dir, self.summary)
+        return step
 
     def microbatches(self, index: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """A logical batch (training-set indices) as physical micro-batches on the device."""
@@ -295,6 +341,10 @@ class Run:
         best = self.summary["metric_best"]
         self.summary["metric_best"] = value if best is None else max(best, value)
         return value
+
+
+RESUMED = ("steps_done", "samples_seen", "metric_best", "peak_memory_bytes", "peak_memory_allocated_bytes",
+           "peak_memory_source")  # summary fields a resumed run carries over
 
 
 def _clipping(m) -> str:

@@ -52,6 +52,27 @@ class Method:
             return []
         return [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
+    def state_dict(self) -> dict:
+        """What a checkpoint needs besides the weights: optimiser state and the noise generator's state (so a
+        resumed run draws the noise the lost steps drew: the same batches give the same release, nothing new)."""
+        state = {}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+        gen = self._noise_generator()
+        if gen is not None:
+            state["noise_rng"] = gen.get_state()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if "noise_rng" in state:
+            self._noise_generator().set_state(state["noise_rng"])
+
+    def _noise_generator(self) -> torch.Generator | None:
+        noise = self.noise or getattr(getattr(self, "privatize", None), "noise", None)
+        return noise.generator if noise is not None else None
+
     def set_lr(self, lr: float) -> None:
         self.lr = lr
         if self.optimizer is not None:

@@ -29,6 +29,13 @@ class ZerothOrder(Method):
         self.seeds = torch.Generator().manual_seed(seed)  # direction seeds, reproducible from the run seed
         self.dim = sum(p.numel() for p in self.params)
 
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "direction_rng": self.seeds.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.seeds.set_state(state["direction_rng"])
+
     def _directions(self, seed: int):
         """z for each parameter in turn, regenerated from `seed` (only one parameter's z exists at a time)."""
         gen = None

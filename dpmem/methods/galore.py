@@ -55,6 +55,18 @@ class GaLore(Method):
     def state_tensors(self) -> list[torch.Tensor]:
         return self.adam.state_tensors() + [proj.P for proj in self.projections.values()]
 
+    def state_dict(self) -> dict:
+        index = {p: i for i, p in enumerate(self.params)}
+        return {**super().state_dict(), "t": self.t, "adam": self.adam.state_dict(),
+                "projections": {index[p]: (proj.P, proj.side) for p, proj in self.projections.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.t = state["t"]
+        self.adam.load_state_dict(state["adam"])
+        self.projections = {self.params[i]: Projection(P.to(self.params[i].device), side)
+                            for i, (P, side) in state["projections"].items()}
+
     def step(self, microbatches, loss_fn):
         if not self.private and not any(batch_size(mb) for mb in microbatches):
             return torch.zeros((), device=self.params[0].device)  # nothing sampled: no gradient

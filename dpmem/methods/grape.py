@@ -53,6 +53,14 @@ class Grape(Method):
     def state_tensors(self) -> list[torch.Tensor]:
         return self.adam.state_tensors()
 
+    def state_dict(self) -> dict:  # the projections are regenerated from (seed, layer, t // F)
+        return {**super().state_dict(), "t": self.t, "adam": self.adam.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.t = state["t"]
+        self.adam.load_state_dict(state["adam"])
+
     def step(self, microbatches, loss_fn):
         self.t = t = self.t + 1
         self.privatize.persample.projections = {p: (lambda p=p: self.projection(p, t)) for p in self.sides}

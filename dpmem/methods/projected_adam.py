@@ -75,6 +75,14 @@ class ProjectedAdam:
     def state_tensors(self) -> list[torch.Tensor]:
         return [m for pair in self.moments.values() for m in pair]
 
+    def state_dict(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.moments[p] for p in self.params]
+
+    def load_state_dict(self, state: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for p, (m, v) in zip(self.params, state):
+            self.moments[p][0].copy_(m)
+            self.moments[p][1].copy_(v)
+
     @torch.no_grad()
     def step(self, grads: dict[nn.Parameter, torch.Tensor], lr: float, t: int,
              projection: Callable[[nn.Parameter], Projection | None]) -> None:
