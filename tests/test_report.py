@@ -93,3 +93,26 @@ def test_a_swept_setting_gets_a_row_of_its_own_and_seeds_are_averaged(tmp_path, 
     assert set(rows) == {("dp-adam (subspace.k=10)", "8", "digits"), ("dp-adam (subspace.k=100)", "8", "digits")}
     assert float(rows[("dp-adam (subspace.k=100)", "8", "digits")]["mean"]) == pytest.approx(0.105)
     assert rows[("dp-adam (subspace.k=100)", "8", "digits")]["n"] == "2"
+
+
+def test_figures_are_drawn_from_what_the_runs_hold(tmp_path):
+    root = tmp_path / "runs"
+    for method in ("grape", "dp-adam"):
+        for eps in (1.0, 8.0):
+            for seed in (0, 1):
+                name = f"{method}-{eps}-{seed}"
+                summary(root, name, method, "digits", eps, seed, metric=0.5 + eps / 20 + seed / 100,
+                        peak_memory_bytes=2**20 * (1 if method == "grape" else 4) * (seed + 1),
+                        physical_batch_size=32 * (seed + 1), peak_memory_source="live_tensors")
+                (root / name / "metrics.jsonl").write_text(
+                    '{"step": 5, "loss": 2.0}\n{"step": 5, "accuracy": 0.4}\n{"step": 10, "accuracy": 0.6}\n'
+                    '{"step": 10, "accuracy": 0.6, "final": true}\n')
+    for k, sigma in ((4, 3.0), (32, 1.2)):
+        summary(root, f"rc{k}", "dp-sgd-rc", "bbc", 0.7, 0, metric=0.7, sigma=sigma,
+                rc_accountant={"k": k, "d": 2048, "estimator": "hutch"})
+    main(["report", str(root)])
+    out = root / "report"
+    for name in ("accuracy_vs_epsilon_digits", "memory_vs_batch", "metric_vs_step", "sigma_vs_k"):
+        assert (out / f"{name}.png").stat().st_size > 0 and (out / f"{name}.pdf").exists(), name
+    assert not (out / "accuracy_vs_epsilon_bbc.png").exists()  # one epsilon: no curve to draw
+    assert "Figures: accuracy_vs_epsilon_digits.png" in (out / "report.md").read_text()

@@ -68,6 +68,23 @@ def test_a_run_that_dies_resumes_to_the_uninterrupted_result(tmp_path, monkeypat
     assert not (tmp_path / "resumed" / "checkpoint.pt").exists()  # finished: nothing to resume
 
 
+def test_a_checkpoint_of_another_configuration_is_refused(tmp_path, monkeypatch):
+    calls = []
+    real_step = METHODS["dp-adam"].step
+
+    def dies(self, micro, loss_fn):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("gone")
+        return real_step(self, micro, loss_fn)
+    monkeypatch.setattr(METHODS["dp-adam"], "step", dies)
+    with pytest.raises(RuntimeError, match="gone"):
+        run_training(config("dp-adam", "train.checkpoint_every=2"), tmp_path)
+    monkeypatch.setattr(METHODS["dp-adam"], "step", real_step)
+    with pytest.raises(RuntimeError, match="another configuration"):
+        run_training(config("dp-adam", "train.checkpoint_every=2", "train.lr=0.5"), tmp_path)
+
+
 def test_a_relaunched_sweep_skips_runs_that_finished(tmp_path):
     args = ["train", "-m", "method=adam,dp-adam", "privacy=eps8", "train.steps=2", "train.batch_size=32",
             "logging.progress=false", "train.skip_done=true", f"hydra.sweep.dir={tmp_path / 'sweep'}"]

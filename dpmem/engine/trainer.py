@@ -285,7 +285,8 @@ class Run:
         """Weights, method state (optimiser, projections, noise and direction generators), the global RNG (dropout)
         and the summary so far, written atomically. It holds the noise generator's state: keep it as private as
         the data."""
-        state = {"step": step, "model": self.model.state_dict(), "method": self.method.state_dict(),
+        state = {"step": step, "config": self._fingerprint(), "model": self.model.state_dict(),
+                 "method": self.method.state_dict(),
                  "torch_rng": torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
                  "summary": {k: self.summary[k] for k in RESUMED}}
@@ -301,6 +302,9 @@ class Run:
         if not path.exists():
             return 0
         state = torch.load(path, map_location=self.device, weights_only=True)
+        if state["config"] != self._fingerprint():
+            raise RuntimeError(f"{path} was written by another configuration; delete it to start again, or run "
+                               "with train.resume=false in another folder")
         self.model.load_state_dict(state["model"])
         self.method.load_state_dict(state["method"])
         torch.set_rng_state(state["torch_rng"].cpu())
@@ -316,6 +320,14 @@ class Run:
             metrics.write_text("".join(line + "\n" for line in kept))
         write_summary(self.run_dir, self.summary)
         return step
+
+    def _fingerprint(self) -> str:
+        """The configuration a checkpoint belongs to (what resuming does not change)."""
+        tree = OmegaConf.to_container(self.cfg, resolve=True)
+        for key in ("resume", "skip_done", "checkpoint_every"):
+            tree["train"].pop(key, None)
+        return json.dumps({k: tree.get(k) for k in ("model", "data", "method", "privacy", "train")}, sort_keys=True,
+                          default=str)
 
     def microbatches(self, index: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """A logical batch (training-set indices) as physical micro-batches on the device."""

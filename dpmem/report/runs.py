@@ -5,7 +5,8 @@ method.subspace.k), columns are tasks (data sets); a cell is the final metric's 
 in percent (accuracy, F1, EM, ROUGE-1 are fractions in the summaries). A cell whose runs ran out of memory says OOM;
 the best private result of each column is marked (bold in markdown, \\textbf in LaTeX). Runs that did not finish
 ok (failed, interrupted, still running or dead with status running) and run folders with no summary are listed,
-never silently dropped. Written as report.md, report.csv (one line per cell) and report.tex."""
+never silently dropped. Written as report.md, report.csv (one line per cell) and report.tex, with the figures of
+`dpmem.report.figures`."""
 
 from __future__ import annotations
 
@@ -158,6 +159,10 @@ def write(out: Path, summaries: list[dict], missing: list[str]) -> str:
         for key in sorted(table_cells, key=lambda k: (k[0], _epsilon_order(k[1]), k[2])):
             c = table_cells[key]
             w.writerow([*key, c["metric"], c["n"], c["mean"], c["se"], c["oom"], key in best, texts[key]])
+    from dpmem.report import figures
+    drawn = figures.write(out, summaries, table_cells)
+    if drawn:
+        md += ["", "Figures: " + ", ".join(f for f in drawn if f.endswith(".png")) + " (and PDF)."]
     text = "\n".join(md) + "\n"
     (out / "report.md").write_text(text)
     (out / "report.tex").write_text("\n".join(tex) + "\n")
