@@ -29,7 +29,7 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 USAGE = """usage: dpmem train [-m] [key=value ...]
        dpmem memory [key=value ...]
        dpmem spectrum mode=layer|trajectory [key=value ...]
-       dpmem report PATH... [--out DIR]
+       dpmem report PATH... [--out DIR] [--published]
 
   dpmem train                                      the embedded default (ViT on digits, grape, eps=8)
   dpmem train method=adam privacy=none             a non-private baseline
@@ -266,12 +266,14 @@ def _spectrum(argv: list[str]) -> None:
 
 
 def _report(argv: list[str]) -> None:
-    """`dpmem report PATH... [--out DIR]`: tables of every summary.json under the paths."""
+    """`dpmem report PATH... [--out DIR] [--published]`: tables of every summary.json under the paths."""
     from dpmem.report import runs
 
     if not argv or any(a in ("-h", "--help") for a in argv):
         print(USAGE, end="")
         return
+    compare = "--published" in argv
+    argv = [a for a in argv if a != "--published"]
     out = None
     if "--out" in argv:
         i = argv.index("--out")
@@ -286,7 +288,7 @@ def _report(argv: list[str]) -> None:
     if not summaries and not missing:
         raise _error(f"no summary.json under {', '.join(map(str, paths))}")
     out = out or paths[0] / "report"
-    print(runs.write(out, summaries, missing), end="")
+    print(runs.write(out, summaries, missing, compare), end="")
     print(f"dpmem report: wrote {out}/report.md, report.csv, report.tex", file=sys.stderr)
 
 

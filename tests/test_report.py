@@ -116,3 +116,15 @@ def test_figures_are_drawn_from_what_the_runs_hold(tmp_path):
         assert (out / f"{name}.png").stat().st_size > 0 and (out / f"{name}.pdf").exists(), name
     assert not (out / "accuracy_vs_epsilon_bbc.png").exists()  # one epsilon: no curve to draw
     assert "Figures: accuracy_vs_epsilon_digits.png" in (out / "report.md").read_text()
+
+
+def test_published_numbers_are_printed_beside_ours(tmp_path):
+    root = tmp_path / "runs"
+    summary(root, "g", "grape", "sst2", 6.0, 13, metric=0.9)
+    summary(root, "a", "adam", "sst2", None, 13, metric=0.95)
+    summary(root, "d", "grape", "digits", 6.0, 0, metric=0.8)  # no published digits table
+    main(["report", str(root), "--published"])
+    md = (root / "report" / "report.md").read_text()
+    # DP-GRAPE Table 3: DP-GRAPE eps=6 SST-2 93.3 ± 0.4; AdamW (non-private) 93.1 ± 0.3
+    assert "| **80.0** | **90.0 [93.3 ± 0.4]** |" in md and "| 95.0 [93.1 ± 0.3] |" in md
+    assert "DP-GRAPE Table 3 (RoBERTa-large" in md

@@ -129,11 +129,37 @@ def unfinished(summaries: list[dict], missing: list[str]) -> list[str]:
     return lines
 
 
-def write(out: Path, summaries: list[dict], missing: list[str]) -> str:
-    """report.md, report.csv and report.tex in `out`; returns the markdown."""
+PUBLISHED = Path(__file__).with_name("published.csv")
+ALIASES = {"adam": "adamw"}  # dpmem's name -> the papers' where they differ
+
+
+def published() -> dict[tuple[str, str, str], dict]:
+    """(method, ε, data) -> {value, se, source} from the papers' tables (published.csv, values in %)."""
+    with open(PUBLISHED, newline="") as f:
+        return {(r["method"], r["epsilon"] or "non-private", r["data"]): r for r in csv.DictReader(f)}
+
+
+def with_published(table_cells: dict, texts: dict) -> tuple[dict, list[str]]:
+    """Each cell's text followed by the paper's number for the same method, ε and data set, in brackets."""
+    paper, sources, out = published(), [], dict(texts)
+    for (row, eps, data), text in texts.items():
+        method = row.split(" (")[0]
+        hit = paper.get((ALIASES.get(method, method), eps, data))
+        if hit is not None:
+            out[(row, eps, data)] = f"{text} [{hit['value']}" + (f" ± {hit['se']}" if hit["se"] else "") + "]"
+            sources.append(hit["source"])
+    return out, sorted(set(sources))
+
+
+def write(out: Path, summaries: list[dict], missing: list[str], compare: bool = False) -> str:
+    """report.md, report.csv and report.tex in `out` (with `compare`, the papers' numbers in brackets); returns
+    the markdown."""
     out.mkdir(parents=True, exist_ok=True)
     table_cells = cells(summaries)
     columns, rows, texts, best = table(table_cells)
+    sources = []
+    if compare:
+        texts, sources = with_published(table_cells, texts)
     metrics = sorted({str(c["metric"]) for c in table_cells.values()})
     md = [f"Final {', '.join(metrics)} (%), mean ± standard error over seeds; **bold**: best private result per "
           "column; OOM: out of memory.", "",
@@ -150,6 +176,9 @@ def write(out: Path, summaries: list[dict], missing: list[str]) -> str:
         md.append(f"| {m} | {e} | " + " | ".join(md_cells) + " |")
         tex.append(f"{m} & {e} & " + " & ".join(tex_cells) + r" \\")
     tex += [r"\bottomrule", r"\end{tabular}"]
+    if compare:
+        md += ["", "[In brackets]: the published number for the same method, ε and data set, from: "
+               + ("; ".join(sources) if sources else "no matching table") + "."]
     left = unfinished(summaries, missing)
     if left:
         md += ["", f"Not in the table ({len(left)}):", ""] + [f"- {line}" for line in left]
