@@ -115,7 +115,10 @@ def test_figures_are_drawn_from_what_the_runs_hold(tmp_path):
     for name in ("accuracy_vs_epsilon_digits", "memory_vs_batch", "metric_vs_step", "sigma_vs_k"):
         assert (out / f"{name}.png").stat().st_size > 0 and (out / f"{name}.pdf").exists(), name
     assert not (out / "accuracy_vs_epsilon_bbc.png").exists()  # one epsilon: no curve to draw
-    assert "Figures: accuracy_vs_epsilon_digits.png" in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    assert "Figures: accuracy_vs_epsilon_digits.png" in md
+    # grape at 32 and 64: 1 and 2 MiB (seeds 0 and 1 ran at those batches); dp-adam 4 and 8 MiB
+    assert "| grape | None | 1.0 | 2.0 |" in md and "| dp-adam | None | 4.0 | 8.0 |" in md
 
 
 def test_published_numbers_are_printed_beside_ours(tmp_path):

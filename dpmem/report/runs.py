@@ -122,6 +122,23 @@ def table(table_cells: dict) -> tuple[list[str], list[tuple[str, str]], dict, se
     return columns, rows, {k: _text(c) for k, c in table_cells.items()}, best
 
 
+def memory_table(summaries: list[dict]) -> list[str]:
+    """Peak memory (MiB) by method and model against the physical batch size, when some method ran at several."""
+    peaks = defaultdict(dict)
+    for s in summaries:
+        if s["status"] == OK and s.get("peak_memory_bytes"):
+            peaks[(s["method"], s.get("model"))][s["physical_batch_size"]] = s["peak_memory_bytes"] / 2**20
+    if not any(len(v) > 1 for v in peaks.values()):
+        return []
+    batches = sorted({b for v in peaks.values() for b in v})
+    sources = sorted({str(s.get("peak_memory_source")) for s in summaries if s.get("peak_memory_bytes")})
+    lines = ["", f"Peak memory (MiB, {', '.join(sources)}) against the physical batch size:", "",
+             "| method | model | " + " | ".join(map(str, batches)) + " |", "|---|---|" + "---|" * len(batches)]
+    for (method, model), v in sorted(peaks.items(), key=lambda kv: max(kv[1].values())):
+        lines.append(f"| {method} | {model} | " + " | ".join(f"{v[b]:.1f}" if b in v else "" for b in batches) + " |")
+    return lines
+
+
 def unfinished(summaries: list[dict], missing: list[str]) -> list[str]:
     lines = [f"{s['run_dir']}: {s['status']}" + (f" ({s['error']})" if s.get("error") else "")
              + f", {s.get('steps_done')}/{s.get('steps')} steps" for s in summaries if s["status"] not in (OK, "oom")]
@@ -176,6 +193,7 @@ def write(out: Path, summaries: list[dict], missing: list[str], compare: bool = 
         md.append(f"| {m} | {e} | " + " | ".join(md_cells) + " |")
         tex.append(f"{m} & {e} & " + " & ".join(tex_cells) + r" \\")
     tex += [r"\bottomrule", r"\end{tabular}"]
+    md += memory_table(summaries)
     if compare:
         md += ["", "[In brackets]: the published number for the same method, ε and data set, from: "
                + ("; ".join(sources) if sources else "no matching table") + "."]
