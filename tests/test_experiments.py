@@ -14,7 +14,9 @@ EXPERIMENTS = sorted(p.relative_to(Path(CONF_DIR) / "experiment").with_suffix(""
 GRIDS = {"mini/vit-digits-accuracy": 36, "mini/vit-digits-memory": 16, "mini/steps-grape": 3,
          "mini/steps-dpzero": 3, "minilm-rt": 2, "spectrum/retrain-vit-digits": 9,
          "spectrum/retrain-distilroberta-sst2": 15, "spectrum/retrain-minilm-rt": 3,
-         "dpgrape/table7": 36, "dpgrape/table10": 24, "dpgrape/table3": 36}
+         "dpgrape/table7": 36, "dpgrape/table10": 24, "dpgrape/table3": 36,
+         "dpgrape/table4": 60, "dpgrape/table5": 60, "dpgrape/fig2-memory": 24, "dpgrape/table8": 4,
+         "dpgrape/fig3-memory": 28, "dpgrape/fig4-memory-rank": 7, "dpgrape/table11": 3, "dpgrape/fig6-convergence": 2}
 
 
 def grid_size(name: str) -> int:
@@ -31,19 +33,45 @@ def test_experiment_composes_and_validates(name):
     assert grid_size(name) == GRIDS.get(name, 1)
 
 
-@pytest.mark.parametrize("table", ["table3", "table7", "table10"])
-def test_every_point_of_a_table_composes_with_its_method_data_and_hyperparameters(table):
-    """Each conf/hp/TABLE file sets its method and data set (and the paper's C and lr) on top of the experiment."""
-    files = sorted((Path(CONF_DIR) / "hp" / table).glob("*.yaml"))
-    assert len(files) == {"table3": 6, "table7": 9, "table10": 6}[table]
+def hp_points(name: str) -> dict[str, list[str]]:
+    """The +hp/... group an experiment sweeps, with its listed options."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        for f in files:
-            cfg = compose_point([f"experiment=dpgrape/{table}", f"+hp/{table}={f.stem}", "privacy=eps2"])
-            assert f.stem == f"{cfg.method.name}-{cfg.data.name}" and cfg.privacy.epsilon == 2.0
-            assert (cfg.method.rank, cfg.train.batch_size) == ((16, 64) if table == "table3" else (64, 1000))
-        # spot checks against [R] Table 6: grape on MNIST C = 0.1, lr 5e-3; DP-Adam on CIFAR-100 C = 1, lr 5e-4
-        if table == "table7":
-            grape = compose_point(["experiment=dpgrape/table7", "+hp/table7=grape-mnist"])
-            adam = compose_point(["experiment=dpgrape/table7", "+hp/table7=dp-adam-cifar100"])
-            assert (grape.method.max_grad_norm, grape.train.lr) == (0.1, 5e-3)
-            assert (adam.method.max_grad_norm, adam.train.lr) == (1.0, 5e-4)
+        cfg = compose("config", overrides=[f"experiment={name}"], return_hydra_config=True)
+    return {k.lstrip("+"): str(v).split(",") for k, v in (cfg.hydra.sweeper.params or {}).items() if "hp/" in k}
+
+
+@pytest.mark.parametrize("name", [e for e in EXPERIMENTS if e.startswith("dpgrape/")])
+def test_every_hyperparameter_point_of_a_table_composes_with_its_method(name):
+    """Each conf/hp file a table sweeps exists, composes and validates on top of the experiment, and sets the method
+    its name starts with; every file of the group is used."""
+    points = hp_points(name)
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        for group, options in points.items():
+            for option in options:
+                cfg = compose_point([f"experiment={name}", f"+{group}={option}", "privacy.epsilon=2"])
+                assert option.startswith(cfg.method.name), (name, option)
+                assert cfg.privacy.epsilon == 2.0
+
+
+def test_every_hyperparameter_file_is_swept_by_some_table():
+    swept = {f"{g}/{o}" for e in EXPERIMENTS if e.startswith("dpgrape/") for g, opts in hp_points(e).items()
+             for o in opts}
+    files = {p.relative_to(Path(CONF_DIR)).with_suffix("").as_posix() for p in (Path(CONF_DIR) / "hp").rglob("*.yaml")}
+    assert files == swept
+
+
+def test_table_hyperparameters_are_the_papers():
+    """Spot checks against [R] Tables 6 and 12 and Table 3's C search."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        def point(name, option):
+            return compose_point([f"experiment=dpgrape/{name}", f"+hp/{option}"])
+        grape = point("table7", "table7=grape-mnist")
+        adam = point("table7", "table7=dp-adam-cifar100")
+        assert (grape.method.max_grad_norm, grape.train.lr, grape.method.rank) == (0.1, 5e-3, 64)
+        assert (adam.method.max_grad_norm, adam.train.lr) == (1.0, 5e-4)
+        mnli = point("table3", "table3=grape-mnli")
+        assert (mnli.method.max_grad_norm, mnli.method.rank, mnli.train.steps, mnli.data.k) == (10.0, 16, 1000, 512)
+        opt = point("table4", "table45=grape-opt-6.7b-boolq")
+        assert (opt.method.max_grad_norm, opt.method.rank, opt.train.steps, opt.data.n_train) == (5.0, 64, 2000, 1000)
+        opt = point("table5", "table45=dp-adam-opt-2.7b-drop")
+        assert (opt.method.max_grad_norm, opt.train.lr, opt.train.steps, opt.model.name) == (20.0, 1e-5, 3000, "opt-2.7b")
