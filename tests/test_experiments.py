@@ -16,7 +16,8 @@ GRIDS = {"mini/vit-digits-accuracy": 36, "mini/vit-digits-memory": 16, "mini/ste
          "spectrum/retrain-distilroberta-sst2": 15, "spectrum/retrain-minilm-rt": 3,
          "dpgrape/table7": 36, "dpgrape/table10": 24, "dpgrape/table3": 36,
          "dpgrape/table4": 60, "dpgrape/table5": 60, "dpgrape/fig2-memory": 24, "dpgrape/table8": 4,
-         "dpgrape/fig3-memory": 28, "dpgrape/fig4-memory-rank": 7, "dpgrape/table11": 3, "dpgrape/fig6-convergence": 2}
+         "dpgrape/fig3-memory": 28, "dpgrape/fig4-memory-rank": 7, "dpgrape/table11": 3, "dpgrape/fig6-convergence": 2,
+         "dpgrape/fig5-rank": 630}
 
 
 def grid_size(name: str) -> int:
