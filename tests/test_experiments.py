@@ -17,7 +17,7 @@ GRIDS = {"mini/vit-digits-accuracy": 36, "mini/vit-digits-memory": 16, "mini/ste
          "dpgrape/table7": 36, "dpgrape/table10": 24, "dpgrape/table3": 36,
          "dpgrape/table4": 60, "dpgrape/table5": 60, "dpgrape/fig2-memory": 24, "dpgrape/table8": 4,
          "dpgrape/fig3-memory": 28, "dpgrape/fig4-memory-rank": 7, "dpgrape/table11": 3, "dpgrape/fig6-convergence": 2,
-         "dpgrape/fig5-rank": 630}
+         "dpgrape/fig5-rank": 630, "dpsgdrc/table2": 15, "dpsgdrc/table3": 10, "dpsgdrc/table4": 9}
 
 
 def grid_size(name: str) -> int:
@@ -41,7 +41,7 @@ def hp_points(name: str) -> dict[str, list[str]]:
     return {k.lstrip("+"): str(v).split(",") for k, v in (cfg.hydra.sweeper.params or {}).items() if "hp/" in k}
 
 
-@pytest.mark.parametrize("name", [e for e in EXPERIMENTS if e.startswith("dpgrape/")])
+@pytest.mark.parametrize("name", [e for e in EXPERIMENTS if e.startswith(("dpgrape/", "dpsgdrc/"))])
 def test_every_hyperparameter_point_of_a_table_composes_with_its_method(name):
     """Each conf/hp file a table sweeps exists, composes and validates on top of the experiment, and sets the method
     its name starts with; every file of the group is used."""
@@ -49,13 +49,14 @@ def test_every_hyperparameter_point_of_a_table_composes_with_its_method(name):
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         for group, options in points.items():
             for option in options:
-                cfg = compose_point([f"experiment={name}", f"+{group}={option}", "privacy.epsilon=2"])
-                assert option.startswith(cfg.method.name), (name, option)
-                assert cfg.privacy.epsilon == 2.0
+                cfg = compose_point([f"experiment={name}", f"+{group}={option}"])
+                assert option.startswith(cfg.method.name) or cfg.method.name == {"hutch": "dp-sgd-rc",
+                       "hutchpp": "dp-sgd-rc", "dp-sgd": "dp-adam"}.get(option), (name, option)
 
 
 def test_every_hyperparameter_file_is_swept_by_some_table():
-    swept = {f"{g}/{o}" for e in EXPERIMENTS if e.startswith("dpgrape/") for g, opts in hp_points(e).items()
+    swept = {f"{g}/{o}" for e in EXPERIMENTS if e.startswith(("dpgrape/", "dpsgdrc/"))
+             for g, opts in hp_points(e).items()
              for o in opts}
     files = {p.relative_to(Path(CONF_DIR)).with_suffix("").as_posix() for p in (Path(CONF_DIR) / "hp").rglob("*.yaml")}
     assert files == swept
@@ -74,5 +75,10 @@ def test_table_hyperparameters_are_the_papers():
         assert (mnli.method.max_grad_norm, mnli.method.rank, mnli.train.steps, mnli.data.k) == (10.0, 16, 1000, 512)
         opt = point("table4", "table45=grape-opt-6.7b-boolq")
         assert (opt.method.max_grad_norm, opt.method.rank, opt.train.steps, opt.data.n_train) == (5.0, 64, 2000, 1000)
+        rc = compose_point(["experiment=dpsgdrc/table2", "+hp/dpsgdrc=dp-sgd-rc-billsum-full-eps2"])
+        assert (rc.method.max_grad_norm, rc.privacy.epsilon, rc.privacy.delta, rc.method.k) == (0.3665, 2.0, 1e-6, 32)
+        assert list(rc.model.trainable) == ["model.layers.1[1-5].*"] and rc.train.batch_size == 256
+        lora = compose_point(["experiment=dpsgdrc/table3", "+hp/dpsgdrc=dp-adam-bbc-lora-eps9"])
+        assert (lora.model.lora.r, lora.model.lora.alpha, lora.method.clipping.value) == (16, 8.0, "fgc")
         opt = point("table5", "table45=dp-adam-opt-2.7b-drop")
         assert (opt.method.max_grad_norm, opt.train.lr, opt.train.steps, opt.model.name) == (20.0, 1e-5, 3000, "opt-2.7b")
