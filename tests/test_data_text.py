@@ -131,6 +131,13 @@ def test_trec_mask_comes_first(fx):
     assert d.test["mask_pos"].tolist() == [1] and d.test["labels"].tolist() == [3] and d.num_classes == 6
 
 
+def test_a_class_smaller_than_k_gives_all_it_has_as_lm_bff_does(fx, capsys):
+    """TREC's ABBR class has 86 training questions, fewer than MeZO's k = 512: every one is used, and it is said."""
+    _, d, _ = data(fx, "trec", "roberta-tiny", "mlm", "roberta", "data.k=6", "data.n_dev=1")
+    assert d.train["labels"].bincount().tolist() == [4] * 6  # the fixture has 4 per class
+    assert "only class 0: 4, class 1: 4" in capsys.readouterr().err
+
+
 def test_causal_sst2_and_boolq_read_the_class_at_the_prompt_end(fx):
     _, d, tok = data(fx, "sst2", "opt-tiny", None, "opt", "data.k=null", "data.n_train=6")
     assert shown(tok, d.test, 0) == "</s>the movie is dull . It was"

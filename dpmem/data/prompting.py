@@ -12,6 +12,7 @@ lower-cases the first (`sentl`). Label words are read as " word" (a leading spac
 from __future__ import annotations
 
 import string
+import sys
 from typing import Optional
 
 import numpy as np
@@ -175,14 +176,17 @@ def choose(cfg, train: list[dict], test: Optional[list[dict]], stratify: bool):
     if cfg.k is not None:
         if not stratify:
             raise ConfigError("data.k", "k examples per class is for classification; use data.n_train")
-        chosen, dev = [], []
+        chosen, dev, short = [], [], []
         for c in sorted({r["label"] for r in train}):
             of_c = [i for i in order if train[i]["label"] == c]
             if len(of_c) < cfg.k + (cfg.n_dev or 0):
-                raise ConfigError("data.k", f"class {c} has {len(of_c)} training examples, fewer than k={cfg.k}"
-                                  f"{f' + n_dev={cfg.n_dev}' if cfg.n_dev else ''}")
+                short.append(f"class {c}: {len(of_c)}")
+            # a class smaller than k gives all it has, as LM-BFF's k-shot sampler (and so MeZO's TREC) does
             chosen += of_c[:cfg.k]
             dev += of_c[cfg.k:cfg.k + (cfg.n_dev or 0)]
+        if short:
+            print(f"dpmem: data.k={cfg.k}{f' + n_dev={cfg.n_dev}' if cfg.n_dev else ''} per class, but only "
+                  f"{', '.join(short)} training examples: all of them are used", file=sys.stderr)
         chosen, dev = sorted(chosen), sorted(dev)  # the data set's order, not class blocks
     else:
         n = len(order) if cfg.n_train is None else min(cfg.n_train, len(order))
