@@ -87,6 +87,22 @@ def test_torchvision_sets_load_in_their_own_splits(roots, name, shape, n_train, 
         assert d.train["pixel_values"][0, 2, 5, 7].item() == pytest.approx((raw / 255 - 0.5) / 0.5)
 
 
+def test_the_search_split_holds_out_part_of_the_training_set(roots):
+    """data.eval_split=dev (the papers' C x lr search on an 80/20 split of the training set): the evaluated images
+    are training images, disjoint from those trained on; the real test set is not touched."""
+    full = build_data(*(lambda c: (c.data, c.model))(config("model=vit-tiny", "data=mnist", f"data.root={roots}")))
+    cfg = config("model=vit-tiny", "data=mnist", f"data.root={roots}", "data.eval_split=dev", "data.test_fraction=0.25")
+    d = build_data(cfg.data, cfg.model)
+    assert len(d.train["labels"]) == 9 and len(d.test["labels"]) == 3
+    rows = {tuple(x.flatten().tolist()) for x in full.train["pixel_values"]}
+    held = [tuple(x.flatten().tolist()) for x in d.test["pixel_values"]]
+    kept = [tuple(x.flatten().tolist()) for x in d.train["pixel_values"]]
+    assert set(held) <= rows and set(kept) <= rows and not set(held) & set(kept)
+    with pytest.raises(ConfigError, match="data.eval_split"):
+        build_data(config("model=vit-tiny", "data=mnist", f"data.root={roots}", "data.eval_split=val").data,
+                   cfg.model)
+
+
 def test_absent_offline_is_one_line_within_seconds(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = config("model=vit-tiny", "data=cifar10", f"data.root={tmp_path}")

@@ -18,7 +18,8 @@ GRIDS = {"mini/vit-digits-accuracy": 36, "mini/vit-digits-memory": 16, "mini/ste
          "dpgrape/table4": 60, "dpgrape/table5": 60, "dpgrape/fig2-memory": 24, "dpgrape/table8": 4,
          "dpgrape/fig3-memory": 28, "dpgrape/fig4-memory-rank": 7, "dpgrape/table11": 3, "dpgrape/fig6-convergence": 2,
          "dpgrape/fig5-rank": 630, "dpsgdrc/table2": 15, "dpsgdrc/table3": 10, "dpsgdrc/table4": 9,
-         "dpgrape/table13": 9, "dpgrape/fig3-memory-opt": 20}
+         "dpgrape/table13": 9, "dpgrape/fig3-memory-opt": 20, "dpgrape/search-table7": 108,
+         "dpgrape/search-table10": 72, "dpgrape/search-table3": 36, "dpgrape/search-table45": 80}
 
 
 def grid_size(name: str) -> int:

@@ -31,7 +31,14 @@ def load(cfg):
         splits = _download(cls, root, key)
     x_train, x_test = (_nchw(s.data) for s in splits)
     y_train, y_test = (np.asarray(s.targets) for s in splits)
-    # the data set's own split: data.test_fraction and data.split_seed do not apply
+    if cfg.eval_split == "dev":  # the papers' hyperparameter search: test_fraction of the training set held out
+        order = np.random.default_rng(cfg.split_seed).permutation(len(y_train))
+        cut = round(len(order) * cfg.test_fraction)
+        x_test, y_test, x_train, y_train = (x_train[order[:cut]], y_train[order[:cut]], x_train[order[cut:]],
+                                            y_train[order[cut:]])
+    elif cfg.eval_split != "test":
+        raise ConfigError("data.eval_split", f"{cfg.eval_split!r}: allowed test (the data set's own), dev")
+    # otherwise the data set's own split: data.test_fraction and data.split_seed do not apply
     return image_bundle(x_train, y_train, x_test, y_test, test_fraction=0.0, split_seed=0, scale=255.0,
                         num_classes=classes)
 
