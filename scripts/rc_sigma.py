@@ -1,6 +1,6 @@
 """Noise multipliers of DP-SGD-RC against probes k and layer size d, and the envelope threshold x₊, as markdown.
 
-    python scripts/rc_sigma.py          # writes outputs/rc/sigma.md (about 4 minutes on 2 cores)
+    python scripts/rc_sigma.py          # outputs/rc/sigma.md, sigma_vs_k and sigma_vs_d .png/.pdf (about 4 min)
 
 The setting is [H] Table 4 (BBC): delta = 1e-5, batch 64, 10 epochs, Poisson rate q = 64/N, round(10 N/64) steps,
 with N = 1127, where the DP-SGD (pld) noise multiplier is the paper's 4.073. Tables: sigma against k at d = 2048
@@ -40,25 +40,33 @@ def ratio(s: float | None, base: float) -> str:
     return "" if s is None else f"{s / base:.4f}"
 
 
-def k_table(lines: list[str], ks: list[int]) -> None:
+def k_table(lines: list[str], ks: list[int]) -> dict:
     base = sigma(0.7)
+    series = {"Hutch": [], "Hutch++": [], "DP-SGD": base}
     lines += [f"## σ against k (ε = 0.7, d = 2048; DP-SGD σ = {base:.4f}; [H] Fig. 11b, Table 4: 4.073 / 4.354)", "",
               "| k | Hutch σ | Hutch++ σ | Hutch / DP-SGD | Hutch++ / DP-SGD |", "|---|---|---|---|---|"]
     for k in ks:
         h, hpp = sigma(0.7, k=k, d=2048), sigma(0.7, k=k, d=2048, estimator="hutchpp")
         lines.append(f"| {k} | {fmt(h)} | {fmt(hpp)} | {ratio(h, base)} | {ratio(hpp, base)} |")
         print(lines[-1], flush=True)
+        series["Hutch"].append((k, h))
+        series["Hutch++"].append((k, hpp))
     lines.append("")
+    return series
 
 
-def d_table(lines: list[str], ds: list[int], epsilons: list[float]) -> None:
+def d_table(lines: list[str], ds: list[int], epsilons: list[float]) -> dict:
     head = " | ".join(f"ε = {e:g} Hutch | ε = {e:g} Hutch++" for e in epsilons)
     base = " ; ".join(f"ε = {e:g}: {sigma(e):.4f}" for e in epsilons)
     lines += [f"## σ against d (k = 32; DP-SGD σ {base}; [H] Fig. 12)", "", f"| d | {head} |",
               "|---|" + "---|" * 2 * len(epsilons)]
+    series = {(e, est): [] for e in epsilons for est in ("Hutch", "Hutch++")}
     for d in ds:
-        cells = " | ".join(f"{fmt(sigma(e, k=32, d=d))} | {fmt(sigma(e, k=32, d=d, estimator='hutchpp'))}"
-                           for e in epsilons)
+        values = {(e, est): sigma(e, k=32, d=d, **({"estimator": "hutchpp"} if est == "Hutch++" else {}))
+                  for e, est in series}
+        for key, v in values.items():
+            series[key].append((d, v))
+        cells = " | ".join(f"{fmt(values[(e, 'Hutch')])} | {fmt(values[(e, 'Hutch++')])}" for e in epsilons)
         lines.append(f"| {d} | {cells} |")
         print(lines[-1], flush=True)
     # d = inf: dpmem's whole-model envelope, the same for both estimators (dpmem.methods.rc.rc_dimension)
@@ -66,6 +74,34 @@ def d_table(lines: list[str], ds: list[int], epsilons: list[float]) -> None:
                                                          (sigma(e, k=32, d=math.inf) for e in epsilons)) + " |")
     print(lines[-1], flush=True)
     lines.append("")
+    return series
+
+
+def figures(out: Path, by_k: dict, by_d: dict) -> list[Path]:
+    """σ against k ([H] Fig. 11b) and against d ([H] Fig. 12), PNG and PDF beside the markdown."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    written = []
+    for name, title, xlabel, lines in (
+            ("sigma_vs_k", "σ against k (ε = 0.7, d = 2048)", "k (probes)",
+             {est: by_k[est] for est in ("Hutch", "Hutch++")}),
+            ("sigma_vs_d", "σ against d (k = 32)", "d", {f"{est}, ε = {e:g}": v for (e, est), v in by_d.items()})):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, points in lines.items():
+            points = [(x, y) for x, y in points if y is not None]
+            ax.plot([x for x, _ in points], [y for _, y in points], "o-", label=label)
+        if name == "sigma_vs_k":
+            ax.axhline(by_k["DP-SGD"], linestyle="--", color="gray", label="DP-SGD")
+        ax.set(xscale="log", xlabel=xlabel, ylabel="σ", title=title)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        for ext in ("png", "pdf"):
+            path = out.parent / f"{name}.{ext}"
+            fig.savefig(path, dpi=120)
+            written.append(path)
+        plt.close(fig)
+    return written
 
 
 def x_plus_table(lines: list[str], ks: list[int], ds: list[int]) -> None:
@@ -95,13 +131,14 @@ def main() -> None:
              f"Setting: δ = {DELTA:g}, batch {BATCH}, {EPOCHS} epochs, N = {N}, Poisson rate q = {Q:.6f}, "
              f"{STEPS} steps, add/remove; σ calibrated to tolerance {TOL:g}, relative above σ = 1 (calibrate_sigma, "
              "accountant rc: revealed random sensitivity, connect-the-dots PLD, lower-edge bins).", ""]
-    k_table(lines, args.ks)
-    d_table(lines, args.ds, args.epsilons)
+    by_k = k_table(lines, args.ks)
+    by_d = d_table(lines, args.ds, args.epsilons)
     x_plus_table(lines, args.xplus_ks, args.xplus_ds)
     lines.append(f"Runtime {time.time() - start:.0f} s.")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    written = figures(args.out, by_k, by_d)
+    print(f"wrote {args.out}, {', '.join(p.name for p in written)}")
 
 
 if __name__ == "__main__":
