@@ -123,11 +123,13 @@ def test_figures_are_drawn_from_what_the_runs_hold(tmp_path):
 
 def test_published_numbers_are_printed_beside_ours(tmp_path):
     root = tmp_path / "runs"
-    summary(root, "g", "grape", "sst2", 6.0, 13, metric=0.9)
-    summary(root, "a", "adam", "sst2", None, 13, metric=0.95)
-    summary(root, "d", "grape", "digits", 6.0, 0, metric=0.8)  # no published digits table
+    summary(root, "g", "grape", "sst2", 6.0, 13, metric=0.9, model="roberta-large")
+    summary(root, "a", "adam", "sst2", None, 13, metric=0.95, model="roberta-large")
+    summary(root, "d", "grape", "digits", 6.0, 0, metric=0.8, model="vit-tiny")  # no published digits table
+    summary(root, "o", "dp-adam", "boolq", 2.0, 0, metric=0.6, model="opt-2.7b")  # the OPT table's 2.7B column
     main(["report", str(root), "--published"])
     md = (root / "report" / "report.md").read_text()
+    assert "60.0 [62.5 ± 0.3]" in md  # [R] Table 4: DP-Adam eps=2, OPT-2.7B BoolQ
     # DP-GRAPE Table 3: DP-GRAPE eps=6 SST-2 93.3 ± 0.4; AdamW (non-private) 93.1 ± 0.3
     assert "| **80.0** | **90.0 [93.3 ± 0.4]** |" in md and "| 95.0 [93.1 ± 0.3] |" in md
     assert "DP-GRAPE Table 3 (RoBERTa-large" in md

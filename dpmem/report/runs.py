@@ -93,6 +93,7 @@ def cells(summaries: list[dict]) -> dict[tuple[str, str, str], dict]:
         se = statistics.stdev(values) / math.sqrt(n) if n > 1 else None
         out[key] = {"values": values, "n": n, "mean": mean, "se": se,
                     "oom": any(r["status"] == "oom" for r in runs), "private": key[1] != "non-private",
+                    "models": {r.get("model") for r in runs},
                     "metric": runs[0].get("metric_name")}
     return out
 
@@ -151,18 +152,20 @@ PUBLISHED = Path(__file__).with_name("published.csv")
 ALIASES = {"adam": "adamw"}  # dpmem's name -> the papers' where they differ
 
 
-def published() -> dict[tuple[str, str, str], dict]:
-    """(method, ε, data) -> {value, se, source} from the papers' tables (published.csv, values in %)."""
+def published() -> dict[tuple[str, str, str, str], dict]:
+    """(method, ε, data, model) -> {value, se, source} from the papers' tables (published.csv, values in %, or
+    OOM)."""
     with open(PUBLISHED, newline="") as f:
-        return {(r["method"], r["epsilon"] or "non-private", r["data"]): r for r in csv.DictReader(f)}
+        return {(r["method"], r["epsilon"] or "non-private", r["data"], r["model"]): r for r in csv.DictReader(f)}
 
 
 def with_published(table_cells: dict, texts: dict) -> tuple[dict, list[str]]:
-    """Each cell's text followed by the paper's number for the same method, ε and data set, in brackets."""
+    """Each cell's text followed by the paper's number for the same method, ε, data set and model, in brackets."""
     paper, sources, out = published(), [], dict(texts)
     for (row, eps, data), text in texts.items():
         method = row.split(" (")[0]
-        hit = paper.get((ALIASES.get(method, method), eps, data))
+        models = table_cells[(row, eps, data)]["models"]
+        hit = paper.get((ALIASES.get(method, method), eps, data, next(iter(models)))) if len(models) == 1 else None
         if hit is not None:
             out[(row, eps, data)] = f"{text} [{hit['value']}" + (f" ± {hit['se']}" if hit["se"] else "") + "]"
             sources.append(hit["source"])
