@@ -19,7 +19,8 @@ GRIDS = {"mini/vit-digits-accuracy": 36, "mini/vit-digits-memory": 16, "mini/ste
          "dpgrape/fig3-memory": 28, "dpgrape/fig4-memory-rank": 7, "dpgrape/table11": 3, "dpgrape/fig6-convergence": 2,
          "dpgrape/fig5-rank": 630, "dpsgdrc/table2": 15, "dpsgdrc/table3": 10, "dpsgdrc/table4": 9,
          "dpgrape/table13": 9, "dpgrape/fig3-memory-opt": 20, "dpgrape/search-table7": 108,
-         "dpgrape/search-table10": 72, "dpgrape/search-table3": 36, "dpgrape/search-table45": 80}
+         "dpgrape/search-table10": 72, "dpgrape/search-table3": 36, "dpgrape/search-table45": 80,
+         "dpgrape/table3-baselines": 108, "dpsgdrc/fig11-sigma-k": 18, "dpsgdrc/fig12-sigma-d": 24}
 
 
 def grid_size(name: str) -> int:
@@ -53,7 +54,8 @@ def test_every_hyperparameter_point_of_a_table_composes_with_its_method(name):
             for option in options:
                 cfg = compose_point([f"experiment={name}", f"+{group}={option}"])
                 assert option.startswith(cfg.method.name) or cfg.method.name == {"hutch": "dp-sgd-rc",
-                       "hutchpp": "dp-sgd-rc", "dp-sgd": "dp-adam"}.get(option), (name, option)
+                       "hutchpp": "dp-sgd-rc", "dp-sgd": "dp-adam", "lora": "adam", "dp-lora": "dp-adam"}.get(option), \
+                    (name, option)
 
 
 def test_every_hyperparameter_file_is_swept_by_some_table():
