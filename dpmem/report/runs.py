@@ -93,7 +93,7 @@ def cells(summaries: list[dict]) -> dict[tuple[str, str, str], dict]:
         se = statistics.stdev(values) / math.sqrt(n) if n > 1 else None
         out[key] = {"values": values, "n": n, "mean": mean, "se": se,
                     "oom": any(r["status"] == "oom" for r in runs), "private": key[1] != "non-private",
-                    "models": {r.get("model") for r in runs},
+                    "paper": {_paper_key(r) for r in runs},
                     "metric": runs[0].get("metric_name")}
     return out
 
@@ -149,7 +149,7 @@ def unfinished(summaries: list[dict], missing: list[str]) -> list[str]:
 
 
 PUBLISHED = Path(__file__).with_name("published.csv")
-ALIASES = {"adam": "adamw"}  # dpmem's name -> the papers' where they differ
+ALIASES = {"adam": "adamw"}  # dpmem's name -> the papers' where they differ (AdamW is the papers' non-private row)
 
 
 def published() -> dict[tuple[str, str, str, str], dict]:
@@ -159,13 +159,24 @@ def published() -> dict[tuple[str, str, str, str], dict]:
         return {(r["method"], r["epsilon"] or "non-private", r["data"], r["model"]): r for r in csv.DictReader(f)}
 
 
+def _paper_key(s: dict) -> tuple[str, str]:
+    """(method, model) as published.csv names them: dp-sgd-rc/ESTIMATOR, MODEL+lora for LoRA runs."""
+    method = ALIASES.get(s["method"], s["method"])
+    if method == "dp-sgd-rc":
+        method += f"/{s.get('clipping')}"
+    lora = s.get("config", {}).get("model.lora.r") is not None
+    return method, f"{s.get('model')}+lora" if lora else str(s.get("model"))
+
+
 def with_published(table_cells: dict, texts: dict) -> tuple[dict, list[str]]:
     """Each cell's text followed by the paper's number for the same method, ε, data set and model, in brackets."""
     paper, sources, out = published(), [], dict(texts)
     for (row, eps, data), text in texts.items():
-        method = row.split(" (")[0]
-        models = table_cells[(row, eps, data)]["models"]
-        hit = paper.get((ALIASES.get(method, method), eps, data, next(iter(models)))) if len(models) == 1 else None
+        keys = table_cells[(row, eps, data)]["paper"]
+        hit = None
+        if len(keys) == 1:
+            method, model = next(iter(keys))
+            hit = paper.get((method, eps, data, model))
         if hit is not None:
             out[(row, eps, data)] = f"{text} [{hit['value']}" + (f" ± {hit['se']}" if hit["se"] else "") + "]"
             sources.append(hit["source"])
