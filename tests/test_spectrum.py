@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 
 from dpmem.cli import CONF_DIR, main
 from dpmem.config import ConfigError
-from dpmem.engine.trainer import Run, run_training
+from dpmem.engine.trainer import Run
 from dpmem.methods.base import Noise
 from dpmem.methods.privatize import add_noise
 from dpmem.methods.subspace import data_identity, privacy_of, save_subspace
