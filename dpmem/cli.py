@@ -97,14 +97,19 @@ def compose_point(point: list[str]) -> DictConfig:
     return cfg
 
 
+def compose_points(points: list[list[str]]) -> list[DictConfig]:
+    """The validated config of each sweep point, outside any Hydra app. Raises ConfigError."""
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            return [compose_point(point) for point in points]
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def preflight(overrides: list[str]) -> None:
     """Check group options and compose every sweep point (up to MAX_PREFLIGHT). Raises ConfigError."""
-    points = sweep_points(overrides)
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        for point in points[:MAX_PREFLIGHT]:
-            compose_point(point)
-    GlobalHydra.instance().clear()
+    compose_points(sweep_points(overrides)[:MAX_PREFLIGHT])
 
 
 def _first_line(e: Exception) -> str:
@@ -201,10 +206,7 @@ def _memory(argv: list[str]) -> None:
     debug = any(a.lower() in ("debug=true", "debug=1") for a in overrides)
     try:
         points = sweep_points(overrides)
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            cfgs = [compose_point(p) for p in points]
-        GlobalHydra.instance().clear()
+        cfgs = compose_points(points)
         varying = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
         labels = [" ".join(p[i] for i in varying if not p[i].startswith("train.batch_size=")) or cfg.method.name
                   for p, cfg in zip(points, cfgs)]
@@ -248,10 +250,7 @@ def _spectrum(argv: list[str]) -> None:
         if len(points) > 1:
             raise ConfigError("override", "dpmem spectrum takes one configuration (no comma lists); the settings "
                               "it compares are lists: spectrum.clip=[null,1.0] spectrum.sigma=[0,0.5,2.0]")
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            cfg = compose_point(points[0])
-        GlobalHydra.instance().clear()
+        (cfg,) = compose_points(points)
         mode = cfg.spectrum.mode.value
         out = Path(cfg.spectrum.dir or datetime.now().strftime(f"outputs/spectrum/%Y-%m-%d/%H-%M-%S_{mode}"))
         out.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from dpmem.privacy import UnreachableTarget, calibrate_sigma, x_plus
+from dpmem.report import pyplot, save_figure
 
 N, DELTA, EPOCHS, BATCH = 1127, 1e-5, 10, 64
 Q, STEPS = BATCH / N, round(EPOCHS * N / BATCH)
@@ -79,10 +80,7 @@ def d_table(lines: list[str], ds: list[int], epsilons: list[float]) -> dict:
 
 def figures(out: Path, by_k: dict, by_d: dict) -> list[Path]:
     """σ against k ([H] Fig. 11b) and against d ([H] Fig. 12), PNG and PDF beside the markdown."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    written = []
+    plt, written = pyplot(), []
     for name, title, xlabel, lines in (
             ("sigma_vs_k", "σ against k (ε = 0.7, d = 2048)", "k (probes)",
              {est: by_k[est] for est in ("Hutch", "Hutch++")}),
@@ -95,12 +93,7 @@ def figures(out: Path, by_k: dict, by_d: dict) -> list[Path]:
             ax.axhline(by_k["DP-SGD"], linestyle="--", color="gray", label="DP-SGD")
         ax.set(xscale="log", xlabel=xlabel, ylabel="σ", title=title)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        for ext in ("png", "pdf"):
-            path = out.parent / f"{name}.{ext}"
-            fig.savefig(path, dpi=120)
-            written.append(path)
-        plt.close(fig)
+        written += [out.parent / n for n in save_figure(fig, out.parent, name)]
     return written
 
 

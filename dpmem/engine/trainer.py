@@ -234,11 +234,7 @@ class Run:
                     elif log_cfg.memory_steps > 0:
                         counter = LiveTensorCounter().track_state(self.model, self.method)
                         counter.__enter__()
-                lr = lr_at(step, self.steps, t)
-                self.method.set_lr(lr)
-                micro = self.microbatches(index)
-                with self.autocast():
-                    loss = self.method.step(micro, self.data.per_sample_loss)
+                lr, loss = self.train_step(step, self.microbatches(index))
                 loss_sum = loss if loss_sum is None else loss_sum + loss
                 loss_count += len(index)
                 samples += len(index)
@@ -328,6 +324,13 @@ class Run:
             tree["train"].pop(key, None)
         return json.dumps({k: tree.get(k) for k in ("model", "data", "method", "privacy", "train")}, sort_keys=True,
                           default=str)
+
+    def train_step(self, step: int, micro: list[dict[str, torch.Tensor]]) -> tuple[float, torch.Tensor]:
+        """The method's update for 0-based `step` at its scheduled learning rate: (lr, summed per-sample loss)."""
+        lr = lr_at(step, self.steps, self.cfg.train)
+        self.method.set_lr(lr)
+        with self.autocast():
+            return lr, self.method.step(micro, self.data.per_sample_loss)
 
     def microbatches(self, index: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """A logical batch (training-set indices) as physical micro-batches on the device."""

@@ -58,20 +58,15 @@ class Method:
         state = {}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
-        gen = self._noise_generator()
-        if gen is not None:
-            state["noise_rng"] = gen.get_state()
+        if self.noise is not None and self.noise.generator is not None:
+            state["noise_rng"] = self.noise.generator.get_state()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         if "noise_rng" in state:
-            self._noise_generator().set_state(state["noise_rng"])
-
-    def _noise_generator(self) -> torch.Generator | None:
-        noise = self.noise or getattr(getattr(self, "privatize", None), "noise", None)
-        return noise.generator if noise is not None else None
+            self.noise.generator.set_state(state["noise_rng"])
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr

@@ -13,7 +13,7 @@ class DPAdam(Method):
     private = True
 
     def __init__(self, model, cfg, lr, noise: Noise, seed: int = 0):
-        super().__init__(model, cfg, lr)
+        super().__init__(model, cfg, lr, noise, seed)
         self.privatize = Privatizer(model, noise, cfg.check_coverage, self.clipping(cfg), cfg.k)
         self.params = self.privatize.params
         self.optimizer = make_optimizer(self.params, cfg, lr)

@@ -28,7 +28,7 @@ def svd_projection(g: torch.Tensor, side: int, rank: int) -> Projection:
 
 class GaLore(Method):
     def __init__(self, model, cfg, lr, noise: Noise | None = None, seed: int = 0):
-        super().__init__(model, cfg, lr)
+        super().__init__(model, cfg, lr, noise, seed)
         self.rank, self.refresh, self.t = cfg.rank, cfg.refresh, 0
         self.params = self._parameters(model, noise, cfg)
         self.sides = choose_projected(model, cfg.projected, cfg.rank)

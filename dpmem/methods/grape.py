@@ -29,7 +29,7 @@ class Grape(Method):
     private = True
 
     def __init__(self, model, cfg, lr, noise: Noise, seed: int = 0):
-        super().__init__(model, cfg, lr)
+        super().__init__(model, cfg, lr, noise, seed)
         if enum_value(cfg.clipping) != "materialize":
             raise ConfigError("method.clipping", "grape clips projected per-sample gradients, which it materialises; "
                               "allowed: materialize")

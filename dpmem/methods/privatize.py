@@ -39,7 +39,8 @@ class Privatizer:
         self.params = self.persample.parameters
         self._check_coverage = check_coverage
         self._keep_grads = False  # the second pass of two-pass clipping accumulates into .grad
-        self.observe: Callable[[dict[nn.Parameter, torch.Tensor]], None] | None = None
+        # called with the clipped sums (before noise) and the expected batch size that turns them into a mean
+        self.observe: Callable[[dict[nn.Parameter, torch.Tensor], float], None] | None = None
         self.subspace = None  # dpmem.methods.subspace.SubspaceProjection, for subspace re-training
         # autograd's batch gradient is a by-product of the backward pass: drop each as soon as it is made
         for p in self.params:
@@ -57,7 +58,7 @@ class Privatizer:
         else:
             summed, loss_sum = self._two_pass(microbatches, loss_fn)
         if self.observe is not None:  # e.g. dpmem spectrum's recorder of the non-noised clipped mean
-            self.observe({p: s / self.noise.expected_batch_size for p, s in summed.items()})
+            self.observe(summed, self.noise.expected_batch_size)
         if self.subspace is not None and self.subspace.where == "clipped":
             summed = self.subspace(summed)
         summed = add_noise(summed, self.noise)

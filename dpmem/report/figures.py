@@ -11,29 +11,13 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def _save(plt, fig, out: Path, name: str, written: list[str]) -> None:
-    fig.tight_layout()
-    for ext in ("png", "pdf"):
-        fig.savefig(out / f"{name}.{ext}", dpi=120)
-        written.append(f"{name}.{ext}")
-    plt.close(fig)
-
-
-def _row(s: dict) -> str:
-    return f"{s['method']} ({s['variant']})" if s.get("variant") else s["method"]
+from dpmem.report import pyplot, save_figure
+from dpmem.report.runs import row_label
 
 
 def write(out: Path, summaries: list[dict], table_cells: dict) -> list[str]:
     """Every figure the runs allow, into `out`; returns the file names."""
-    plt, written = _plt(), []
+    plt, written = pyplot(), []
     ok = [s for s in summaries if s["status"] == "ok"]
     # accuracy vs epsilon
     for data in sorted({d for _, _, d in table_cells}):
@@ -54,7 +38,7 @@ def write(out: Path, summaries: list[dict], table_cells: dict) -> list[str]:
                 ax.annotate(f"{row} (non-private)", (ax.get_xlim()[0], 100 * c["mean"]), fontsize=7)
         ax.set(xlabel="ε", ylabel="final metric (%)", title=f"{data}: metric vs ε (mean ± s.e. over seeds)")
         ax.legend(fontsize=8)
-        _save(plt, fig, out, f"accuracy_vs_epsilon_{data}", written)
+        written += save_figure(fig, out, f"accuracy_vs_epsilon_{data}")
     # memory vs batch size
     memory = defaultdict(dict)
     for s in ok:
@@ -70,7 +54,7 @@ def write(out: Path, summaries: list[dict], table_cells: dict) -> list[str]:
         ax.set(xlabel="physical batch size", ylabel="peak memory (GiB)", xscale="log",
                title=f"Peak memory ({', '.join(sources)})")
         ax.legend(fontsize=8)
-        _save(plt, fig, out, "memory_vs_batch", written)
+        written += save_figure(fig, out, "memory_vs_batch")
     # development metric vs step
     curves = defaultdict(lambda: defaultdict(list))
     for s in ok:
@@ -81,7 +65,7 @@ def write(out: Path, summaries: list[dict], table_cells: dict) -> list[str]:
         for line in metrics.read_text().splitlines():
             r = json.loads(line)
             if name in r and not r.get("final"):
-                curves[(_row(s), s.get("epsilon_target"), s["data"])][r["step"]].append(100 * r[name])
+                curves[(row_label(s), s.get("epsilon_target"), s["data"])][r["step"]].append(100 * r[name])
     if curves:
         fig, ax = plt.subplots(figsize=(6, 4))
         for (row, eps, data), by_step in sorted(curves.items(), key=lambda kv: str(kv[0])):
@@ -89,7 +73,7 @@ def write(out: Path, summaries: list[dict], table_cells: dict) -> list[str]:
             ax.plot(steps, [statistics.fmean(by_step[t]) for t in steps], label=f"{row}, ε={eps}, {data}")
         ax.set(xlabel="step", ylabel="development metric (%)", title="Metric during training (mean over seeds)")
         ax.legend(fontsize=7)
-        _save(plt, fig, out, "metric_vs_step", written)
+        written += save_figure(fig, out, "metric_vs_step")
     # sigma vs k (randomized clipping)
     sigmas = defaultdict(dict)
     for s in summaries:
@@ -103,5 +87,5 @@ def write(out: Path, summaries: list[dict], table_cells: dict) -> list[str]:
             ax.plot(ks, [points[k] for k in ks], "o-", label=f"{estimator}, d={d}, ε={eps}")
         ax.set(xlabel="k (probes)", ylabel="σ", xscale="log", title="DP-SGD-RC noise multiplier vs k")
         ax.legend(fontsize=8)
-        _save(plt, fig, out, "sigma_vs_k", written)
+        written += save_figure(fig, out, "sigma_vs_k")
     return written

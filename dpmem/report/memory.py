@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from dpmem.engine.metering import CATEGORIES
+from dpmem.report import pyplot, save_figure
 
 GIB = 2**30
 
@@ -64,26 +65,20 @@ def _figures(out: Path, rows: list[dict]) -> None:
     sweeps = {k: sorted(v, key=lambda r: r["batch_size"]) for k, v in by_label.items() if len(v) > 1}
     if not sweeps:
         return
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, rs in sweeps.items():
         ax.plot([r["batch_size"] for r in rs], [r["reserved_estimate_bytes"] / GIB for r in rs], "o-", label=label)
     ax.set(xlabel="batch size", ylabel="reserved estimate (GiB)", xscale="log", title="Planned peak memory")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "memory_vs_batch.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out, "memory_vs_batch", formats=("png",))
     for label, rs in sweeps.items():
         fig, ax = plt.subplots(figsize=(6, 4))
         x = [r["batch_size"] for r in rs]
         ax.stackplot(x, *[[r["breakdown"][c] / GIB for r in rs] for c in CATEGORIES], labels=CATEGORIES)
         ax.set(xlabel="batch size", ylabel="GiB at the peak", title=label)
         ax.legend(loc="upper left", fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / f"memory_{_safe(label)}.png", dpi=120)
-        plt.close(fig)
+        save_figure(fig, out, f"memory_{_safe(label)}", formats=("png",))
 
 
 def _safe(label: str) -> str:

@@ -72,6 +72,11 @@ def variants(summaries: list[dict]) -> None:
             r["variant"] = ", ".join(f"{k.split('.', 1)[-1]}={r['config'].get(k)}" for k in varying)
 
 
+def row_label(s: dict) -> str:
+    """The table row a run belongs to: its method, and the settings that tell it from the method's other runs."""
+    return f"{s['method']} ({s['variant']})" if s.get("variant") else s["method"]
+
+
 def _epsilon(s: dict) -> str:
     """The row's ε: non-private for non-private methods, noise-free runs and runs that leak (epsilon_spent inf)."""
     eps = s.get("epsilon_target")
@@ -83,8 +88,7 @@ def cells(summaries: list[dict]) -> dict[tuple[str, str, str], dict]:
     variants(summaries)
     grouped: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
     for s in summaries:
-        row = f"{s['method']} ({s['variant']})" if s["variant"] else s["method"]
-        grouped[(row, _epsilon(s), s["data"])].append(s)
+        grouped[(row_label(s), _epsilon(s), s["data"])].append(s)
     out = {}
     for key, runs in grouped.items():
         values = [r["metric_final"] for r in runs if r["status"] == OK and r.get("metric_final") is not None]

@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+from dpmem.report import pyplot, save_figure
+
 
 def write(out: Path, result: dict) -> str:
     out.mkdir(parents=True, exist_ok=True)
@@ -60,21 +62,8 @@ def _trajectory(out: Path, result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def _save(fig, out: Path, name: str) -> None:
-    fig.tight_layout()
-    for ext in ("png", "pdf"):
-        fig.savefig(out / f"{name}.{ext}", dpi=120)
-
-
 def _layer_figure(out: Path, result: dict) -> None:
-    plt = _plt()
+    plt = pyplot()
     for st in result["steps"]:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for s in st["settings"]:
@@ -85,12 +74,11 @@ def _layer_figure(out: Path, result: dict) -> None:
                     title=f"{result['model']} / {result['data']}, step {st['step']}")
         axes[1].set(xlabel="rank", ylabel="σᵢ / σ₁ (mean over layers)", title="shape of the decay")
         axes[0].legend(fontsize=8)
-        _save(fig, out, f"spectrum_step{st['step']}")
-        plt.close(fig)
+        save_figure(fig, out, f"spectrum_step{st['step']}")
 
 
 def _trajectory_figure(out: Path, result: dict) -> None:
-    plt = _plt()
+    plt = pyplot()
     values = [v for v in result["singular_values"] if v > 0]
     ranks = list(range(1, len(values) + 1))
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -103,5 +91,4 @@ def _trajectory_figure(out: Path, result: dict) -> None:
     ks = [int(k) for k in result["G_k"]]
     axes[1].plot(ks, list(result["G_k"].values()), "o-")
     axes[1].set(xlabel="k", ylabel="G_k proxy", title="maxₜ ‖(I − V_kV_kᵀ) ḡₜ‖")
-    _save(fig, out, "spectrum_trajectory")
-    plt.close(fig)
+    save_figure(fig, out, "spectrum_trajectory")

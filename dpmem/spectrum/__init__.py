@@ -14,8 +14,8 @@ from dpmem.config import ConfigError, enum_value
 
 def run_spectrum(cfg, out: Path) -> tuple[dict, str]:
     """Measure (and for trajectory, train) into `out`; returns the numbers and the markdown summary."""
-    from dpmem.report import spectrum as report
     from dpmem.engine.trainer import resolve_device
+    from dpmem.report import spectrum as report
     from dpmem.spectrum.layer import run_layer_mode
     from dpmem.spectrum.trajectory import analyse, record
 

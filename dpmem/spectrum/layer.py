@@ -15,7 +15,7 @@ import torch
 
 from dpmem.config import ConfigError
 from dpmem.engine.summary import write_summary
-from dpmem.engine.trainer import Run, lr_at
+from dpmem.engine.trainer import Run
 from dpmem.methods.base import Noise
 from dpmem.methods.privatize import add_noise
 from dpmem.methods.projected_adam import choose_projected
@@ -120,9 +120,7 @@ def run_layer_mode(cfg, out) -> dict:
             measured.append({"step": step, "batch_size": len(index), "settings": rows})
         if step == steps[-1]:
             break
-        run.method.set_lr(lr_at(step - 1, run.steps, cfg.train))
-        with run.autocast():
-            run.method.step(micro, run.data.per_sample_loss)
+        run.train_step(step - 1, micro)
     run.summary.update(status="ok", steps_done=steps[-1] - 1)  # the updates between measurements
     write_summary(run.run_dir, run.summary)
     return {"mode": "layer", "model": cfg.model.name, "data": cfg.data.name, "method": m.name,

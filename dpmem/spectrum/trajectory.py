@@ -37,8 +37,9 @@ class GradientRecorder:
         self.files: list[str] = []
         self.count = 0
 
-    def __call__(self, grads: dict[torch.nn.Parameter, torch.Tensor]) -> None:
-        self.rows.append(torch.cat([grads[p].detach().reshape(-1).float().cpu() for _, p in self.named]))
+    def __call__(self, sums: dict[torch.nn.Parameter, torch.Tensor], batch_size: float) -> None:
+        """One step's clipped sums; the row is their mean over the expected batch size, divided on the CPU copy."""
+        self.rows.append(torch.cat([sums[p].detach().reshape(-1).float().cpu() for _, p in self.named]) / batch_size)
         self.count += 1
         if len(self.rows) == self.chunk:
             self.flush()
