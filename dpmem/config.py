@@ -186,7 +186,9 @@ class MethodConfig:
 @dataclass
 class PrivacyConfig:
     epsilon: Optional[float] = None  # None = non-private
-    delta: Any = "1/n"  # a number in (0, 1), or "1/n" for the inverse training-set size
+    # a number in (0, 1); "auto" = min(1e-5, 1/n^1.1), below 1/n for every training-set size n; "1/n" only to
+    # reproduce papers that used it (a mechanism that publishes one random record whole satisfies δ = 1/n)
+    delta: Any = "auto"
     accountant: Accountant = Accountant.auto
     neighbouring: Neighbouring = Neighbouring.add_remove
     # rc: d of the envelope. model = sound for the whole model (inf unless one matrix is trained alone);
@@ -323,17 +325,23 @@ def resolve_accountant(cfg: Any) -> str:
     return accountant
 
 
+DELTA_FORMS = "a number in (0, 1), 'auto' (min(1e-5, 1/n^1.1)) or '1/n'"
+
+
 def resolve_delta(delta: Any, n: int) -> float:
+    """δ for a training set of n examples."""
     if isinstance(delta, str):
+        if delta.strip() == "auto":
+            return min(1e-5, n ** -1.1)
         if delta.strip() == "1/n":
             return 1.0 / n
         try:
             delta = float(delta)
         except ValueError:
-            raise ConfigError("privacy.delta", f"{delta!r} is not a number in (0, 1) or '1/n'") from None
+            raise ConfigError("privacy.delta", f"{delta!r}: allowed {DELTA_FORMS}") from None
     delta = float(delta)
     if not 0.0 < delta < 1.0:
-        raise ConfigError("privacy.delta", f"{delta} is outside (0, 1); use a number in (0, 1) or '1/n'")
+        raise ConfigError("privacy.delta", f"{delta} is outside (0, 1); allowed {DELTA_FORMS}")
     return delta
 
 

@@ -87,7 +87,9 @@ def test_a_run_writes_a_complete_summary(tmp_path):
     assert summary["status"] == "ok" and summary["steps_done"] == 3
     assert summary["method"] == "grape" and summary["epsilon_target"] == 8
     assert 0 < summary["epsilon_spent"] <= 8.0 and summary["sigma"] > 0
-    assert summary["delta"] == pytest.approx(1 / 1437) and summary["sample_rate"] == pytest.approx(32 / 1437)
+    # the default delta: min(1e-5, 1/n^1.1) with n = 1437, well below 1/n, and no warning about it
+    assert summary["delta"] == pytest.approx(1e-5) and summary["delta_times_n"] == pytest.approx(1437e-5)
+    assert "warning" not in r.stderr and summary["sample_rate"] == pytest.approx(32 / 1437)
     assert 0 <= summary["metric_final"] <= 1 and summary["peak_memory_bytes"] > 0
     assert summary["peak_memory_source"] == "live_tensors"
     assert {"torch", "transformers", "dpmem", "git"} <= set(summary["versions"])

@@ -58,7 +58,7 @@ def test_clipped_sum_equals_opacus():
     norms = per_sample_norms(psg.grads)
     assert (norms > C).any() and (norms < C).any(), "the batch should be partly clipped"
     ours = weighted_sum(psg.grads, clip_factors(norms, C))
-    psg.remove()
+    psg.close()
     model.zero_grad(set_to_none=True)
     # Opacus
     gsm = GradSampleModule(model, loss_reduction="sum")

@@ -7,7 +7,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from dpmem.cli import CONF_DIR
-from dpmem.engine.trainer import lr_at, run_training
+from dpmem.engine.trainer import Run, lr_at, run_training
 from dpmem.methods.dp_adam import DPAdam
 from dpmem.privacy.sampling import fixed_batches, poisson_batches, shuffled_batches
 
@@ -92,3 +92,15 @@ def test_dp_adam_holds_more_live_memory_than_adam(tmp_path):
         peaks[method] = s["peak_memory_bytes"]
     # adam holds about 4·d (weights, gradient, two moments) plus small activations; dp-adam adds 32·d
     assert peaks["dp-adam"] > 2 * peaks["adam"], peaks
+
+
+def test_a_delta_of_one_over_n_warns_once_and_is_recorded(tmp_path, capsys):
+    run = Run(config("privacy.delta=1/n"), tmp_path)
+    run.prepare()
+    assert capsys.readouterr().err.count("warning: delta") == 1
+    assert run.summary["delta"] == pytest.approx(1 / 1437) and run.summary["delta_times_n"] == pytest.approx(1.0)
+    run.method.close()
+    run = Run(config("privacy.delta=1e-6"), tmp_path)
+    run.prepare()
+    assert "warning" not in capsys.readouterr().err and run.summary["delta_times_n"] == pytest.approx(1437e-6)
+    run.method.close()

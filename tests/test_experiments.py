@@ -75,6 +75,10 @@ def test_table_hyperparameters_are_the_papers():
         adam = point("table7", "table7=dp-adam-cifar100")
         assert (grape.method.max_grad_norm, grape.train.lr, grape.method.rank) == (0.1, 5e-3, 64)
         assert (adam.method.max_grad_norm, adam.train.lr) == (1.0, 5e-4)
+        # the ViT tables use delta = 1/n, whichever privacy option the sweep picks; the default is auto
+        swept = compose_point(["experiment=dpgrape/table7", "privacy=eps1"])
+        assert grape.privacy.delta == swept.privacy.delta == "1/n" and swept.privacy.epsilon == 1
+        assert compose_point(["privacy=eps1"]).privacy.delta == "auto"
         mnli = point("table3", "table3=grape-mnli")
         assert (mnli.method.max_grad_norm, mnli.method.rank, mnli.train.steps, mnli.data.k) == (10.0, 16, 1000, 512)
         opt = point("table4", "table45=grape-opt-6.7b-boolq")

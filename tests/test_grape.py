@@ -55,7 +55,7 @@ def full_per_sample(model, b):
     psg = PerSampleGradients(model)
     with psg.capture(len(b["y"])):
         loss_fn(model, b).sum().backward()
-    psg.remove()
+    psg.close()
     model.zero_grad(set_to_none=True)
     return psg.grads
 

@@ -28,7 +28,7 @@ def engine_grads(model, loss_fn, batch):
         loss_fn(model, batch).sum().backward()
     names = {p: n for n, p in model.named_parameters()}
     out = {names[p]: g.to_dense() if isinstance(g, Factored) else g for p, g in psg.grads.items()}
-    psg.remove()
+    psg.close()
     model.zero_grad(set_to_none=True)
     return out
 

@@ -9,6 +9,7 @@ from opacus.accountants.utils import get_noise_multiplier
 from scipy.optimize import brentq
 from scipy.stats import norm
 
+from dpmem.config import resolve_delta
 from dpmem.privacy import UnreachableTarget, calibrate_sigma, epsilon_spent
 from dpmem.privacy.accounting import PLD_DISCRETIZATION
 
@@ -94,3 +95,11 @@ def test_replace_one_calibrates_twice_the_noise_without_subsampling():
     add = calibrate_sigma(1.0, 1e-5, 1.0, 1, "pld", "add_remove", tolerance=1e-5)
     replace = calibrate_sigma(1.0, 1e-5, 1.0, 1, "pld", "replace_one", tolerance=1e-5)
     assert replace / add == pytest.approx(2.0, rel=2e-3)
+
+
+@pytest.mark.parametrize("n", [2, 1437, 60_000, 10**6, 10**9])
+def test_the_default_delta_is_below_one_over_n(n):
+    delta = resolve_delta("auto", n)
+    assert delta * n < 1 and delta <= 1e-5 and delta <= n ** -1.1
+    assert delta == pytest.approx(min(1e-5, n ** -1.1))  # the smaller of the two rules, each reached
+    assert resolve_delta("1/n", n) == pytest.approx(1 / n) and resolve_delta("3e-7", n) == 3e-7

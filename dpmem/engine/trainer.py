@@ -95,6 +95,10 @@ class Run:
         self.private = bool(m.private)
         self.accounted = self.private and p.epsilon is not None
         self.delta = resolve_delta(p.delta, n) if self.accounted else None
+        if self.accounted and self.delta * n >= 1:
+            print(f"dpmem: warning: delta = {self.delta:.3g} is at least 1/n = {1 / n:.3g}: at that delta a mechanism "
+                  "that publishes one random training record whole is still (epsilon, delta)-DP; the default "
+                  "privacy.delta=auto is min(1e-5, 1/n^1.1)", file=sys.stderr)
         self.model = build_model(cfg.model, self.data).to(self.device)
         self.model.train()
         self.accountant = dict(accountant=resolve_accountant(cfg), neighbouring=enum_value(p.neighbouring),
@@ -132,7 +136,7 @@ class Run:
             "status": "running", "method": m.name, "model": cfg.model.name, "data": cfg.data.name,
             "seed": t.seed, "private": self.private, "device": str(self.device),
             "epsilon_target": p.epsilon if self.accounted else None, "epsilon_spent": 0.0 if self.accounted else None,
-            "delta": self.delta, "sigma": self.sigma if self.private else None,
+            "delta": self.delta, "delta_times_n": self.delta * n if self.accounted else None, "sigma": self.sigma if self.private else None,
             "max_grad_norm": m.max_grad_norm if self.private else None,
             "sample_rate": self.sample_rate, "sampling": self.sampling,
             "accountant": self.accountant["accountant"] if self.accounted else None,
@@ -182,6 +186,7 @@ class Run:
             self.exception = e
         finally:
             restore()
+            self.method.close()
             self.summary["wall_time_s"] = time.perf_counter() - start
             done = self.summary["steps_done"]
             if self.accounted and done != self._eps_steps:

@@ -41,10 +41,16 @@ class Method:
     step never syncs with the host)."""
 
     private = False
+    privatize = None  # first-order private methods: their dpmem.methods.privatize.Privatizer
 
     def __init__(self, model: nn.Module, cfg, lr: float, noise: Noise | None = None, seed: int = 0):
         self.model, self.cfg, self.lr, self.noise = model, cfg, lr, noise
         self.optimizer: torch.optim.Optimizer | None = None  # methods with their own update leave it None
+
+    def close(self) -> None:
+        """Remove the hooks the method put on the model."""
+        if self.privatize is not None:
+            self.privatize.close()
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Tensors the method keeps between steps (optimiser state), for the memory meter."""

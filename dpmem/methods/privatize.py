@@ -15,6 +15,7 @@ Clipped sums accumulate over physical micro-batches; the noise is drawn once per
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -24,12 +25,20 @@ from dpmem.engine.metering import memory_label
 from dpmem.methods.base import Noise, batch_size
 from dpmem.persample import (PerSampleGradients, clip_factors, per_sample_norms, verify_coverage, weighted_sum,
                              weighted_sum_of)
+from dpmem.persample.hooks import remove_handles, weakly
 from dpmem.persample.norms import RULES, squared_norms
 
 CLIPPINGS = ("materialize",) + RULES
 
 
 class Privatizer:
+    """The privatised gradient of `model`'s trainable parameters, one logical step per call.
+
+    Its hooks (the per-sample capture's, and one per parameter that drops autograd's batch gradient) are removed
+    by `close()` (or `with Privatizer(...) as privatize:`) and when it is garbage-collected. They act only inside
+    its own call, so several privatizers on one model, or a plain `loss.backward()` beside one, do not interfere.
+    """
+
     def __init__(self, model: nn.Module, noise: Noise, check_coverage: bool = True, clipping: str = "materialize",
                  k: int = 32):
         if clipping not in CLIPPINGS:
@@ -39,24 +48,42 @@ class Privatizer:
         self.params = self.persample.parameters
         self._check_coverage = check_coverage
         self._keep_grads = False  # the second pass of two-pass clipping accumulates into .grad
-        # called with the clipped sums (before noise) and the expected batch size that turns them into a mean
+        self._stepping = False  # inside __call__: the only time its hooks act
+        # Called with the clipped sums (before noise) and the expected batch size that turns them into a mean.
+        # The tensors are the ones the noise is then added to in place: an observer that keeps them must copy.
         self.observe: Callable[[dict[nn.Parameter, torch.Tensor], float], None] | None = None
         self.subspace = None  # dpmem.methods.subspace.SubspaceProjection, for subspace re-training
         # autograd's batch gradient is a by-product of the backward pass: drop each as soon as it is made
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._drop_grad)
+        drop = weakly(self._drop_grad)
+        self._handles = [p.register_post_accumulate_grad_hook(drop) for p in self.params]
+        self._close = weakref.finalize(self, remove_handles, self._handles)
+
+    def close(self) -> None:
+        """Remove every hook it put on the model (idempotent)."""
+        self._close()
+        self.persample.close()
+
+    def __enter__(self) -> "Privatizer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _drop_grad(self, p: nn.Parameter) -> None:
-        if not self._check_coverage and not self._keep_grads:
+        if self._stepping and not self._check_coverage and not self._keep_grads:
             p.grad = None
 
     def __call__(self, microbatches, loss_fn, shapes: dict[nn.Parameter, torch.Size],
                  coverage_transform: Callable | None = None) -> tuple[dict[nn.Parameter, torch.Tensor], torch.Tensor]:
         """The privatised gradient (of shape `shapes[p]` per parameter) and the summed per-sample loss."""
-        if self.clipping == "materialize":
-            summed, loss_sum = self._materialized(microbatches, loss_fn, shapes, coverage_transform)
-        else:
-            summed, loss_sum = self._two_pass(microbatches, loss_fn)
+        self._stepping = True
+        try:
+            if self.clipping == "materialize":
+                summed, loss_sum = self._materialized(microbatches, loss_fn, shapes, coverage_transform)
+            else:
+                summed, loss_sum = self._two_pass(microbatches, loss_fn)
+        finally:
+            self._stepping = False
         if self.observe is not None:  # e.g. dpmem spectrum's recorder of the non-noised clipped mean
             self.observe(summed, self.noise.expected_batch_size)
         if self.subspace is not None and self.subspace.where == "clipped":

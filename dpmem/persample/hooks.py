@@ -4,6 +4,8 @@ per-sample gradients with the rule of the layer's type. Vectorised over the batc
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,7 +30,24 @@ class _Owner:
     module: nn.Module
     params: dict[str, nn.Parameter]  # attribute name -> parameter (trainable, direct, owned here)
     rule: Rule | None  # None = generic fallback
-    handles: list = field(default_factory=list)
+    scopes: list = field(default_factory=list)  # a rule's forward scopes, entered by the pre-hook
+
+
+def weakly(method: Callable) -> Callable:
+    """A hook that calls a bound `method` while its object lives. Hooks live as long as the model; holding their
+    owner strongly would keep every owner alive (and its hooks firing) for as long as the model is."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args, **kwargs):
+        bound = ref()
+        return None if bound is None else bound(*args, **kwargs)
+    return hook
+
+
+def remove_handles(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
 
 
 class PerSampleGradients:
@@ -41,6 +60,9 @@ class PerSampleGradients:
     With `capture(batch_size, norms=f)` (the first pass of two-pass clipping) only squared norms are kept: layers
     with a factored rule give `Factored` gradients, and as soon as every use of a parameter has arrived its
     per-sample gradient is reduced by f(param, grad) -> (B,) and freed; `psg.squared_norms` holds the total.
+
+    Its hooks are removed by `close()` (or `with PerSampleGradients(model) as psg:`), and when it is garbage-
+    collected; several objects on one model do not interfere, since each one's hooks act only inside its capture.
     """
 
     def __init__(self, model: nn.Module):
@@ -82,8 +104,13 @@ class PerSampleGradients:
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in claimed]
         if missing:
             raise ValueError(f"no per-sample rule covers {missing[0]}; add a rule or freeze it")
+        self._handles: list = []
+        self._close = weakref.finalize(self, remove_handles, self._handles)
         for owner in self._owners:
-            self._hook(owner)
+            self._handles.append(owner.module.register_forward_pre_hook(
+                functools.partial(weakly(self._pre_hook), owner), with_kwargs=True))
+            self._handles.append(owner.module.register_forward_hook(
+                functools.partial(weakly(self._post_hook), owner), with_kwargs=True))
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -114,50 +141,49 @@ class PerSampleGradients:
     def clear(self) -> None:
         self.grads = {}
 
-    def remove(self) -> None:
-        for owner in self._owners:
-            for h in owner.handles:
-                h.remove()
-            owner.handles.clear()
+    def close(self) -> None:
+        """Remove every hook from the model (idempotent)."""
+        self._close()
+
+    def __enter__(self) -> "PerSampleGradients":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- hooks -------------------------------------------------------------------------------------------
-    def _hook(self, owner: _Owner) -> None:
-        rule, module = owner.rule, owner.module
-        scopes: list = []
+    def _pre_hook(self, owner: _Owner, mod, args, kwargs) -> None:
+        if self._active and owner.rule is not None and owner.rule.scope is not None:
+            scope = owner.rule.scope(mod)
+            scope.__enter__()
+            owner.scopes.append(scope)
 
-        def pre_hook(mod, args, kwargs):
-            if self._active and rule is not None and rule.scope is not None:
-                scope = rule.scope(mod)
-                scope.__enter__()
-                scopes.append(scope)
-
-        def post_hook(mod, args, kwargs, output):
-            if not self._active:
-                return
-            scope = None
-            if rule is not None and rule.scope is not None:
-                scope = scopes.pop()
-                scope.__exit__(None, None, None)
-            if not isinstance(output, torch.Tensor):
-                raise ValueError(f"{owner.name}: {type(mod).__name__} returns {type(output).__name__}, not a "
-                                 "tensor; no per-sample rule covers its parameters "
-                                 f"{', '.join(owner.params)}; add a rule or freeze them")
-            if not output.requires_grad:
-                return
-            for p in owner.params.values():
-                self._uses[p] = self._uses.get(p, 0) + 1
-            if rule is None:
-                check_deterministic(owner.name, mod)
-                saved = capture_call(mod, args, kwargs, output, None)
-            else:
-                saved = rule.capture(mod, args, kwargs, output, scope)
-            # a second backward through this graph (two-pass clipping) happens outside `capture`: ignore it
-            output.register_hook(lambda g: self._accumulate(owner, saved, g) if self._active else None)
-
-        owner.handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-        owner.handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
+    def _post_hook(self, owner: _Owner, mod, args, kwargs, output) -> None:
+        if not self._active:
+            return
+        rule, scope = owner.rule, None
+        if rule is not None and rule.scope is not None:
+            scope = owner.scopes.pop()
+            scope.__exit__(None, None, None)
+        if not isinstance(output, torch.Tensor):
+            raise ValueError(f"{owner.name}: {type(mod).__name__} returns {type(output).__name__}, not a "
+                             "tensor; no per-sample rule covers its parameters "
+                             f"{', '.join(owner.params)}; add a rule or freeze them")
+        if not output.requires_grad:
+            return
+        for p in owner.params.values():
+            self._uses[p] = self._uses.get(p, 0) + 1
+        if rule is None:
+            check_deterministic(owner.name, mod)
+            saved = capture_call(mod, args, kwargs, output, None)
+        else:
+            saved = rule.capture(mod, args, kwargs, output, scope)
+        accumulate = weakly(self._accumulate)
+        output.register_hook(lambda g: accumulate(owner, saved, g))
 
     def _accumulate(self, owner: _Owner, saved, grad_output: torch.Tensor) -> None:
+        if not self._active:  # a second backward through this graph (two-pass clipping) happens outside `capture`
+            return
         with memory_label("per_sample"):
             self._per_sample(owner, saved, grad_output)
 

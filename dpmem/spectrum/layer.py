@@ -69,7 +69,7 @@ def measure(model, microbatches, loss_fn, layers: dict[str, torch.nn.Parameter],
             for p in model.parameters():
                 p.grad = None
     finally:
-        persample.remove()
+        persample.close()
     results = []
     for c, s in chosen:
         # the same z for every setting: a fresh generator with one seed, drawn in the same order
