@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import typing
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from dpmem.config import Config, ConfigError, register_configs, validate
+from dpmem.config import ConfigError, MethodConfig, register_configs, validate
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 USAGE = """usage: dpmem train [-m] [key=value ...]
@@ -88,10 +87,13 @@ def compose_point(point: list[str]) -> DictConfig:
     """The validated config of one sweep point (inside an initialised Hydra). Raises ConfigError."""
     try:
         cfg = compose("config", overrides=point)
-    except Exception as e:  # hydra wraps OmegaConf's validation error, which names the key
-        cause = e if isinstance(e, OmegaConfBaseException) else e.__cause__
-        if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
-            raise ConfigError(cause.full_key, _first_line(cause) + _allowed_keys(cause)) from None
+    except Exception as e:  # hydra wraps OmegaConf's validation error (once or twice), which names the key
+        cause = e
+        while cause is not None and not (isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", 0)):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:  # a key set in a config file: say which file ("In 'hp/table7/dp-adam-mnist'")
+            where = _first_line(e).split(":")[0] + ": " if _first_line(e).startswith("In '") else ""
+            raise ConfigError(cause.full_key, where + _key_message(cause)) from None
         raise ConfigError("override", _first_line(e)) from None
     validate(cfg)
     return cfg
@@ -117,17 +119,19 @@ def _first_line(e: Exception) -> str:
     return msg.strip().splitlines()[0].strip()
 
 
-def _allowed_keys(e: OmegaConfBaseException) -> str:
-    """For an unknown key, the keys its section allows."""
+def _key_message(e: OmegaConfBaseException) -> str:
+    """OmegaConf's message; for an unknown key, the keys its section allows (a method's own options, for
+    method.KEY)."""
     if not isinstance(e, (ConfigAttributeError, ConfigKeyError)):
-        return ""
-    section = e.full_key.split(".")[0]
-    schema = typing.get_type_hints(Config).get(section)
+        return _first_line(e)
+    schema = getattr(e, "object_type", None)
     if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
-        schema = Config if "." not in e.full_key else None
-    if schema is None:
-        return ""
-    return "; allowed: " + ", ".join(f.name for f in dataclasses.fields(schema))
+        return _first_line(e)
+    allowed = "; allowed: " + ", ".join(sorted(f.name for f in dataclasses.fields(schema)))
+    node = getattr(e, "parent_node", None)
+    if issubclass(schema, MethodConfig) and node is not None and "name" in node:
+        return f"{node['name']} has no option {e.key!r}" + allowed
+    return _first_line(e) + allowed
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)

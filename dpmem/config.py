@@ -155,32 +155,93 @@ class DataConfig:
 
 @dataclass
 class MethodConfig:
+    """What every method has. Each method family has its own config below, named by its conf/method/*.yaml (and
+    its class's `config` attribute), so an option of another method is an error, not silently ignored."""
     name: str = MISSING
-    private: bool = False  # clip and noise per-sample gradients
+
+
+@dataclass
+class Clipped:
+    """Private methods: the clipping threshold C (for dpzero, of the per-sample scalar (L⁺ − L⁻)/2λ)."""
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class PerSample(Clipped):
+    """First-order private methods: per-sample gradients of every trainable parameter."""
+    # On the first step, check that the per-sample gradients sum to autograd's batch gradient: catches a
+    # parameter used outside the module that owns it (its per-sample gradient would be under-clipped).
+    check_coverage: bool = True
+
+
+@dataclass
+class Privatised(PerSample):
+    """Methods that form the full-dimensional privatised gradient (which subspace re-training can project)."""
+    subspace: SubspaceConfig = field(default_factory=SubspaceConfig)
+
+
+@dataclass
+class OptimizerConfig(MethodConfig):
+    """adam: a stock torch optimiser on the batch gradient."""
     optimizer: Optimizer = Optimizer.adam
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
     momentum: float = 0.0  # sgd only
-    max_grad_norm: Optional[float] = None  # clipping threshold C (private methods)
-    # On the first step, check that the per-sample gradients sum to autograd's batch gradient: catches a
-    # parameter used outside the module that owns it (its per-sample gradient would be under-clipped).
-    check_coverage: bool = True
-    # grape: projection rank r, steps between new projectors F, and which layers are projected (fnmatch patterns
-    # of module names; None = every Linear/Conv1D except the output head)
-    rank: int = 16
-    refresh: int = 100
-    projected: Optional[list[str]] = None
-    project_embeddings: bool = False  # grape: also project embedding / tied LM-head matrices (beyond the paper)
-    # zeroth-order methods (mezo, dpzero): perturbation size lambda and direction distribution
-    zo_eps: float = 1e-3
-    direction: Direction = Direction.gaussian
-    # dp-adam, dp-sgd, galore-dp-naive: how per-sample clipping is computed (same result, other memory/time)
-    clipping: Clipping = Clipping.materialize
-    # dp-sgd-rc: per-sample squared norms of linear-like layers estimated with k probes
+
+
+@dataclass
+class DPAdamConfig(OptimizerConfig, Privatised):
+    """dp-adam, dp-sgd: the privatised gradient, then the optimiser."""
+    clipping: Clipping = Clipping.materialize  # how per-sample clipping is computed (same result, other cost)
+
+
+@dataclass
+class DPSGDRCConfig(OptimizerConfig, Privatised):
+    """dp-sgd-rc: per-sample squared norms of linear-like layers estimated with k probes."""
     estimator: Estimator = Estimator.hutch
     k: int = 32
-    subspace: SubspaceConfig = field(default_factory=SubspaceConfig)
+
+
+@dataclass
+class ProjectedConfig(MethodConfig):
+    """galore: projected Adam over rank-r projections, refreshed every F steps."""
+    rank: int = 16
+    refresh: int = 100
+    # fnmatch patterns of the module names projected; None = every Linear/Conv1D except the output head
+    projected: Optional[list[str]] = None
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+@dataclass
+class GaLoreDPNaiveConfig(ProjectedConfig, Privatised):
+    """galore-dp-naive: privatised as dp-adam, then GaLore on the privatised gradient."""
+    clipping: Clipping = Clipping.materialize
+
+
+@dataclass
+class GrapeConfig(ProjectedConfig, PerSample):
+    """grape: per-sample gradients projected by P ~ N(0, 1/r) inside the backward pass."""
+    project_embeddings: bool = False  # also project embedding / tied LM-head matrices (beyond the paper)
+
+
+@dataclass
+class ZerothOrderConfig(MethodConfig):
+    """mezo: perturbation size lambda and the direction's distribution."""
+    zo_eps: float = 1e-3
+    direction: Direction = Direction.gaussian
+
+
+@dataclass
+class DPZeroConfig(ZerothOrderConfig, Clipped):
+    """dpzero: MeZO's per-sample finite differences, clipped to [-C, C]."""
+
+
+METHOD_SCHEMAS = {"optimizer": OptimizerConfig, "dp-adam": DPAdamConfig, "dp-sgd-rc": DPSGDRCConfig,
+                  "projected": ProjectedConfig, "galore-dp-naive": GaLoreDPNaiveConfig, "grape": GrapeConfig,
+                  "zeroth-order": ZerothOrderConfig, "dpzero": DPZeroConfig}  # conf/method/*.yaml: schema/NAME
 
 
 @dataclass
@@ -272,7 +333,8 @@ class SpectrumConfig:
     """dpmem spectrum: singular values of gradients, and what clipping and noise do to them."""
     mode: SpectrumMode = SpectrumMode.layer
     dir: Optional[str] = None  # output folder; None = outputs/spectrum/DATE/TIME_MODE
-    # layer: the top singular values of each projected layer's batch gradient (method.projected picks the layers)
+    # layer: the top singular values of each measured layer's batch gradient
+    layers: Optional[list[str]] = None  # fnmatch patterns of module names; None = those grape projects by default
     top: int = 64
     steps: list[int] = field(default_factory=lambda: [1])  # measured before these (1-based) steps' updates
     clip: Optional[list[Optional[float]]] = None  # C values (null = no clipping); None = [null, method.max_grad_norm]
@@ -301,8 +363,12 @@ class Config:
 
 
 def register_configs() -> None:
-    """The root schema types every group's node, so each group's YAML files are validated against it."""
-    ConfigStore.instance().store(name="config_schema", node=Config)
+    """The root schema types every group's node, so each group's YAML files are validated against it; each
+    conf/method/*.yaml names its method family's schema (`defaults: [schema/NAME, _self_]`)."""
+    store = ConfigStore.instance()
+    store.store(name="config_schema", node=Config)
+    for name, schema in METHOD_SCHEMAS.items():
+        store.store(group="method/schema", name=name, node=schema, package="method")
 
 
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "DPMEM_OFFLINE")
@@ -319,10 +385,11 @@ def enum_value(x: Any) -> Any:
 
 
 def resolve_accountant(cfg: Any) -> str:
+    """privacy.accountant, or for auto the one the method names (pld; rc for randomized clipping)."""
+    from dpmem.methods import method_class  # lazily: the methods import this module
+
     accountant = enum_value(cfg.privacy.accountant)
-    if accountant == "auto":
-        return "rc" if cfg.method.name == "dp-sgd-rc" else "pld"
-    return accountant
+    return method_class(cfg.method.name).accountant if accountant == "auto" else accountant
 
 
 DELTA_FORMS = "a number in (0, 1), 'auto' (min(1e-5, 1/n^1.1)) or '1/n'"
@@ -347,7 +414,10 @@ def resolve_delta(delta: Any, n: int) -> float:
 
 def validate(cfg: Any) -> None:
     """Range and cross-field checks that the types cannot express. Raises ConfigError."""
+    from dpmem.methods import method_class  # lazily: the methods import this module
+
     t, p, m = cfg.train, cfg.privacy, cfg.method
+    method = method_class(m.name)
     if t.steps is None and t.epochs is None:
         raise ConfigError("train.steps", "set train.steps or train.epochs")
     if t.steps is not None and t.steps <= 0:
@@ -373,8 +443,8 @@ def validate(cfg: Any) -> None:
         raise ConfigError("privacy.epsilon", f"{p.epsilon} must be > 0 (or null for non-private)")
     if p.epsilon is not None:
         resolve_delta(p.delta, n=2)  # the form is checked here; '1/n' is resolved once n is known
-    if m.private:
-        if m.max_grad_norm is None or not m.max_grad_norm > 0:
+    if method.private:
+        if not m.max_grad_norm > 0:
             # for dpzero C bounds the per-sample scalar (L⁺ − L⁻)/2λ, not a gradient norm
             raise ConfigError("method.max_grad_norm", f"{m.max_grad_norm} must be > 0 for a private method")
         if t.sampling == Sampling.shuffle and p.epsilon is not None:
@@ -389,25 +459,24 @@ def validate(cfg: Any) -> None:
                 and p.accountant == Accountant.rdp and p.neighbouring == Neighbouring.replace_one):
             raise ConfigError("privacy.accountant", "rdp accounts Poisson sampling only under add_remove; "
                               "allowed with replace_one: pld")
-    if p.epsilon is not None and m.private:
-        randomized = m.name == "dp-sgd-rc"
+    if p.epsilon is not None and method.private:
+        randomized = method.accountant == "rc"
         if randomized and p.accountant in (Accountant.pld, Accountant.rdp):
-            raise ConfigError("privacy.accountant", "dp-sgd-rc clips with estimated norms, which pld and rdp do not "
+            raise ConfigError("privacy.accountant", f"{m.name} clips with estimated norms, which pld and rdp do not "
                               "account for (epsilon would be understated); allowed: rc, auto")
         if not randomized and p.accountant == Accountant.rc:
             raise ConfigError("privacy.accountant", f"rc accounts randomized clipping (dp-sgd-rc), not {m.name}; "
                               "allowed: auto, pld, rdp")
         if randomized and p.neighbouring != Neighbouring.add_remove:
-            raise ConfigError("privacy.neighbouring", "the rc accountant of dp-sgd-rc is for add_remove only; "
+            raise ConfigError("privacy.neighbouring", f"the rc accountant of {m.name} is for add_remove only; "
                               "allowed: add_remove")
     d = p.rc_dimension
     if d not in ("model", "max_layer") and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
         raise ConfigError("privacy.rc_dimension", f"{d!r}: allowed model, max_layer or a positive integer")
-    if m.k <= 0:
-        raise ConfigError("method.k", f"{m.k} must be a positive integer (number of probes)")
-    if m.rank <= 0 or m.refresh <= 0:
-        raise ConfigError("method.rank" if m.rank <= 0 else "method.refresh", "must be a positive integer")
-    if not m.zo_eps > 0:
+    for key in ("k", "rank", "refresh"):  # the method's own options, where it has them
+        if key in m and m[key] <= 0:
+            raise ConfigError(f"method.{key}", f"{m[key]} must be a positive integer")
+    if "zo_eps" in m and not m.zo_eps > 0:
         raise ConfigError("method.zo_eps", f"{m.zo_eps} must be > 0")
     sp = cfg.get("spectrum")
     if sp is not None:

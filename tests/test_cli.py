@@ -30,11 +30,15 @@ def dpmem(*args, cwd):
     ("train.no_such_key=1", "train.no_such_key", ""),
     ("data=npz", "data.path", "data.path=FILE.npz"),
     ("model=roberta-tiny", "model", "model=vit-tiny"),
-    ("method.clipping=sometimes", "method.clipping", "materialize"),
-    ("method.k=0", "method.k", "positive"),
+    ("method=dp-adam method.clipping=sometimes", "method.clipping", "materialize"),
+    ("method=dp-sgd-rc method.k=0", "method.k", "positive"),
+    # an option of another method is refused, naming the method's own
+    ("method=dp-adam method.rank=8", "method.rank", "dp-adam has no option 'rank'; allowed: betas, check_coverage"),
+    ("method=dp-adam method.estimator=hutchpp", "method.estimator", "dp-adam has no option"),
+    ("method=dp-sgd-rc method.clipping=ghost", "method.clipping", "estimator, k"),
 ])
 def test_bad_input_is_one_clear_line(tmp_path, override, key, allowed):
-    r = dpmem("train", override, *TINY, cwd=tmp_path)
+    r = dpmem("train", *override.split(), *TINY, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, r.stderr
@@ -45,7 +49,7 @@ def test_bad_input_is_one_clear_line(tmp_path, override, key, allowed):
 @pytest.mark.parametrize("overrides,key,allowed", [
     (["method=dp-sgd-rc", "privacy.accountant=pld"], "privacy.accountant", "rc, auto"),  # pld would understate ε
     (["method=dp-adam", "privacy.accountant=rc"], "privacy.accountant", "auto, pld, rdp"),
-    (["method=grape", "method.clipping=ghost"], "method.clipping", "materialize"),
+    (["method=grape", "method.clipping=ghost"], "method.clipping", "grape has no option 'clipping'"),
     (["method=dp-sgd-rc", "privacy.neighbouring=replace_one"], "privacy.neighbouring", "add_remove"),
     (["method=dp-sgd-rc", "privacy.rc_dimension=wide"], "privacy.rc_dimension", "model, max_layer"),
     (["method=dp-sgd-rc", "privacy.rc_dimension=0"], "privacy.rc_dimension", "positive integer"),

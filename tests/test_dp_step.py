@@ -3,18 +3,15 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from opacus import GradSampleModule
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
-from dpmem.config import MethodConfig
 from dpmem.engine.metering import LiveTensorCounter
-from dpmem.methods import DPAdam, Noise
+from dpmem.methods import DPAdam, Noise, method_config
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
 from tiny_models import tiny_vit
 
-METHOD_SCHEMA = OmegaConf.structured(MethodConfig)  # defaults for keys a test leaves out
 
 
 class Net(nn.Module):
@@ -44,8 +41,7 @@ def loss_fn(model, b):
 
 
 def method_cfg(optimizer="sgd", C=1.0, check_coverage=True):
-    return OmegaConf.merge(METHOD_SCHEMA, {"name": "dp-sgd", "private": True, "optimizer": optimizer,
-                                           "max_grad_norm": C, "check_coverage": check_coverage})
+    return method_config("dp-sgd", optimizer=optimizer, max_grad_norm=C, check_coverage=check_coverage)
 
 
 def test_clipped_sum_equals_opacus():

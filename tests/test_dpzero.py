@@ -7,17 +7,14 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from dpmem.config import MethodConfig
 from dpmem.engine.metering import LiveTensorCounter
-from dpmem.methods import Adam, DPZero, MeZO, Noise
+from dpmem.methods import Adam, DPZero, MeZO, Noise, method_config
 from tiny_models import tiny_vit
 
-METHOD_SCHEMA = OmegaConf.structured(MethodConfig)  # defaults for keys a test leaves out
 
 
 def zo_cfg(direction="gaussian", zo_eps=1e-3):
-    return OmegaConf.merge(METHOD_SCHEMA, {"name": "dpzero", "private": True, "zo_eps": zo_eps,
-                                           "direction": direction, "max_grad_norm": 1.0})
+    return method_config("dpzero", zo_eps=zo_eps, direction=direction, max_grad_norm=1.0)
 
 
 class Quadratic(nn.Module):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from dpmem.cli import CONF_DIR, compose_point
 
@@ -35,6 +36,22 @@ def test_experiment_composes_and_validates(name):
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         compose_point([f"experiment={name}"])
     assert grid_size(name) == GRIDS.get(name, 1)
+
+
+def swept_methods(name: str) -> list[str]:
+    """The `method` options an experiment file sweeps (read from the file, no composition)."""
+    tree = OmegaConf.load(Path(CONF_DIR) / "experiment" / f"{name}.yaml")
+    methods = OmegaConf.select(tree, "hydra.sweeper.params.method")
+    return str(methods).split(",") if methods is not None else []
+
+
+@pytest.mark.parametrize("name", [e for e in EXPERIMENTS if swept_methods(e)])
+def test_every_swept_method_has_the_options_the_experiment_sets(name):
+    """A method option an experiment sets for all its methods must exist in each (dp-adam has no method.rank)."""
+    methods = swept_methods(name)
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        for method in methods:
+            assert compose_point([f"experiment={name}", f"method={method}"]).method.name == method
 
 
 def hp_points(name: str) -> dict[str, list[str]]:

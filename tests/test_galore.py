@@ -3,7 +3,6 @@
 import math
 
 import torch
-from omegaconf import OmegaConf
 
 import dpmem.methods.galore as galore_module
 from dpmem.methods import GaLore, GaLoreDPNaive, Noise
@@ -14,7 +13,7 @@ def test_naive_dp_galore_svd_sees_only_the_privatised_gradient(monkeypatch):
     torch.manual_seed(0)
     model = Mixer()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    method = GaLoreDPNaive(model, grape_cfg(rank=2, refresh=2), 1e-3,
+    method = GaLoreDPNaive(model, grape_cfg(rank=2, refresh=2, name="galore-dp-naive"), 1e-3,
                            Noise(1.0, 1.0, 6.0, torch.Generator().manual_seed(0)))
     privatised, svd_inputs = [], []
     real_privatize, real_svd = method.privatize.__call__, galore_module.svd_projection
@@ -49,7 +48,7 @@ def test_galore_step_follows_algorithms_2_and_4():
     torch.manual_seed(0)
     model = Mixer()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    cfg = OmegaConf.merge(grape_cfg(rank=2, refresh=5), {"name": "galore", "private": False})
+    cfg = grape_cfg(rank=2, refresh=5, name="galore")
     lr = 0.01
     method = GaLore(model, cfg, lr)
     b = batch()

@@ -6,21 +6,21 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from dpmem.config import MethodConfig
 from dpmem.engine.metering import LiveTensorCounter
-from dpmem.methods import DPAdam, GaLoreDPNaive, Grape, Noise
+from dpmem.methods import DPAdam, GaLoreDPNaive, Grape, Noise, method_config
 from dpmem.persample import PerSampleGradients, Projection
 
-METHOD_SCHEMA = OmegaConf.structured(MethodConfig)  # defaults for keys a test leaves out
 
 
-def grape_cfg(rank=2, refresh=2, projected=None, C=1.0):
-    return OmegaConf.merge(METHOD_SCHEMA, {"name": "grape", "private": True, "max_grad_norm": C, "rank": rank,
-                                           "refresh": refresh, "projected": projected})
+def grape_cfg(rank=2, refresh=2, projected=None, C=1.0, name="grape"):
+    """The config of grape (or of galore, galore-dp-naive, dp-adam: each with the options it has)."""
+    options = {} if name == "dp-adam" else {"rank": rank, "refresh": refresh, "projected": projected}
+    if name != "galore":
+        options["max_grad_norm"] = C
+    return method_config(name, **options)
 
 
 class Mixer(nn.Module):
@@ -170,8 +170,8 @@ def test_grape_peak_is_well_below_dp_adam():
             method.step([x], loss)
         return counter.peak
 
-    dp = peak(DPAdam, grape_cfg())
-    naive = peak(GaLoreDPNaive, grape_cfg(rank=4))
+    dp = peak(DPAdam, grape_cfg(name="dp-adam"))
+    naive = peak(GaLoreDPNaive, grape_cfg(rank=4, name="galore-dp-naive"))
     grape = peak(Grape, grape_cfg(rank=4))
     assert grape < 0.35 * dp and grape < 0.35 * naive, (grape, dp, naive)
 

@@ -2,16 +2,13 @@
 
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch import nn
 
-from dpmem.config import MethodConfig
 from dpmem.engine.metering import LiveTensorCounter
-from dpmem.methods import DPAdam, Noise
+from dpmem.methods import DPAdam, Noise, method_config
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
 from dpmem.persample.factored import Factored
 
-METHOD_SCHEMA = OmegaConf.structured(MethodConfig)  # defaults for keys a test leaves out
 
 
 def test_factored_rows_match_their_dense_form():
@@ -95,8 +92,7 @@ def test_no_batch_by_vocab_tensor_is_made():
             return self.head(self.emb(ids).mean(1))
 
     model = Bag()
-    cfg = OmegaConf.merge(METHOD_SCHEMA, {"name": "dp-adam", "private": True, "optimizer": "sgd",
-                                          "max_grad_norm": 1.0, "check_coverage": False})
+    cfg = method_config("dp-adam", optimizer="sgd", max_grad_norm=1.0, check_coverage=False)
     method = DPAdam(model, cfg, 0.1, Noise(1.0, 1.0, float(batch), None))
     b = {"ids": torch.randint(0, vocab, (batch, 12)), "y": torch.randint(0, 3, (batch,))}
     loss = lambda m, x: F.cross_entropy(m(x["ids"]), x["y"], reduction="none")  # noqa: E731

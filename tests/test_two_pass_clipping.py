@@ -6,19 +6,16 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from dpmem.config import MethodConfig
 from dpmem.engine.metering import LiveTensorCounter
-from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive, Noise
+from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive, Noise, method_config
 from dpmem.persample import PerSampleGradients
 from dpmem.persample.factored import Factored
 from dpmem.persample.norms import ghost_is_cheaper, hutchinson, squared_norms
 from tiny_models import tiny_roberta, tiny_vit
 
-METHOD_SCHEMA = OmegaConf.structured(MethodConfig)  # defaults for keys a test leaves out
 
 B = 5
 
@@ -149,10 +146,12 @@ def test_estimators_on_ids_and_tied_terms_are_unbiased():
         assert ((draws.mean(0) - exact).abs() < 3 * se).all()
 
 
-def method_cfg(name="dp-adam", optimizer="adam", clipping="materialize", estimator="hutch", k=32):
-    return OmegaConf.merge(METHOD_SCHEMA, {"name": name, "private": True, "optimizer": optimizer,
-                                           "max_grad_norm": 0.5, "clipping": clipping, "estimator": estimator,
-                                           "k": k, "rank": 4, "refresh": 10})
+def method_cfg(name="dp-adam", optimizer="adam", clipping="materialize", k=32):
+    if name == "galore-dp-naive":
+        return method_config(name, max_grad_norm=0.5, clipping=clipping, rank=4, refresh=10)
+    if name == "dp-sgd-rc":
+        return method_config(name, max_grad_norm=0.5, optimizer=optimizer, k=k)
+    return method_config(name, max_grad_norm=0.5, optimizer=optimizer, clipping=clipping)
 
 
 def roberta_case():

@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 from dpmem.config import ConfigError, enum_value
 from dpmem.data import build_data, example_batch
 from dpmem.engine.metering import CUDA_BLOCK, LiveTensorCounter, labelled_forward
-from dpmem.methods import Noise, build_method
+from dpmem.methods import Noise, build_method, method_class
 from dpmem.models import build_model
 
 # GPU memory is quoted in binary units whatever the suffix (a "24GB" card and an "80GB" H100 hold 24 and 80 GiB)
@@ -102,7 +102,7 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     with torch.device(device):
         model = build_model(cfg.model, data, weights=False).train()
     noise = None
-    if m.private:  # sigma and the generator change values, not memory
+    if method_class(m.name).private:  # sigma and the generator change values, not memory
         gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(0)
         noise = Noise(1.0, m.max_grad_norm, float(batch), gen)
     method = build_method(m, model, t.lr, noise, seed=t.seed)

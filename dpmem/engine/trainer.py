@@ -23,7 +23,7 @@ from dpmem.data import DataBundle, build_data
 from dpmem.engine.metering import LiveTensorCounter
 from dpmem.engine.summary import append_metrics, summary_table, versions, write_summary
 from dpmem.engine.tracking import open_tracker
-from dpmem.methods import Noise, build_method
+from dpmem.methods import Noise, build_method, method_class
 from dpmem.methods.rc import max_layer_dimension, rc_dimension
 from dpmem.methods.subspace import privacy_of
 from dpmem.models import build_model
@@ -91,8 +91,9 @@ class Run:
         self.steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * n / t.batch_size))
         self.sample_rate = t.batch_size / n
         sampling = enum_value(t.sampling)
-        self.sampling = ("poisson" if m.private else "shuffle") if sampling == "auto" else sampling
-        self.private = bool(m.private)
+        method = method_class(m.name)
+        self.private = method.private
+        self.sampling = ("poisson" if self.private else "shuffle") if sampling == "auto" else sampling
         self.accounted = self.private and p.epsilon is not None
         self.delta = resolve_delta(p.delta, n) if self.accounted else None
         if self.accounted and self.delta * n >= 1:
@@ -107,7 +108,7 @@ class Run:
             try:
                 d, d_max_layer = rc_dimension(self.model, p.rc_dimension), max_layer_dimension(self.model)
             except ValueError as e:
-                raise ConfigError("method.name", f"dp-sgd-rc: {e}") from None
+                raise ConfigError("method.name", f"{m.name}: {e}") from None
             self.accountant.update(k=m.k, d=d, estimator=enum_value(m.estimator))
         self.sigma = 0.0
         if self.accounted:
@@ -124,7 +125,7 @@ class Run:
             noise = Noise(self.sigma, m.max_grad_norm, expected_batch_size=self.sample_rate * n, generator=gen)
         self.method = build_method(m, self.model, t.lr, noise, seed=t.seed)
         self.leak = None  # why a private run is not private after all (a subspace from its own data)
-        subspace = getattr(getattr(self.method, "privatize", None), "subspace", None)
+        subspace = self.method.privatize.subspace if method.privatised_gradient else None
         if subspace is not None:
             ok, why = privacy_of(subspace.source, cfg.data)
             self.leak = None if ok else why
@@ -136,12 +137,13 @@ class Run:
             "status": "running", "method": m.name, "model": cfg.model.name, "data": cfg.data.name,
             "seed": t.seed, "private": self.private, "device": str(self.device),
             "epsilon_target": p.epsilon if self.accounted else None, "epsilon_spent": 0.0 if self.accounted else None,
-            "delta": self.delta, "delta_times_n": self.delta * n if self.accounted else None, "sigma": self.sigma if self.private else None,
+            "delta": self.delta, "delta_times_n": self.delta * n if self.accounted else None,
+            "sigma": self.sigma if self.private else None,
             "max_grad_norm": m.max_grad_norm if self.private else None,
             "sample_rate": self.sample_rate, "sampling": self.sampling,
             "accountant": self.accountant["accountant"] if self.accounted else None,
             "neighbouring": self.accountant["neighbouring"] if self.accounted else None,
-            "clipping": _clipping(m) if self.private else None,
+            "clipping": method.norm_rule(m) if self.private else None,
             # what the rc accountant assumed; d "inf" is the whole-model envelope (dpmem.methods.rc.rc_dimension),
             # d_max_layer [H]'s max over layers of min(p, d), for comparison
             "rc_accountant": ({"k": m.k, "d": _finite_or_inf(self.accountant["d"]),
@@ -365,11 +367,6 @@ class Run:
 
 RESUMED = ("steps_done", "samples_seen", "metric_best", "peak_memory_bytes", "peak_memory_allocated_bytes",
            "peak_memory_source")  # summary fields a resumed run carries over
-
-
-def _clipping(m) -> str:
-    """materialize | fgc | ghost | mixed, or the norm estimator of dp-sgd-rc."""
-    return enum_value(m.estimator if m.name == "dp-sgd-rc" else m.clipping)
 
 
 def _finite_or_inf(x: float):

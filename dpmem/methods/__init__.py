@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from omegaconf import OmegaConf
+
 from dpmem.config import ConfigError
 from dpmem.methods.adam import Adam
 from dpmem.methods.base import Method, Noise
@@ -16,20 +18,24 @@ METHODS = {"adam": Adam, "dp-adam": DPAdam, "dp-sgd": DPAdam, "mezo": MeZO, "dpz
            "grape": Grape, "galore": GaLore, "galore-dp-naive": GaLoreDPNaive, "dp-sgd-rc": DPSGDRC}
 
 
+def method_class(name: str) -> type[Method]:
+    if name not in METHODS:
+        raise ConfigError("method.name", f"{name!r} is unknown; allowed: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def method_config(name: str, **options):
+    """The config of method `name` with its schema's defaults, e.g. method_config("grape", rank=4) in Python."""
+    return OmegaConf.merge(OmegaConf.structured(method_class(name).config), {"name": name, **options})
+
+
 def build_method(cfg, model, lr: float, noise: Noise | None, seed: int = 0) -> Method:
-    if cfg.name not in METHODS:
-        raise ConfigError("method.name", f"{cfg.name!r} is unknown; allowed: {', '.join(METHODS)}")
-    cls = METHODS[cfg.name]
-    if cls.private != bool(cfg.private):
-        raise ConfigError("method.private", f"{cfg.name} is {'private' if cls.private else 'non-private'}")
+    cls = method_class(cfg.name)
     method = cls(model, cfg, lr, noise=noise, seed=seed)
-    if cfg.subspace.path is not None:
-        if cls is Grape or not hasattr(method, "privatize"):  # grape's clipped sums live in its projected space
-            raise ConfigError("method.subspace.path", f"{cfg.name} has no full privatised gradient to project; "
-                              "allowed with dp-adam, dp-sgd, galore-dp-naive, dp-sgd-rc")
+    if cls.privatised_gradient and cfg.subspace.path is not None:
         method.privatize.subspace = SubspaceProjection(cfg.subspace, model, method.privatize.params)
     return method
 
 
-__all__ = ["build_method", "Method", "Noise", "METHODS", "Adam", "DPAdam", "MeZO", "DPZero", "Grape", "GaLore",
-           "GaLoreDPNaive", "DPSGDRC"]
+__all__ = ["build_method", "method_class", "method_config", "Method", "Noise", "METHODS", "Adam", "DPAdam", "MeZO",
+           "DPZero", "Grape", "GaLore", "GaLoreDPNaive", "DPSGDRC"]

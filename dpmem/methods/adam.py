@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from dpmem.config import OptimizerConfig
 from dpmem.methods.base import Method, batch_size, make_optimizer
 
 
 class Adam(Method):
+    config = OptimizerConfig
+
     def __init__(self, model, cfg, lr, noise=None, seed=0):
         super().__init__(model, cfg, lr)
         self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg, lr)

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from dpmem.config import enum_value
+from dpmem.config import MethodConfig, enum_value
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]  # per-sample losses, shape (B,)
@@ -40,8 +40,16 @@ class Method:
     """One logical step from its physical micro-batches. Returns the summed per-sample loss (a tensor, so the
     step never syncs with the host)."""
 
-    private = False
+    config: type = MethodConfig  # its options' schema (dpmem.config); its conf/method/*.yaml names the same one
+    private = False  # clips and noises: Poisson-sampled and accounted
+    accountant = "pld"  # what privacy.accountant=auto picks: pld, or rc for randomized clipping
+    privatised_gradient = False  # forms the full-dimensional privatised gradient (subspace re-training, spectrum)
     privatize = None  # first-order private methods: their dpmem.methods.privatize.Privatizer
+
+    @classmethod
+    def norm_rule(cls, cfg) -> str | None:
+        """How per-sample norms are formed (materialize, fgc, ghost, mixed, hutch, hutchpp), for the summary."""
+        return None
 
     def __init__(self, model: nn.Module, cfg, lr: float, noise: Noise | None = None, seed: int = 0):
         self.model, self.cfg, self.lr, self.noise = model, cfg, lr, noise

@@ -4,22 +4,31 @@ with per-sample gradients (materialize) or two passes with per-sample norms only
 
 from __future__ import annotations
 
-from dpmem.config import enum_value
+from dpmem.config import DPAdamConfig, enum_value
 from dpmem.methods.base import Method, Noise, make_optimizer
 from dpmem.methods.privatize import Privatizer
 
 
 class DPAdam(Method):
+    config = DPAdamConfig
     private = True
+    privatised_gradient = True
 
     def __init__(self, model, cfg, lr, noise: Noise, seed: int = 0):
         super().__init__(model, cfg, lr, noise, seed)
-        self.privatize = Privatizer(model, noise, cfg.check_coverage, self.clipping(cfg), cfg.k)
+        self.privatize = Privatizer(model, noise, cfg.check_coverage, self.norm_rule(cfg),
+                                    **self.norm_options(cfg))
         self.params = self.privatize.params
         self.optimizer = make_optimizer(self.params, cfg, lr)
 
-    def clipping(self, cfg) -> str:
+    @classmethod
+    def norm_rule(cls, cfg) -> str:
         return enum_value(cfg.clipping)
+
+    @classmethod
+    def norm_options(cls, cfg) -> dict:
+        """The Privatizer's options of the norm rule besides its name."""
+        return {}
 
     def step(self, microbatches, loss_fn):
         grads, loss_sum = self.privatize(microbatches, loss_fn, {p: p.shape for p in self.params})

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from dpmem.config import enum_value
+from dpmem.config import DPZeroConfig, ZerothOrderConfig, enum_value
 from dpmem.methods.base import Method, Noise, batch_size
 
 
 class ZerothOrder(Method):
     """MeZO; DPZero is the same step with per-sample clipping and noise."""
+
+    config = ZerothOrderConfig
 
     def __init__(self, model, cfg, lr, noise: Noise | None = None, seed: int = 0):
         super().__init__(model, cfg, lr, noise, seed)
@@ -97,6 +99,7 @@ class MeZO(ZerothOrder):
 
 
 class DPZero(ZerothOrder):
+    config = DPZeroConfig
     private = True
 
     def aggregate(self, estimates: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dpmem.config import enum_value
+from dpmem.config import GaLoreDPNaiveConfig, ProjectedConfig, enum_value
 from dpmem.methods.base import Method, Noise, batch_size
 from dpmem.methods.privatize import Privatizer
 from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
@@ -27,6 +27,8 @@ def svd_projection(g: torch.Tensor, side: int, rank: int) -> Projection:
 
 
 class GaLore(Method):
+    config = ProjectedConfig
+
     def __init__(self, model, cfg, lr, noise: Noise | None = None, seed: int = 0):
         super().__init__(model, cfg, lr, noise, seed)
         self.rank, self.refresh, self.t = cfg.rank, cfg.refresh, 0
@@ -81,10 +83,16 @@ class GaLore(Method):
 
 
 class GaLoreDPNaive(GaLore):
+    config = GaLoreDPNaiveConfig
     private = True
+    privatised_gradient = True
+
+    @classmethod
+    def norm_rule(cls, cfg) -> str:
+        return enum_value(cfg.clipping)
 
     def _parameters(self, model, noise, cfg):
-        self.privatize = Privatizer(model, noise, cfg.check_coverage, enum_value(cfg.clipping), cfg.k)
+        self.privatize = Privatizer(model, noise, cfg.check_coverage, self.norm_rule(cfg))
         return self.privatize.params
 
     def gradient(self, microbatches, loss_fn):

@@ -18,7 +18,7 @@ import math
 import torch
 from torch import nn
 
-from dpmem.config import ConfigError, enum_value
+from dpmem.config import GrapeConfig
 from dpmem.methods.base import Method, Noise
 from dpmem.methods.privatize import Privatizer
 from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
@@ -26,13 +26,15 @@ from dpmem.persample import Projection
 
 
 class Grape(Method):
-    private = True
+    config = GrapeConfig
+    private = True  # its clipped sums live in the projected space: no full privatised gradient
+
+    @classmethod
+    def norm_rule(cls, cfg) -> str:
+        return "materialize"  # the projected per-sample gradients are small: they are materialised
 
     def __init__(self, model, cfg, lr, noise: Noise, seed: int = 0):
         super().__init__(model, cfg, lr, noise, seed)
-        if enum_value(cfg.clipping) != "materialize":
-            raise ConfigError("method.clipping", "grape clips projected per-sample gradients, which it materialises; "
-                              "allowed: materialize")
         self.privatize = Privatizer(model, noise, cfg.check_coverage)
         self.params = self.privatize.params
         self.rank, self.refresh, self.seed, self.t = cfg.rank, cfg.refresh, seed, 0

@@ -17,14 +17,22 @@ import math
 
 from torch import nn
 
-from dpmem.config import enum_value
+from dpmem.config import DPSGDRCConfig, enum_value
 from dpmem.methods.dp_adam import DPAdam
 from dpmem.persample import factored_weights
 
 
 class DPSGDRC(DPAdam):
-    def clipping(self, cfg) -> str:
+    config = DPSGDRCConfig
+    accountant = "rc"  # the clipped contribution's norm may exceed C: pld and rdp would understate epsilon
+
+    @classmethod
+    def norm_rule(cls, cfg) -> str:
         return enum_value(cfg.estimator)
+
+    @classmethod
+    def norm_options(cls, cfg) -> dict:
+        return {"k": cfg.k}  # probes per estimate
 
 
 def estimated_matrices(model: nn.Module) -> list[nn.Parameter]:

@@ -11,6 +11,7 @@ never silently dropped. Written as report.md, report.csv (one line per cell) and
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import statistics
@@ -156,6 +157,7 @@ PUBLISHED = Path(__file__).with_name("published.csv")
 ALIASES = {"adam": "adamw"}  # dpmem's name -> the papers' where they differ (AdamW is the papers' non-private row)
 
 
+@functools.cache
 def published() -> dict[tuple[str, str, str, str], dict]:
     """(method, ε, data, model) -> {value, se, source} from the papers' tables (published.csv, values in %, or
     OOM)."""
@@ -164,9 +166,10 @@ def published() -> dict[tuple[str, str, str, str], dict]:
 
 
 def _paper_key(s: dict) -> tuple[str, str]:
-    """(method, model) as published.csv names them: dp-sgd-rc/ESTIMATOR, MODEL+lora for LoRA runs."""
+    """(method, model) as published.csv names them: METHOD/NORM_RULE where the paper has a row per norm rule
+    (dp-sgd-rc/hutch), MODEL+lora for LoRA runs."""
     method = ALIASES.get(s["method"], s["method"])
-    if method == "dp-sgd-rc":
+    if f"{method}/{s.get('clipping')}" in {key[0] for key in published()}:
         method += f"/{s.get('clipping')}"
     lora = s.get("config", {}).get("model.lora.r") is not None
     return method, f"{s.get('model')}+lora" if lora else str(s.get("model"))

@@ -32,7 +32,7 @@ def _layer(out: Path, result: dict) -> str:
                 for layer, values in rows:
                     w.writerows([st["step"], s["clip"], s["sigma"], layer, i + 1, v] for i, v in enumerate(values))
     lines = [f"Top-{result['top']} singular values of the batch gradient of {len(result['layers'])} layers "
-             f"({result['model']} on {result['data']}: the matrices method.projected picks), averaged over layers; "
+             f"({result['model']} on {result['data']}: the matrices spectrum.layers picks), averaged over layers; "
              f"ratios are of the layer-normalised mean (σᵢ/σ₁); slope = least-squares log σᵢ vs log i.", "",
              "| step | setting | mean σ₁ | σ₂/σ₁ | σ₁₀/σ₁ | σ_last/σ₁ | slope |", "|---|---|---|---|---|---|---|"]
     for st in result["steps"]:

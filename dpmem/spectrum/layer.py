@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from dpmem.config import ConfigError
+from dpmem.config import ConfigError, GrapeConfig
 from dpmem.engine.summary import write_summary
 from dpmem.engine.trainer import Run
 from dpmem.methods.base import Noise
@@ -103,13 +103,13 @@ def run_layer_mode(cfg, out) -> dict:
     run.prepare()
     if steps[-1] > run.steps:
         raise ConfigError("spectrum.steps", f"{steps[-1]} is beyond the run's {run.steps} steps")
-    chosen = settings(sp, m.max_grad_norm, run.sigma)
-    sides = choose_projected(run.model, m.projected, m.rank)
+    chosen = settings(sp, m.max_grad_norm if run.private else None, run.sigma)
+    sides = choose_projected(run.model, sp.layers, GrapeConfig.rank)
     names = {p: n for n, p in run.model.named_parameters()}
     layers = {names[p]: p for p in sides}
     if not layers:
-        raise ConfigError("method.projected", f"{cfg.model.name} has no trained matrix with both sides > "
-                          f"method.rank={m.rank} to measure")
+        raise ConfigError("spectrum.layers", f"{cfg.model.name} has no trained matrix with both sides > "
+                          f"{GrapeConfig.rank} to measure")
     measured = []
     for step, index in enumerate(run.batches(), start=1):
         micro = run.microbatches(index)

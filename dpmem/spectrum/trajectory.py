@@ -20,7 +20,7 @@ import torch
 from dpmem.config import ConfigError
 from dpmem.engine.summary import summary_table
 from dpmem.engine.trainer import Run
-from dpmem.methods.grape import Grape
+from dpmem.methods import METHODS, method_class
 from dpmem.methods.subspace import data_identity, save_subspace
 from dpmem.spectrum.linalg import orthogonal_iteration, power_law_slope, residual_norms
 
@@ -71,12 +71,13 @@ def recorded_parameters(model, privatized: list[torch.nn.Parameter], patterns) -
 def record(cfg, out: Path) -> tuple[Run, Path]:
     """Run the configured private training with a GradientRecorder on its privatizer; returns the run (its
     summary says how it ended) and the gradients folder."""
+    if not method_class(cfg.method.name).privatised_gradient:
+        allowed = ", ".join(n for n, c in METHODS.items() if c.privatised_gradient)
+        raise ConfigError("method.name", f"{cfg.method.name} has no full clipped gradient to record; allowed: "
+                          f"{allowed}")
     run = Run(cfg, out)
     run.prepare()
-    privatize = getattr(run.method, "privatize", None)
-    if privatize is None or isinstance(run.method, Grape):
-        raise ConfigError("method.name", f"{cfg.method.name} has no full clipped gradient to record; allowed: "
-                          "dp-adam, dp-sgd, galore-dp-naive, dp-sgd-rc")
+    privatize = run.method.privatize
     named = recorded_parameters(run.model, privatize.params, cfg.spectrum.params)
     folder = out / "gradients"
     recorder = GradientRecorder(folder, named, cfg.spectrum.chunk,
