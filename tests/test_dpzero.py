@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from dpmem.config import MethodConfig
-from dpmem.engine.metering import LiveTensorCounter
+from dpmem.metering import LiveTensorCounter
 from dpmem.methods import Adam, DPZero, MeZO, Noise
 from tiny_models import tiny_vit
 

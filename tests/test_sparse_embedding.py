@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from dpmem.config import MethodConfig
-from dpmem.engine.metering import LiveTensorCounter
+from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, Noise
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
 from dpmem.persample.factored import Factored

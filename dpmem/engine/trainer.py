@@ -20,9 +20,9 @@ from tqdm import tqdm
 
 from dpmem.config import ConfigError, enum_value, resolve_accountant, resolve_delta
 from dpmem.data import DataBundle, build_data
-from dpmem.engine.metering import LiveTensorCounter
 from dpmem.engine.summary import append_metrics, summary_table, versions, write_summary
 from dpmem.engine.tracking import open_tracker
+from dpmem.metering import LiveTensorCounter
 from dpmem.methods import Noise, build_method
 from dpmem.methods.rc import max_layer_dimension, rc_dimension
 from dpmem.methods.subspace import privacy_of
