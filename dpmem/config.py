@@ -7,7 +7,6 @@ allowed, which the CLI prints as one line.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -369,14 +368,6 @@ def register_configs() -> None:
     store.store(name="config_schema", node=Config)
     for name, schema in METHOD_SCHEMAS.items():
         store.store(group="method/schema", name=name, node=schema, package="method")
-
-
-OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "DPMEM_OFFLINE")
-
-
-def offline() -> bool:
-    """Downloads are off: any of the hub's offline variables (or DPMEM_OFFLINE) is set to a true value."""
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in OFFLINE_VARIABLES)
 
 
 def enum_value(x: Any) -> Any:

@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 
 from dpmem.cli import CONF_DIR
 from dpmem.data import DataBundle, images, text
-from dpmem.engine.metering import LiveTensorCounter
+from dpmem.metering import LiveTensorCounter
 from dpmem.methods import METHODS, Noise, build_method
 from dpmem.models import build_model
 from dpmem.report import write_markdown

@@ -30,7 +30,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dpmem.engine.metering import LiveTensorCounter
+from dpmem.metering import LiveTensorCounter
 from dpmem.persample.factored import Factored
 from dpmem.persample.norms import ESTIMATORS, ghost_is_cheaper, squared_norms
 from dpmem.report import write_markdown

@@ -7,7 +7,7 @@ from opacus import GradSampleModule
 from opacus.optimizers import DPOptimizer
 from torch import nn
 
-from dpmem.engine.metering import LiveTensorCounter
+from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, Noise, method_config
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
 from tiny_models import tiny_vit

@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from dpmem.engine.metering import LiveTensorCounter
+from dpmem.metering import LiveTensorCounter
 from dpmem.methods import Adam, DPZero, MeZO, Noise, method_config
 from tiny_models import tiny_vit
 

@@ -13,9 +13,9 @@ from hydra import compose, initialize_config_dir
 from dpmem.cli import CONF_DIR
 from dpmem.config import ConfigError
 from dpmem.data import build_data
-from dpmem.engine.metering import CATEGORIES
 from dpmem.engine.planner import largest_batch, parse_bytes, plan
 from dpmem.engine.trainer import run_training
+from dpmem.metering import CATEGORIES
 from dpmem.models import build_model
 
 

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpmem.engine.metering import LiveTensorCounter
+from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, Noise, method_config
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
 from dpmem.persample.factored import Factored

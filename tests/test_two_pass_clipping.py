@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from dpmem.engine.metering import LiveTensorCounter
+from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive, Noise, method_config
 from dpmem.persample import PerSampleGradients
 from dpmem.persample.factored import Factored

@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from dpmem.config import ConfigError
-from dpmem.config import offline as downloads_off
 from dpmem.data import DataBundle, text
 from dpmem.data.metrics import mean_text_metric
+from dpmem.sources import offline as downloads_off
+from dpmem.sources import resolve_source
 
 MODIFIERS = {"": lambda s: s, "drop_last": lambda s: s[:-1], "lower_first": lambda s: s[:1].lower() + s[1:]}
 
@@ -32,7 +33,6 @@ def load_tokenizer(model_cfg):
     if not name:
         raise ConfigError("model.tokenizer", f"{model_cfg.name} has no tokenizer for text data: set model.tokenizer "
                           "to a hub id or a local folder (e.g. FacebookAI/roberta-large)")
-    from dpmem.models import resolve_source
     offline = downloads_off()
     try:
         return AutoTokenizer.from_pretrained(resolve_source(name, "model.tokenizer"), local_files_only=offline)

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from dpmem.config import ConfigError
-from dpmem.config import offline as downloads_off
 from dpmem.data.images import image_bundle
+from dpmem.sources import offline as downloads_off
 
 # data name -> (torchvision class name, number of classes: the data set's, not the largest label present)
 DATASETS = {"mnist": ("MNIST", 10), "cifar10": ("CIFAR10", 10), "cifar100": ("CIFAR100", 100)}

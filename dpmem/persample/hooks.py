@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dpmem.engine.metering import memory_label
+from dpmem.metering import memory_label
 from dpmem.persample import rules  # noqa: F401  (registers the layer rules)
 from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads
 from dpmem.persample.registry import Projection, Rule, rule_for

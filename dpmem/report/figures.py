@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from dpmem.report import pyplot, save_figure
-from dpmem.report.runs import row_label
+from dpmem.report.labels import row_label
 
 
 def write(out: Path, summaries: list[dict], table_cells: dict) -> list[str]:

@@ -7,7 +7,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from dpmem.engine.metering import CATEGORIES
+from dpmem.metering import CATEGORIES
 from dpmem.report import pyplot, save_figure
 
 GIB = 2**30

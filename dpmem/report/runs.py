@@ -20,6 +20,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from dpmem.report import figures
+from dpmem.report.labels import row_label, variants
+
 OK = "ok"
 
 
@@ -42,13 +45,6 @@ def collect(paths: list[Path]) -> tuple[list[dict], list[str]]:
     return summaries, missing
 
 
-# what is averaged over (seeds) or is a row or column already, so never tells two variants apart
-NOT_A_VARIANT = ("train.seed", "data.fewshot_seed", "privacy.", "data.", "logging.", "memory.", "spectrum.", "debug",
-                 "method.name", "train.device", "train.eval_batch_size", "train.skip_done", "train.resume",
-                 "train.checkpoint_every",
-                 "model.arch.", "model.family", "model.pretrained", "model.tokenizer")  # model.name says these
-
-
 def _flat(tree, prefix: str = "") -> dict:
     if not isinstance(tree, dict):
         return {prefix[:-1]: tree}
@@ -56,26 +52,6 @@ def _flat(tree, prefix: str = "") -> dict:
     for k, v in tree.items():
         out.update(_flat(v, f"{prefix}{k}."))
     return out
-
-
-def variants(summaries: list[dict]) -> None:
-    """Label each summary with the settings that differ between runs of its method on its data set (e.g.
-    method.subspace.k=10), so a sweep over them gives one row each; seeds, the row's ε and the column's data set
-    are not settings here."""
-    by_method = defaultdict(list)
-    for s in summaries:
-        by_method[(s["method"], s["data"])].append(s)
-    for runs in by_method.values():
-        keys = set().union(*(r["config"] for r in runs))
-        varying = sorted(k for k in keys if not k.startswith(NOT_A_VARIANT)
-                         and len({json.dumps(r["config"].get(k), sort_keys=True) for r in runs}) > 1)
-        for r in runs:
-            r["variant"] = ", ".join(f"{k.split('.', 1)[-1]}={r['config'].get(k)}" for k in varying)
-
-
-def row_label(s: dict) -> str:
-    """The table row a run belongs to: its method, and the settings that tell it from the method's other runs."""
-    return f"{s['method']} ({s['variant']})" if s.get("variant") else s["method"]
 
 
 def _epsilon(s: dict) -> str:
@@ -228,7 +204,6 @@ def write(out: Path, summaries: list[dict], missing: list[str], compare: bool = 
         for key in sorted(table_cells, key=lambda k: (k[0], _epsilon_order(k[1]), k[2])):
             c = table_cells[key]
             w.writerow([*key, c["metric"], c["n"], c["mean"], c["se"], c["oom"], key in best, texts[key]])
-    from dpmem.report import figures
     drawn = figures.write(out, summaries, table_cells)
     if drawn:
         md += ["", "Figures: " + ", ".join(f for f in drawn if f.endswith(".png")) + " (and PDF)."]

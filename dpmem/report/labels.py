@@ -1,0 +1,33 @@
+"""Row labels, shared by the report's tables (`dpmem.report.runs`) and figures (`dpmem.report.figures`): a run's
+method and the settings that tell it from the method's other runs on the same data set."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+# what is averaged over (seeds) or is a row or column already, so never tells two variants apart
+NOT_A_VARIANT = ("train.seed", "data.fewshot_seed", "privacy.", "data.", "logging.", "memory.", "spectrum.", "debug",
+                 "method.name", "train.device", "train.eval_batch_size", "train.skip_done", "train.resume",
+                 "train.checkpoint_every",
+                 "model.arch.", "model.family", "model.pretrained", "model.tokenizer")  # model.name says these
+
+
+def variants(summaries: list[dict]) -> None:
+    """Label each summary with the settings that differ between runs of its method on its data set (e.g.
+    method.subspace.k=10), so a sweep over them gives one row each; seeds, the row's ε and the column's data set
+    are not settings here."""
+    by_method = defaultdict(list)
+    for s in summaries:
+        by_method[(s["method"], s["data"])].append(s)
+    for runs in by_method.values():
+        keys = set().union(*(r["config"] for r in runs))
+        varying = sorted(k for k in keys if not k.startswith(NOT_A_VARIANT)
+                         and len({json.dumps(r["config"].get(k), sort_keys=True) for r in runs}) > 1)
+        for r in runs:
+            r["variant"] = ", ".join(f"{k.split('.', 1)[-1]}={r['config'].get(k)}" for k in varying)
+
+
+def row_label(s: dict) -> str:
+    """The table row a run belongs to: its method, and the settings that tell it from the method's other runs."""
+    return f"{s['method']} ({s['variant']})" if s.get("variant") else s["method"]
