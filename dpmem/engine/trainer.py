@@ -22,6 +22,7 @@ from dpmem.config import ConfigError, enum_value, resolve_accountant, resolve_de
 from dpmem.data import DataBundle, build_data
 from dpmem.engine.summary import append_metrics, summary_table, versions, write_summary
 from dpmem.engine.tracking import open_tracker
+from dpmem.metering import LiveTensorCounter
 from dpmem.methods import Noise, build_method, method_class
 from dpmem.methods.rc import max_layer_dimension, rc_dimension
 from dpmem.methods.subspace import privacy_of
