@@ -122,7 +122,7 @@ class ModelConfig:
     arch: dict[str, Any] = field(default_factory=dict)  # architecture fields of the transformers config
     lora: LoraConfig = field(default_factory=LoraConfig)
     # fnmatch patterns of the parameter names trained; the rest is frozen. None = all (or LoRA's choice).
-    # E.g. [H]'s BillSum run trains Llama-3.2-1B's last five layers: ["model.layers.1[1-5].*"]
+    # E.g. the DP-SGD-RC paper's BillSum run trains Llama-3.2-1B's last five layers: ["model.layers.1[1-5].*"]
     trainable: Optional[list[str]] = None
 
 
@@ -252,7 +252,8 @@ class PrivacyConfig:
     accountant: Accountant = Accountant.auto
     neighbouring: Neighbouring = Neighbouring.add_remove
     # rc: d of the envelope. model = sound for the whole model (inf unless one matrix is trained alone);
-    # max_layer = [H]'s max over estimated layers of min(p, d); or a positive integer (dpmem.methods.rc.rc_dimension)
+    # max_layer = the DP-SGD-RC paper's max over estimated layers of min(p, d); or a positive integer
+    # (dpmem.methods.rc.rc_dimension)
     rc_dimension: Any = "model"
     noise_seed: Optional[int] = None  # None = seeded from the OS so the noise cannot be replayed
 
@@ -342,7 +343,7 @@ class SpectrumConfig:
     params: Optional[list[str]] = None  # fnmatch patterns of the recorded parameters; None = all trained
     chunk: int = 100  # gradients per file on disk (memory is bounded by one chunk)
     k: int = 100  # principal components
-    iterations: int = 10  # orthogonal iterations ([L]: 10 ≈ 100)
+    iterations: int = 10  # orthogonal iterations (Li et al. 2022, App. B.2: 10 ≈ 100)
     ks: list[int] = field(default_factory=lambda: [1, 10, 20, 100])  # G_k reported for these k
     gradients: Optional[str] = None  # analyse the chunks of an earlier trajectory folder instead of training
     seed: int = 0  # noise of the layer mode, start of the orthogonal iteration

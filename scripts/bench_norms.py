@@ -1,5 +1,5 @@
-"""Per-sample gradient norms of one linear layer: peak memory, FLOPs and CPU time of every norm rule, as markdown
-tables (DP-SGD-RC Figs. 2, 13, 3, 4; REFERENCE §2.7 Tables 6 and 8).
+"""Per-sample gradient norms of one linear layer: peak memory, FLOPs and CPU time of every norm rule, as markdown tables
+(DP-SGD-RC (Efficient DP-SGD for LLMs with Randomized Clipping) Figs. 2, 13, 3, 4 and Tables 6 and 8).
 
     python scripts/bench_norms.py                                       # the paper's setting (about 20 s on 2 cores)
     python scripts/bench_norms.py --shapes 64x32 --tokens 16 --ks 2 4 --cpu-tokens 8 --cpu-ks 2 --repeats 1

@@ -2,11 +2,12 @@
 
     python scripts/rc_sigma.py          # outputs/rc/sigma.md, sigma_vs_k and sigma_vs_d .png/.pdf (about 4 min)
 
-The setting is [H] Table 4 (BBC): delta = 1e-5, batch 64, 10 epochs, Poisson rate q = 64/N, round(10 N/64) steps,
-with N = 1127, where the DP-SGD (pld) noise multiplier is the paper's 4.073. Tables: sigma against k at d = 2048
-(eps 0.7, [H] Fig. 11b), sigma against d at k = 32 (eps 2 and 9, [H] Fig. 12; and d = inf), and x₊ for k = 1..32, d = 2..2048
-with (x₊ - 1)·dk ([H] Fig. 7 reports ≈ 2 everywhere). Small k need large sigma: their sensitivity 1/√Y has a heavy
-lower tail of Y (k = 1: P(Y ≤ y) ~ √y) that only noise can cover.
+The setting is Table 4 (BBC) of DP-SGD-RC (Efficient DP-SGD for LLMs with Randomized Clipping): delta = 1e-5, batch 64,
+10 epochs, Poisson rate q = 64/N, round(10 N/64) steps, with N = 1127, where the DP-SGD (pld) noise multiplier is the
+paper's 4.073. Tables: sigma against k at d = 2048 (eps 0.7, the paper's Fig. 11b), sigma against d at k = 32 (eps 2 and
+9, its Fig. 12; and d = inf), and x₊ for k = 1..32, d = 2..2048 with (x₊ - 1)·dk (its Fig. 7 reports ≈ 2 everywhere).
+Small k need large sigma: their sensitivity 1/√Y has a heavy lower tail of Y (k = 1: P(Y ≤ y) ~ √y) that only noise can
+cover.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def ratio(s: float | None, base: float) -> str:
 def k_table(lines: list[str], ks: list[int]) -> dict:
     base = sigma(0.7)
     series = {"Hutch": [], "Hutch++": [], "DP-SGD": base}
-    lines += [f"## σ against k (ε = 0.7, d = 2048; DP-SGD σ = {base:.4f}; [H] Fig. 11b, Table 4: 4.073 / 4.354)", "",
+    lines += [f"## σ against k (ε = 0.7, d = 2048; DP-SGD σ = {base:.4f}; paper Fig. 11b, Table 4: 4.073 / 4.354)", "",
               "| k | Hutch σ | Hutch++ σ | Hutch / DP-SGD | Hutch++ / DP-SGD |", "|---|---|---|---|---|"]
     for k in ks:
         h, hpp = sigma(0.7, k=k, d=2048), sigma(0.7, k=k, d=2048, estimator="hutchpp")
@@ -59,7 +60,7 @@ def k_table(lines: list[str], ks: list[int]) -> dict:
 def d_table(lines: list[str], ds: list[int], epsilons: list[float]) -> dict:
     head = " | ".join(f"ε = {e:g} Hutch | ε = {e:g} Hutch++" for e in epsilons)
     base = " ; ".join(f"ε = {e:g}: {sigma(e):.4f}" for e in epsilons)
-    lines += [f"## σ against d (k = 32; DP-SGD σ {base}; [H] Fig. 12)", "", f"| d | {head} |",
+    lines += [f"## σ against d (k = 32; DP-SGD σ {base}; DP-SGD-RC Fig. 12)", "", f"| d | {head} |",
               "|---|" + "---|" * 2 * len(epsilons)]
     series = {(e, est): [] for e in epsilons for est in ("Hutch", "Hutch++")}
     for d in ds:
@@ -79,7 +80,7 @@ def d_table(lines: list[str], ds: list[int], epsilons: list[float]) -> dict:
 
 
 def figures(out: Path, by_k: dict, by_d: dict) -> list[Path]:
-    """σ against k ([H] Fig. 11b) and against d ([H] Fig. 12), PNG and PDF beside the markdown."""
+    """σ against k (DP-SGD-RC paper Fig. 11b) and against d (its Fig. 12), PNG and PDF beside the markdown."""
     plt, written = pyplot(), []
     for name, title, xlabel, lines in (
             ("sigma_vs_k", "σ against k (ε = 0.7, d = 2048)", "k (probes)",
@@ -98,7 +99,7 @@ def figures(out: Path, by_k: dict, by_d: dict) -> list[Path]:
 
 
 def x_plus_table(lines: list[str], ks: list[int], ds: list[int]) -> None:
-    lines += ["## x₊ and (x₊ - 1)·dk ([H] Fig. 7: ≈ 2 within 0.5%)", "",
+    lines += ["## x₊ and (x₊ - 1)·dk (DP-SGD-RC Fig. 7: ≈ 2 within 0.5%)", "",
               "| d | " + " | ".join(f"k = {k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
     for d in ds:
         cells = []

@@ -84,7 +84,8 @@ def test_every_hyperparameter_file_is_swept_by_some_table():
 
 
 def test_table_hyperparameters_are_the_papers():
-    """Spot checks against [R] Tables 6 and 12 and Table 3's C search."""
+    """Spot checks against DP-GRAPE review version Tables 6 and 12 (arXiv 2506.15588 Tables 5 and 11) and
+    DP-GRAPE Table 3's C search."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         def point(name, option):
             return compose_point([f"experiment=dpgrape/{name}", f"+hp/{option}"])

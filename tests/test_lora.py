@@ -216,8 +216,9 @@ def test_memory_planning_builds_the_adapters_on_meta():
 
 
 def test_model_trainable_freezes_all_but_the_named_parameters():
-    """[H]'s BillSum run trains Llama's last layers only: model.trainable patterns pick them; a step moves them
-    and nothing else; patterns that match nothing are an error naming the key."""
+    """The BillSum run of DP-SGD-RC (Efficient DP-SGD for LLMs with Randomized Clipping) trains Llama's last layers
+    only: model.trainable patterns pick them; a step moves them and nothing else; patterns that match nothing are an
+    error naming the key."""
     cfg = config("model=llama-tiny", "model.lora.r=null", "method=dp-adam", "method.max_grad_norm=1.0",
                  "model.trainable=[model.layers.1.*]")
     data = build_data(cfg.data, cfg.model)

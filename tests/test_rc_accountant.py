@@ -12,8 +12,9 @@ from dpmem.privacy import calibrate_sigma, envelope_cdf, epsilon_spent, x_plus
 from dpmem.privacy import rc
 from dpmem.privacy.accounting import PLD_DISCRETIZATION
 
-# [H] Table 4 (BBC, full fine-tuning): eps 0.7, delta 1e-5, batch 64, 10 epochs, Poisson rate 64/N. N = 1127 is
-# where the DP-SGD (pld) noise multiplier is the paper's 4.073 (found by scanning N; 1130 gives 4.0735).
+# DP-SGD-RC (Efficient DP-SGD for LLMs with Randomized Clipping) Table 4 (BBC, full fine-tuning): eps 0.7, delta 1e-5,
+# batch 64, 10 epochs, Poisson rate 64/N. N = 1127 is where the DP-SGD (pld) noise multiplier is the paper's 4.073
+# (found by scanning N; 1130 gives 4.0735).
 N_BBC = 1127
 Q_BBC, STEPS_BBC, EPS_BBC, DELTA_BBC = 64 / N_BBC, round(10 * N_BBC / 64), 0.7, 1e-5
 
@@ -101,9 +102,9 @@ def test_x_plus_is_one_plus_two_over_dk_for_d_2(k):
 
 
 def test_x_plus_exceeds_two_over_dk_from_d_3_on():
-    """[H] reports (x₊ - 1)·dk ≈ 2 for all d; already at d = 3 a far configuration (one spike λ = 0.48, two at
-    0.26) beats u above 1 + 2/(dk), checked with quad, and x₊ itself exceeds the crossing of e with u, which grows
-    like 0.67·√d / (dk)."""
+    """The DP-SGD-RC paper reports (x₊ - 1)·dk ≈ 2 for all d; already at d = 3 a far configuration (one spike λ = 0.48,
+    two at 0.26) beats u above 1 + 2/(dk), checked with quad, and x₊ itself exceeds the crossing of e with u, which
+    grows like 0.67·√d / (dk)."""
     k, d = 64, 3
     x = 1 + 2.05 / (d * k)
     assert quad_two_level(x, 0.48, 1, 2, k) > chi2_mean(x, k * d) + 1e-5
@@ -166,7 +167,7 @@ def test_rc_sigma_decreases_to_dp_sgd_as_k_grows():
 
 
 def test_paper_noise_multipliers():
-    """[H] Table 4: 4.073 (DP-SGD) and 4.354 (RC, Hutch, k = 32, d = 2048 the Llama-3.2-1B max-min layer size)."""
+    """DP-SGD-RC Table 4: 4.073 (DP-SGD) and 4.354 (RC, Hutch, k = 32, d = 2048 the Llama-3.2-1B max-min layer size)."""
     dp_sgd = calibrate_sigma(EPS_BBC, DELTA_BBC, Q_BBC, STEPS_BBC, "pld", tolerance=1e-5)
     assert dp_sgd == pytest.approx(4.073, abs=5e-4)
     hutch = calibrate_sigma(EPS_BBC, DELTA_BBC, Q_BBC, STEPS_BBC, "rc", k=32, d=2048, tolerance=1e-4)
@@ -208,8 +209,8 @@ def test_infinite_d_is_the_hutchpp_envelope():
 
 
 def test_rc_dimension_from_the_model():
-    """[H]'s d is the max over estimated matrices of min(p, d); the sound whole-model d is inf as soon as a second
-    parameter (estimated or exact) can carry the sample's gradient."""
+    """The DP-SGD-RC paper's d is the max over estimated matrices of min(p, d); the sound whole-model d is inf as soon
+    as a second parameter (estimated or exact) can carry the sample's gradient."""
     from torch import nn
 
     from dpmem.methods.rc import max_layer_dimension, rc_dimension

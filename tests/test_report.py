@@ -129,7 +129,7 @@ def test_published_numbers_are_printed_beside_ours(tmp_path):
     summary(root, "o", "dp-adam", "boolq", 2.0, 0, metric=0.6, model="opt-2.7b")  # the OPT table's 2.7B column
     main(["report", str(root), "--published"])
     md = (root / "report" / "report.md").read_text()
-    assert "60.0 [62.5 ± 0.3]" in md  # [R] Table 4: DP-Adam eps=2, OPT-2.7B BoolQ
+    assert "60.0 [62.5 ± 0.3]" in md  # DP-GRAPE (arXiv 2506.15588) Table 4: DP-Adam eps=2, OPT-2.7B BoolQ
     # DP-GRAPE Table 3: DP-GRAPE eps=6 SST-2 93.3 ± 0.4; AdamW (non-private) 93.1 ± 0.3
     assert "| **80.0** | **90.0 [93.3 ± 0.4]** |" in md and "| 95.0 [93.1 ± 0.3] |" in md
     assert "DP-GRAPE Table 3 (RoBERTa-large" in md
@@ -143,5 +143,6 @@ def test_published_lora_and_estimator_rows_are_told_apart(tmp_path):
     summary(root, "pp", "dp-sgd-rc", "bbc", 0.7, 0, metric=0.7, model="llama-3.2-1b", clipping="hutchpp")
     main(["report", str(root), "--published"])
     md = (root / "report" / "report.md").read_text()
-    # [H] Table 2 (full) 96.1, Table 3 (LoRA) 95.9, Table 4 (Hutch++) 70.59 ± 3.49
+    # DP-SGD-RC (Efficient DP-SGD for LLMs with Randomized Clipping) Table 2 (full) 96.1, Table 3 (LoRA) 95.9,
+    # Table 4 (Hutch++) 70.59 ± 3.49
     assert "95.0 [96.1]" in md and "95.0 [95.9]" in md and "70.0 [70.59 ± 3.49]" in md

@@ -38,7 +38,8 @@ def test_rc_sigma_writes_its_three_tables(tmp_path):
     assert float(rows["64"][0]) == pytest.approx(hutch, rel=1e-3)
     assert float(rows["64"][2]) == pytest.approx(hutch / base, rel=1e-3)
     assert len(rows["4"]) == 2 and rows["∞ (dpmem's whole-model d)"][0] == rows["∞ (dpmem's whole-model d)"][1]
-    for name in ("sigma_vs_k", "sigma_vs_d"):  # [H] Figs. 11b and 12
+    # DP-SGD-RC (Efficient DP-SGD for LLMs with Randomized Clipping) Figs. 11b and 12
+    for name in ("sigma_vs_k", "sigma_vs_d"):
         assert (tmp_path / f"{name}.png").stat().st_size > 0 and (tmp_path / f"{name}.pdf").exists()
     assert rows["2"][0].endswith("(2.000)")  # (x₊ - 1)·dk at d = 2
 

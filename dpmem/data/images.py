@@ -43,7 +43,7 @@ def predict(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def at_model_size(model, x: torch.Tensor) -> torch.Tensor:
     """Images resized (bilinear) to the model's input size, batch by batch: a 224×224 checkpoint fine-tuned on
-    32×32 CIFAR images (DP-GRAPE E2) would need 30 GB to store CIFAR-10 at 224×224."""
+    32×32 CIFAR images (DP-GRAPE App. C.1) would need 30 GB to store CIFAR-10 at 224×224."""
     size = getattr(getattr(model, "config", None), "image_size", None)
     if size is None or tuple(x.shape[-2:]) == (size, size):
         return x

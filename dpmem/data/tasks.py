@@ -3,7 +3,7 @@
 A task is read into records of named text fields (`sentence`, `premise`, ...), a class label or gold answers.
 The prompt of the model's head turns a record into token ids (`dpmem.data.prompting`):
 
-- `mlm` (RoBERTa, DP-GRAPE E3): the LM-BFF templates MeZO and DPZero use, classified by the masked-LM head over
+- `mlm` (RoBERTa, DP-GRAPE §5.2): the LM-BFF templates MeZO and DPZero use, classified by the masked-LM head over
   the label words at `{mask}`;
 - `causal` (OPT, Llama): MeZO's templates; classification scores the label words after the prompt, generation
   tasks train on the answer and are scored on greedy generations;
@@ -57,7 +57,7 @@ def _hotpot_fields(r):
 
 
 TASKS: dict[str, Task] = {
-    # RoBERTa-large few-shot (E3); SST-2 and BoolQ also for OPT (E4). Label words as in LM-BFF / MeZO.
+    # RoBERTa-large few-shot (DP-GRAPE §5.2); SST-2 and BoolQ also for OPT (§5.3). Label words as in LM-BFF / MeZO.
     "sst2": Task(("nyu-mll/glue", "sst2"), {"train": "train", "test": "validation"}, _same(sentence="sentence"),
                  _SENTIMENT, ["terrible", "great"]),
     "sst5": Task(("SetFit/sst5",), {"train": "train", "test": "test"}, _same(sentence="text"),
@@ -87,7 +87,8 @@ TASKS: dict[str, Task] = {
                             "answers": list(r["answers_spans"]["spans"])},
                  {"causal": "Passage: {context}\nQuestion: {question}\nAnswer:"},
                  target=" {answer}", metric="f1", classifier_ok=False),
-    # Llama-3.2-1B long context ([H] §6): templates not given in the paper; these are dpmem's
+    # Llama-3.2-1B long context (DP-SGD-RC (Efficient DP-SGD for LLMs with Randomized Clipping) §6): templates not
+    # given in the paper; these are dpmem's
     "bbc": Task(("SetFit/bbc-news",), {"train": "train", "test": "test"},
                 lambda r: {"text": r["text"], "label": int(r["label"]), "label_name": r["label_text"]},
                 {"causal": "Article: {text}\nTopic:", "classifier": "{text}"}, fixed_length=True),

@@ -1,4 +1,4 @@
-"""torchvision's image data sets (DP-GRAPE E1/E2): MNIST, CIFAR-10 and CIFAR-100 with their fixed test splits.
+"""torchvision's image data sets (DP-GRAPE §5.1 / App. C.1): MNIST, CIFAR-10 and CIFAR-100 with their fixed test splits.
 Files are read from `data.root` (or `data.path`) in torchvision's layout and downloaded there when absent and
 online; otherwise an absent data set is one line saying which files are missing where and how to provide them."""
 

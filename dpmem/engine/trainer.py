@@ -145,7 +145,7 @@ class Run:
             "neighbouring": self.accountant["neighbouring"] if self.accounted else None,
             "clipping": method.norm_rule(m) if self.private else None,
             # what the rc accountant assumed; d "inf" is the whole-model envelope (dpmem.methods.rc.rc_dimension),
-            # d_max_layer [H]'s max over layers of min(p, d), for comparison
+            # d_max_layer the DP-SGD-RC paper's max over layers of min(p, d), for comparison
             "rc_accountant": ({"k": m.k, "d": _finite_or_inf(self.accountant["d"]),
                                "d_max_layer": d_max_layer,
                                "estimator": self.accountant["estimator"]} if "d" in self.accountant else None),

@@ -1,5 +1,6 @@
 """DPZero (Zhang et al. 2024) and MeZO (Malladi et al. 2023): zeroth-order training at inference memory
-(REFERENCE §2.6; details from the public DPZero code). One step, with a fresh direction seed s:
+(baselines in DP-GRAPE (arXiv 2506.15588), which does not give DPZero's algorithm; details from DPZero's public
+code). One step, with a fresh direction seed s:
 
     θ ← θ + λz ; L⁺ᵢ ;  θ ← θ − 2λz ; L⁻ᵢ ;  θ ← θ + λz          z = z(s), regenerated parameter by parameter
     gᵢ = (L⁺ᵢ − L⁻ᵢ) / (2λ)                                          one scalar per sample

@@ -1,4 +1,4 @@
-"""GaLore (REFERENCE §2.2, Algorithm 4) and naive DP-GaLore (Algorithm 5).
+"""GaLore and naive DP-GaLore (DP-GRAPE (arXiv 2506.15588) §3.1 and App. B, Algorithms 4 and 5).
 
     every F steps (and at the first): U, S, Vᵀ ← SVD(G̃);  P ← top-r singular vectors of the smaller side
     R̃ = Pᵀ G̃ (or G̃ P);  projected Adam on R̃, the update lifted back with the stored P

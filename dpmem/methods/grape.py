@@ -1,4 +1,4 @@
-"""DP-GRAPE (REFERENCE §2.3, Algorithms 1–2; arXiv version): gradient random projection.
+"""DP-GRAPE (arXiv 2506.15588 §3.2, Algorithms 1–2, as the arXiv version prints them): gradient random projection.
 
     for each projected matrix W (m×n): P ~ N(0, 1/r) ∈ R^{m×r}, regenerated from (run seed, layer, t // F)
     Rᵢ = Pᵀ Gᵢ, computed inside the backward pass from the layer's input and output gradient (never B×m×n)

@@ -1,4 +1,4 @@
-"""The Gaussian mechanism of every first-order private method (REFERENCE §2.1, flat clipping):
+"""The Gaussian mechanism of every first-order private method (flat clipping: DP-GRAPE (arXiv 2506.15588) Algorithm 3):
 
     G̃ = ( Σᵢ min(1, C/‖gᵢ‖)·gᵢ + N(0, σ²C² I) ) / (q·n)
 

@@ -1,4 +1,4 @@
-"""Adam with moments in a projected space (REFERENCE §2.3, Algorithm 2 — shared by DP-GRAPE and GaLore):
+"""Adam with moments in a projected space (DP-GRAPE (arXiv 2506.15588) §3.2, Algorithm 2; shared with GaLore):
 
     M ← β₁M + (1−β₁)R ;  V ← β₂V + (1−β₂)R² ;  α = η·√(1−β₂ᵗ)/(1−β₁ᵗ) ;  W ← W − α · lift(M / (√V + ε̂))
 

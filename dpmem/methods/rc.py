@@ -1,12 +1,12 @@
-"""DP-SGD-RC (REFERENCE §2.5, Algorithms 1–2): DP-SGD with randomized clipping. Two backward passes, as ghost
-clipping, but the per-sample squared norm of every linear-like matrix (Linear, Conv1D, Conv2d, Embedding, tied
-sums) is a Hutchinson or Hutch++ estimate with k fresh probes on its larger side; other parameters are normed
-exactly:
+"""DP-SGD-RC (Efficient DP-SGD for LLMs with Randomized Clipping) §4, Algorithms 1–2: DP-SGD with randomized
+clipping. Two backward passes, as ghost clipping, but the per-sample squared norm of every linear-like matrix
+(Linear, Conv1D, Conv2d, Embedding, tied sums) is a Hutchinson or Hutch++ estimate with k fresh probes on its
+larger side; other parameters are normed exactly:
 
     R²ᵢ = Σ_l n̂ᵢ,ₗ (estimated)  + Σ_e ‖gᵢ,ₑ‖² (exact)
     G̃ = ( Σᵢ min(1, C/Rᵢ)·gᵢ + N(0, σ²C² I) ) / (q·n)                      second pass, then SGD/Adam(W)
 
-(the paper's Algorithm 1 mixes squared and unsquared norms and omits 1/(q·n): REFERENCE §8). The clipped
+(as printed, the paper's Algorithm 1 mixes squared and unsquared norms and omits 1/(q·n)). The clipped
 contribution's norm is C·‖gᵢ‖/Rᵢ, which may exceed C: σ comes from the rc accountant, whose envelope needs the
 dimension `rc_dimension` gives.
 """
@@ -41,8 +41,8 @@ def estimated_matrices(model: nn.Module) -> list[nn.Parameter]:
 
 
 def max_layer_dimension(model: nn.Module) -> int:
-    """[H]'s d: the max over estimated p×d matrices of min(p, d), the number of eigen-directions of one sample's
-    gradient of that matrix (a Conv2d weight is out × in·kh·kw)."""
+    """The DP-SGD-RC paper's d: the max over estimated p×d matrices of min(p, d), the number of eigen-directions of one
+    sample's gradient of that matrix (a Conv2d weight is out × in·kh·kw)."""
     mats = estimated_matrices(model)
     if not mats:
         raise ValueError("the model has no linear-like weight whose norm dp-sgd-rc would estimate")
@@ -50,14 +50,14 @@ def max_layer_dimension(model: nn.Module) -> int:
 
 
 def rc_dimension(model: nn.Module, choice="model"):
-    """d for the rc accountant: "model" (the sound default), "max_layer" ([H]'s choice) or a given integer.
+    """d for the rc accountant: "model" (the sound default), "max_layer" (DP-SGD-RC's choice) or a given integer.
 
     Per Prop. 5.2 a single estimated p×d matrix gives 1/Z² = Σⱼ λⱼ χ²ⱼ(k)/k over its min(p, d) eigen-directions.
     With more than one estimated matrix, or any exactly normed parameter, 1/Z² is a convex combination over all of
     them (and, by Prop. B.24, over exact ones equal to 1), so the sound envelope is the d → ∞ one (that of
-    Hutch++): "model" gives inf then, and min(p, d) for a model that trains one matrix alone. [H]'s d = max over
-    layers of min(p, d) leaves out the other layers' directions and the exact ones, and so understates ε for a
-    whole model (by little: the d → ∞ envelope moves σ by 0.05% at [H]'s Table 4 setting)."""
+    Hutch++): "model" gives inf then, and min(p, d) for a model that trains one matrix alone. The paper's d = max
+    over layers of min(p, d) leaves out the other layers' directions and the exact ones, and so understates ε for
+    a whole model (by little: the d → ∞ envelope moves σ by 0.05% at the paper's Table 4 setting)."""
     if choice == "max_layer":
         return max_layer_dimension(model)
     if choice != "model":

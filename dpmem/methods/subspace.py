@@ -1,5 +1,6 @@
-"""Subspace re-training (Li et al. [L] §4.2, Fig. 2b): each step's gradient is projected onto the top-k principal
-directions V_k found by `dpmem spectrum mode=trajectory`, g ↦ V_k V_kᵀ g over the flattened trainable parameters.
+"""Subspace re-training (Li et al. 2022 (When Does DP Learning Not Suffer in High Dimensions?) §4.2, Fig. 2b):
+each step's gradient is projected onto the top-k principal directions V_k found by `dpmem spectrum mode=trajectory`,
+g ↦ V_k V_kᵀ g over the flattened trainable parameters.
 
 `method.subspace.where` says which gradient is projected:
 - clipped (the paper's experiment): the sum of clipped per-sample gradients, before the noise; the isotropic

@@ -1,6 +1,7 @@
-"""Per-sample squared gradient norms of one parameter, the first pass of two-pass clipping
-(REFERENCE §2.1 FGC/GC, §2.5 Algorithm 2). Dense per-sample gradients (LayerNorm, biases, replayed modules) are
-always normed exactly; a `Factored` one (Linear, Conv1D, Conv2d, Embedding, tied sums) by the chosen rule:
+"""Per-sample squared gradient norms of one parameter, the first pass of two-pass clipping (FGC/GC and randomized
+clipping as in DP-SGD-RC (Efficient DP-SGD for LLMs with Randomized Clipping) §4, Algorithm 2). Dense per-sample
+gradients (LayerNorm, biases, replayed modules) are always normed exactly; a `Factored` one (Linear, Conv1D, Conv2d,
+Embedding, tied sums) by the chosen rule:
 
     fgc      materialise gᵢ (B, rows, cols) for this layer only, then ‖gᵢ‖²            memory B·rows·cols
     ghost    Σ (LLᵀ ⊙ RRᵀ) from T×T Gram matrices                                  memory 2·B·T²
@@ -36,7 +37,8 @@ def ghost_is_cheaper(g: Factored) -> bool:
 
 
 def _probes(n: int, k: int, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """n×k probes with N(0, 1/k) entries (REFERENCE §8: variance 1/k, not 1/√k), so that E[PPᵀ] = I."""
+    """n×k probes with N(0, 1/k) entries (variance 1/k, as the DP-SGD-RC paper's text, §6.1 and App. B have it,
+    not the 1/√k printed in its Algorithm 2), so that E[PPᵀ] = I."""
     dtype = torch.promote_types(like.dtype, torch.float32)
     return torch.randn(n, k, generator=generator, device=like.device, dtype=dtype) / math.sqrt(k)
 

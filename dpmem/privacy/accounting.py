@@ -78,8 +78,8 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
                   estimator: str = "hutch") -> float:
     """Epsilon after `steps` sampled Gaussian steps with noise multiplier `sigma` (inf if sigma is 0).
 
-    k, d, estimator: rc only: probes, envelope dimension (a positive integer, e.g. [H]'s max-min layer size, or
-    math.inf, see dpmem.methods.rc.rc_dimension) and norm estimator ("hutch" or "hutchpp") of DP-SGD-RC."""
+    k, d, estimator: rc only: probes, envelope dimension (a positive integer, e.g. the DP-SGD-RC paper's max-min layer
+    size, or math.inf, see dpmem.methods.rc.rc_dimension) and norm estimator ("hutch" or "hutchpp") of DP-SGD-RC."""
     _check(delta, sample_rate, steps)
     if accountant == "rc":
         _check_rc(neighbouring, sampling, k, d, estimator)

@@ -1,4 +1,5 @@
-"""Privacy of DP-SGD with randomized clipping (DP-SGD-RC, [H] §5, App. B.6-B.9).
+"""Privacy of DP-SGD with randomized clipping (DP-SGD-RC (Efficient DP-SGD for LLMs with Randomized Clipping) §5,
+App. B.6-B.9).
 
 The clipping factor min(1, C/R) uses a Hutchinson (Hutch) or Hutch++ estimate R² of a sample's squared gradient
 norm, so the differing sample's contribution has norm at most C·Z with 1/Z² = X(λ) = Σ_j λ_j X_j,
@@ -6,15 +7,15 @@ X_j ~ χ²(k)/k i.i.d. and λ on the simplex (the eigenvalue weights of the samp
 case over λ is a random variable Y whose CDF is the envelope f(x) = sup_λ P(X(λ) ≤ x) (Prop. 5.2), and one step is
 a Gaussian mechanism with noise std σ (in units of C) and random sensitivity 1/√Y.
 
-Accounting (the model of [H] Thm. 5.1 / Alg. 5): the sensitivity A = 1/√Y is revealed to the adversary, so one
-step's pair is (A, N(A, σ²)) vs (A, N(0, σ²)) and, with Poisson sampling, its hockey-stick divergence δ(ε) is the
-A-average of the sampled Gaussian's, which grows with the sensitivity for every ε in both add/remove directions
-(N(s) vs N(0) is a post-processing of N(s') vs N(0) for s < s'). Any law stochastically larger than A therefore
-gives an upper bound. The mixture's δ(ε) is evaluated in closed form on dp-accounting's loss grid and made into a
-pessimistic PLD by connect-the-dots (exact at the grid points, an upper bound between them), which dp-accounting
+Accounting (the model of the DP-SGD-RC paper's Thm. 5.1 / Alg. 5): the sensitivity A = 1/√Y is revealed to the
+adversary, so one step's pair is (A, N(A, σ²)) vs (A, N(0, σ²)) and, with Poisson sampling, its hockey-stick divergence
+δ(ε) is the A-average of the sampled Gaussian's, which grows with the sensitivity for every ε in both add/remove
+directions (N(s) vs N(0) is a post-processing of N(s') vs N(0) for s < s'). Any law stochastically larger than A
+therefore gives an upper bound. The mixture's δ(ε) is evaluated in closed form on dp-accounting's loss grid and made
+into a pessimistic PLD by connect-the-dots (exact at the grid points, an upper bound between them), which dp-accounting
 composes by FFT: Alg. 5's PRV composition, on dp-accounting's PLD. Not used: MixtureGaussianPrivacyLoss (in
 dp-accounting 0.6; sampling enters as a sensitivity-0 component, add and remove are both built) hides A from the
-adversary, which is tighter but is not what [H] computes, and that the envelope dominates in that model is not
+adversary, which is tighter but is not what the paper computes, and that the envelope dominates in that model is not
 argued there.
 
 Conservative discretisation of Y: bin edges y_0 < ... < y_M, each bin's mass f(y_{m+1}) - f(y_m) gets the
@@ -25,13 +26,13 @@ sensitivity exceeds S_CAP noise standard deviations are treated as infinite too,
 GRID_SHARE of δ over all steps (as +inf loss, see rc_pld).
 
 Envelope (Hutch). x ≤ 1: χ²(k)/k (λ = e); x ≥ x₊: χ²(kd)/(kd) (λ = u); between, the sup over two-level
-weights (i coordinates at λ/i, j at (1-λ)/j) [H] Prop. 5.2. Computed here (see x_plus):
+weights (i coordinates at λ/i, j at (1-λ)/j), the paper's Prop. 5.2. Computed here (see x_plus):
   * u stops being a local maximum exactly at 1 + 2/(dk): with S = Σ X_j, the second-order change of
     P(X(u + Δ) ≤ x) is proportional to φ'(dx), φ(s) = s² p_S(s) ∝ s^{dk/2+1} e^{-ks/2}, whose maximum is at
-    s = d + 2/k. That is [H]'s asymptotic x₊, but it is a local statement;
+    s = d + 2/k. That is the paper's asymptotic x₊, but it is a local statement;
   * far from u, one spike plus a uniform rest, λ X_1 + (1 - λ) V_{d-1}, keeps beating u beyond it, and x₊ is
     where the last such configuration crosses u. (x₊ - 1)·dk is 2 only at d = 2 (2.11 at d = 3, 2.27 at d = 4,
-    39.5 at d = 2048 for k = 32), not ≈ 2 throughout as [H] Fig. 7 reports: x₊ is at least the crossing of
+    39.5 at d = 2048 for k = 32), not ≈ 2 throughout as the paper's Fig. 7 reports: x₊ is at least the crossing of
     χ²(k)/k and χ²(kd)/(kd), ≈ 1 + 0.67/(k√d), so the product grows like √d.
 Over all two-level configurations for d ≤ EXHAUSTIVE_D (O(d²) of them); above that only (1, d-1), the maximiser
 found by the exhaustive search (tests check it against the exhaustive search at larger d).
@@ -160,9 +161,9 @@ def middle_cdf(x: float, k: int, d: int) -> float:
 def x_plus(k: int, d: int) -> float:
     """The point above which the uniform weights give the envelope (Alg. 3, corrected).
 
-    [H]'s Alg. 3 bisects on [1, 2] with the test F(x; X(u)) > 1/2 (as printed), which is true on all of [1, 2]
+    The paper's Alg. 3 bisects on [1, 2] with the test F(x; X(u)) > 1/2 (as printed), which is true on all of [1, 2]
     (the median of χ²(kd)/(kd) is below 1). Here the test is the one its early stop implies: x ≥ x₊ exactly when
-    no configuration beats u at x (single crossing, [H] Thm. B.4). u is beaten below 1 + 2/(dk) (see the module
+    no configuration beats u at x (single crossing, the paper's Thm. B.4). u is beaten below 1 + 2/(dk) (see the module
     docstring), so the bisection runs on [1 + 2/(dk), 2] and returns the upper end (a value ≥ x₊)."""
     check_args(k, d)
     if d == 1 or d == math.inf:  # x₊ - 1 ≈ 0.67/(k√d) at least (module docstring), → 0
@@ -175,7 +176,7 @@ def x_plus(k: int, d: int) -> float:
     if not beaten(lo):
         return lo
     if beaten(hi):
-        raise RuntimeError(f"x_plus(k={k}, d={d}): u is still beaten at x = 2, against [H] Prop. B.9")
+        raise RuntimeError(f"x_plus(k={k}, d={d}): u is still beaten at x = 2, against DP-SGD-RC Prop. B.9")
     while hi - lo > max(1e-6 * (lo - 1), 1e-14):
         mid = 0.5 * (lo + hi)
         lo, hi = (mid, hi) if beaten(mid) else (lo, mid)
@@ -189,7 +190,7 @@ def _limit(d, estimator: str) -> str:
 
 
 def envelope_cdf(x, k: int, d, estimator: str = "hutch"):
-    """f(x) = sup_λ P(X(λ) ≤ x), the CDF of the dominating Y ([H] Prop. 5.2, Thm. 5.1), vectorised over x."""
+    """f(x) = sup_λ P(X(λ) ≤ x), the CDF of the dominating Y (DP-SGD-RC Prop. 5.2, Thm. 5.1), vectorised over x."""
     check_args(k, d, estimator)
     estimator = _limit(d, estimator)
     x = np.asarray(x, float)

@@ -21,11 +21,11 @@ def top_singular_values(matrix: torch.Tensor, top: int) -> torch.Tensor:
 def orthogonal_iteration(rows: Rows, p: int, k: int, iterations: int, generator: torch.Generator | None = None,
                          dtype: torch.dtype = torch.float64,
                          device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k singular values of H (r × p, given by `rows`) and its top-k right singular vectors V (p × k), by
-    orthogonal iteration on HᵀH ([L] App. B, [Dem97]): V ← orth(HᵀH V), one pass over the chunks per iteration
-    (HᵀH V = Σ_c H_cᵀ(H_c V)), then a Rayleigh–Ritz step (SVD of the r × k matrix H V) that orders the
-    directions. Memory: p × k twice, one chunk, and r × k; H itself is never held. `dtype`/`device`: where the
-    p × k matrices live (float32 on a GPU for [L]'s 7M × 1000)."""
+    """Top-k singular values of H (r × p, given by `rows`) and its top-k right singular vectors V (p × k), by orthogonal
+    iteration on HᵀH (Li et al. 2022 (When Does DP Learning Not Suffer in High Dimensions?) App. B, citing [Dem97]):
+    V ← orth(HᵀH V), one pass over the chunks per iteration (HᵀH V = Σ_c H_cᵀ(H_c V)), then a Rayleigh–Ritz step (SVD of
+    the r × k matrix H V) that orders the directions. Memory: p × k twice, one chunk, and r × k; H itself is never held.
+    `dtype`/`device`: where the p × k matrices live (float32 on a GPU for Li et al. 2022's 7M × 1000)."""
     if k < 1 or iterations < 0:
         raise ValueError(f"k={k} must be >= 1 and iterations={iterations} >= 0")
     k = min(k, p)
@@ -43,8 +43,8 @@ def orthogonal_iteration(rows: Rows, p: int, k: int, iterations: int, generator:
 
 
 def power_law_slope(values: Sequence[float] | torch.Tensor) -> tuple[float, float]:
-    """Least-squares line of log σᵢ against log i (i = 1, 2, ...; zeros left out): (slope, intercept). [L] fits
-    the top 1000 and finds ≈ −0.6."""
+    """Least-squares line of log σᵢ against log i (i = 1, 2, ...; zeros left out): (slope, intercept). Li et al.
+    2022 fit the top 1000 and find ≈ −0.6."""
     v = torch.as_tensor(values, dtype=torch.float64).flatten()
     i = torch.arange(1, len(v) + 1, dtype=torch.float64)
     keep = v > 0

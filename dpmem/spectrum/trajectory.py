@@ -1,9 +1,9 @@
-"""`dpmem spectrum mode=trajectory` (Li et al. [L] §4.2, App. B): during a private run, the averaged clipped (not
-noised) gradient ḡₜ = Σᵢ clip(gᵢ, C) / (q·n) of every step — the privatised update less its noise — over the
-recorded parameters, written to disk in chunks of `spectrum.chunk` rows. Afterwards the stacked r × p matrix H
-is analysed without ever being held: orthogonal iteration for its top-k singular values and right singular
-vectors, the least-squares slope of log σᵢ against log i, and G_k ≈ maxₜ ‖(I − V_kV_kᵀ) ḡₜ‖. The directions
-are saved as subspace.pt for subspace re-training (`method.subspace.path`).
+"""`dpmem spectrum mode=trajectory` (Li et al. 2022 (When Does DP Learning Not Suffer in High Dimensions?) §4.2,
+App. B): during a private run, the averaged clipped (not noised) gradient ḡₜ = Σᵢ clip(gᵢ, C) / (q·n) of every step —
+the privatised update less its noise — over the recorded parameters, written to disk in chunks of `spectrum.chunk` rows.
+Afterwards the stacked r × p matrix H is analysed without ever being held: orthogonal iteration for its top-k singular
+values and right singular vectors, the least-squares slope of log σᵢ against log i, and G_k ≈ maxₜ ‖(I − V_kV_kᵀ) ḡₜ‖.
+The directions are saved as subspace.pt for subspace re-training (`method.subspace.path`).
 
 A run that dies keeps every full chunk and the partial one; `spectrum.gradients=FOLDER` analyses them again
 (other k, iterations) without training."""
