@@ -24,7 +24,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from dpmem.config import ConfigError, MethodConfig, register_configs, validate
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")  # inside the package: works from any install
 USAGE = """usage: dpmem train [-m] [key=value ...]
        dpmem memory [key=value ...]
        dpmem spectrum mode=layer|trajectory [key=value ...]
@@ -170,8 +170,6 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
         return
-    if not Path(CONF_DIR).is_dir():
-        raise _error(f"config folder {CONF_DIR} not found: install dpmem from its repository with pip install -e .")
     verb, rest = argv[0], argv[1:]
     if verb == "memory":
         return _memory(rest)

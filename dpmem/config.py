@@ -154,7 +154,7 @@ class DataConfig:
 
 @dataclass
 class MethodConfig:
-    """What every method has. Each method family has its own config below, named by its conf/method/*.yaml (and
+    """What every method has. Each method family has its own config below, named by its dpmem/conf/method/*.yaml (and
     its class's `config` attribute), so an option of another method is an error, not silently ignored."""
     name: str = MISSING
 
@@ -240,7 +240,7 @@ class DPZeroConfig(ZerothOrderConfig, Clipped):
 
 METHOD_SCHEMAS = {"optimizer": OptimizerConfig, "dp-adam": DPAdamConfig, "dp-sgd-rc": DPSGDRCConfig,
                   "projected": ProjectedConfig, "galore-dp-naive": GaLoreDPNaiveConfig, "grape": GrapeConfig,
-                  "zeroth-order": ZerothOrderConfig, "dpzero": DPZeroConfig}  # conf/method/*.yaml: schema/NAME
+                  "zeroth-order": ZerothOrderConfig, "dpzero": DPZeroConfig}  # method/*.yaml: schema/NAME
 
 
 @dataclass
@@ -364,7 +364,7 @@ class Config:
 
 def register_configs() -> None:
     """The root schema types every group's node, so each group's YAML files are validated against it; each
-    conf/method/*.yaml names its method family's schema (`defaults: [schema/NAME, _self_]`)."""
+    dpmem/conf/method/*.yaml names its method family's schema (`defaults: [schema/NAME, _self_]`)."""
     store = ConfigStore.instance()
     store.store(name="config_schema", node=Config)
     for name, schema in METHOD_SCHEMAS.items():
