@@ -130,7 +130,8 @@ def test_multirun_makes_one_run_folder_per_point(tmp_path):
     seen = {(s["method"], s["epsilon_target"]) for s in summaries}
     assert seen == {("adam", None), ("dp-adam", 2), ("dp-adam", None)}
     dp_none = [s for s in summaries if s["method"] == "dp-adam" and s["epsilon_target"] is None][0]
-    assert dp_none["sigma"] == 0.0 and dp_none["epsilon_spent"] is None  # clipping only: not private
+    assert dp_none["sigma"] == 0.0 and dp_none["epsilon_spent"] == "inf"  # clipping only: not private
+    assert [s["epsilon_spent"] for s in summaries if s["method"] == "adam"] == ["inf", "inf"]
 
 
 def test_a_bad_point_in_a_sweep_is_caught_before_launch(tmp_path):

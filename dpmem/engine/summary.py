@@ -30,26 +30,27 @@ def versions() -> dict:
             "python": platform.python_version()}
 
 
-def _clean(value):
-    """JSON has no inf/nan: write them as null."""
+def json_ready(value):
+    """JSON has no inf or nan: an infinite value (ε of a run that is not private, the rc envelope's d) is written
+    "inf" (float("inf") reads it back), nan null."""
     if isinstance(value, float) and not math.isfinite(value):
-        return None
+        return None if math.isnan(value) else str(value)
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: json_ready(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [json_ready(v) for v in value]
     return value
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
     tmp = run_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(_clean(summary), indent=2) + "\n")
+    tmp.write_text(json.dumps(json_ready(summary), indent=2) + "\n")
     os.replace(tmp, run_dir / "summary.json")
 
 
 def append_metrics(run_dir: Path, record: dict) -> None:
     with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(_clean(record)) + "\n")
+        f.write(json.dumps(json_ready(record)) + "\n")
 
 
 def _fmt(value) -> str:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import math
 import os
-import secrets
 import signal
 import sys
 import threading
@@ -18,16 +17,15 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from dpmem.config import ConfigError, enum_value, resolve_accountant, resolve_delta
+from dpmem.config import ConfigError, enum_value
 from dpmem.data import DataBundle, build_data
-from dpmem.engine.summary import append_metrics, summary_table, versions, write_summary
+from dpmem.engine.summary import append_metrics, json_ready, summary_table, versions, write_summary
 from dpmem.engine.tracking import open_tracker
-from dpmem.metering import LiveTensorCounter
-from dpmem.methods import Noise, build_method, method_class
-from dpmem.methods.rc import max_layer_dimension, rc_dimension
+from dpmem.engine.ledger import PrivacyLedger
+from dpmem.engine.meter import Meter
+from dpmem.methods import build_method, method_class
 from dpmem.methods.subspace import privacy_of
 from dpmem.models import build_model
-from dpmem.privacy import UnreachableTarget, calibrate_sigma, epsilon_spent
 from dpmem.privacy.sampling import make_batches
 
 
@@ -89,66 +87,26 @@ class Run:
         if t.batch_size > n:
             raise ConfigError("train.batch_size", f"{t.batch_size} is larger than the training set ({n})")
         self.steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * n / t.batch_size))
-        self.sample_rate = t.batch_size / n
-        sampling = enum_value(t.sampling)
         method = method_class(m.name)
-        self.private = method.private
-        self.sampling = ("poisson" if self.private else "shuffle") if sampling == "auto" else sampling
-        self.accounted = self.private and p.epsilon is not None
-        self.delta = resolve_delta(p.delta, n) if self.accounted else None
-        if self.accounted and self.delta * n >= 1:
-            print(f"dpmem: warning: delta = {self.delta:.3g} is at least 1/n = {1 / n:.3g}: at that delta a mechanism "
-                  "that publishes one random training record whole is still (epsilon, delta)-DP; the default "
-                  "privacy.delta=auto is min(1e-5, 1/n^1.1)", file=sys.stderr)
+        sampling = enum_value(t.sampling)
+        self.sampling = ("poisson" if method.private else "shuffle") if sampling == "auto" else sampling
         self.model = build_model(cfg.model, self.data).to(self.device)
         self.model.train()
-        self.accountant = dict(accountant=resolve_accountant(cfg), neighbouring=enum_value(p.neighbouring),
-                               sampling=self.sampling, dataset_size=n)
-        if self.accountant["accountant"] == "rc":  # the envelope of randomized clipping depends on the model
-            try:
-                d, d_max_layer = rc_dimension(self.model, p.rc_dimension), max_layer_dimension(self.model)
-            except ValueError as e:
-                raise ConfigError("method.name", f"{m.name}: {e}") from None
-            self.accountant.update(k=m.k, d=d, estimator=enum_value(m.estimator))
-        self.sigma = 0.0
-        if self.accounted:
-            try:
-                self.sigma = calibrate_sigma(p.epsilon, self.delta, self.sample_rate, self.steps, **self.accountant)
-            except UnreachableTarget as e:
-                raise ConfigError("privacy.epsilon", str(e)) from None
-        noise = None
-        if self.private:
-            gen = None
-            if self.device.type != "meta":
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(p.noise_seed if p.noise_seed is not None else secrets.randbits(63))
-            noise = Noise(self.sigma, m.max_grad_norm, expected_batch_size=self.sample_rate * n, generator=gen)
+        self.ledger = PrivacyLedger(cfg, method, self.model, n, self.steps, self.sampling)
+        noise = self.ledger.noise(m.max_grad_norm, p.noise_seed, self.device) if method.private else None
         self.method = build_method(m, self.model, t.lr, noise, seed=t.seed)
-        self.leak = None  # why a private run is not private after all (a subspace from its own data)
         subspace = self.method.privatize.subspace if method.privatised_gradient else None
         if subspace is not None:
             ok, why = privacy_of(subspace.source, cfg.data)
-            self.leak = None if ok else why
+            if not ok:
+                self.ledger.mark_leak(why)
         self.sampler_gen = torch.Generator().manual_seed(t.seed)
         bf16 = enum_value(t.precision) == "bf16" and self.device.type == "cuda"
         self.autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16
                          else contextlib.nullcontext)
         self.summary = {
             "status": "running", "method": m.name, "model": cfg.model.name, "data": cfg.data.name,
-            "seed": t.seed, "private": self.private, "device": str(self.device),
-            "epsilon_target": p.epsilon if self.accounted else None, "epsilon_spent": 0.0 if self.accounted else None,
-            "delta": self.delta, "delta_times_n": self.delta * n if self.accounted else None,
-            "sigma": self.sigma if self.private else None,
-            "max_grad_norm": m.max_grad_norm if self.private else None,
-            "sample_rate": self.sample_rate, "sampling": self.sampling,
-            "accountant": self.accountant["accountant"] if self.accounted else None,
-            "neighbouring": self.accountant["neighbouring"] if self.accounted else None,
-            "clipping": method.norm_rule(m) if self.private else None,
-            # what the rc accountant assumed; d "inf" is the whole-model envelope (dpmem.methods.rc.rc_dimension),
-            # d_max_layer the DP-SGD-RC paper's max over layers of min(p, d), for comparison
-            "rc_accountant": ({"k": m.k, "d": _finite_or_inf(self.accountant["d"]),
-                               "d_max_layer": d_max_layer,
-                               "estimator": self.accountant["estimator"]} if "d" in self.accountant else None),
+            "seed": t.seed, "device": str(self.device), **self.ledger.fields,
             "steps": self.steps, "steps_done": 0, "samples_seen": 0, "batch_size": t.batch_size,
             "physical_batch_size": t.physical_batch_size or t.batch_size, "n_train": n, "lr": t.lr,
             "metric_name": self.data.metric_name, "metric_final": None, "metric_best": None,
@@ -158,17 +116,8 @@ class Run:
         }
         if subspace is not None:
             self.summary["subspace"] = {"path": m.subspace.path, "k": subspace.k, "where": subspace.where,
-                                        "private": self.leak is None, "why": why}
-        if self.leak is not None:
-            self.summary.update(private=False, epsilon_spent="inf" if self.accounted else None)
+                                        "private": ok, "why": why}
         write_summary(self.run_dir, self.summary)
-
-    def epsilon(self, steps: int) -> float | str | None:
-        if not self.accounted:
-            return None
-        if self.leak is not None:
-            return "inf"  # JSON has no infinity
-        return epsilon_spent(self.sigma, self.delta, self.sample_rate, steps, **self.accountant)
 
     # -- the loop -----------------------------------------------------------------------------------------
     def execute(self) -> dict:
@@ -191,15 +140,15 @@ class Run:
             self.method.close()
             self.summary["wall_time_s"] = time.perf_counter() - start
             done = self.summary["steps_done"]
-            if self.accounted and done != self._eps_steps:
-                self.summary["epsilon_spent"] = self.epsilon(done)
+            if done != self._eps_steps:
+                self.summary["epsilon_spent"] = self.ledger.epsilon(done)
             write_summary(self.run_dir, self.summary)
-            self.tracker.finish(self.summary)
+            self.tracker.finish(json_ready(self.summary))
         return self.summary
 
     def _record(self, record: dict) -> None:
         append_metrics(self.run_dir, record)
-        self.tracker.log(record)
+        self.tracker.log(json_ready(record))
 
     def _catch_ctrl_c(self):
         """Ctrl-C raises KeyboardInterrupt and is remembered: one that lands in a weakref callback (the live-tensor
@@ -218,49 +167,36 @@ class Run:
     def _train(self) -> None:
         cfg, t, s = self.cfg, self.cfg.train, self.summary
         log_cfg = cfg.logging
-        # Memory is metered from the second step on (the first runs a one-off coverage check that keeps the
-        # batch gradient), for `memory_steps` steps on CPU/meta where the counter slows every op.
-        counter, meter_from = None, min(1, self.steps - 1)
-        meter_until = meter_from + log_cfg.memory_steps
         bar = tqdm(total=self.steps, disable=not log_cfg.progress, dynamic_ncols=True, leave=True,
                    mininterval=0.5 if sys.stderr.isatty() else 30.0,  # a log file gets a line per 30 s
                    desc=f"{cfg.method.name}")
         done = self._resume() if t.resume else 0
         bar.update(done)
         samples, loss_sum, loss_count = s["samples_seen"], None, 0
-        self._eval_time, loop_start = 0.0, time.perf_counter()
+        self.meter = meter = Meter(self.device, self.steps, log_cfg.memory_steps)
         try:
             for step, index in enumerate(self.batches()):
                 if step < done:  # drawn again and skipped, so the sampler is where the lost run had it
                     continue
                 if self._ctrl_c:
                     raise KeyboardInterrupt
-                if step == meter_from:
-                    if self.device.type == "cuda":
-                        torch.cuda.reset_peak_memory_stats(self.device)
-                    elif log_cfg.memory_steps > 0:
-                        counter = LiveTensorCounter().track_state(self.model, self.method)
-                        counter.__enter__()
+                meter.step_begins(step, self.model, self.method)
                 lr, loss = self.train_step(step, self.microbatches(index))
+                meter.step_ends(step)
                 loss_sum = loss if loss_sum is None else loss_sum + loss
                 loss_count += len(index)
                 samples += len(index)
                 s["steps_done"], s["samples_seen"] = step + 1, samples
-                if counter is not None and step + 1 == meter_until:
-                    counter.__exit__(None, None, None)
-                    s.update(peak_memory_bytes=counter.peak, peak_memory_source="live_tensors")
-                    counter = None
                 last = step + 1 == self.steps
                 record = {}
                 if (step + 1) % log_cfg.every == 0 or last:
                     mean_loss = float(loss_sum) / max(loss_count, 1)  # the host sync, once every `every` steps
-                    train_time = time.perf_counter() - loop_start - self._eval_time
-                    s["epsilon_spent"], self._eps_steps = self.epsilon(step + 1), step + 1
-                    s["throughput_samples_per_s"] = samples / max(train_time, 1e-9)
-                    self._memory(s)
+                    s["epsilon_spent"], self._eps_steps = self.ledger.epsilon(step + 1), step + 1
+                    s["throughput_samples_per_s"] = meter.throughput(samples)
+                    s.update(meter.fields())
                     record = {"loss": mean_loss, "lr": lr, "epsilon": s["epsilon_spent"],
                               "samples_per_s": s["throughput_samples_per_s"], "memory_bytes": s["peak_memory_bytes"]}
-                    bar.set_postfix(loss=f"{mean_loss:.3f}", eps=_short(s["epsilon_spent"]),
+                    bar.set_postfix(loss=f"{mean_loss:.3f}", eps=f"{s['epsilon_spent']:.2f}",
                                     sps=f"{s['throughput_samples_per_s']:.0f}", refresh=False)
                     loss_sum, loss_count = None, 0
                 if t.eval_every and (step + 1) % t.eval_every == 0 and not last:
@@ -278,10 +214,8 @@ class Run:
             self._record({"step": s["steps_done"], s["metric_name"]: final, "final": True})
         finally:
             bar.close()
-            if counter is not None:
-                counter.__exit__(None, None, None)
-                s.update(peak_memory_bytes=counter.peak, peak_memory_source="live_tensors")
-            self._memory(s)
+            meter.close()
+            s.update(meter.fields())
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def _checkpoint(self, step: int) -> None:
@@ -315,8 +249,7 @@ class Run:
             torch.cuda.set_rng_state_all([r.cpu() for r in state["cuda_rng"]])
         step = state["step"]
         self.summary.update(state["summary"], resumed_from_step=step)
-        if self.accounted:
-            self.summary["epsilon_spent"], self._eps_steps = self.epsilon(step), step
+        self.summary["epsilon_spent"], self._eps_steps = self.ledger.epsilon(step), step
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():  # records of the lost steps are written again
             kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= step]
@@ -350,16 +283,23 @@ class Run:
         t = self.cfg.train
         return make_batches(self.sampling, self.data.n_train, t.batch_size, self.steps, self.sampler_gen)
 
-    def _memory(self, s: dict) -> None:
-        if self.device.type == "cuda":
-            s.update(peak_memory_bytes=torch.cuda.max_memory_reserved(self.device),
-                     peak_memory_allocated_bytes=torch.cuda.max_memory_allocated(self.device),
-                     peak_memory_source="cuda_max_reserved")
+    # -- the way in for tools that drive the steps themselves (dpmem spectrum's layer mode) -----------------
+    def steps_on_device(self):
+        """(0-based step, its micro-batches on the device) for every logical step, as the loop draws them; step
+        with `train_step`, end with `finish`."""
+        for step, index in enumerate(self.batches()):
+            yield step, self.microbatches(index)
+
+    def finish(self, status: str, steps_done: int) -> dict:
+        """Record how a driven run ended (ε for the steps done) and take the method's hooks off the model."""
+        self.method.close()
+        self.summary.update(status=status, steps_done=steps_done, epsilon_spent=self.ledger.epsilon(steps_done))
+        write_summary(self.run_dir, self.summary)
+        return self.summary
 
     def _evaluate(self) -> float:
-        tic = time.perf_counter()
-        value = evaluate(self.model, self.data, self.device, self.cfg.train.eval_batch_size, self.autocast)
-        self._eval_time += time.perf_counter() - tic
+        with self.meter.paused():
+            value = evaluate(self.model, self.data, self.device, self.cfg.train.eval_batch_size, self.autocast)
         best = self.summary["metric_best"]
         self.summary["metric_best"] = value if best is None else max(best, value)
         return value
@@ -367,14 +307,6 @@ class Run:
 
 RESUMED = ("steps_done", "samples_seen", "metric_best", "peak_memory_bytes", "peak_memory_allocated_bytes",
            "peak_memory_source")  # summary fields a resumed run carries over
-
-
-def _finite_or_inf(x: float):
-    return x if math.isfinite(x) else "inf"  # JSON has no infinity
-
-
-def _short(eps):
-    return "-" if eps is None else eps if isinstance(eps, str) else f"{eps:.2f}"
 
 
 def run_training(cfg, run_dir: Path) -> dict:

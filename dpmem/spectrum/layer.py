@@ -9,14 +9,12 @@ configured method."""
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from dpmem.config import ConfigError, GrapeConfig
-from dpmem.engine.summary import write_summary
 from dpmem.engine.trainer import Run
-from dpmem.methods.base import Noise
+from dpmem.methods.base import Noise, batch_size
 from dpmem.methods.privatize import add_noise
 from dpmem.methods.projected_adam import choose_projected
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum_of
@@ -103,7 +101,7 @@ def run_layer_mode(cfg, out) -> dict:
     run.prepare()
     if steps[-1] > run.steps:
         raise ConfigError("spectrum.steps", f"{steps[-1]} is beyond the run's {run.steps} steps")
-    chosen = settings(sp, m.max_grad_norm if run.private else None, run.sigma)
+    chosen = settings(sp, m.max_grad_norm if run.ledger.private else None, run.ledger.sigma)
     sides = choose_projected(run.model, sp.layers, GrapeConfig.rank)
     names = {p: n for n, p in run.model.named_parameters()}
     layers = {names[p]: p for p in sides}
@@ -111,19 +109,18 @@ def run_layer_mode(cfg, out) -> dict:
         raise ConfigError("spectrum.layers", f"{cfg.model.name} has no trained matrix with both sides > "
                           f"{GrapeConfig.rank} to measure")
     measured = []
-    for step, index in enumerate(run.batches(), start=1):
-        micro = run.microbatches(index)
+    for index, micro in run.steps_on_device():
+        step = index + 1
         if step in steps:
             with run.autocast():
                 rows = measure(run.model, micro, run.data.per_sample_loss, layers, chosen,
-                               run.sample_rate * run.data.n_train, sp.top, sp.seed)
-            measured.append({"step": step, "batch_size": len(index), "settings": rows})
+                               run.ledger.expected_batch_size, sp.top, sp.seed)
+            measured.append({"step": step, "batch_size": sum(batch_size(mb) for mb in micro), "settings": rows})
         if step == steps[-1]:
             break
-        run.train_step(step - 1, micro)
-    run.summary.update(status="ok", steps_done=steps[-1] - 1)  # the updates between measurements
-    write_summary(run.run_dir, run.summary)
+        run.train_step(index, micro)
+    run.finish("ok", steps_done=steps[-1] - 1)  # the updates between measurements
     return {"mode": "layer", "model": cfg.model.name, "data": cfg.data.name, "method": m.name,
-            "sigma_from_privacy": run.sigma if math.isfinite(run.sigma) else None,
-            "expected_batch_size": run.sample_rate * run.data.n_train, "top": sp.top,
+            "sigma_from_privacy": run.ledger.sigma, "expected_batch_size": run.ledger.expected_batch_size,
+            "top": sp.top,
             "layers": list(layers), "steps": measured}

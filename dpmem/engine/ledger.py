@@ -1,0 +1,81 @@
+"""The privacy ledger of one run: δ, σ calibrated before training, ε spent after t steps, and the summary's
+privacy fields. An infinite ε (no privacy: a non-private method, privacy=none, a leaking subspace) is math.inf
+here and "inf" in summary.json and metrics.jsonl (JSON has no infinity; `float("inf")` reads it back)."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import sys
+
+import torch
+from torch import nn
+
+from dpmem.config import ConfigError, enum_value, resolve_accountant, resolve_delta
+from dpmem.methods import Noise
+from dpmem.methods.rc import max_layer_dimension, rc_dimension
+from dpmem.privacy import UnreachableTarget, calibrate_sigma, epsilon_spent
+
+
+class PrivacyLedger:
+    def __init__(self, cfg, method: type, model: nn.Module, n: int, steps: int, sampling: str):
+        p, m = cfg.privacy, cfg.method
+        self.private = method.private
+        self.accounted = self.private and p.epsilon is not None  # privacy=none: a private method clips only
+        self.sample_rate = cfg.train.batch_size / n
+        self.expected_batch_size = self.sample_rate * n
+        self.delta = resolve_delta(p.delta, n) if self.accounted else None
+        if self.accounted and self.delta * n >= 1:
+            print(f"dpmem: warning: delta = {self.delta:.3g} is at least 1/n = {1 / n:.3g}: at that delta a mechanism "
+                  "that publishes one random training record whole is still (epsilon, delta)-DP; the default "
+                  "privacy.delta=auto is min(1e-5, 1/n^1.1)", file=sys.stderr)
+        self.accountant = dict(accountant=resolve_accountant(cfg), neighbouring=enum_value(p.neighbouring),
+                               sampling=sampling, dataset_size=n)
+        rc = None
+        if self.accountant["accountant"] == "rc":  # the envelope of randomized clipping depends on the model
+            try:
+                d, d_max_layer = rc_dimension(model, p.rc_dimension), max_layer_dimension(model)
+            except ValueError as e:
+                raise ConfigError("method.name", f"{m.name}: {e}") from None
+            self.accountant.update(k=m.k, d=d, estimator=enum_value(m.estimator))
+            # d inf is the whole-model envelope (dpmem.methods.rc.rc_dimension), d_max_layer the DP-SGD-RC paper's
+            # max over layers of min(p, d), for comparison
+            rc = {"k": m.k, "d": d, "d_max_layer": d_max_layer, "estimator": enum_value(m.estimator)}
+        self.sigma = 0.0
+        if self.accounted:
+            try:
+                self.sigma = calibrate_sigma(p.epsilon, self.delta, self.sample_rate, steps, **self.accountant)
+            except UnreachableTarget as e:
+                raise ConfigError("privacy.epsilon", str(e)) from None
+        self.leak: str | None = None  # why a private run is not private after all (a subspace from its own data)
+        self.fields = {
+            "private": self.private, "epsilon_target": p.epsilon if self.accounted else None,
+            "epsilon_spent": 0.0 if self.accounted else math.inf, "delta": self.delta,
+            "delta_times_n": self.delta * n if self.accounted else None,
+            "sigma": self.sigma if self.private else None,
+            "max_grad_norm": m.max_grad_norm if self.private else None,
+            "sample_rate": self.sample_rate, "sampling": sampling,
+            "accountant": self.accountant["accountant"] if self.accounted else None,
+            "neighbouring": self.accountant["neighbouring"] if self.accounted else None,
+            "clipping": method.norm_rule(m) if self.private else None, "rc_accountant": rc,
+        }
+
+    def noise(self, max_grad_norm: float, seed: int | None, device: torch.device) -> Noise | None:
+        """The Gaussian mechanism of a private method; its generator seeded from the OS unless `seed` is given."""
+        if not self.private:
+            return None
+        gen = None
+        if device.type != "meta":
+            gen = torch.Generator(device=device)
+            gen.manual_seed(seed if seed is not None else secrets.randbits(63))
+        return Noise(self.sigma, max_grad_norm, expected_batch_size=self.expected_batch_size, generator=gen)
+
+    def mark_leak(self, why: str) -> None:
+        self.leak = why
+        self.fields.update(private=False, epsilon_spent=math.inf)
+
+    def epsilon(self, steps: int) -> float:
+        """ε spent after `steps` steps: math.inf when nothing is accounted or the run leaks."""
+        if not self.accounted or self.leak is not None:
+            return math.inf
+        return epsilon_spent(self.sigma, self.delta, self.sample_rate, steps, **self.accountant)
