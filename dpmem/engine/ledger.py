@@ -60,10 +60,8 @@ class PrivacyLedger:
             "clipping": method.norm_rule(m) if self.private else None, "rc_accountant": rc,
         }
 
-    def noise(self, max_grad_norm: float, seed: int | None, device: torch.device) -> Noise | None:
+    def noise(self, max_grad_norm: float, seed: int | None, device: torch.device) -> Noise:
         """The Gaussian mechanism of a private method; its generator seeded from the OS unless `seed` is given."""
-        if not self.private:
-            return None
         gen = None
         if device.type != "meta":
             gen = torch.Generator(device=device)
