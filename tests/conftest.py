@@ -1,5 +1,46 @@
 import os
+import sys
+from dataclasses import dataclass
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Hydra's own logging set-up, left out in-process: its logging.config.dictConfig closes every handler it finds,
+# and absl's (dp-accounting's) closes the stream it was made with, which under pytest is pytest's capture file
+NO_HYDRA_LOGGING = ["hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch, capsys):
+    """`dpmem ARGS...` in this process, in tmp_path: dpmem.cli.main's exit code (SystemExit's, 0 without one) and
+    what it printed. The code of the console entry point without a fresh interpreter's imports per call
+    (tests/test_cli.py runs the entry point itself as a subprocess where a process is what is tested)."""
+    import dpmem.cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(dpmem.cli, "_failed", [])  # the runs that did not finish ok, per invocation
+
+    def run(*args) -> CliResult:
+        args = [*args, *NO_HYDRA_LOGGING] if args and args[0] == "train" else list(args)
+        monkeypatch.setattr(sys, "argv", ["dpmem", *args])  # main rewrites it for Hydra
+        dpmem.cli._failed.clear()
+        capsys.readouterr()
+        code = 0
+        try:
+            dpmem.cli.main(args)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        out, err = capsys.readouterr()
+        return CliResult(code, out, err)
+
+    return run
