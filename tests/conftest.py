@@ -8,6 +8,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# pytest -n N runs N workers: each takes its share of the cores, so that torch's threads do not oversubscribe them
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
 # Hydra's own logging set-up, left out in-process: its logging.config.dictConfig closes every handler it finds,
 # and absl's (dp-accounting's) closes the stream it was made with, which under pytest is pytest's capture file
 NO_HYDRA_LOGGING = ["hydra/job_logging=none", "hydra/hydra_logging=none"]

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_bench_methods_writes_a_row_per_method_and_batch(tmp_path):
     out = tmp_path / "methods.md"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_methods.py"), "--batch-sizes", "2", "4",
-                        "--steps", "1", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                        "--steps", "1", "--out", str(out),
+                        "model.arch.num_hidden_layers=1"], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 2 ") or line.startswith("| 4 ")]
@@ -26,7 +27,7 @@ def test_rc_sigma_writes_its_three_tables(tmp_path):
     from dpmem.privacy import calibrate_sigma
     out = tmp_path / "sigma.md"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "rc_sigma.py"), "--out", str(out), "--ks", "64",
-                        "--ds", "4", "--epsilons", "9", "--xplus-ks", "8", "--xplus-ds", "2"],
+                        "--ds", "4", "--epsilons", "0.7", "--xplus-ks", "8", "--xplus-ds", "2"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
@@ -47,7 +48,8 @@ def test_rc_sigma_writes_its_three_tables(tmp_path):
 def test_validate_memory_says_when_there_is_no_gpu(tmp_path):
     out = tmp_path / "validate.md"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "validate_memory.py"), "--methods", "adam", "grape",
-                        "--out", str(out), "train.batch_size=4"], capture_output=True, text=True, timeout=300,
+                        "--out", str(out), "train.batch_size=4", "memory.steps=2",
+                        "model.arch.num_hidden_layers=1"], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr
     text = out.read_text()

@@ -4,6 +4,7 @@ accountant "rc" its sensitivity is random (DP-SGD-RC's randomized clipping, dpme
 
 from __future__ import annotations
 
+import functools
 import math
 
 import dp_accounting
@@ -127,6 +128,7 @@ def _calibrate_rc(epsilon: float, delta: float, sample_rate: float, steps: int, 
     return hi
 
 
+@functools.lru_cache(maxsize=256)  # a sweep over seeds or learning rates calibrates the same sigma once per process
 def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "pld",
                     neighbouring: str = "add_remove", sampling: str = "poisson",
                     dataset_size: int | None = None, tolerance: float = 1e-3, k: int = 32, d: float | None = None,
