@@ -28,6 +28,7 @@ CONF_DIR = str(Path(__file__).resolve().parent / "conf")  # inside the package: 
 USAGE = """usage: dpmem train [-m] [key=value ...]
        dpmem memory [key=value ...]
        dpmem spectrum mode=layer|trajectory [key=value ...]
+       dpmem audit [key=value ...]
        dpmem report PATH... [--out DIR] [--published]
 
   dpmem train                                      the embedded default (ViT on digits, grape, eps=8)
@@ -41,6 +42,8 @@ USAGE = """usage: dpmem train [-m] [key=value ...]
   dpmem spectrum mode=layer spectrum.clip=[null,1.0] spectrum.sigma=[0,0.5,2.0]
                                                    singular values of each layer's (clipped, noised) gradient
   dpmem spectrum mode=trajectory method=dp-adam    PCA of a private run's clipped gradients, and subspace.pt
+  dpmem audit method=dp-adam,grape privacy=eps2 audit.canaries=1000
+                                                   one run each with m canaries: an empirical lower bound on epsilon
   dpmem report outputs/multirun/DATE               the runs' summaries as tables (method x epsilon, tasks)
 """
 MAX_PREFLIGHT = 256  # sweep points composed before launch; larger grids are checked per job
@@ -177,8 +180,10 @@ def main(argv: list[str] | None = None) -> None:
         return _spectrum(rest)
     if verb == "report":
         return _report(rest)
+    if verb == "audit":
+        return _audit(rest)
     if verb != "train":
-        raise _error(f"unknown command {verb!r}; allowed: train, memory, spectrum, report")
+        raise _error(f"unknown command {verb!r}; allowed: train, memory, spectrum, audit, report")
     debug = any(a.lower() in ("debug=true", "debug=1") for a in rest)
     if not any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith("--cfg") or a == "-c"
                for a in rest):
@@ -209,9 +214,7 @@ def _memory(argv: list[str]) -> None:
     try:
         points = sweep_points(overrides)
         cfgs = compose_points(points)
-        varying = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
-        labels = [" ".join(p[i] for i in varying if not p[i].startswith("train.batch_size=")) or cfg.method.name
-                  for p, cfg in zip(points, cfgs)]
+        labels = _labels(points, cfgs, skip="train.batch_size=")
         mem = cfgs[0].memory
         out = Path(mem.dir or datetime.now().strftime("outputs/memory/%Y-%m-%d/%H-%M-%S"))
         rows, found = [], None
@@ -233,6 +236,50 @@ def _memory(argv: list[str]) -> None:
         raise _error(str(e)) from None
     print(report.write(out, rows, mem.budget, found), end="")
     print(f"dpmem memory: wrote {out}/memory.json", file=sys.stderr)
+
+
+def _labels(points: list[tuple[str, ...]], cfgs, skip: str | None = None) -> list[str]:
+    """Each sweep point named by the overrides that vary across the sweep (the method's name when none do)."""
+    varying = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
+    return [" ".join(p[i] for i in varying if not (skip and p[i].startswith(skip))) or cfg.method.name
+            for p, cfg in zip(points, cfgs)]
+
+
+def _audit(argv: list[str]) -> None:
+    """`dpmem audit`: each sweep point trained with canaries into its own folder, and one table of the bounds."""
+    from datetime import datetime
+
+    from dpmem.audit import run_audit, table
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE, end="")
+        return
+    overrides = [a for a in argv if a not in ("-m", "--multirun")]
+    debug = any(a.lower() in ("debug=true", "debug=1") for a in overrides)
+    records = []
+    try:
+        points = sweep_points(overrides)
+        cfgs = compose_points(points)
+        labels = _labels(points, cfgs)
+        out = Path(cfgs[0].audit.dir or datetime.now().strftime("outputs/audit/%Y-%m-%d/%H-%M-%S"))
+        for label, cfg in zip(labels, cfgs):
+            folder = out if len(cfgs) == 1 else out / label.replace(" ", ",").replace("/", "-")
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            record, _ = run_audit(cfg, folder)
+            records.append(record)
+            print(f"dpmem audit: {label}: claimed epsilon {record['epsilon_claimed']:.3g}, audited epsilon >= "
+                  f"{record['epsilon_lower_bound']:.3f} ({record['correct']}/{record['guesses']} guesses right)",
+                  file=sys.stderr)
+    except ConfigError as e:
+        if debug:
+            raise
+        raise _error(str(e)) from None
+    text = table(records)
+    if len(records) > 1:
+        (out / "audit.md").write_text(text)
+    print(text, end="")
+    print(f"dpmem audit: wrote {out}/audit.md", file=sys.stderr)
 
 
 def _spectrum(argv: list[str]) -> None:

@@ -349,6 +349,23 @@ class SpectrumConfig:
     seed: int = 0  # noise of the layer mode, start of the orthogonal iteration
 
 
+class CanaryKind(Enum):
+    gradient = "gradient"  # white-box: a planted per-sample gradient, scored on the released gradients
+    input = "input"  # black-box: mislabelled training examples, scored by the final model's loss on them
+
+
+@dataclass
+class AuditConfig:
+    """dpmem audit: one training run with m canaries, each in the training set with probability ½, and the
+    empirical lower bound on epsilon that scoring them gives (one-run auditing, Steinke, Nasr, Jagielski 2023)."""
+    kind: CanaryKind = CanaryKind.gradient
+    canaries: int = 1000  # m
+    norm: float = 10.0  # a gradient canary's norm, in units of method.max_grad_norm (clipping brings it to C)
+    beta: float = 0.05  # the bound holds with probability 1 - beta
+    seed: int = 0  # which canaries are in, where they live
+    dir: Optional[str] = None  # output folder; None = outputs/audit/DATE/TIME (a sweep: one sub-folder per point)
+
+
 @dataclass
 class Config:
     model: ModelConfig = MISSING
@@ -359,6 +376,7 @@ class Config:
     logging: LoggingConfig = MISSING
     memory: MemoryConfig = MISSING
     spectrum: SpectrumConfig = MISSING
+    audit: AuditConfig = MISSING
     debug: bool = False  # show tracebacks for configuration errors
 
 

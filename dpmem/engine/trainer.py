@@ -70,8 +70,9 @@ def evaluate(model, data: DataBundle, device, batch_size: int, autocast) -> floa
 class Run:
     """One training run in `run_dir`. `execute` returns the summary; it never raises for a training failure."""
 
-    def __init__(self, cfg, run_dir: Path):
+    def __init__(self, cfg, run_dir: Path, data_hook=None):
         self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.data_hook = data_hook  # changes the data set before anything is sized from it (dpmem audit's canaries)
         self.summary: dict = {}
         self.exception: Exception | None = None  # a training failure, re-raised by run_training
         self._eps_steps = 0  # the step count epsilon_spent was last computed for
@@ -83,6 +84,8 @@ class Run:
         self.device = resolve_device(enum_value(t.device))
         torch.manual_seed(t.seed)
         self.data = build_data(cfg.data, cfg.model)
+        if self.data_hook is not None:
+            self.data = self.data_hook(self.data)
         n = self.data.n_train
         if t.batch_size > n:
             raise ConfigError("train.batch_size", f"{t.batch_size} is larger than the training set ({n})")

@@ -31,6 +31,7 @@ class ZerothOrder(Method):
         self.device = self.params[0].device
         self.seeds = torch.Generator().manual_seed(seed)  # direction seeds, reproducible from the run seed
         self.dim = sum(p.numel() for p in self.params)
+        self.canaries = None  # dpmem.audit.canaries.GradientCanaries (DPZero), for dpmem audit
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "direction_rng": self.seeds.get_state()}
@@ -87,7 +88,14 @@ class ZerothOrder(Method):
         else:
             estimates, mid = self.per_sample_estimates(seed, microbatches, loss_fn)
             loss = mid.sum()
-        g = self.aggregate(estimates)
+        if self.canaries is None:
+            g = self.aggregate(estimates)
+        else:  # a canary's scalar is its gradient along this step's direction, clipped with the real ones
+            along = self.canaries.directional(self._directions(seed))
+            planted = along[self.canaries.sample()].to(estimates.device, estimates.dtype)
+            g = self.aggregate(torch.cat([estimates, planted]))
+            C = self.noise.max_grad_norm
+            self.canaries.record_scalar(float(g), along.clamp(-C, C), C)
         self._perturb(seed, -self.lr * g)
         return loss
 

@@ -53,6 +53,7 @@ class Privatizer:
         # The tensors are the ones the noise is then added to in place: an observer that keeps them must copy.
         self.observe: Callable[[dict[nn.Parameter, torch.Tensor], float], None] | None = None
         self.subspace = None  # dpmem.methods.subspace.SubspaceProjection, for subspace re-training
+        self.canaries = None  # dpmem.audit.canaries.GradientCanaries, for dpmem audit
         # autograd's batch gradient is a by-product of the backward pass: drop each as soon as it is made
         drop = weakly(self._drop_grad)
         self._handles = [p.register_post_accumulate_grad_hook(drop) for p in self.params]
@@ -86,11 +87,15 @@ class Privatizer:
             self._stepping = False
         if self.observe is not None:  # e.g. dpmem spectrum's recorder of the non-noised clipped mean
             self.observe(summed, self.noise.expected_batch_size)
+        if self.canaries is not None:  # planted gradients, clipped as the real ones are, summed before the noise
+            self.canaries.plant(summed, lambda norms: clip_factors(norms, self.noise.max_grad_norm))
         if self.subspace is not None and self.subspace.where == "clipped":
             summed = self.subspace(summed)
         summed = add_noise(summed, self.noise)
         if self.subspace is not None and self.subspace.where == "privatised":
             summed = self.subspace(summed)
+        if self.canaries is not None:
+            self.canaries.record(summed)
         return summed, loss_sum
 
     def _materialized(self, microbatches, loss_fn, shapes, coverage_transform):

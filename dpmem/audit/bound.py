@@ -1,0 +1,82 @@
+"""The empirical lower bound on epsilon of one-run auditing (Steinke, Nasr, Jagielski, NeurIPS 2023, "Privacy auditing
+with one (1) training run", arXiv 2305.08846).
+
+m canaries, each included independently with probability ½. An auditor guesses r of them (the top-k scores "in",
+the bottom-k "out", abstaining on the rest) and gets v right. If the training run is (ε, δ)-DP, then (their
+Theorem 5.2, with its δ term)
+
+    P[V ≥ v] ≤ P[Binomial(r, p) ≥ v] + 2mδ · max_{i = 1..v} P[v − i ≤ Binomial(r, p) < v] / i,   p = e^ε / (1 + e^ε),
+
+so a count v whose right-hand side is below β rules out (ε, δ)-DP at confidence 1 − β. The bound reported is the
+largest such ε, maximised over the guess sizes k with a union bound (β / number of k tried).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy import stats
+
+
+def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
+    """The probability, under (epsilon, delta)-DP, of v or more right guesses out of r (m canaries)."""
+    if not 0 <= v <= r <= m:
+        raise ValueError(f"need 0 <= v <= r <= m, got v={v}, r={r}, m={m}")
+    if epsilon < 0 or not 0 <= delta <= 1:
+        raise ValueError(f"need epsilon >= 0 and delta in [0, 1], got {epsilon}, {delta}")
+    p = 1.0 / (1.0 + math.exp(-epsilon))  # the accuracy of epsilon-DP randomized response
+    tail = float(stats.binom.sf(v - 1, r, p))
+    if delta == 0 or v == 0:
+        return min(tail, 1.0)
+    below = stats.binom.pmf(np.arange(v - 1, -1, -1), r, p)  # P[B = v-1], P[B = v-2], ..., P[B = 0]
+    alpha = float(np.max(np.cumsum(below) / np.arange(1, v + 1)))
+    return min(tail + 2 * m * delta * alpha, 1.0)
+
+
+def epsilon_lower_bound(m: int, r: int, v: int, beta: float, delta: float, iterations: int = 60) -> float:
+    """The largest epsilon that v right guesses out of r rule out at confidence 1 - beta (0 when none is)."""
+    if not 0 < beta < 1:
+        raise ValueError(f"beta={beta} must be in (0, 1)")
+    if p_value(m, r, v, 0.0, delta) >= beta:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while p_value(m, r, v, hi, delta) < beta:  # p_value grows with epsilon; v = r caps it at log((1-β)/β)/…
+        lo, hi = hi, 2 * hi
+        if hi > 1e3:
+            return math.inf
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if p_value(m, r, v, mid, delta) < beta else (lo, mid)
+    return lo
+
+
+def default_guess_sizes(m: int) -> list[int]:
+    """k (guessed in, and as many guessed out) from a few canaries to all of them."""
+    fractions = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
+    return sorted({max(1, int(f * m)) for f in fractions if max(1, int(f * m)) <= m // 2})
+
+
+def audit_bound(scores, included, delta: float, beta: float = 0.05, ks: list[int] | None = None) -> dict:
+    """The one-run lower bound from canary `scores` (higher: more likely in) and who was `included`.
+
+    For each k the k highest scores are guessed in and the k lowest out; each k is tested at beta / len(ks), so
+    the maximum over k holds at confidence 1 - beta."""
+    scores = np.asarray(scores, dtype=np.float64)
+    included = np.asarray(included, dtype=bool)
+    m = len(scores)
+    if m < 2 or included.shape != scores.shape:
+        raise ValueError(f"need at least 2 canaries and one inclusion bit per score (got {m}, {included.shape})")
+    ks = ks or default_guess_sizes(m)
+    if any(not 1 <= k <= m // 2 for k in ks):
+        raise ValueError(f"guess sizes {ks} must lie in [1, m/2 = {m // 2}]")
+    order = np.argsort(-scores, kind="stable")
+    rows = []
+    for k in ks:
+        v = int(included[order[:k]].sum() + (~included[order[m - k:]]).sum())
+        rows.append({"k": k, "guesses": 2 * k, "correct": v,
+                     "epsilon": epsilon_lower_bound(m, 2 * k, v, beta / len(ks), delta)})
+    best = max(rows, key=lambda row: row["epsilon"])
+    return {"epsilon_lower_bound": best["epsilon"], "k": best["k"], "guesses": best["guesses"],
+            "correct": best["correct"], "canaries": m, "included": int(included.sum()), "beta": beta,
+            "delta": delta, "by_k": rows}
