@@ -56,3 +56,17 @@ def test_validate_memory_says_when_there_is_no_gpu(tmp_path):
     assert text.startswith("No CUDA device here")
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| adam ") or line.startswith("| grape ")]
     assert len(rows) == 2 and all(row[2].strip() == row[3].strip() for row in rows)  # meta == CPU
+
+
+def test_audit_methods_writes_a_row_per_method_and_epsilon(tmp_path):
+    out = tmp_path / "audit.md"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "audit_methods.py"), "--methods", "grape", "dpzero",
+                        "--epsilons", "2", "--canaries", "50", "--dir", str(tmp_path / "runs"), "--out", str(out),
+                        "train.steps=3", "train.batch_size=700", "logging.memory_steps=0",
+                        "model.arch.num_hidden_layers=1"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| grape ")
+            or line.startswith("| dpzero ")]
+    assert [row[1].strip() for row in rows] == ["grape", "dpzero"] and all(row[4].strip() == "50" for row in rows)
+    assert {p.name for p in (tmp_path / "runs").iterdir()} == {"grape_eps2", "dpzero_eps2"}
