@@ -130,3 +130,39 @@ def test_close_is_idempotent_and_a_closed_capture_sees_nothing():
     with psg.capture(len(b["y"])):
         loss_fn(model, b).sum().backward()
     assert psg.grads == {}
+
+
+class TiedNet(nn.Module):
+    """Token ids → embedding → a frozen layer → a trained layer → LayerNorm → a head tied to the embedding."""
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.frozen = nn.Linear(8, 8).requires_grad_(False)
+        self.up = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids).detach()  # the embedding's own use gives no gradient: only the head's does
+        return self.head(self.norm(self.up(self.frozen(h).tanh())).mean(1)) + 0 * self.embed(ids).sum((1, 2))[:, None]
+
+
+def test_after_the_coverage_check_no_batch_weight_gradient_is_formed_and_the_sums_still_match():
+    """From the second step, linear and LayerNorm weights do not require grad during the backward (their
+    per-sample gradients come from the hooks); a layer behind frozen ones still gets its output gradient, and the
+    tied embedding keeps its batch gradient path."""
+    torch.manual_seed(0)
+    model = TiedNet().double()
+    g = torch.Generator().manual_seed(1)
+    b = {"x": torch.randint(0, 10, (5, 3), generator=g), "y": torch.randint(0, 10, (5,), generator=g)}
+    want = loop_clipped_sum(model, b)
+    accumulated = []
+    model.up.weight.register_post_accumulate_grad_hook(lambda p: accumulated.append(1))
+    with Privatizer(model, no_noise(), clipping="materialize") as privatize:
+        for step in range(2):
+            got = privatized(privatize, model, b)
+            for p in want:
+                torch.testing.assert_close(got[p], want[p], rtol=1e-9, atol=1e-12)
+            assert len(accumulated) == 1  # the first step's coverage check only
+    assert all(p.requires_grad for p in (model.up.weight, model.norm.weight, model.embed.weight))

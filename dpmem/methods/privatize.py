@@ -103,7 +103,9 @@ class Privatizer:
             summed = {p: torch.zeros(shapes[p], device=p.device, dtype=p.dtype) for p in self.params}
         loss_sum = torch.zeros((), device=self.params[0].device)
         for mb in microbatches:
-            with self.persample.capture(batch_size(mb)):
+            # autograd's batch gradient is needed only by the coverage check: otherwise the hooks' per-sample
+            # gradients are all there is, and the backward skips the weights' batch products
+            with self.persample.capture(batch_size(mb), batch_gradients=self._check_coverage):
                 losses = loss_fn(self.model, mb)
                 losses.sum().backward()
             grads = self.persample.grads

@@ -74,6 +74,7 @@ class PerSampleGradients:
         self._norms: Callable[[nn.Parameter, Any], torch.Tensor] | None = None
         self._keep_sums = False
         self._uses: dict[nn.Parameter, int] = {}  # forward uses of each parameter in this capture
+        self._skipping = False  # inside a capture without batch gradients
         self._arrived: dict[nn.Parameter, int] = {}  # backward hooks seen per parameter
         self.squared_norms: torch.Tensor | None = None
         self.sums: dict[nn.Parameter, torch.Tensor] = {}  # Σᵢ gᵢ in norm mode with keep_sums
@@ -124,19 +125,41 @@ class PerSampleGradients:
 
     @contextlib.contextmanager
     def capture(self, batch_size: int, norms: Callable[[nn.Parameter, Any], torch.Tensor] | None = None,
-                keep_sums: bool = False):
+                keep_sums: bool = False, batch_gradients: bool = True):
         """Hooks are live inside; `batch_size` is the number of samples in the forward pass. With `norms`, keep
-        only squared norms (and, with `keep_sums`, Σᵢ gᵢ per parameter for the coverage check)."""
+        only squared norms (and, with `keep_sums`, Σᵢ gᵢ per parameter for the coverage check).
+
+        `batch_gradients=False`: the forward inside runs with the parameters of float-input layer rules (linear,
+        conv, LayerNorm) not requiring grad, so the backward does not form autograd's batch gradient of those
+        weights (the m×n product per layer that private training drops anyway); their per-sample gradients come
+        from the hooks as before. A layer whose input then requires no grad gets a grad-requiring view of it, so
+        that its output gradient still reaches the hook."""
         self._active, self._batch = True, batch_size
         self._norms, self._keep_sums = norms, keep_sums
         self._uses, self._arrived, self.squared_norms, self.sums = {}, {}, None, {}
+        skipped = [] if batch_gradients else self._without_batch_gradients()
         try:
             yield self
             with memory_label("per_sample"):
                 for p in list(self.grads) if norms is not None else []:  # uses whose output got no gradient
                     self._reduce(p)
         finally:
-            self._active, self._norms = False, None
+            self._active, self._norms, self._skipping = False, None, False
+            for p in skipped:
+                p.requires_grad_(True)
+
+    def _without_batch_gradients(self) -> list[nn.Parameter]:
+        """Turn requires_grad off for the parameters only float-input rules own (an embedding's weight, also tied
+        to a head, keeps it: its ids cannot carry a gradient to its hook); returns them, to be turned back on."""
+        keep = {p for o in self._owners if o.rule is None or isinstance(o.module, nn.Embedding)
+                for p in o.params.values()}
+        skipped = [p for o in self._owners if o.rule is not None and not isinstance(o.module, nn.Embedding)
+                   for p in o.params.values() if p not in keep and p.requires_grad]
+        skipped = list(dict.fromkeys(skipped))
+        for p in skipped:
+            p.requires_grad_(False)
+        self._skipping = bool(skipped)
+        return skipped
 
     def clear(self) -> None:
         self.grads = {}
@@ -152,11 +175,18 @@ class PerSampleGradients:
         self.close()
 
     # -- hooks -------------------------------------------------------------------------------------------
-    def _pre_hook(self, owner: _Owner, mod, args, kwargs) -> None:
-        if self._active and owner.rule is not None and owner.rule.scope is not None:
+    def _pre_hook(self, owner: _Owner, mod, args, kwargs):
+        if not self._active:
+            return None
+        if owner.rule is not None and owner.rule.scope is not None:
             scope = owner.rule.scope(mod)
             scope.__enter__()
             owner.scopes.append(scope)
+        if (self._skipping and args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()
+                and not args[0].requires_grad and not any(p.requires_grad for p in owner.params.values())):
+            # nothing upstream needs a gradient: a grad-requiring view carries this layer's output gradient
+            return (args[0].detach().requires_grad_(), *args[1:]), kwargs
+        return None
 
     def _post_hook(self, owner: _Owner, mod, args, kwargs, output) -> None:
         if not self._active:
