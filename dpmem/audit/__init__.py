@@ -114,12 +114,13 @@ def run_audit(cfg, out: Path) -> tuple[dict, str]:
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| method | clipping | canaries | m | claimed ε | δ | audited ε ≥ (95 %) | k | correct / guesses | time (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    confidence = " / ".join(sorted({f"{r['confidence']:.0%}" for r in records}))
+    lines = [f"| method | clipping | canary kind | m | claimed ε | δ | audited ε ≥ ({confidence}) | k | correct / guesses "
+             "| time (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        lines.append(f"| {r['method']} | {r['clipping'] or '—'} | {r['kind']} | {r['canaries']} | {r['epsilon_claimed']:.3g} "
-                     f"| {r['delta']:.2g} | {r['epsilon_lower_bound']:.3f} | {r['k']} | {r['correct']} / "
-                     f"{r['guesses']} | {r['seconds']:.0f} |")
+        lines.append(f"| {r['method']} | {r['clipping'] or '—'} | {r['kind']} | {r['canaries']} "
+                     f"| {r['epsilon_claimed']:.3g} | {r['delta']:.2g} | {r['epsilon_lower_bound']:.3f} | {r['k']} "
+                     f"| {r['correct']} / {r['guesses']} | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
