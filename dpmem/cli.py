@@ -7,6 +7,7 @@ shows the traceback instead.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -184,19 +185,38 @@ def main(argv: list[str] | None = None) -> None:
         return _audit(rest)
     if verb != "train":
         raise _error(f"unknown command {verb!r}; allowed: train, memory, spectrum, audit, report")
-    debug = any(a.lower() in ("debug=true", "debug=1") for a in rest)
     if not any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith("--cfg") or a == "-c"
                for a in rest):
-        try:
+        with _one_line_errors(_is_debug(rest)):
             preflight(rest)
-        except ConfigError as e:
-            if debug:
-                raise
-            raise _error(str(e)) from None
     sys.argv = [f"{Path(sys.argv[0]).name} {verb}"] + rest
     _train()
     if _failed:
         raise _error(f"{len(_failed)} run(s) did not finish ok: {', '.join(_failed)}")
+
+
+def _is_debug(args: list[str]) -> bool:
+    return any(a.lower() in ("debug=true", "debug=1") for a in args)
+
+
+def _sweep_overrides(argv: list[str]) -> list[str] | None:
+    """The overrides of a verb that sweeps comma lists itself (memory, spectrum, audit: -m is implied), or None
+    after printing the usage for -h/--help."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE, end="")
+        return None
+    return [a for a in argv if a not in ("-m", "--multirun")]
+
+
+@contextlib.contextmanager
+def _one_line_errors(debug: bool):
+    """A ConfigError ends the command with one line (exit 2); debug=true shows its traceback instead."""
+    try:
+        yield
+    except ConfigError as e:
+        if debug:
+            raise
+        raise _error(str(e)) from None
 
 
 def _memory(argv: list[str]) -> None:
@@ -206,12 +226,10 @@ def _memory(argv: list[str]) -> None:
     from dpmem.engine.planner import largest_batch, parse_bytes, plan
     from dpmem.report import memory as report
 
-    if any(a in ("-h", "--help") for a in argv):
-        print(USAGE, end="")
+    overrides = _sweep_overrides(argv)
+    if overrides is None:
         return
-    overrides = [a for a in argv if a not in ("-m", "--multirun")]
-    debug = any(a.lower() in ("debug=true", "debug=1") for a in overrides)
-    try:
+    with _one_line_errors(_is_debug(overrides)):
         points = sweep_points(overrides)
         cfgs = compose_points(points)
         labels = _labels(points, cfgs, skip="train.batch_size=")
@@ -230,10 +248,6 @@ def _memory(argv: list[str]) -> None:
                 batch, at = largest_batch(cfg, budget)
                 found.append({"label": label, "largest_batch": batch, "plan": {"label": label, **at}})
                 print(f"dpmem memory: {label}: largest batch {batch}", file=sys.stderr)
-    except ConfigError as e:
-        if debug:
-            raise
-        raise _error(str(e)) from None
     print(report.write(out, rows, mem.budget, found), end="")
     print(f"dpmem memory: wrote {out}/memory.json", file=sys.stderr)
 
@@ -250,20 +264,19 @@ def _audit(argv: list[str]) -> None:
     from datetime import datetime
 
     from dpmem.audit import run_audit, table
+    from dpmem.report.labels import file_name
 
-    if any(a in ("-h", "--help") for a in argv):
-        print(USAGE, end="")
+    overrides = _sweep_overrides(argv)
+    if overrides is None:
         return
-    overrides = [a for a in argv if a not in ("-m", "--multirun")]
-    debug = any(a.lower() in ("debug=true", "debug=1") for a in overrides)
     records = []
-    try:
+    with _one_line_errors(_is_debug(overrides)):
         points = sweep_points(overrides)
         cfgs = compose_points(points)
         labels = _labels(points, cfgs)
         out = Path(cfgs[0].audit.dir or datetime.now().strftime("outputs/audit/%Y-%m-%d/%H-%M-%S"))
         for label, cfg in zip(labels, cfgs):
-            folder = out if len(cfgs) == 1 else out / label.replace(" ", ",").replace("/", "-")
+            folder = out if len(cfgs) == 1 else out / file_name(label)
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
             record, _ = run_audit(cfg, folder)
@@ -271,10 +284,6 @@ def _audit(argv: list[str]) -> None:
             print(f"dpmem audit: {label}: claimed epsilon {record['epsilon_claimed']:.3g}, audited epsilon >= "
                   f"{record['epsilon_lower_bound']:.3f} ({record['correct']}/{record['guesses']} guesses right)",
                   file=sys.stderr)
-    except ConfigError as e:
-        if debug:
-            raise
-        raise _error(str(e)) from None
     text = table(records)
     if len(records) > 1:
         (out / "audit.md").write_text(text)
@@ -288,13 +297,11 @@ def _spectrum(argv: list[str]) -> None:
 
     from dpmem.spectrum import run_spectrum
 
-    if any(a in ("-h", "--help") for a in argv):
-        print(USAGE, end="")
+    overrides = _sweep_overrides(argv)
+    if overrides is None:
         return
-    # `mode=` is short for `spectrum.mode=`
-    overrides = [("spectrum." + a) if a.startswith("mode=") else a for a in argv if a not in ("-m", "--multirun")]
-    debug = any(a.lower() in ("debug=true", "debug=1") for a in overrides)
-    try:
+    overrides = [("spectrum." + a) if a.startswith("mode=") else a for a in overrides]  # mode= for spectrum.mode=
+    with _one_line_errors(_is_debug(overrides)):
         points = sweep_points(overrides)
         if len(points) > 1:
             raise ConfigError("override", "dpmem spectrum takes one configuration (no comma lists); the settings "
@@ -305,10 +312,6 @@ def _spectrum(argv: list[str]) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         _, text = run_spectrum(cfg, out)
-    except ConfigError as e:
-        if debug:
-            raise
-        raise _error(str(e)) from None
     print(text, end="")
     print(f"dpmem spectrum: wrote {out}/spectrum.json", file=sys.stderr)
 

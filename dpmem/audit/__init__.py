@@ -14,50 +14,11 @@ from pathlib import Path
 import torch
 
 from dpmem.audit.bound import audit_bound
-from dpmem.audit.canaries import GradientCanaries
+from dpmem.audit.canaries import GradientCanaries, InputCanaries
 from dpmem.config import ConfigError, enum_value
 from dpmem.engine.summary import json_ready
 from dpmem.engine.trainer import Run
 from dpmem.methods import method_class
-
-
-class InputCanaries:
-    """Black-box canaries: m training examples given a wrong label; the included ones stay in the training set,
-    the others leave it. Score: minus the final model's loss on the canary with its wrong label."""
-
-    def __init__(self, m: int, seed: int):
-        self.m, self.gen = m, torch.Generator().manual_seed(seed)
-        self.included = torch.rand(m, generator=self.gen) < 0.5
-        self.examples: dict[str, torch.Tensor] = {}
-        self.scores = torch.zeros(m, dtype=torch.float64)
-
-    def plant(self, data):
-        """Take m examples out of `data`'s training split, mislabel them, put the included ones back."""
-        if not data.num_classes or "labels" not in data.train:
-            raise ConfigError("audit.kind", "input canaries mislabel examples, which needs a classification task; "
-                              "use audit.kind=gradient")
-        if data.n_train < 2 * self.m:
-            raise ConfigError("audit.canaries", f"{self.m} input canaries need at least {2 * self.m} training "
-                              f"examples; the training set has {data.n_train}")
-        order = torch.randperm(data.n_train, generator=self.gen)
-        chosen, rest = order[:self.m], order[self.m:]
-        self.examples = {k: v[chosen].clone() for k, v in data.train.items()}
-        shift = torch.randint(1, data.num_classes, (self.m,), generator=self.gen)
-        self.examples["labels"] = (self.examples["labels"] + shift) % data.num_classes
-        kept = {k: v[self.included] for k, v in self.examples.items()}
-        data.train = {k: torch.cat([v[rest], kept[k]]) for k, v in data.train.items()}
-        return data
-
-    @torch.no_grad()
-    def score(self, run) -> None:
-        run.model.eval()
-        batch = max(1, run.cfg.train.physical_batch_size or run.cfg.train.batch_size)
-        losses = []
-        for start in range(0, self.m, batch):
-            mb = {k: v.to(run.device) for k, v in run.data.batch(self.examples, slice(start, start + batch)).items()}
-            with run.autocast():
-                losses.append(run.data.per_sample_loss(run.model, mb).double().cpu())
-        self.scores = -torch.cat(losses)
 
 
 def attach(method, canaries: GradientCanaries) -> None:

@@ -1,4 +1,5 @@
-"""Gradient canaries: white-box one-run auditing (Steinke, Nasr, Jagielski 2023, §6's gradient-space canaries).
+"""The canaries of `dpmem audit`. Input canaries (black-box) are mislabelled training examples, scored by the final
+model's loss on them. Gradient canaries: white-box one-run auditing (Steinke, Nasr, Jagielski 2023, §6's gradient-space canaries).
 
 A canary is a per-sample gradient planted directly: a Dirac vector of norm `norm` (a multiple of C, so that the
 method's clipping has work to do) on one coordinate of the quantity the method privatises. Each of the m canaries
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from dpmem.config import ConfigError
+
 
 class GradientCanaries:
     def __init__(self, m: int, sample_rate: float, norm: float, seed: int):
@@ -33,7 +36,6 @@ class GradientCanaries:
         self.included = torch.rand(m, generator=self.gen) < 0.5  # the secret bits
         self.scores = torch.zeros(m, dtype=torch.float64)
         self.where: dict | None = None  # key -> (canary ids, flat indices), placed at the first step
-        self.sampled = torch.zeros(m, dtype=torch.bool)
         self.untouched = False  # placed where the first step's real gradients were zero
 
     def place(self, shapes: dict, untouched: torch.Tensor | None = None) -> None:
@@ -43,12 +45,12 @@ class GradientCanaries:
         total = int(sizes.sum())
         if total < self.m:
             raise ValueError(f"{self.m} canaries need as many coordinates; the method privatises {total}")
-        if untouched is not None and int(untouched.sum()) >= self.m:
-            free = untouched.nonzero().flatten()
+        free = untouched.nonzero().flatten() if untouched is not None else None
+        self.untouched = free is not None and len(free) >= self.m
+        if self.untouched:
             flat = free[torch.randperm(len(free), generator=self.gen)[:self.m]]
         else:
             flat = torch.randperm(total, generator=self.gen)[:self.m] if total <= 10**7 else self._distinct(total)
-        self.untouched = untouched is not None and int(untouched.sum()) >= self.m
         ends = sizes.cumsum(0)
         owner = torch.searchsorted(ends, flat, right=True)
         self.where = {}
@@ -66,8 +68,7 @@ class GradientCanaries:
 
     def sample(self) -> torch.Tensor:
         """This step's Poisson sample of the included canaries (rate q, as for real examples)."""
-        self.sampled = self.included & (torch.rand(self.m, generator=self.gen) < self.sample_rate)
-        return self.sampled
+        return self.included & (torch.rand(self.m, generator=self.gen) < self.sample_rate)
 
     # -- first-order methods: planted into the clipped sums, scored on the released gradient ---------------------
     def plant(self, summed: dict, clip_factors) -> None:
@@ -106,3 +107,42 @@ class GradientCanaries:
 
     def record_scalar(self, released: float, clipped: torch.Tensor, max_grad_norm: float) -> None:
         self.scores += released * clipped / max_grad_norm
+
+
+class InputCanaries:
+    """Black-box canaries: m training examples given a wrong label; the included ones stay in the training set,
+    the others leave it. Score: minus the final model's loss on the canary with its wrong label."""
+
+    def __init__(self, m: int, seed: int):
+        self.m, self.gen = m, torch.Generator().manual_seed(seed)
+        self.included = torch.rand(m, generator=self.gen) < 0.5
+        self.examples: dict[str, torch.Tensor] = {}
+        self.scores = torch.zeros(m, dtype=torch.float64)
+
+    def plant(self, data):
+        """Take m examples out of `data`'s training split, mislabel them, put the included ones back."""
+        if not data.num_classes or "labels" not in data.train:
+            raise ConfigError("audit.kind", "input canaries mislabel examples, which needs a classification task; "
+                              "use audit.kind=gradient")
+        if data.n_train < 2 * self.m:
+            raise ConfigError("audit.canaries", f"{self.m} input canaries need at least {2 * self.m} training "
+                              f"examples; the training set has {data.n_train}")
+        order = torch.randperm(data.n_train, generator=self.gen)
+        chosen, rest = order[:self.m], order[self.m:]
+        self.examples = {k: v[chosen].clone() for k, v in data.train.items()}
+        shift = torch.randint(1, data.num_classes, (self.m,), generator=self.gen)
+        self.examples["labels"] = (self.examples["labels"] + shift) % data.num_classes
+        kept = {k: v[self.included] for k, v in self.examples.items()}
+        data.train = {k: torch.cat([v[rest], kept[k]]) for k, v in data.train.items()}
+        return data
+
+    @torch.no_grad()
+    def score(self, run) -> None:
+        run.model.eval()
+        batch = max(1, run.cfg.train.physical_batch_size or run.cfg.train.batch_size)
+        losses = []
+        for start in range(0, self.m, batch):
+            mb = {k: v.to(run.device) for k, v in run.data.batch(self.examples, slice(start, start + batch)).items()}
+            with run.autocast():
+                losses.append(run.data.per_sample_loss(run.model, mb).double().cpu())
+        self.scores = -torch.cat(losses)

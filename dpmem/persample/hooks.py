@@ -105,6 +105,12 @@ class PerSampleGradients:
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in claimed]
         if missing:
             raise ValueError(f"no per-sample rule covers {missing[0]}; add a rule or freeze it")
+        # what capture(batch_gradients=False) turns off: an embedding's weight (also tied to a head) keeps
+        # requires_grad, since its ids cannot carry a gradient to its hook; so do the fallback's
+        keep = {p for o in self._owners if o.rule is None or isinstance(o.module, nn.Embedding)
+                for p in o.params.values()}
+        self._float_input_params = list(dict.fromkeys(p for o in self._owners for p in o.params.values()
+                                                      if p not in keep))
         self._handles: list = []
         self._close = weakref.finalize(self, remove_handles, self._handles)
         for owner in self._owners:
@@ -149,13 +155,8 @@ class PerSampleGradients:
                 p.requires_grad_(True)
 
     def _without_batch_gradients(self) -> list[nn.Parameter]:
-        """Turn requires_grad off for the parameters only float-input rules own (an embedding's weight, also tied
-        to a head, keeps it: its ids cannot carry a gradient to its hook); returns them, to be turned back on."""
-        keep = {p for o in self._owners if o.rule is None or isinstance(o.module, nn.Embedding)
-                for p in o.params.values()}
-        skipped = [p for o in self._owners if o.rule is not None and not isinstance(o.module, nn.Embedding)
-                   for p in o.params.values() if p not in keep and p.requires_grad]
-        skipped = list(dict.fromkeys(skipped))
+        """Turn requires_grad off for the parameters only float-input rules own; returns them, to be turned back on."""
+        skipped = [p for p in self._float_input_params if p.requires_grad]
         for p in skipped:
             p.requires_grad_(False)
         self._skipping = bool(skipped)

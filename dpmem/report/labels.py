@@ -31,3 +31,9 @@ def variants(summaries: list[dict]) -> None:
 def row_label(s: dict) -> str:
     """The table row a run belongs to: its method, and the settings that tell it from the method's other runs."""
     return f"{s['method']} ({s['variant']})" if s.get("variant") else s["method"]
+
+
+def file_name(label: str) -> str:
+    """A label ("method=grape privacy=eps2") as a file or folder name: other characters than letters, digits and
+    -_.= become _."""
+    return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in label)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dpmem.metering import CATEGORIES
 from dpmem.report import pyplot, save_figure
+from dpmem.report.labels import file_name
 
 GIB = 2**30
 
@@ -78,8 +79,4 @@ def _figures(out: Path, rows: list[dict]) -> None:
         ax.stackplot(x, *[[r["breakdown"][c] / GIB for r in rs] for c in CATEGORIES], labels=CATEGORIES)
         ax.set(xlabel="batch size", ylabel="GiB at the peak", title=label)
         ax.legend(loc="upper left", fontsize=8)
-        save_figure(fig, out, f"memory_{_safe(label)}", formats=("png",))
-
-
-def _safe(label: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in label)
+        save_figure(fig, out, f"memory_{file_name(label)}", formats=("png",))
