@@ -1,11 +1,18 @@
 """Embedding per-sample gradients without the (B, vocab, D) tensor: norms and clipped sums equal the dense ones."""
 
+import pytest
 import torch
 import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+from dpmem.cli import CONF_DIR
+from dpmem.data import build_data, example_batch
 from dpmem.metering import LiveTensorCounter
-from dpmem.methods import DPAdam, Noise, method_config
+from dpmem.methods import DPAdam, Noise, build_method, method_config
+from dpmem.models import build_model
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
 from dpmem.persample.factored import Factored
 
@@ -21,7 +28,7 @@ def test_factored_rows_match_their_dense_form():
     torch.testing.assert_close(rows.weighted_sum(w), torch.einsum("b,bvd->vd", w, dense))
     both = rows + rows
     torch.testing.assert_close(both.to_dense(), 2 * dense)
-    torch.testing.assert_close(rows + dense, 2 * dense)  # with a dense (tied head) part it densifies
+    torch.testing.assert_close(rows + dense, 2 * dense)  # with a dense part it densifies
 
 
 class LM(nn.Module):
@@ -68,7 +75,7 @@ def test_norms_and_clipped_sums_equal_dense_for_untied_and_tied_embeddings():
         psg = PerSampleGradients(model)
         with psg.capture(5):
             lm_loss(model, b).sum().backward()
-        assert isinstance(psg.grads[model.emb.weight], Factored) != tied  # tied: the dense head part joins
+        assert isinstance(psg.grads[model.emb.weight], Factored)  # tied: the head's use joins as factors
         want = dense_oracle(model, b)
         norms = per_sample_norms(psg.grads)
         want_norms = torch.stack([g.reshape(5, -1).pow(2).sum(1) for g in want.values()]).sum(0).sqrt()
@@ -121,3 +128,50 @@ def test_projected_embeddings_equal_dense_gradients_times_p_with_tied_head():
         got = got.to_dense() if isinstance(got, Factored) else got
         want = dense_oracle(model, b)[model.emb.weight] @ P
         torch.testing.assert_close(got, want)
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements any op's output has while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+TIED_CASES = [("dp-adam", {}), ("dp-adam", {"clipping": "ghost"}), ("dp-adam", {"clipping": "mixed"}),
+              ("dp-sgd-rc", {"estimator": "hutch", "k": 4}), ("dp-sgd-rc", {"estimator": "hutchpp", "k": 4}),
+              ("galore-dp-naive", {"rank": 4}), ("grape", {"rank": 4}),
+              ("grape", {"rank": 4, "project_embeddings": True})]
+
+
+@pytest.mark.parametrize("model", ["roberta-tiny-mlm", "opt-tiny"])
+@pytest.mark.parametrize("method,options", TIED_CASES, ids=lambda x: x if isinstance(x, str) else
+                         ",".join(f"{k}={v}" for k, v in x.items()))
+def test_a_tied_lm_head_never_makes_a_batch_by_vocab_by_hidden_tensor(model, method, options):
+    """The head's uses stay factored beside the embedding's rows through norms and clipped sums, in every
+    clipping mode (the probes of hutch/hutch++ are B×vocab×k, k < hidden here)."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("config", overrides=["data=synthetic", "data.seq_len=12", "data.n_train=16",
+                                           *(["model=roberta-tiny", "model.head=mlm"] if model == "roberta-tiny-mlm"
+                                             else ["model=opt-tiny"])])
+    data = build_data(cfg.data, cfg.model)
+    torch.manual_seed(0)
+    net = build_model(cfg.model, data).train()
+    head, emb = net.get_output_embeddings(), net.get_input_embeddings()
+    assert head.weight is emb.weight  # tied
+    vocab, hidden = emb.weight.shape
+    batch = 4
+    step = build_method(method_config(method, max_grad_norm=1.0, **options), net, 0.01,
+                        Noise(1.0, 1.0, float(batch), torch.Generator().manual_seed(0)))
+    micro = [example_batch(data, batch, "cpu")]
+    with LargestTensor() as largest:
+        for _ in range(2):  # the coverage check's step, then a plain one
+            step.step(micro, data.per_sample_loss)
+    assert largest.numel < batch * vocab * hidden / 2, (largest.numel, batch * vocab * hidden)

@@ -124,6 +124,18 @@ class Factored:
         """gᵢ y for y (cols, k) or (B, cols, k): (B, rows, k)."""
         return _total(apply_t(left, apply(right, y), self.rows) for left, right in self.terms)
 
+    def project(self, projection) -> "Factored":
+        """Pᵀgᵢ (side 0) or gᵢP (side 1) of a matrix parameter (a `Projection`), still factored: P applied to
+        one side of each term (to ids, P's rows)."""
+        P, side = projection.P, projection.side
+        if side == 0:
+            terms = [(apply(left, P), right) for left, right in self.terms]
+            rows, cols = P.shape[1], self.cols
+        else:
+            terms = [(left, apply(right, P)) for left, right in self.terms]
+            rows, cols = self.rows, P.shape[1]
+        return Factored(terms, rows, cols, torch.Size((rows, cols)))
+
     def add_to_(self, dense: torch.Tensor) -> torch.Tensor:
         """dense (B, *param_shape) += these per-sample gradients, in place: no second (B, rows, cols) tensor."""
         flat = dense.view(dense.shape[0], self.rows, self.cols)

@@ -31,6 +31,7 @@ class _Owner:
     params: dict[str, nn.Parameter]  # attribute name -> parameter (trainable, direct, owned here)
     rule: Rule | None  # None = generic fallback
     scopes: list = field(default_factory=list)  # a rule's forward scopes, entered by the pre-hook
+    factored: bool = False  # owns a weight shared with another module: its gradients stay `Factored`
 
 
 def weakly(method: Callable) -> Callable:
@@ -105,6 +106,17 @@ class PerSampleGradients:
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in claimed]
         if missing:
             raise ValueError(f"no per-sample rule covers {missing[0]}; add a rule or freeze it")
+        # A weight shared by factored rules (an LM head tied to the word embeddings) keeps every use factored, so
+        # that its per-sample gradient (sparse rows plus low-rank head terms) is never a B×vocab×hidden tensor.
+        owners_of: dict[nn.Parameter, list[_Owner]] = {}
+        for owner in self._owners:
+            for p in owner.params.values():
+                owners_of.setdefault(p, []).append(owner)
+        for owners in owners_of.values():
+            if len(owners) > 1 and all(o.rule is not None and o.rule.factors is not None
+                                       and o.rule.factorable(o.module) for o in owners):
+                for o in owners:
+                    o.factored = True
         # what capture(batch_gradients=False) turns off: an embedding's weight (also tied to a head) keeps
         # requires_grad, since its ids cannot carry a gradient to its hook; so do the fallback's
         keep = {p for o in self._owners if o.rule is None or isinstance(o.module, nn.Embedding)
@@ -235,7 +247,10 @@ class PerSampleGradients:
                 self._active = True
         else:
             wanted = {n: self.projections[p]() for n, p in owner.params.items() if p in self.projections}
-            if wanted:  # each projector exists only while its layer's gradients are projected
+            if owner.factored:  # projected on the factors, if at all
+                grads = owner.rule.factors(owner.module, saved, grad_output)
+                grads = {n: g.project(wanted[n]) if n in wanted else g for n, g in grads.items()}
+            elif wanted:  # each projector exists only while its layer's gradients are projected
                 grads = owner.rule.project(owner.module, saved, grad_output, wanted)
             elif self._norms is not None and owner.rule.factors is not None:
                 grads = owner.rule.factors(owner.module, saved, grad_output)
