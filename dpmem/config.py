@@ -273,6 +273,8 @@ class TrainConfig:
     sampling: Sampling = Sampling.auto
     device: Device = Device.auto
     precision: Precision = Precision.fp32  # bf16 = autocast on CUDA
+    # recompute each block's activations in the backward pass instead of keeping them (first-order methods)
+    activation_checkpointing: bool = False
     # faults: checkpoint.pt in the run folder every N steps (0 = never); a run started again in the same folder
     # (the same hydra.run.dir / hydra.sweep.dir) resumes from it, privacy accounting included
     checkpoint_every: int = 0

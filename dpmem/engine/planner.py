@@ -17,7 +17,7 @@ from dpmem.config import ConfigError, enum_value
 from dpmem.data import build_data, example_batch
 from dpmem.metering import CUDA_BLOCK, LiveTensorCounter, labelled_forward
 from dpmem.methods import Noise, build_method, method_class
-from dpmem.models import build_model
+from dpmem.models import build_model, checkpoint_activations
 
 # GPU memory is quoted in binary units whatever the suffix (a "24GB" card and an "80GB" H100 hold 24 and 80 GiB)
 UNITS = {"b": 1, "kb": 2**10, "mb": 2**20, "gb": 2**30, "tb": 2**40,
@@ -101,6 +101,9 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     data = build_data(cfg.data, cfg.model)
     with torch.device(device):
         model = build_model(cfg.model, data, weights=False).train()
+    target = enum_value(mem.target)
+    if t.activation_checkpointing:
+        checkpoint_activations(model, lambda: AttentionKernels(target))
     noise = None
     if method_class(m.name).private:  # sigma and the generator change values, not memory
         gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(0)
@@ -109,7 +112,6 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     sizes = [physical] * (batch // physical) + ([batch % physical] if batch % physical else [])
     micro = [example_batch(data, size, device) for size in sizes]
     loss_fn = labelled_forward(data.per_sample_loss)
-    target = enum_value(mem.target)
     block = CUDA_BLOCK if target == "cuda" else 1
     with AttentionKernels(target):
         method.step(micro, loss_fn)

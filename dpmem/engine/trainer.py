@@ -25,7 +25,7 @@ from dpmem.engine.ledger import PrivacyLedger
 from dpmem.engine.meter import Meter
 from dpmem.methods import build_method, method_class
 from dpmem.methods.subspace import privacy_of
-from dpmem.models import build_model
+from dpmem.models import build_model, checkpoint_activations
 from dpmem.privacy.sampling import make_batches
 
 
@@ -94,6 +94,8 @@ class Run:
         sampling = enum_value(t.sampling)
         self.sampling = ("poisson" if method.private else "shuffle") if sampling == "auto" else sampling
         self.model = build_model(cfg.model, self.data).to(self.device)
+        if t.activation_checkpointing:
+            checkpoint_activations(self.model)
         self.model.train()
         self.ledger = PrivacyLedger(cfg, method, self.model, n, self.steps, self.sampling)
         noise = self.ledger.noise(m.max_grad_norm, p.noise_seed, self.device) if method.private else None

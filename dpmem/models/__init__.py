@@ -4,12 +4,15 @@ the architecture (memory planning: the shapes of a checkpoint without its weight
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+from typing import Callable, ContextManager
 
 from torch import nn
 
 from dpmem.config import ConfigError
 from dpmem.data import DataBundle
+from dpmem.metering import memory_label
 from dpmem.models.lora import apply_lora
 from dpmem.sources import offline as downloads_off
 from dpmem.sources import resolve_source
@@ -113,6 +116,47 @@ def build_model(cfg, data: DataBundle, weights: bool = True) -> nn.Module:
     if cfg.family not in FAMILIES:
         raise ConfigError("model.family", f"{cfg.family!r} is unknown; allowed: {', '.join(FAMILIES)}")
     return _freeze_all_but(cfg.trainable, apply_lora(cfg, FAMILIES[cfg.family](cfg, data, weights)))
+
+
+def checkpoint_activations(model: nn.Module, recompute: Callable[[], ContextManager] | None = None) -> nn.Module:
+    """train.activation_checkpointing: keep only each block's input in the forward pass and recompute the block
+    in the backward (Hugging Face's gradient checkpointing, non-reentrant: the recompute runs inside the backward,
+    so dpmem's per-sample hooks save their layer inputs again there; see dpmem.persample.hooks). Only in training
+    mode, as Hugging Face applies it. The recompute runs inside `recompute()` (the memory planner's attention
+    kernels: a mode entered around the forward is off in the backward pass), and its tensors count as
+    activations."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError("train.activation_checkpointing", f"{type(model).__name__} does not support gradient "
+                          "checkpointing")
+
+    def contexts():
+        return contextlib.nullcontext(), _Recomputing(recompute)
+    kwargs = {"use_reentrant": False, "context_fn": contexts}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the older name is deprecated
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if getattr(model.config, "use_cache", False):
+        model.config.use_cache = False  # a key/value cache is for generation, and is refused with checkpointing
+    return model
+
+
+class _Recomputing:
+    """The context of a checkpoint's recompute; entered once per backward pass through the block (two-pass
+    clipping recomputes twice), so each entry opens its own stack."""
+
+    def __init__(self, recompute: Callable[[], ContextManager] | None):
+        self.recompute, self.stacks = recompute, []
+
+    def __enter__(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(memory_label("activations"))
+        if self.recompute is not None:
+            stack.enter_context(self.recompute())
+        self.stacks.append(stack)
+
+    def __exit__(self, *exc):
+        return self.stacks.pop().__exit__(*exc)
 
 
 def _freeze_all_but(patterns, model: nn.Module) -> nn.Module:

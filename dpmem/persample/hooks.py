@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from dpmem.metering import memory_label
@@ -76,6 +77,8 @@ class PerSampleGradients:
         self._keep_sums = False
         self._uses: dict[nn.Parameter, int] = {}  # forward uses of each parameter in this capture
         self._skipping = False  # inside a capture without batch gradients
+        self._graph = False  # the last forward pass was inside a capture (see `_acting`)
+        self._replaying = False
         self._arrived: dict[nn.Parameter, int] = {}  # backward hooks seen per parameter
         self.squared_norms: torch.Tensor | None = None
         self.sums: dict[nn.Parameter, torch.Tensor] = {}  # Σᵢ gᵢ in norm mode with keep_sums
@@ -157,7 +160,9 @@ class PerSampleGradients:
         self._uses, self._arrived, self.squared_norms, self.sums = {}, {}, None, {}
         skipped = [] if batch_gradients else self._without_batch_gradients()
         try:
-            yield self
+            # a checkpoint's recompute runs whole, so that every hook that enters a scope also leaves it
+            with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                yield self
             with memory_label("per_sample"):
                 for p in list(self.grads) if norms is not None else []:  # uses whose output got no gradient
                     self._reduce(p)
@@ -188,8 +193,17 @@ class PerSampleGradients:
         self.close()
 
     # -- hooks -------------------------------------------------------------------------------------------
+    def _acting(self) -> bool:
+        """Whether the hooks act on this forward: one inside `capture`, or activation checkpointing's recompute
+        (it runs inside a backward pass) of one that was, which must save what that forward saved."""
+        if self._replaying:  # the fallback's replay of a module
+            return False
+        if torch._C._current_graph_task_id() == -1:  # a forward pass proper, not a recompute
+            self._graph = self._active
+        return self._graph
+
     def _pre_hook(self, owner: _Owner, mod, args, kwargs):
-        if not self._active:
+        if not self._acting():
             return None
         if owner.rule is not None and owner.rule.scope is not None:
             scope = owner.rule.scope(mod)
@@ -201,9 +215,9 @@ class PerSampleGradients:
             return (args[0].detach().requires_grad_(), *args[1:]), kwargs
         return None
 
-    def _post_hook(self, owner: _Owner, mod, args, kwargs, output) -> None:
-        if not self._active:
-            return
+    def _post_hook(self, owner: _Owner, mod, args, kwargs, output):
+        if not self._acting():
+            return None
         rule, scope = owner.rule, None
         if rule is not None and rule.scope is not None:
             scope = owner.scopes.pop()
@@ -213,16 +227,20 @@ class PerSampleGradients:
                              "tensor; no per-sample rule covers its parameters "
                              f"{', '.join(owner.params)}; add a rule or freeze them")
         if not output.requires_grad:
-            return
-        for p in owner.params.values():
-            self._uses[p] = self._uses.get(p, 0) + 1
-        if rule is None:
-            check_deterministic(owner.name, mod)
-            saved = capture_call(mod, args, kwargs, output, None)
-        else:
-            saved = rule.capture(mod, args, kwargs, output, scope)
+            return None
+        recompute = torch._C._current_graph_task_id() != -1
+        if self._active and not recompute:
+            for p in owner.params.values():
+                self._uses[p] = self._uses.get(p, 0) + 1
         accumulate = weakly(self._accumulate)
-        output.register_hook(lambda g: accumulate(owner, saved, g))
+        if rule is None:  # replayed, not recomputed: its call is kept by reference from the forward proper
+            if not recompute:
+                check_deterministic(owner.name, mod)
+                saved = capture_call(mod, args, kwargs, output, None)
+                output.register_hook(lambda g: accumulate(owner, saved, g))
+            return None
+        saved = rule.capture(mod, args, kwargs, output, scope)
+        return _KeepInput.apply(output, saved, functools.partial(accumulate, owner))
 
     def _accumulate(self, owner: _Owner, saved, grad_output: torch.Tensor) -> None:
         if not self._active:  # a second backward through this graph (two-pass clipping) happens outside `capture`
@@ -240,11 +258,11 @@ class PerSampleGradients:
             unflat = lambda t: t.reshape(batch, t.shape[0] // batch, *t.shape[1:])  # noqa: E731
             grad_output, saved = unflat(grad_output), unflat(saved)
         if owner.rule is None:
-            self._active = False  # the replay calls submodules whose hooks must not fire
+            self._replaying = True  # the replay calls submodules whose hooks must not fire
             try:
                 grads = fallback_grads(owner.module, list(owner.params), saved, grad_output)
             finally:
-                self._active = True
+                self._replaying = False
         else:
             wanted = {n: self.projections[p]() for n, p in owner.params.items() if p in self.projections}
             if owner.factored:  # projected on the factors, if at all
@@ -272,6 +290,27 @@ class PerSampleGradients:
             self.sums[p] = weighted_sum_of(g, torch.ones(g.shape[0], device=p.device))
         squares = self._norms(p, g)
         self.squared_norms = squares if self.squared_norms is None else self.squared_norms + squares
+
+
+class _KeepInput(torch.autograd.Function):
+    """The identity on a layer's output that keeps the layer's captured input (or ids) as an autograd saved
+    tensor and hands it, with the output's gradient, to `on_grad` in the backward pass. A saved tensor, unlike a
+    Python reference, is what activation checkpointing drops after the forward and recomputes in the backward
+    (the recompute runs the hooks again, which save it again). The output is returned marked dirty, not as a
+    view, so that later in-place ops on it stay legal; the rules' layers do not save their own outputs, which
+    the version bump of marking would invalidate."""
+
+    @staticmethod
+    def forward(ctx, output, saved, on_grad):
+        ctx.save_for_backward(saved)
+        ctx.on_grad = on_grad
+        ctx.mark_dirty(output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ctx.on_grad(ctx.saved_tensors[0], grad_output)
+        return grad_output, None, None
 
 
 def _tied_sum(a, b):
