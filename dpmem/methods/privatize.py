@@ -124,8 +124,7 @@ class Privatizer:
         return squared_norms(g, self.clipping, self.k, self.noise.generator)
 
     def _two_pass(self, microbatches, loss_fn):
-        with memory_label("gradients"):
-            summed = {p: torch.zeros_like(p) for p in self.params}
+        summed = {}  # the first micro-batch's .grad tensors themselves: no second model-sized buffer
         loss_sum = torch.zeros((), device=self.params[0].device)
         for mb in microbatches:
             check = self._check_coverage
@@ -144,10 +143,11 @@ class Privatizer:
                 self._keep_grads = False
             for p in self.params:  # out of .grad before the next first pass drops it
                 if p.grad is not None:
-                    summed[p] += p.grad
+                    summed[p] = p.grad if p not in summed else summed[p].add_(p.grad)
                     p.grad = None
             loss_sum = loss_sum + losses.detach().sum()
-        return summed, loss_sum
+        with memory_label("gradients"):
+            return {p: summed[p] if p in summed else torch.zeros_like(p) for p in self.params}, loss_sum
 
 
 def add_noise(summed: dict[nn.Parameter, torch.Tensor], noise: Noise) -> dict[nn.Parameter, torch.Tensor]:
