@@ -3,10 +3,14 @@
     python scripts/bench_methods.py                                   # vit-tiny, 8x8 images, B = 8 16 32
     python scripts/bench_methods.py --image-size 32 --batch-sizes 16 32 64 \
         model.arch.hidden_size=256 model.arch.num_hidden_layers=4 model.arch.patch_size=4
+    python scripts/bench_methods.py --model roberta-base --batch-sizes 16 --methods adam dp-adam grape \
+        --activation-checkpointing both model.arch.num_hidden_layers=4   # what checkpointing costs
 
 Trailing key=value arguments are Hydra overrides of the model group. Each (batch size, method) cell builds a
 fresh random-init model, runs one warm-up step (optimiser state exists afterwards), then meters one step for
 memory (the exact live-tensor counter on CPU; max_memory_reserved/allocated on CUDA) and times `--steps` steps.
+`--activation-checkpointing both` runs every method with and without it, and gives each checkpointed cell's
+memory and speed as ratios to the same method without.
 Private methods run with sigma = 1, C = 1. The table lands in outputs/bench/ (and is printed).
 """
 
@@ -22,7 +26,7 @@ from dpmem.cli import CONF_DIR
 from dpmem.data import DataBundle, images, text
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import METHODS, Noise, build_method
-from dpmem.models import build_model
+from dpmem.models import build_model, checkpoint_activations
 from dpmem.report import write_markdown
 
 DEFAULT_METHODS = ["adam", "galore", "mezo", "dp-adam", "galore-dp-naive", "grape", "dpzero"]
@@ -49,11 +53,13 @@ def make_inputs(model_cfg, batch, args, device):
     return DataBundle({}, {}, args.classes, (args.seq_len,), loss, predict), x
 
 
-def bench_cell(model_cfg, method_name, batch, args, device):
+def bench_cell(model_cfg, method_name, batch, args, device, checkpointing=False):
     data, inputs = make_inputs(model_cfg, batch, args, device)
     torch.manual_seed(0)
     with torch.device(device):  # on meta nothing is allocated: memory is planned, not measured
         model = build_model(model_cfg, data).train()
+    if checkpointing:
+        checkpoint_activations(model)
     cfg = method_config(method_name)
     gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(0)
     noise = Noise(1.0, 1.0, float(batch), gen) if METHODS[method_name].private else None
@@ -85,11 +91,14 @@ def ratio(value, base):
     return f"{value / base:.2f}" if value is not None and base else "-"
 
 
+CHECKPOINTED = " + checkpointing"
+
+
 def table(rows, methods, device) -> str:
     mem_name = {"cuda": "peak reserved (MiB)", "meta": "planned peak on meta (MiB)"}.get(device.type,
                                                                                      "peak live tensors (MiB)")
-    lines = [f"| B | method | {mem_name} | ×dp-adam | ×adam | samples/s | ×dp-adam | ×adam |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| B | method | {mem_name} | ×dp-adam | ×adam | samples/s | ×dp-adam | ×adam | memory, speed × "
+             "without checkpointing |", "|---|---|---|---|---|---|---|---|---|"]
     for batch, cells in rows:
         base = {m: cells.get(m) for m in ("dp-adam", "adam")}
         for m in methods:
@@ -97,8 +106,10 @@ def table(rows, methods, device) -> str:
             mem = [ratio(c["peak"], base[b]["peak"]) if base[b] else "-" for b in ("dp-adam", "adam")]
             rate = [ratio(c["rate"], base[b]["rate"]) if base[b] else "-" for b in ("dp-adam", "adam")]
             speed = "-" if c["rate"] is None else f"{c['rate']:.3g}"
+            plain = cells.get(m.removesuffix(CHECKPOINTED)) if m.endswith(CHECKPOINTED) else None
+            own = "-" if plain is None else f"{ratio(c['peak'], plain['peak'])}, {ratio(c['rate'], plain['rate'])}"
             lines.append(f"| {batch} | {m} | {c['peak'] / 2**20:.1f} | {mem[0]} | {mem[1]} | {speed} | "
-                         f"{rate[0]} | {rate[1]} |")
+                         f"{rate[0]} | {rate[1]} | {own} |")
     return "\n".join(lines)
 
 
@@ -113,23 +124,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed steps per cell")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cuda, cpu, or meta (memory only, no weights allocated: for models too big to run here)")
+    ap.add_argument("--activation-checkpointing", choices=["off", "on", "both"], default="off")
     ap.add_argument("--out", default="outputs/bench/methods.md")
     args, overrides = ap.parse_known_args()
     device = torch.device(args.device)
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         model_cfg = compose("config", overrides=[f"model={args.model}", *overrides]).model
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.activation_checkpointing]
+    labels = [(m + CHECKPOINTED if ck else m, m, ck) for ck in modes for m in args.methods]
     rows = []
     for batch in args.batch_sizes:
-        cells = {m: bench_cell(model_cfg, m, batch, args, device) for m in args.methods}
+        cells = {label: bench_cell(model_cfg, m, batch, args, device, ck) for label, m, ck in labels}
         rows.append((batch, cells))
-    params = rows[0][1][args.methods[0]]["params"]
+    params = rows[0][1][labels[0][0]]["params"]
     shape = (f"{args.image_size}x{args.image_size} images" if model_cfg.family == "vit"
              else f"sequence length {args.seq_len}")
     timed = "no timing on meta" if device.type == "meta" else f"{args.steps} steps timed"
     header = (f"Methods on {args.model} ({params / 1e6:.2f}M trainable parameters, {shape}, overrides: "
               f"{' '.join(overrides) or 'none'}), device {device}, one step metered after one warm-up step, "
               f"{timed}.\n\n")
-    text = header + table(rows, args.methods, device) + "\n"
+    text = header + table(rows, [label for label, _, _ in labels], device) + "\n"
     write_markdown(args.out, text)
 
 

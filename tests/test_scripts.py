@@ -22,6 +22,19 @@ def test_bench_methods_writes_a_row_per_method_and_batch(tmp_path):
     assert len(rows) == 2 * len(methods) and {row.split("|")[2].strip() for row in rows} == methods
 
 
+def test_bench_methods_compares_checkpointing_with_the_run_without(tmp_path):
+    out = tmp_path / "methods.md"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_methods.py"), "--batch-sizes", "2",
+                        "--steps", "1", "--methods", "adam", "grape", "--activation-checkpointing", "both",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr
+    rows = {line.split("|")[2].strip(): line.split("|")[-2].strip() for line in out.read_text().splitlines()
+            if line.startswith("| 2 ")}
+    assert set(rows) == {"adam", "grape", "adam + checkpointing", "grape + checkpointing"}
+    assert rows["adam"] == "-" and all(float(x) > 0 for x in rows["grape + checkpointing"].split(", "))
+
+
 def test_rc_sigma_writes_its_three_tables(tmp_path):
     """σ in the tables is calibrate_sigma's, and the ratio column divides by the DP-SGD σ in the heading."""
     from dpmem.privacy import calibrate_sigma
