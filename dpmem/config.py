@@ -67,6 +67,9 @@ class Direction(Enum):
 
 class Clipping(Enum):
     materialize = "materialize"  # one backward pass keeps every parameter's per-sample gradients
+    # one backward pass (book-keeping) keeps linear-like layers' factors (input, output gradient): exact norms
+    # from them, clipped sums (c ⊙ G)ᵀA
+    bk = "bk"
     fgc = "fgc"  # two passes; each layer's per-sample gradient materialised for its norm only, then freed
     ghost = "ghost"  # two passes; norms of linear-like layers from T×T Gram matrices (ghost clipping)
     mixed = "mixed"  # two passes; per layer the cheaper of fgc and ghost (rows·cols vs 2T²)
@@ -192,7 +195,8 @@ class OptimizerConfig(MethodConfig):
 @dataclass
 class DPAdamConfig(OptimizerConfig, Privatised):
     """dp-adam, dp-sgd: the privatised gradient, then the optimiser."""
-    clipping: Clipping = Clipping.materialize  # how per-sample clipping is computed (same result, other cost)
+    # how per-sample clipping is computed (same result, other cost): bk, the fastest within 10% of ghost's memory
+    clipping: Clipping = Clipping.bk
 
 
 @dataclass

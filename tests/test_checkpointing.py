@@ -73,7 +73,7 @@ def test_per_sample_gradients_equal_the_run_without_checkpointing(name):
         torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-12, msg=n)
 
 
-METHODS = [("dp-adam", {}), ("dp-adam", {"clipping": "ghost"}), ("dp-adam", {"clipping": "mixed"}),
+METHODS = [("dp-adam", {}), ("dp-adam", {"clipping": "bk"}), ("dp-adam", {"clipping": "ghost"}), ("dp-adam", {"clipping": "mixed"}),
            ("dp-sgd-rc", {"estimator": "hutchpp", "k": 4}), ("galore-dp-naive", {"rank": 2, "refresh": 1}),
            ("grape", {"rank": 2}), ("grape", {"rank": 2, "project_embeddings": True}), ("adam", {})]
 

@@ -145,7 +145,7 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
-TIED_CASES = [("dp-adam", {}), ("dp-adam", {"clipping": "ghost"}), ("dp-adam", {"clipping": "mixed"}),
+TIED_CASES = [("dp-adam", {}), ("dp-adam", {"clipping": "bk"}), ("dp-adam", {"clipping": "ghost"}), ("dp-adam", {"clipping": "mixed"}),
               ("dp-sgd-rc", {"estimator": "hutch", "k": 4}), ("dp-sgd-rc", {"estimator": "hutchpp", "k": 4}),
               ("galore-dp-naive", {"rank": 4}), ("grape", {"rank": 4}),
               ("grape", {"rank": 4, "project_embeddings": True})]

@@ -48,7 +48,7 @@ class Method:
 
     @classmethod
     def norm_rule(cls, cfg) -> str | None:
-        """How per-sample norms are formed (materialize, fgc, ghost, mixed, hutch, hutchpp), for the summary."""
+        """How per-sample norms are formed (materialize, bk, fgc, ghost, mixed, hutch, hutchpp), for the summary."""
         return None
 
     def __init__(self, model: nn.Module, cfg, lr: float, noise: Noise | None = None, seed: int = 0):

@@ -1,6 +1,7 @@
 """DP-Adam / DP-SGD with flat clipping (DP-GRAPE (arXiv 2506.15588) App. A, Algorithm 3): the privatised gradient G̃ of
 `Privatizer`, then the configured optimiser (Adam, AdamW or SGD) steps on it. `method.clipping` picks one pass with
-per-sample gradients (materialize) or two passes with per-sample norms only (fgc, ghost, mixed)."""
+per-sample gradients (materialize) or with layer factors (bk), or two passes with per-sample norms only (fgc, ghost,
+mixed)."""
 
 from __future__ import annotations
 

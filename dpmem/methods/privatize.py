@@ -7,6 +7,9 @@ Clipped sums accumulate over physical micro-batches; the noise is drawn once per
 
 `clipping` says how Σᵢ min(1, C/‖gᵢ‖)·gᵢ is formed:
 - materialize: one backward pass keeps every parameter's per-sample gradients, then norms and the weighted sum;
+- bk (book-keeping, Bu et al. ICML 2023): one backward pass keeps each linear-like layer's factors (its input A
+  and output gradient G; dense per-sample gradients of the rest), exact norms from them (T×T Gram matrices or
+  the layer's per-sample products, whichever is smaller), then the clipped sum (c ⊙ G)ᵀA per layer;
 - fgc | ghost | mixed | hutch | hutchpp: two passes (Opacus' fast gradient clipping). The first backward keeps
   only per-sample squared norms, one layer at a time (`dpmem.persample.norms` says how each rule gets them);
   the second back-propagates Σᵢ min(1, C/‖gᵢ‖)·Lᵢ through the same graph, so autograd itself sums the clipped
@@ -28,7 +31,8 @@ from dpmem.persample import (PerSampleGradients, clip_factors, per_sample_norms,
 from dpmem.persample.hooks import remove_handles, weakly
 from dpmem.persample.norms import RULES, squared_norms
 
-CLIPPINGS = ("materialize",) + RULES
+CLIPPINGS = ("materialize", "bk") + RULES
+ONE_PASS = ("materialize", "bk")
 
 
 class Privatizer:
@@ -79,8 +83,8 @@ class Privatizer:
         """The privatised gradient (of shape `shapes[p]` per parameter) and the summed per-sample loss."""
         self._stepping = True
         try:
-            if self.clipping == "materialize":
-                summed, loss_sum = self._materialized(microbatches, loss_fn, shapes, coverage_transform)
+            if self.clipping in ONE_PASS:
+                summed, loss_sum = self._one_pass(microbatches, loss_fn, shapes, coverage_transform)
             else:
                 summed, loss_sum = self._two_pass(microbatches, loss_fn)
         finally:
@@ -98,14 +102,14 @@ class Privatizer:
             self.canaries.record(summed)
         return summed, loss_sum
 
-    def _materialized(self, microbatches, loss_fn, shapes, coverage_transform):
-        with memory_label("gradients"):
-            summed = {p: torch.zeros(shapes[p], device=p.device, dtype=p.dtype) for p in self.params}
+    def _one_pass(self, microbatches, loss_fn, shapes, coverage_transform):
+        summed = {}  # made by the first micro-batch's clipped sums, after its backward pass: not beside it
         loss_sum = torch.zeros((), device=self.params[0].device)
+        bk = self.clipping == "bk"
         for mb in microbatches:
             # autograd's batch gradient is needed only by the coverage check: otherwise the hooks' per-sample
             # gradients are all there is, and the backward skips the weights' batch products
-            with self.persample.capture(batch_size(mb), batch_gradients=self._check_coverage):
+            with self.persample.capture(batch_size(mb), batch_gradients=self._check_coverage, factored=bk):
                 losses = loss_fn(self.model, mb)
                 losses.sum().backward()
             grads = self.persample.grads
@@ -113,12 +117,17 @@ class Privatizer:
                 self._check_coverage = False
                 ones = torch.ones(batch_size(mb), device=self.params[0].device)
                 verify_coverage(self.model, self.params, weighted_sum(grads, ones), coverage_transform)
-            factors = clip_factors(per_sample_norms(grads), self.noise.max_grad_norm)
+            norms = per_sample_norms(grads, "mixed" if bk else "ghost")  # exact; mixed: the cheaper per layer
+            factors = clip_factors(norms, self.noise.max_grad_norm)
             for p, g in grads.items():  # one parameter at a time: no second model-sized temporary
-                summed[p] += weighted_sum_of(g, factors)
+                with memory_label("gradients"):
+                    clipped = weighted_sum_of(g, factors)
+                summed[p] = clipped if p not in summed else summed[p].add_(clipped)
             self.persample.clear()
             loss_sum = loss_sum + losses.detach().sum()
-        return summed, loss_sum
+        with memory_label("gradients"):
+            return {p: summed[p] if p in summed else torch.zeros(shapes[p], device=p.device, dtype=p.dtype)
+                    for p in self.params}, loss_sum
 
     def _squared_norms(self, p: nn.Parameter, g) -> torch.Tensor:
         return squared_norms(g, self.clipping, self.k, self.noise.generator)

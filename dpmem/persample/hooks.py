@@ -18,7 +18,7 @@ from dpmem.persample import rules  # noqa: F401  (registers the layer rules)
 from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads
 from dpmem.persample.registry import Projection, Rule, rule_for
 from dpmem.persample.factored import Factored
-from dpmem.persample.norms import exact_squared_norms
+from dpmem.persample.norms import squared_norms
 
 # Per-sample gradients mix samples through batch statistics in these layers: there is no per-sample gradient.
 REFUSED = (nn.modules.batchnorm._BatchNorm, nn.RNNBase, nn.MultiheadAttention)
@@ -75,6 +75,7 @@ class PerSampleGradients:
         self._active = False
         self._norms: Callable[[nn.Parameter, Any], torch.Tensor] | None = None
         self._keep_sums = False
+        self._factored = False
         self._uses: dict[nn.Parameter, int] = {}  # forward uses of each parameter in this capture
         self._skipping = False  # inside a capture without batch gradients
         self._graph = False  # the last forward pass was inside a capture (see `_acting`)
@@ -146,9 +147,10 @@ class PerSampleGradients:
 
     @contextlib.contextmanager
     def capture(self, batch_size: int, norms: Callable[[nn.Parameter, Any], torch.Tensor] | None = None,
-                keep_sums: bool = False, batch_gradients: bool = True):
+                keep_sums: bool = False, batch_gradients: bool = True, factored: bool = False):
         """Hooks are live inside; `batch_size` is the number of samples in the forward pass. With `norms`, keep
-        only squared norms (and, with `keep_sums`, Σᵢ gᵢ per parameter for the coverage check).
+        only squared norms (and, with `keep_sums`, Σᵢ gᵢ per parameter for the coverage check). With `factored`,
+        `grads` keeps every linear-like layer's gradient `Factored` (book-keeping clipping) instead of dense.
 
         `batch_gradients=False`: the forward inside runs with the parameters of float-input layer rules (linear,
         conv, LayerNorm) not requiring grad, so the backward does not form autograd's batch gradient of those
@@ -156,7 +158,7 @@ class PerSampleGradients:
         from the hooks as before. A layer whose input then requires no grad gets a grad-requiring view of it, so
         that its output gradient still reaches the hook."""
         self._active, self._batch = True, batch_size
-        self._norms, self._keep_sums = norms, keep_sums
+        self._norms, self._keep_sums, self._factored = norms, keep_sums, factored
         self._uses, self._arrived, self.squared_norms, self.sums = {}, {}, None, {}
         skipped = [] if batch_gradients else self._without_batch_gradients()
         try:
@@ -270,7 +272,7 @@ class PerSampleGradients:
                 grads = {n: g.project(wanted[n]) if n in wanted else g for n, g in grads.items()}
             elif wanted:  # each projector exists only while its layer's gradients are projected
                 grads = owner.rule.project(owner.module, saved, grad_output, wanted)
-            elif self._norms is not None and owner.rule.factors is not None:
+            elif (self._norms is not None or self._factored) and owner.rule.factors is not None:
                 grads = owner.rule.factors(owner.module, saved, grad_output)
             else:
                 grads = owner.rule.compute(owner.module, saved, grad_output)
@@ -324,11 +326,10 @@ def _tied_sum(a, b):
     return other.add_to_(dense) if isinstance(other, Factored) else dense.add_(other)
 
 
-def per_sample_norms(grads: dict[nn.Parameter, torch.Tensor | Factored]) -> torch.Tensor:
-    """Flat per-sample L2 norms over all parameters: sqrt(Σ_p ‖g_p,i‖²), shape (B,)."""
-    squares = [g.squared_norms() if isinstance(g, Factored)
-               else exact_squared_norms(g) for g in grads.values()]
-    return torch.stack(squares).sum(0).sqrt()
+def per_sample_norms(grads: dict[nn.Parameter, torch.Tensor | Factored], rule: str = "ghost") -> torch.Tensor:
+    """Flat per-sample L2 norms over all parameters: sqrt(Σ_p ‖g_p,i‖²), shape (B,); factored gradients by an
+    exact `rule` of `dpmem.persample.norms` (ghost, fgc or mixed)."""
+    return torch.stack([squared_norms(g, rule) for g in grads.values()]).sum(0).sqrt()
 
 
 def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -1,0 +1,53 @@
+"""Book-keeping clipping (method.clipping=bk): one backward pass, exact norms from each linear-like layer's factors,
+clipped sums (c ⊙ G)ᵀA; checked against the one-pass per-sample step and for the tensors it never makes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpmem.methods import DPAdam, GaLoreDPNaive, Noise, method_config
+from dpmem.persample import PerSampleGradients
+from dpmem.persample.factored import Factored
+from test_sparse_embedding import LargestTensor
+from test_two_pass_clipping import B, Layers, batch, layers_case, loss_fn, method_cfg, roberta_case, run_steps, vit_case
+
+
+@pytest.mark.parametrize("make", [layers_case, roberta_case, vit_case], ids=["layers", "roberta", "vit"])
+def test_a_bk_step_equals_a_materialize_step_given_the_same_noise(make):
+    want = run_steps(make, DPAdam, method_cfg())
+    assert not torch.equal(want, run_steps(make, DPAdam, method_cfg(), steps=1))  # the steps do move the model
+    torch.testing.assert_close(run_steps(make, DPAdam, method_cfg(clipping="bk")), want, rtol=1e-9, atol=1e-10)
+
+
+def test_galore_dp_naive_takes_bk():
+    want = run_steps(layers_case, GaLoreDPNaive, method_cfg("galore-dp-naive"))
+    torch.testing.assert_close(run_steps(layers_case, GaLoreDPNaive, method_cfg("galore-dp-naive", clipping="bk")),
+                               want, rtol=1e-9, atol=1e-10)
+
+
+def test_a_factored_capture_keeps_linear_like_layers_factored_and_the_rest_dense():
+    model, b = Layers().double(), batch()
+    with PerSampleGradients(model) as psg:
+        with psg.capture(B, factored=True):
+            loss_fn(model, b).sum().backward()
+        for m in (model.emb, model.conv, model.flat, model.tokens, model.gpt):
+            assert isinstance(psg.grads[m.weight], Factored), m
+        assert all(isinstance(psg.grads[m.bias], torch.Tensor) for m in (model.conv, model.flat, model.gpt))
+
+
+@pytest.mark.parametrize("clipping", ["materialize", "bk"])
+def test_bk_never_makes_a_per_sample_weight_gradient_of_a_wide_layer(clipping):
+    """A 64×64 layer over 4 tokens: ghost norms (2·4² < 64·64) and the clipped sum as one 64×64 product, so nothing
+    of B·64·64 elements exists; materialize makes exactly that (the oracle that the test can tell them apart)."""
+    torch.manual_seed(0)
+    batch_size, width = 8, 64
+    model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 3))
+    cfg = method_config("dp-sgd", max_grad_norm=1.0, check_coverage=False, clipping=clipping)
+    method = DPAdam(model, cfg, 0.1, Noise(1.0, 1.0, float(batch_size), torch.Generator().manual_seed(0)))
+    b = {"x": torch.randn(batch_size, 4, width), "y": torch.randint(0, 3, (batch_size,))}
+    loss = lambda m, x: F.cross_entropy(m(x["x"]).mean(1), x["y"], reduction="none")  # noqa: E731
+    with LargestTensor() as largest:
+        method.step([b], loss)
+    made = largest.numel >= batch_size * width * width
+    assert made == (clipping == "materialize"), largest.numel
