@@ -35,6 +35,19 @@ def test_bench_methods_compares_checkpointing_with_the_run_without(tmp_path):
     assert rows["adam"] == "-" and all(float(x) > 0 for x in rows["grape + checkpointing"].split(", "))
 
 
+def test_bench_peers_writes_a_row_per_contestant(tmp_path):
+    out = tmp_path / "peers.md"
+    chosen = ["torch AdamW (non-private)", "Opacus hooks", "Opacus ghost clipping", "dpmem dp-adam (bk)"]
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "--batch-sizes", "2",
+                        "--seq-len", "8", "--steps", "1", "--contestants", *chosen, "--out", str(out),
+                        "model.arch.num_hidden_layers=1"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr
+    rows = {line.split("|")[2].strip(): line.split("|")[4].strip() for line in out.read_text().splitlines()
+            if line.startswith("| 2 ")}
+    assert list(rows) == chosen and rows["torch AdamW (non-private)"] == "1.00"
+
+
 def test_rc_sigma_writes_its_three_tables(tmp_path):
     """σ in the tables is calibrate_sigma's, and the ratio column divides by the DP-SGD σ in the heading."""
     from dpmem.privacy import calibrate_sigma
