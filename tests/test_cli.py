@@ -23,7 +23,7 @@ def dpmem(*args, cwd):
 
 
 @pytest.mark.parametrize("override,key,allowed", [
-    ("method=nope", "method", "adam, dp-adam, dp-sgd"),
+    ("method=nope", "method", "adam, dp-adam, dp-adam-materialize, dp-sgd"),
     ("privacy=eps3", "privacy", "eps1, eps2"),
     ("privacy.epsilon=0", "privacy.epsilon", "> 0"),
     ("privacy.epsilon=-1", "privacy.epsilon", "> 0"),
@@ -69,7 +69,7 @@ def test_the_console_entry_point_exits_2_with_one_line_for_bad_input(tmp_path):
     r = dpmem("train", "method=nope", *TINY, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "method" in lines[0] and "adam, dp-adam, dp-sgd" in lines[0], r.stderr
+    assert len(lines) == 1 and "method" in lines[0] and "adam, dp-adam, dp-adam-materialize, dp-sgd" in lines[0], r.stderr
 
 
 def test_missing_data_file_names_the_key(cli):
