@@ -27,6 +27,7 @@ from dpmem.cli import CONF_DIR
 from dpmem.data import build_data
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import Noise, build_method, method_config
+from dpmem.methods.base import optimizer_state
 from dpmem.models import build_model
 from dpmem.report import write_markdown
 
@@ -46,10 +47,6 @@ class Contestant:
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.state()
-
-
-def optimizer_state(opt) -> list[torch.Tensor]:
-    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
 def build(cfg, data, frozen: tuple[str, ...], state: dict) -> torch.nn.Module:
@@ -73,32 +70,35 @@ def per_sample_loss(model, batch):
     return F.cross_entropy(logits_of(model, batch), batch["labels"], reduction="none")
 
 
-def adamw(model, batch) -> Contestant:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+def trainable(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
 
+
+def backward_and_step(loss: Callable[[], torch.Tensor], opt) -> Callable[[], torch.Tensor]:
+    """A step of a peer whose optimiser does the private part (Opacus) or none (AdamW)."""
     def step():
-        loss = per_sample_loss(model, batch).sum()
-        loss.backward()
+        value = loss()
+        value.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
-    return Contestant(model, step, lambda: optimizer_state(opt))
+        return value.detach()
+    return step
+
+
+def adamw(model, batch) -> Contestant:
+    opt = torch.optim.AdamW(trainable(model), lr=LR)
+    return Contestant(model, backward_and_step(lambda: per_sample_loss(model, batch).sum(), opt),
+                      lambda: optimizer_state(opt))
 
 
 def opacus_hooks(model, batch, size: int) -> Contestant:
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
     gsm = GradSampleModule(model, loss_reduction="sum")
-    opt = DPOptimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR),
+    opt = DPOptimizer(torch.optim.AdamW(trainable(model), lr=LR),
                       noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=size, loss_reduction="sum")
-
-    def step():
-        loss = per_sample_loss(gsm, batch).sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-    return Contestant(model, step, lambda: optimizer_state(opt.original_optimizer))
+    return Contestant(model, backward_and_step(lambda: per_sample_loss(gsm, batch).sum(), opt),
+                      lambda: optimizer_state(opt.original_optimizer))
 
 
 def opacus_ghost(model, batch, size: int) -> Contestant:
@@ -107,19 +107,13 @@ def opacus_ghost(model, batch, size: int) -> Contestant:
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
     gsm = GradSampleModuleFastGradientClipping(model, loss_reduction="sum", max_grad_norm=1.0,
                                                use_ghost_clipping=True)
-    opt = DPOptimizerFastGradientClipping(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+    opt = DPOptimizerFastGradientClipping(torch.optim.AdamW(trainable(model),
                                                             lr=LR),
                                           noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=size,
                                           loss_reduction="sum")
     criterion = DPLossFastGradientClipping(gsm, opt, torch.nn.CrossEntropyLoss(reduction="sum"), "sum")
-
-    def step():
-        loss = criterion(logits_of(gsm, batch), batch["labels"])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-    return Contestant(model, step, lambda: optimizer_state(opt.original_optimizer))
+    return Contestant(model, backward_and_step(lambda: criterion(logits_of(gsm, batch), batch["labels"]), opt),
+                      lambda: optimizer_state(opt.original_optimizer))
 
 
 def dpmem_method(model, batch, size: int, name: str, options: dict) -> Contestant:

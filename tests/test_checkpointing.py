@@ -3,7 +3,6 @@ per-sample gradients, clipped steps and plans must come out as without it, with 
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
 from dpmem.cli import CONF_DIR
@@ -12,19 +11,7 @@ from dpmem.methods import Noise, build_method, method_config
 from dpmem.models import checkpoint_activations
 from dpmem.persample import PerSampleGradients
 from dpmem.persample.factored import Factored
-from tiny_models import tiny_opt, tiny_roberta, tiny_vit
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
-    ids = torch.tensor([[3, 5, 6, 7, 8, 9], [4, 9, 10, 11, 12, 13], [5, 11, 2, 14, 15, 16]])
-
-    def loss(m, b):
-        logits = m(input_ids=b["input_ids"]).logits[:, :-1]
-        return F.cross_entropy(logits.transpose(1, 2), b["input_ids"][:, 1:], reduction="none").sum(1)
-    return model, loss, {"input_ids": ids}
+from tiny_models import tiny_llama, tiny_opt, tiny_roberta, tiny_vit
 
 
 MODELS = {"roberta-mlm": tiny_roberta, "opt": tiny_opt, "llama": tiny_llama, "vit": lambda: tiny_vit("eager")}

@@ -50,3 +50,16 @@ def tiny_opt():
         target = b["input_ids"][:, 1:].masked_fill(b["attention_mask"][:, 1:] == 0, -100)
         return F.cross_entropy(logits.transpose(1, 2), target, reduction="none", ignore_index=-100).sum(1)
     return model, loss, {"input_ids": ids, "attention_mask": mask}
+
+
+def tiny_llama():
+    """A causal Llama with a tied head and grouped-query attention (2 key/value heads for 4 query heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    ids = torch.tensor([[3, 5, 6, 7, 8, 9], [4, 9, 10, 11, 12, 13], [5, 11, 2, 14, 15, 16]])
+
+    def loss(m, b):
+        logits = m(input_ids=b["input_ids"]).logits[:, :-1]
+        return F.cross_entropy(logits.transpose(1, 2), b["input_ids"][:, 1:], reduction="none").sum(1)
+    return model, loss, {"input_ids": ids}

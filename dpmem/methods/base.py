@@ -32,6 +32,11 @@ def make_optimizer(params: Sequence[nn.Parameter], cfg, lr: float) -> torch.opti
     return cls(params, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
+def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors a torch optimiser keeps between steps (moments, step counts)."""
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
 def batch_size(batch: Batch) -> int:
     return len(next(iter(batch.values())))
 
@@ -62,9 +67,7 @@ class Method:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Tensors the method keeps between steps (optimiser state), for the memory meter."""
-        if self.optimizer is None:
-            return []
-        return [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        return [] if self.optimizer is None else optimizer_state(self.optimizer)
 
     def state_dict(self) -> dict:
         """What a checkpoint needs besides the weights: optimiser state and the noise generator's state (so a

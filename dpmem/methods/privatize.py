@@ -103,7 +103,7 @@ class Privatizer:
         return summed, loss_sum
 
     def _one_pass(self, microbatches, loss_fn, shapes, coverage_transform):
-        summed = {}  # made by the first micro-batch's clipped sums, after its backward pass: not beside it
+        summed = {}  # made by the first micro-batch's clipped sums, after its backward pass (`_accumulate`)
         loss_sum = torch.zeros((), device=self.params[0].device)
         bk = self.clipping == "bk"
         for mb in microbatches:
@@ -121,19 +121,16 @@ class Privatizer:
             factors = clip_factors(norms, self.noise.max_grad_norm)
             for p, g in grads.items():  # one parameter at a time: no second model-sized temporary
                 with memory_label("gradients"):
-                    clipped = weighted_sum_of(g, factors)
-                summed[p] = clipped if p not in summed else summed[p].add_(clipped)
+                    _accumulate(summed, p, weighted_sum_of(g, factors))
             self.persample.clear()
             loss_sum = loss_sum + losses.detach().sum()
-        with memory_label("gradients"):
-            return {p: summed[p] if p in summed else torch.zeros(shapes[p], device=p.device, dtype=p.dtype)
-                    for p in self.params}, loss_sum
+        return self._completed(summed, shapes), loss_sum
 
     def _squared_norms(self, p: nn.Parameter, g) -> torch.Tensor:
         return squared_norms(g, self.clipping, self.k, self.noise.generator)
 
     def _two_pass(self, microbatches, loss_fn):
-        summed = {}  # the first micro-batch's .grad tensors themselves: no second model-sized buffer
+        summed = {}  # the first micro-batch's .grad tensors themselves (`_accumulate`)
         loss_sum = torch.zeros((), device=self.params[0].device)
         for mb in microbatches:
             check = self._check_coverage
@@ -152,11 +149,22 @@ class Privatizer:
                 self._keep_grads = False
             for p in self.params:  # out of .grad before the next first pass drops it
                 if p.grad is not None:
-                    summed[p] = p.grad if p not in summed else summed[p].add_(p.grad)
+                    _accumulate(summed, p, p.grad)
                     p.grad = None
             loss_sum = loss_sum + losses.detach().sum()
+        return self._completed(summed, {p: p.shape for p in self.params}), loss_sum
+
+    def _completed(self, summed, shapes) -> dict[nn.Parameter, torch.Tensor]:
+        """Every parameter's clipped sum: zeros for one that no micro-batch reached."""
         with memory_label("gradients"):
-            return {p: summed[p] if p in summed else torch.zeros_like(p) for p in self.params}, loss_sum
+            return {p: summed[p] if p in summed else torch.zeros(shapes[p], device=p.device, dtype=p.dtype)
+                    for p in self.params}
+
+
+def _accumulate(summed: dict, p: nn.Parameter, part: torch.Tensor) -> None:
+    """The first micro-batch's part becomes the sum itself (no zeroed model-sized buffer beside it); later ones
+    are added in place."""
+    summed[p] = part if p not in summed else summed[p].add_(part)
 
 
 def add_noise(summed: dict[nn.Parameter, torch.Tensor], noise: Noise) -> dict[nn.Parameter, torch.Tensor]:

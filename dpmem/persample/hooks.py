@@ -32,7 +32,8 @@ class _Owner:
     params: dict[str, nn.Parameter]  # attribute name -> parameter (trainable, direct, owned here)
     rule: Rule | None  # None = generic fallback
     scopes: list = field(default_factory=list)  # a rule's forward scopes, entered by the pre-hook
-    factored: bool = False  # owns a weight shared with another module: its gradients stay `Factored`
+    tied: bool = False  # owns a weight shared with another module: its gradients stay `Factored`
+    on_grad: Callable | None = None  # (saved, output gradient) -> per-sample gradients, made once per owner
 
 
 def weakly(method: Callable) -> Callable:
@@ -120,7 +121,7 @@ class PerSampleGradients:
             if len(owners) > 1 and all(o.rule is not None and o.rule.factors is not None
                                        and o.rule.factorable(o.module) for o in owners):
                 for o in owners:
-                    o.factored = True
+                    o.tied = True
         # what capture(batch_gradients=False) turns off: an embedding's weight (also tied to a head) keeps
         # requires_grad, since its ids cannot carry a gradient to its hook; so do the fallback's
         keep = {p for o in self._owners if o.rule is None or isinstance(o.module, nn.Embedding)
@@ -130,6 +131,7 @@ class PerSampleGradients:
         self._handles: list = []
         self._close = weakref.finalize(self, remove_handles, self._handles)
         for owner in self._owners:
+            owner.on_grad = functools.partial(weakly(self._accumulate), owner)
             self._handles.append(owner.module.register_forward_pre_hook(
                 functools.partial(weakly(self._pre_hook), owner), with_kwargs=True))
             self._handles.append(owner.module.register_forward_hook(
@@ -200,7 +202,7 @@ class PerSampleGradients:
         (it runs inside a backward pass) of one that was, which must save what that forward saved."""
         if self._replaying:  # the fallback's replay of a module
             return False
-        if torch._C._current_graph_task_id() == -1:  # a forward pass proper, not a recompute
+        if not _in_backward():  # a forward pass proper, not a recompute
             self._graph = self._active
         return self._graph
 
@@ -230,19 +232,18 @@ class PerSampleGradients:
                              f"{', '.join(owner.params)}; add a rule or freeze them")
         if not output.requires_grad:
             return None
-        recompute = torch._C._current_graph_task_id() != -1
+        recompute = _in_backward()
         if self._active and not recompute:
             for p in owner.params.values():
                 self._uses[p] = self._uses.get(p, 0) + 1
-        accumulate = weakly(self._accumulate)
         if rule is None:  # replayed, not recomputed: its call is kept by reference from the forward proper
             if not recompute:
                 check_deterministic(owner.name, mod)
                 saved = capture_call(mod, args, kwargs, output, None)
-                output.register_hook(lambda g: accumulate(owner, saved, g))
+                output.register_hook(lambda g: owner.on_grad(saved, g))
             return None
         saved = rule.capture(mod, args, kwargs, output, scope)
-        return _KeepInput.apply(output, saved, functools.partial(accumulate, owner))
+        return _KeepInput.apply(output, saved, owner.on_grad)
 
     def _accumulate(self, owner: _Owner, saved, grad_output: torch.Tensor) -> None:
         if not self._active:  # a second backward through this graph (two-pass clipping) happens outside `capture`
@@ -267,7 +268,7 @@ class PerSampleGradients:
                 self._replaying = False
         else:
             wanted = {n: self.projections[p]() for n, p in owner.params.items() if p in self.projections}
-            if owner.factored:  # projected on the factors, if at all
+            if owner.tied:  # kept factored; projected on the factors, if at all
                 grads = owner.rule.factors(owner.module, saved, grad_output)
                 grads = {n: g.project(wanted[n]) if n in wanted else g for n, g in grads.items()}
             elif wanted:  # each projector exists only while its layer's gradients are projected
@@ -292,6 +293,11 @@ class PerSampleGradients:
             self.sums[p] = weighted_sum_of(g, torch.ones(g.shape[0], device=p.device))
         squares = self._norms(p, g)
         self.squared_norms = squares if self.squared_norms is None else self.squared_norms + squares
+
+
+def _in_backward() -> bool:
+    """Inside autograd's backward pass: a forward running there is activation checkpointing's recompute."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class _KeepInput(torch.autograd.Function):
