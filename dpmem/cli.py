@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import json
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import hydra
@@ -23,7 +24,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from dpmem.config import ConfigError, MethodConfig, register_configs, validate
+from dpmem import distributed
+from dpmem.config import ConfigError, MethodConfig, enum_value, register_configs, validate
+from dpmem.engine.placement import cuda_device_count, place_job
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")  # inside the package: works from any install
 USAGE = """usage: dpmem train [-m] [key=value ...]
@@ -36,6 +39,7 @@ USAGE = """usage: dpmem train [-m] [key=value ...]
   dpmem train method=adam privacy=none             a non-private baseline
   dpmem train -m method=adam,dp-adam privacy=eps2,eps8   a sweep (one run folder each)
   dpmem train --help                               every config group and option
+  torchrun --nproc_per_node=2 -m dpmem train ...   one run data-parallel over 2 processes (GPUs)
   dpmem memory model=opt-6.7b data=synthetic method=dp-adam,grape train.batch_size=1,2,4
                                                    plan peak memory on the meta device (no weights)
   dpmem memory model=vit-base data=synthetic method=dp-adam,grape memory.budget=24GB
@@ -50,14 +54,29 @@ USAGE = """usage: dpmem train [-m] [key=value ...]
 MAX_PREFLIGHT = 256  # sweep points composed before launch; larger grids are checked per job
 
 register_configs()
+OmegaConf.register_new_resolver("dpmem.cuda_device_count", cuda_device_count, replace=True)  # hydra/launcher=local
 _failed: list[str] = []
+_launched_at: str | None = None
+
+
+def _launch_time(pattern: str) -> str:
+    """`${launch_time:%H-%M-%S}` in run folder names: the time `dpmem train` started, on rank 0 (torchrun's ranks
+    start at slightly different times, and must name one folder)."""
+    global _launched_at
+    if _launched_at is None:
+        _launched_at = distributed.from_main(datetime.now().isoformat())
+    return datetime.fromisoformat(_launched_at).strftime(pattern)
+
+
+OmegaConf.register_new_resolver("launch_time", _launch_time, use_cache=True, replace=True)
 
 
 def _groups() -> dict[str, list[str]]:
     conf = Path(CONF_DIR)
-    # options in sub-folders are named by their path: experiment=spectrum/layer-vit-digits
+    # options in sub-folders are named by their path: experiment=spectrum/layer-vit-digits; conf/hydra holds
+    # Hydra's own groups (hydra/launcher=slurm), which Hydra checks
     return {d.name: sorted(f.relative_to(d).with_suffix("").as_posix() for f in d.rglob("*.yaml"))
-            for d in conf.iterdir() if d.is_dir()}
+            for d in conf.iterdir() if d.is_dir() and d.name != "hydra"}
 
 
 def _error(message: str) -> "SystemExit":
@@ -140,15 +159,18 @@ def _key_message(e: OmegaConfBaseException) -> str:
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
 def _train(cfg: DictConfig) -> None:
-    from dpmem.engine.trainer import run_training
+    from dpmem.engine.trainer import Terminated, run_training
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
     prior = run_dir / "summary.json"
-    if cfg.train.skip_done and prior.exists() and json.loads(prior.read_text()).get("status") == "ok":
+    done = cfg.train.skip_done and prior.exists() and json.loads(prior.read_text()).get("status") == "ok"
+    if distributed.from_main(done):  # every rank skips, or none
         print(f"dpmem: {run_dir} is done (status ok), skipped (train.skip_done)", file=sys.stderr)
         return
+    if multirun:  # a launcher that runs jobs side by side on one machine: one GPU each, not all on GPU 0
+        place_job(hc.launcher._target_, hc.job.num, enum_value(cfg.train.device))
     try:
         validate(cfg)
         summary = run_training(cfg, run_dir)
@@ -158,6 +180,8 @@ def _train(cfg: DictConfig) -> None:
         raise _error(str(e)) from None
     except KeyboardInterrupt:
         raise SystemExit(130) from None
+    except Terminated:
+        raise SystemExit(143) from None  # 128 + SIGTERM, as if the signal had ended the process
     except Exception as e:
         if not multirun or cfg.debug:
             raise
@@ -175,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE, end="")
         return
     verb, rest = argv[0], argv[1:]
+    if verb not in ("train", "report") and distributed.launched():
+        raise _error(f"dpmem {verb} runs in one process; only dpmem train runs under torchrun")
     if verb == "memory":
         return _memory(rest)
     if verb == "spectrum":
@@ -185,11 +211,21 @@ def main(argv: list[str] | None = None) -> None:
         return _audit(rest)
     if verb != "train":
         raise _error(f"unknown command {verb!r}; allowed: train, memory, spectrum, audit, report")
+    distributed.init_from_env()
+    try:
+        _train_main(rest)
+    finally:
+        distributed.close()
+
+
+def _train_main(rest: list[str]) -> None:
     if not any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith("--cfg") or a == "-c"
                for a in rest):
         with _one_line_errors(_is_debug(rest)):
             preflight(rest)
-    sys.argv = [f"{Path(sys.argv[0]).name} {verb}"] + rest
+    if not distributed.is_main():  # rank 0 alone writes the run folder: Hydra's .hydra/ and log file included
+        rest = rest + ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    sys.argv = [f"{Path(sys.argv[0]).name} train"] + rest
     _train()
     if _failed:
         raise _error(f"{len(_failed)} run(s) did not finish ok: {', '.join(_failed)}")
@@ -221,7 +257,6 @@ def _one_line_errors(debug: bool):
 
 def _memory(argv: list[str]) -> None:
     """`dpmem memory`: plan every point of the sweep (comma lists, with or without -m) into one folder."""
-    from datetime import datetime
 
     from dpmem.engine.planner import largest_batch, parse_bytes, plan
     from dpmem.report import memory as report
@@ -261,7 +296,6 @@ def _labels(points: list[tuple[str, ...]], cfgs, skip: str | None = None) -> lis
 
 def _audit(argv: list[str]) -> None:
     """`dpmem audit`: each sweep point trained with canaries into its own folder, and one table of the bounds."""
-    from datetime import datetime
 
     from dpmem.audit import run_audit, table
     from dpmem.report.labels import file_name
@@ -293,7 +327,6 @@ def _audit(argv: list[str]) -> None:
 
 def _spectrum(argv: list[str]) -> None:
     """`dpmem spectrum`: one configuration (the C and sigma lists are swept inside), into one folder."""
-    from datetime import datetime
 
     from dpmem.spectrum import run_spectrum
 

@@ -155,24 +155,28 @@ def test_a_bad_point_in_a_sweep_is_caught_before_launch(cli, tmp_path):
     assert not (tmp_path / "sweep").exists()
 
 
-def test_ctrl_c_leaves_a_readable_summary(tmp_path):
+@pytest.mark.parametrize("sig,code,status", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "failed")])
+def test_a_signal_leaves_a_readable_summary(tmp_path, sig, code, status):
+    """Ctrl-C interrupts; SIGTERM (scancel, torchrun stopping the ranks) fails the run and stops a sweep."""
     import signal
     import time
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    proc = subprocess.Popen([sys.executable, "-m", "dpmem.cli", "train", "train.steps=100000", "logging.every=1",
-                             "logging.progress=false", "hydra.run.dir=run"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "run" / "metrics.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "dpmem.cli", "train", "-m", "train.steps=100000", "train.seed=0,1",
+                             "logging.every=1", "logging.progress=false", "hydra.sweep.dir=sweep",
+                             "hydra.sweep.subdir=${hydra.job.num}"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "sweep" / "0" / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, sig))
     try:
         out, err = proc.communicate(timeout=60)
     finally:
-        proc.kill()  # no orphan left training if the interrupt was lost
-    assert proc.returncode == 130, err
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["status"] == "interrupted" and summary["steps_done"] >= 2
+        proc.kill()  # no orphan left training if the signal was lost
+    assert proc.returncode == code, err
+    summary = json.loads((metrics.parent / "summary.json").read_text())
+    assert summary["status"] == status and summary["steps_done"] >= 2
     assert 0 < summary["epsilon_spent"] < 8  # what the steps done actually spent
-    assert "interrupted" in out
+    assert status in out
+    assert not (tmp_path / "sweep" / "1").exists()  # the sweep stopped

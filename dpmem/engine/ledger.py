@@ -11,6 +11,7 @@ import sys
 import torch
 from torch import nn
 
+from dpmem import distributed
 from dpmem.config import ConfigError, enum_value, resolve_accountant, resolve_delta
 from dpmem.methods import Noise
 from dpmem.methods.rc import max_layer_dimension, rc_dimension
@@ -42,11 +43,17 @@ class PrivacyLedger:
             # max over layers of min(p, d), for comparison
             rc = {"k": m.k, "d": d, "d_max_layer": d_max_layer, "estimator": enum_value(m.estimator)}
         self.sigma = 0.0
-        if self.accounted:
-            try:
-                self.sigma = calibrate_sigma(p.epsilon, self.delta, self.sample_rate, steps, **self.accountant)
-            except UnreachableTarget as e:
-                raise ConfigError("privacy.epsilon", str(e)) from None
+        if self.accounted:  # under torchrun rank 0 calibrates, and every rank takes its σ (or its error)
+            sigma = None
+            if distributed.is_main():
+                try:
+                    sigma = calibrate_sigma(p.epsilon, self.delta, self.sample_rate, steps, **self.accountant)
+                except UnreachableTarget as e:
+                    sigma = str(e)
+            sigma = distributed.from_main(sigma)
+            if isinstance(sigma, str):
+                raise ConfigError("privacy.epsilon", sigma)
+            self.sigma = sigma
         self.leak: str | None = None  # why a private run is not private after all (a subspace from its own data)
         self.fields = {
             "private": self.private, "epsilon_target": p.epsilon if self.accounted else None,
@@ -61,11 +68,12 @@ class PrivacyLedger:
         }
 
     def noise(self, max_grad_norm: float, seed: int | None, device: torch.device) -> Noise:
-        """The Gaussian mechanism of a private method; its generator seeded from the OS unless `seed` is given."""
+        """The Gaussian mechanism of a private method; its generator seeded from the OS unless `seed` is given.
+        Under torchrun every rank gets rank 0's seed: each adds the same draw to the same all-reduced sum."""
         gen = None
         if device.type != "meta":
             gen = torch.Generator(device=device)
-            gen.manual_seed(seed if seed is not None else secrets.randbits(63))
+            gen.manual_seed(distributed.from_main(seed if seed is not None else secrets.randbits(63)))
         return Noise(self.sigma, max_grad_norm, expected_batch_size=self.expected_batch_size, generator=gen)
 
     def mark_leak(self, why: str) -> None:
@@ -73,7 +81,10 @@ class PrivacyLedger:
         self.fields.update(private=False, epsilon_spent=math.inf)
 
     def epsilon(self, steps: int) -> float:
-        """ε spent after `steps` steps: math.inf when nothing is accounted or the run leaks."""
+        """ε spent after `steps` steps: math.inf when nothing is accounted or the run leaks; NaN on torchrun's ranks
+        other than 0, which write no summary."""
         if not self.accounted or self.leak is not None:
             return math.inf
+        if not distributed.is_main():
+            return math.nan
         return epsilon_spent(self.sigma, self.delta, self.sample_rate, steps, **self.accountant)

@@ -17,10 +17,11 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from dpmem import distributed
 from dpmem.config import ConfigError, enum_value
 from dpmem.data import DataBundle, build_data
 from dpmem.engine.summary import append_metrics, json_ready, summary_table, versions, write_summary
-from dpmem.engine.tracking import open_tracker
+from dpmem.engine.tracking import NoTracker, open_tracker
 from dpmem.engine.ledger import PrivacyLedger
 from dpmem.engine.meter import Meter
 from dpmem.methods import build_method, method_class
@@ -30,11 +31,12 @@ from dpmem.privacy.sampling import make_batches
 
 
 def resolve_device(name: str) -> torch.device:
+    """The run's device; "cuda" is the current GPU (under torchrun, the rank's LOCAL_RANK)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device", "cuda was asked for but no CUDA device is available; allowed: auto, cpu")
-    return torch.device(name)
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
 
 
 def lr_at(step: int, total: int, cfg) -> float:
@@ -67,8 +69,15 @@ def evaluate(model, data: DataBundle, device, batch_size: int, autocast) -> floa
         model.train()
 
 
+class Terminated(BaseException):
+    """The process was sent SIGTERM. Not an Exception, so that a sweep stops instead of going on to its next run."""
+
+
 class Run:
-    """One training run in `run_dir`. `execute` returns the summary; it never raises for a training failure."""
+    """One training run in `run_dir`. `execute` returns the summary; it never raises for a training failure.
+
+    Under torchrun every rank runs one `Run` on its part of each logical batch (`dpmem.distributed`); rank 0 alone
+    writes the run folder (summary, metrics, checkpoints) and evaluates."""
 
     def __init__(self, cfg, run_dir: Path, data_hook=None):
         self.cfg, self.run_dir = cfg, Path(run_dir)
@@ -76,6 +85,7 @@ class Run:
         self.summary: dict = {}
         self.exception: Exception | None = None  # a training failure, re-raised by run_training
         self._eps_steps = 0  # the step count epsilon_spent was last computed for
+        self.main = distributed.is_main()
 
     # -- set-up (configuration errors surface here, before anything is trained) ----------------------------
     def prepare(self) -> None:
@@ -94,6 +104,8 @@ class Run:
         sampling = enum_value(t.sampling)
         self.sampling = ("poisson" if method.private else "shuffle") if sampling == "auto" else sampling
         self.model = build_model(cfg.model, self.data).to(self.device)
+        if distributed.world_size() > 1:  # the same initial weights on every rank, but each its own dropout masks
+            torch.manual_seed(t.seed + 1_000_003 * distributed.rank())
         if t.activation_checkpointing:
             checkpoint_activations(self.model)
         self.model.train()
@@ -118,6 +130,7 @@ class Run:
             "seed": t.seed, "device": str(self.device), **self.ledger.fields,
             "steps": self.steps, "steps_done": 0, "samples_seen": 0, "batch_size": t.batch_size,
             "physical_batch_size": t.physical_batch_size or t.batch_size, "n_train": n, "lr": t.lr,
+            "world_size": distributed.world_size(), "backend": distributed.backend(),
             "metric_name": self.data.metric_name, "metric_final": None, "metric_best": None,
             "peak_memory_bytes": None, "peak_memory_allocated_bytes": None, "peak_memory_source": None,
             "throughput_samples_per_s": None, "wall_time_s": None, "error": None,
@@ -126,22 +139,27 @@ class Run:
         if subspace is not None:
             self.summary["subspace"] = {"path": m.subspace.path, "k": subspace.k, "where": subspace.where,
                                         "private": ok, "why": why}
-        write_summary(self.run_dir, self.summary)
+        self._write_summary()
+
+    def _write_summary(self) -> None:
+        if self.main:
+            write_summary(self.run_dir, self.summary)
 
     # -- the loop -----------------------------------------------------------------------------------------
     def execute(self) -> dict:
         start = time.perf_counter()
-        restore = self._catch_ctrl_c()
-        self.tracker = open_tracker(self.cfg, self.run_dir)
+        restore = self._catch_signals()
+        self.tracker = open_tracker(self.cfg, self.run_dir) if self.main else NoTracker()
         try:
             self._train()
             self.summary["status"] = "ok"
-            (self.run_dir / "checkpoint.pt").unlink(missing_ok=True)  # a finished run resumes nothing
+            if self.main:  # a finished run resumes nothing
+                (self.run_dir / "checkpoint.pt").unlink(missing_ok=True)
         except KeyboardInterrupt:
             self.summary["status"] = "interrupted"
         except torch.OutOfMemoryError as e:
             self.summary.update(status="oom", error=str(e).splitlines()[0])
-        except Exception as e:  # the summary records it; the caller decides the exit code
+        except (Exception, Terminated) as e:  # the summary records it; the caller decides the exit code
             self.summary.update(status="failed", error=f"{type(e).__name__}: {e}")
             self.exception = e
         finally:
@@ -151,32 +169,43 @@ class Run:
             done = self.summary["steps_done"]
             if done != self._eps_steps:
                 self.summary["epsilon_spent"] = self.ledger.epsilon(done)
-            write_summary(self.run_dir, self.summary)
+            self._write_summary()
             self.tracker.finish(json_ready(self.summary))
         return self.summary
 
     def _record(self, record: dict) -> None:
-        append_metrics(self.run_dir, record)
-        self.tracker.log(json_ready(record))
+        if self.main:
+            append_metrics(self.run_dir, record)
+            self.tracker.log(json_ready(record))
 
-    def _catch_ctrl_c(self):
+    def _catch_signals(self):
         """Ctrl-C raises KeyboardInterrupt and is remembered: one that lands in a weakref callback (the live-tensor
-        counter's, on every free) is printed and dropped by Python, so the loop re-raises it at the next step."""
+        counter's, on every free) is printed and dropped by Python, so the loop re-raises it at the next step.
+        SIGTERM (torchrun stopping the other ranks after one failed, SLURM's scancel) raises Terminated, so the
+        summary says failed instead of staying at running."""
         self._ctrl_c = False
         if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
             return lambda: None
 
-        def handler(signum, frame):
+        def on_ctrl_c(signum, frame):
             self._ctrl_c = True
             raise KeyboardInterrupt
-        previous = signal.getsignal(signal.SIGINT)
-        signal.signal(signal.SIGINT, handler)
-        return lambda: signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+
+        def on_term(signum, frame):
+            raise Terminated("SIGTERM" + (" (torchrun stops every rank when one fails)"
+                                          if distributed.world_size() > 1 else ""))
+        previous = {sig: signal.signal(sig, handler) for sig, handler in
+                    ((signal.SIGINT, on_ctrl_c), (signal.SIGTERM, on_term))}
+
+        def restore():
+            for sig, handler in previous.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        return restore
 
     def _train(self) -> None:
         cfg, t, s = self.cfg, self.cfg.train, self.summary
         log_cfg = cfg.logging
-        bar = tqdm(total=self.steps, disable=not log_cfg.progress, dynamic_ncols=True, leave=True,
+        bar = tqdm(total=self.steps, disable=not (log_cfg.progress and self.main), dynamic_ncols=True, leave=True,
                    mininterval=0.5 if sys.stderr.isatty() else 30.0,  # a log file gets a line per 30 s
                    desc=f"{cfg.method.name}")
         done = self._resume() if t.resume else 0
@@ -190,7 +219,7 @@ class Run:
                 if self._ctrl_c:
                     raise KeyboardInterrupt
                 meter.step_begins(step, self.model, self.method)
-                lr, loss = self.train_step(step, self.microbatches(index))
+                lr, loss = self.train_step(step, self.microbatches(distributed.shard(index)))
                 meter.step_ends(step)
                 loss_sum = loss if loss_sum is None else loss_sum + loss
                 loss_count += len(index)
@@ -199,6 +228,7 @@ class Run:
                 last = step + 1 == self.steps
                 record = {}
                 if (step + 1) % log_cfg.every == 0 or last:
+                    distributed.sum_([loss_sum])
                     mean_loss = float(loss_sum) / max(loss_count, 1)  # the host sync, once every `every` steps
                     s["epsilon_spent"], self._eps_steps = self.ledger.epsilon(step + 1), step + 1
                     s["throughput_samples_per_s"] = meter.throughput(samples)
@@ -208,19 +238,20 @@ class Run:
                     bar.set_postfix(loss=f"{mean_loss:.3f}", eps=f"{s['epsilon_spent']:.2f}",
                                     sps=f"{s['throughput_samples_per_s']:.0f}", refresh=False)
                     loss_sum, loss_count = None, 0
-                if t.eval_every and (step + 1) % t.eval_every == 0 and not last:
+                if t.eval_every and (step + 1) % t.eval_every == 0 and not last and self.main:
                     record[s["metric_name"]] = self._evaluate()
                 if record:
                     self._record({"step": step + 1, **record})
-                    write_summary(self.run_dir, s)
+                    self._write_summary()
                 if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and not last:
                     self._checkpoint(step + 1)
                 bar.update(1)
             if self._ctrl_c:
                 raise KeyboardInterrupt
-            final = self._evaluate()
-            s["metric_final"] = final
-            self._record({"step": s["steps_done"], s["metric_name"]: final, "final": True})
+            if self.main:
+                final = self._evaluate()
+                s["metric_final"] = final
+                self._record({"step": s["steps_done"], s["metric_name"]: final, "final": True})
         finally:
             bar.close()
             meter.close()
@@ -230,11 +261,14 @@ class Run:
     def _checkpoint(self, step: int) -> None:
         """Weights, method state (optimiser, projections, noise and direction generators), the global RNG (dropout)
         and the summary so far, written atomically. It holds the noise generator's state: keep it as private as
-        the data."""
-        state = {"step": step, "config": self._fingerprint(), "model": self.model.state_dict(),
-                 "method": self.method.state_dict(),
-                 "torch_rng": torch.get_rng_state(),
-                 "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
+        the data. Under torchrun rank 0 writes it, with every rank's RNG state (the ranks' dropout masks differ)."""
+        rngs = distributed.gathered({"torch_rng": torch.get_rng_state(),
+                                     "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+                                     "method": self.method.rank_state()})
+        if not self.main:
+            return
+        state = {"step": step, "config": self._fingerprint(), "world_size": len(rngs), "model": self.model.state_dict(),
+                 "method": self.method.state_dict(), "rngs": rngs,
                  "summary": {k: self.summary[k] for k in RESUMED}}
         tmp = self.run_dir / "checkpoint.pt.tmp"
         torch.save(state, tmp)
@@ -248,22 +282,30 @@ class Run:
         if not path.exists():
             return 0
         state = torch.load(path, map_location=self.device, weights_only=True)
+        world = distributed.world_size()
+        if state["world_size"] != world:
+            raise RuntimeError(f"{path} was written by a run of {state['world_size']} process(es) and this one has "
+                               f"{world}: resume it with torchrun --nproc_per_node={state['world_size']} (the ranks' "
+                               "noise, sampling and dropout states are per process), or run with train.resume=false "
+                               "in another folder")
         if state["config"] != self._fingerprint():
             raise RuntimeError(f"{path} was written by another configuration; delete it to start again, or run "
                                "with train.resume=false in another folder")
         self.model.load_state_dict(state["model"])
         self.method.load_state_dict(state["method"])
-        torch.set_rng_state(state["torch_rng"].cpu())
-        if state["cuda_rng"] is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state_all([r.cpu() for r in state["cuda_rng"]])
+        rng = state["rngs"][distributed.rank()]
+        torch.set_rng_state(rng["torch_rng"].cpu())
+        if rng["cuda_rng"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda_rng"].cpu())
+        self.method.load_rank_state(rng["method"])
         step = state["step"]
         self.summary.update(state["summary"], resumed_from_step=step)
         self.summary["epsilon_spent"], self._eps_steps = self.ledger.epsilon(step), step
         metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists():  # records of the lost steps are written again
+        if metrics.exists() and self.main:  # records of the lost steps are written again
             kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= step]
             metrics.write_text("".join(line + "\n" for line in kept))
-        write_summary(self.run_dir, self.summary)
+        self._write_summary()
         return step
 
     def _fingerprint(self) -> str:
@@ -303,7 +345,7 @@ class Run:
         """Record how a driven run ended (ε for the steps done) and take the method's hooks off the model."""
         self.method.close()
         self.summary.update(status=status, steps_done=steps_done, epsilon_spent=self.ledger.epsilon(steps_done))
-        write_summary(self.run_dir, self.summary)
+        self._write_summary()
         return self.summary
 
     def _evaluate(self) -> float:
@@ -321,12 +363,14 @@ RESUMED = ("steps_done", "samples_seen", "metric_best", "peak_memory_bytes", "pe
 def run_training(cfg, run_dir: Path) -> dict:
     """Prepare (ConfigError escapes), train, summarise. Writes the resolved config next to the records."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if distributed.is_main():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     run = Run(cfg, run_dir)
     run.prepare()
     summary = run.execute()
-    print(summary_table(summary))
+    if distributed.is_main():
+        print(summary_table(summary))
     if run.exception is not None:
         raise run.exception
     if summary["status"] == "interrupted":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dpmem import distributed
 from dpmem.config import OptimizerConfig
 from dpmem.methods.base import Method, batch_size, make_optimizer
 
@@ -13,16 +14,18 @@ class Adam(Method):
 
     def __init__(self, model, cfg, lr, noise=None, seed=0):
         super().__init__(model, cfg, lr)
-        self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg, lr)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(self.params, cfg, lr)
 
     def step(self, microbatches, loss_fn):
-        total = sum(batch_size(mb) for mb in microbatches)
+        total = distributed.total(sum(batch_size(mb) for mb in microbatches))  # the logical batch, all ranks
         loss_sum = torch.zeros(())
         for mb in microbatches:
             losses = loss_fn(self.model, mb)
             (losses.sum() / total).backward()
             loss_sum = loss_sum.to(losses.device) + losses.detach().sum()
         if total:
+            distributed.reduce_gradients(self.params)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum

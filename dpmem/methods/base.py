@@ -85,6 +85,15 @@ class Method:
         if "noise_rng" in state:
             self.noise.generator.set_state(state["noise_rng"])
 
+    def rank_state(self) -> dict:
+        """Generator states that differ between torchrun's ranks (saved for every rank): the estimators' probes."""
+        probes = self.privatize.probes if self.privatize is not None else None
+        return {"probe_rng": probes.get_state()} if probes is not None else {}
+
+    def load_rank_state(self, state: dict) -> None:
+        if "probe_rng" in state:
+            self.privatize.probes.set_state(state["probe_rng"])
+
     def set_lr(self, lr: float) -> None:
         self.lr = lr
         if self.optimizer is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from dpmem import distributed
 from dpmem.config import DPZeroConfig, ZerothOrderConfig, enum_value
 from dpmem.methods.base import Method, Noise, batch_size
 
@@ -78,7 +79,10 @@ class ZerothOrder(Method):
         return (plus - minus) / (2 * self.eps), (plus + minus) / 2
 
     def aggregate(self, estimates: torch.Tensor) -> torch.Tensor:
-        return estimates.mean()
+        """The mean over the logical batch (under torchrun: of every rank's estimates)."""
+        total = torch.stack([estimates.sum(), torch.tensor(float(len(estimates)), device=estimates.device)])
+        distributed.sum_([total])
+        return total[0] / total[1]
 
     def step(self, microbatches, loss_fn):
         seed = int(torch.randint(2**62, (1,), generator=self.seeds))  # host-side RNG, no device sync
@@ -102,7 +106,7 @@ class ZerothOrder(Method):
 
 class MeZO(ZerothOrder):
     def step(self, microbatches, loss_fn):
-        if not any(batch_size(mb) for mb in microbatches):
+        if not distributed.total(sum(batch_size(mb) for mb in microbatches)):
             return torch.zeros((), device=self.device)  # nothing sampled: no estimate, no update
         return super().step(microbatches, loss_fn)
 
@@ -114,6 +118,7 @@ class DPZero(ZerothOrder):
     def aggregate(self, estimates: torch.Tensor) -> torch.Tensor:
         C, gen = self.noise.max_grad_norm, self.noise.generator
         total = estimates.clamp(-C, C).sum()
+        distributed.sum_([total])  # the clipped sum of the logical batch; every rank adds the same noise draw
         if self.noise.sigma > 0:
             total = total + self.noise.sigma * C * torch.randn((), generator=gen, device=self.device)
         return total / self.noise.expected_batch_size

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from dpmem import distributed
 from dpmem.config import GaLoreDPNaiveConfig, ProjectedConfig, enum_value
 from dpmem.methods.base import Method, Noise, batch_size
 from dpmem.methods.privatize import Privatizer
@@ -42,13 +43,14 @@ class GaLore(Method):
         return [p for p in model.parameters() if p.requires_grad]
 
     def gradient(self, microbatches, loss_fn) -> tuple[dict, torch.Tensor]:
-        """The batch-mean gradient of an ordinary backward pass (micro-batches accumulate)."""
-        total = sum(batch_size(mb) for mb in microbatches)
+        """The batch-mean gradient of an ordinary backward pass (micro-batches accumulate; ranks sum theirs)."""
+        total = distributed.total(sum(batch_size(mb) for mb in microbatches))
         loss_sum = torch.zeros((), device=self.params[0].device)
         for mb in microbatches:
             losses = loss_fn(self.model, mb)
             (losses.sum() / total).backward()
             loss_sum = loss_sum + losses.detach().sum()
+        distributed.reduce_gradients(self.params)
         grads = {p: p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params}
         for p in self.params:
             p.grad = None
@@ -70,7 +72,7 @@ class GaLore(Method):
                             for i, (P, side) in state["projections"].items()}
 
     def step(self, microbatches, loss_fn):
-        if not self.private and not any(batch_size(mb) for mb in microbatches):
+        if not self.private and not distributed.total(sum(batch_size(mb) for mb in microbatches)):
             return torch.zeros((), device=self.params[0].device)  # nothing sampled: no gradient
         self.t = t = self.t + 1
         grads, loss_sum = self.gradient(microbatches, loss_fn)

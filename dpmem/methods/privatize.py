@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dpmem import distributed
 from dpmem.metering import memory_label
 from dpmem.methods.base import Noise, batch_size
 from dpmem.persample import (PerSampleGradients, clip_factors, per_sample_norms, verify_coverage, weighted_sum,
@@ -51,6 +52,14 @@ class Privatizer:
         self.persample = PerSampleGradients(model)
         self.params = self.persample.parameters
         self._check_coverage = check_coverage
+        # The estimators' probes (dp-sgd-rc) are fresh at every logical step and shared by its whole batch: every
+        # micro-batch, on every rank, draws them again from the step's seed. So neither the physical batch size nor
+        # the number of ranks changes them, and the noise generator, which seeds them, draws the same on all ranks.
+        self.probes = self._probe_draws = None
+        if noise.generator is not None and clipping in ("hutch", "hutchpp"):
+            seed = int(torch.randint(2**62, (1,), generator=noise.generator, device=noise.generator.device))
+            self.probes = torch.Generator(device=noise.generator.device).manual_seed(seed)  # step seeds
+            self._probe_draws = torch.Generator(device=noise.generator.device)
         self._keep_grads = False  # the second pass of two-pass clipping accumulates into .grad
         self._stepping = False  # inside __call__: the only time its hooks act
         # Called with the clipped sums (before noise) and the expected batch size that turns them into a mean.
@@ -89,6 +98,7 @@ class Privatizer:
                 summed, loss_sum = self._two_pass(microbatches, loss_fn)
         finally:
             self._stepping = False
+        distributed.sum_(summed.values())  # the clipped sums of the whole logical batch, on every rank
         if self.observe is not None:  # e.g. dpmem spectrum's recorder of the non-noised clipped mean
             self.observe(summed, self.noise.expected_batch_size)
         if self.canaries is not None:  # planted gradients, clipped as the real ones are, summed before the noise
@@ -127,12 +137,17 @@ class Privatizer:
         return self._completed(summed, shapes), loss_sum
 
     def _squared_norms(self, p: nn.Parameter, g) -> torch.Tensor:
-        return squared_norms(g, self.clipping, self.k, self.noise.generator)
+        return squared_norms(g, self.clipping, self.k, self._probe_draws)
 
     def _two_pass(self, microbatches, loss_fn):
         summed = {}  # the first micro-batch's .grad tensors themselves (`_accumulate`)
         loss_sum = torch.zeros((), device=self.params[0].device)
+        probe_seed = None
+        if self.probes is not None:
+            probe_seed = int(torch.randint(2**62, (1,), generator=self.probes, device=self.probes.device))
         for mb in microbatches:
+            if probe_seed is not None:
+                self._probe_draws.manual_seed(probe_seed)
             check = self._check_coverage
             with self.persample.capture(batch_size(mb), norms=self._squared_norms, keep_sums=check):
                 losses = loss_fn(self.model, mb)

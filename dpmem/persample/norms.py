@@ -9,8 +9,9 @@ Embedding, tied sums) by the chosen rule:
     hutch    ‖gᵢᵀP‖² with probes P ~ N(0, 1/k) on the larger side (k of them)         unbiased, memory B·k·(T + n)
     hutchpp  Hutch++: exact on the range Q of gᵢgᵢᵀS, Hutchinson on the rest           lower variance
 
-The probes are drawn fresh for every call from the caller's generator (the privacy noise generator: the
-estimate's randomness is part of the mechanism and must be as secret as the noise) and shared by the batch.
+The probes come from the caller's generator: the Privatizer draws them fresh at every logical step, shared by the
+step's whole batch (every micro-batch and rank), from a seed the noise generator gives it (the estimate's
+randomness is part of the mechanism and must be as secret as the noise).
 """
 
 from __future__ import annotations

@@ -1,0 +1,156 @@
+"""One run on several processes (`torchrun --nproc_per_node=N -m dpmem train ...`): torch.distributed's process
+group, each rank's device, and the few collectives the methods need. With one process every function here is a
+no-op, so a single-process run is unchanged.
+
+What the ranks share and what they split:
+- Every rank composes the same config, builds the same model from the same seed and draws the same logical batch
+  (the sampler's generator has the run seed); rank r trains on positions r, r+N, r+2N, ... of it. The batch is
+  the one a single process would draw, so the accountant sees the same q and steps.
+- Private methods all-reduce their clipped sums (grape: its r-dimensional projected sums), and every rank then
+  adds the same Gaussian draw: the noise generator has one seed, rank 0's, so N(0, σ²C²) enters the aggregate
+  once, as in a single process, and no rank needs to trust another rank's generator.
+- Non-private methods all-reduce their summed gradients; zeroth-order methods all-reduce scalars only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+BUCKET_BYTES = 32 << 20  # tensors all-reduced together, flattened into buffers of about this size
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed: another rank died (its connection closed) or the group was torn down."""
+
+
+@contextlib.contextmanager
+def _collective():
+    try:
+        yield
+    except RuntimeError as e:  # gloo's and NCCL's errors are RuntimeErrors (DistBackendError among them)
+        raise PeerFailure(f"another rank failed or stopped ({str(e).splitlines()[0]})") from e
+
+
+class Traffic:
+    """Bytes this process has all-reduced (the payload handed to the collective), for the communication bench."""
+    bytes = 0
+
+
+def launched() -> bool:
+    """Started by torchrun (or anything that sets its variables) with more than one process."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init_from_env() -> None:
+    """Join the process group torchrun describes: gloo for CPU tensors, NCCL for CUDA ones. Each rank uses the GPU
+    of its LOCAL_RANK, so that torch.device("cuda") means that GPU."""
+    if not launched() or dist.is_initialized():
+        return
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def backend() -> str | None:
+    return str(dist.get_backend()) if dist.is_initialized() else None
+
+
+def shard(index: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a logical batch: every N-th position, so the parts are disjoint, cover the batch and
+    differ in size by at most one."""
+    return index[rank()::world_size()] if dist.is_initialized() else index
+
+
+def sum_(tensors) -> None:
+    """All-reduce (sum) the tensors in place across ranks, in flat buckets of about BUCKET_BYTES."""
+    if world_size() == 1:
+        return
+    tensors = list(tensors)
+    bucket, size = [], 0
+    for t in tensors:
+        bucket.append(t)
+        size += t.numel() * t.element_size()
+        if size >= BUCKET_BYTES:
+            _reduce_bucket(bucket)
+            bucket, size = [], 0
+    if bucket:
+        _reduce_bucket(bucket)
+
+
+def _reduce_bucket(bucket: list[torch.Tensor]) -> None:
+    groups: dict[tuple, list[torch.Tensor]] = {}  # one flat buffer per device and dtype
+    for t in bucket:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for same in groups.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        Traffic.bytes += flat.numel() * flat.element_size()
+        with _collective():
+            dist.all_reduce(flat)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def total(count: int) -> int:
+    """`count` summed over ranks (a host-side integer: how many samples the logical batch has)."""
+    if world_size() == 1:
+        return count
+    t = torch.tensor([count], dtype=torch.int64)
+    with _collective():
+        dist.all_reduce(t)
+    return int(t)
+
+
+def reduce_gradients(params) -> None:
+    """Sum `.grad` over ranks; a rank that saw no sample (an empty part of a Poisson batch) adds zeros."""
+    if world_size() == 1:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    sum_(p.grad for p in params)
+
+
+def from_main(obj):
+    """Rank 0's value of a picklable object (a seed, a timestamp, a decision), on every rank."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    with _collective():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gathered(obj) -> list:
+    """Every rank's value of a picklable object, in rank order."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    with _collective():
+        dist.all_gather_object(out, obj)
+    return out

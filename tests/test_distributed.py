@@ -1,0 +1,199 @@
+"""One run over several processes (torchrun, gloo on CPU; NCCL on CUDA where there are two GPUs): two ranks train
+to the parameters of one process, the aggregate noise is one Gaussian draw (not one per rank), ε is the
+single-process ε, rank 0 alone writes the run folder, a rank that dies fails the run, and a checkpoint resumes
+with the same number of ranks only.
+
+The oracle is dpmem itself in one process, which the rest of the suite checks against per-sample loops, Opacus
+and dp-accounting: what is tested here is that splitting the logical batch over ranks changes nothing."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpmem.engine.trainer import Run
+from tests.test_resume import SMALL
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.device_count() >= 2 else [])
+COMMON = ["train.steps=3", "train.batch_size=32", "logging.progress=false", "logging.every=1",
+          "logging.memory_steps=0", "train.eval_batch_size=512", *SMALL]
+# Adam's eps 1e-2: its update stays nearly linear in the gradient, instead of turning the last-bit differences of
+# a zero gradient (the attention key bias's is exactly zero) into steps of ±lr
+ADAM = ["method.eps=0.01"]
+METHODS = {  # one job per method family and clipping mode, noise off (privacy=none clips with sigma 0)
+    "adam": ["method=adam", "train.physical_batch_size=8", *ADAM],
+    "galore": ["method=galore", "method.rank=4", "method.refresh=2", *ADAM],
+    "dp-adam-bk": ["method=dp-adam", "method.clipping=bk", "train.physical_batch_size=8", *ADAM],
+    "dp-adam-materialize": ["method=dp-adam", "method.clipping=materialize", *ADAM],
+    "dp-adam-ghost": ["method=dp-adam", "method.clipping=ghost", "train.physical_batch_size=8", *ADAM],
+    "dp-sgd-mixed": ["method=dp-sgd", "method.clipping=mixed"],
+    "dp-sgd-fixed": ["method=dp-sgd", "train.sampling=fixed"],  # batches of exactly B, split as Poisson ones are
+    "dp-sgd-rc": ["method=dp-sgd-rc", "method.estimator=hutchpp", "method.k=4", "train.physical_batch_size=8",
+                  "privacy.noise_seed=4", *ADAM],  # the seed of the probes
+    "galore-dp-naive": ["method=galore-dp-naive", "method.rank=4", "method.refresh=2", *ADAM],
+    "grape": ["method=grape", "method.rank=4", "method.refresh=2", "train.physical_batch_size=8", *ADAM],
+    "dpzero": ["method=dpzero", "train.lr=1e-4"],
+    "mezo": ["method=mezo", "train.lr=1e-4"],
+}
+NOISE = ["method=dp-sgd", "train.lr=1.0", "train.steps=1", "privacy.noise_seed=5"]  # Δθ = −(S + z)/(q·n)
+# dp-sgd-rc's probes come from the noise seed; privacy=none, since the rc accountant takes half a minute
+RC = ["method=dp-sgd-rc", "method.k=4", "privacy=none", "privacy.noise_seed=2", "train.steps=4",
+      "train.physical_batch_size=8", *ADAM]
+
+
+def env():
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(*args, nproc=2):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+
+
+def jobs(device):
+    dev = [f"train.device={device}"]
+    out = [{"name": name, "overrides": COMMON + dev + own + ["privacy=none"]} for name, own in METHODS.items()]
+    return out + [{"name": "noise-off", "overrides": COMMON + dev + NOISE + ["privacy=none"]},
+                  {"name": "noise-on", "overrides": COMMON + dev + NOISE + ["privacy=eps1"]},
+                  {"name": "rc", "overrides": COMMON + dev + RC}]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def runs(request, tmp_path_factory):
+    """The jobs run by one process and by two ranks (plus, on two ranks, a run that dies after its checkpoint
+    and resumes, and one that dies and is left)."""
+    device = request.param
+    root = tmp_path_factory.mktemp(f"distributed-{device}")
+    single, pair = root / "single", root / "pair"
+    single.mkdir(), pair.mkdir()
+    (single / "jobs.json").write_text(json.dumps(jobs(device)))
+    resumed = [{"name": "rc-resumed", "overrides": jobs(device)[-1]["overrides"] + ["train.checkpoint_every=2"],
+                "die_at_step": 3},
+               {"name": "left", "overrides": jobs(device)[-1]["overrides"] + ["train.checkpoint_every=2"],
+                "die_at_step": 3, "resume": False}]
+    (pair / "jobs.json").write_text(json.dumps(jobs(device) + resumed))
+    worker = str(HERE / "distributed_worker.py")
+    one = subprocess.Popen([sys.executable, worker, str(single), str(single / "jobs.json")], env=env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    two = subprocess.run(torchrun(worker, str(pair), str(pair / "jobs.json")), env=env(), capture_output=True,
+                         text=True, timeout=600)
+    one_out, _ = one.communicate(timeout=600)
+    assert one.returncode == 0, one_out[-3000:]
+    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+    return single, pair
+
+
+def params(folder: Path, name: str) -> dict:
+    return torch.load(folder / f"{name}.pt")
+
+
+def summary(folder: Path, name: str) -> dict:
+    return json.loads((folder / name / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("name", [*METHODS, "noise-on", "rc"])
+def test_two_ranks_train_to_the_parameters_of_one_process(runs, name):
+    single, pair = runs
+    one, two = params(single, name), params(pair, name)
+    assert summary(pair, name)["world_size"] == 2 and summary(single, name)["world_size"] == 1
+    assert summary(pair, name)["status"] == "ok"
+    assert summary(pair, name)["samples_seen"] == summary(single, name)["samples_seen"]  # the same batches
+    start = torch.load(single / f"{name}.init.pt")
+    assert max(float((one[k] - start[k]).abs().max()) for k in one) > 1e-4  # it trained
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-6, msg=f"{name}: {key}")
+
+
+@pytest.mark.parametrize("folder", ["single", "pair"])
+def test_the_aggregate_noise_is_one_draw_of_sigma_c(runs, folder):
+    """SGD with lr 1, one step, same batch and noise seed, with and without noise: Δθ differs by z/(q·n),
+    whose per-coordinate variance must be σ²C²/(q·n)² (N ranks each adding σC noise would give N times that)."""
+    root = runs[0] if folder == "single" else runs[1]
+    on, off, s = params(root, "noise-on"), params(root, "noise-off"), summary(root, "noise-on")
+    z = torch.cat([(on[k] - off[k]).flatten() for k in on]) * (s["sample_rate"] * s["n_train"])
+    ratio = float(z.var() / (s["sigma"] * s["max_grad_norm"]) ** 2)
+    assert z.numel() > 2000
+    assert abs(ratio - 1) < 0.15, ratio  # the variance estimate's sd is sqrt(2/numel) < 3.2 %
+
+
+def test_epsilon_is_the_single_process_epsilon(runs):
+    single, pair = runs
+    a, b = summary(single, "noise-on"), summary(pair, "noise-on")
+    assert b["epsilon_spent"] == a["epsilon_spent"] and 0.9 < a["epsilon_spent"] < 1.0001
+    assert (b["sigma"], b["sample_rate"], b["steps_done"]) == (a["sigma"], a["sample_rate"], a["steps_done"])
+
+
+def test_a_run_that_dies_resumes_on_as_many_ranks_to_the_uninterrupted_result(runs, tmp_path):
+    _, pair = runs
+    resumed = summary(pair, "rc-resumed")
+    assert resumed["status"] == "ok" and resumed["resumed_from_step"] == 2
+    for key, value in params(pair, "rc").items():  # probes, noise generator and sampling continue as they were
+        torch.testing.assert_close(params(pair, "rc-resumed")[key], value, rtol=0, atol=0)
+    left = summary(pair, "left")
+    assert left["status"] == "failed" and "went away" in left["error"]
+    assert (pair / "left" / "checkpoint.pt").exists()
+    # one process may not resume what two left: the ranks' noise, probe and dropout states are per process
+    from hydra import compose, initialize_config_dir
+    from dpmem.cli import CONF_DIR
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("config", overrides=jobs("cpu")[-1]["overrides"] + ["train.checkpoint_every=2"])
+    run = Run(cfg, pair / "left")
+    run.prepare()
+    s = run.execute()
+    assert s["status"] == "failed" and "--nproc_per_node=2" in s["error"], s["error"]
+
+
+def cli_run(tmp_path, *overrides, nproc=2):
+    return subprocess.Popen(torchrun("-m", "dpmem", "train", *COMMON, *overrides, nproc=nproc), cwd=tmp_path,
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _rank_pids(parent: int) -> dict[int, int]:
+    """torchrun's worker processes by their RANK."""
+    ranks = {}
+    for child in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        rank = [e for e in environ if e.startswith(b"RANK=")]
+        if rank:
+            ranks[int(rank[0][5:])] = int(child)
+    return ranks
+
+
+def test_rank_0_alone_writes_the_run_folder_and_a_rank_that_dies_fails_the_run(tmp_path):
+    p = cli_run(tmp_path, "method=dp-adam", "train.steps=100000")
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:  # until the run has trained a few steps
+            found = list(tmp_path.glob("outputs/train/*/*/summary.json"))
+            if found and json.loads(found[0].read_text()).get("steps_done", 0) >= 3:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the run did not start")
+        os.kill(_rank_pids(p.pid)[1], signal.SIGKILL)  # rank 1 dies as under the OOM killer
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode != 0
+    # one run folder, named by rank 0's clock, with Hydra's records and one metrics record per step
+    assert len(list(tmp_path.glob("outputs/train/*/*"))) == 1, out[-3000:]
+    folder = found[0].parent
+    assert (folder / ".hydra" / "config.yaml").exists() and (folder / "config.yaml").exists()
+    steps = [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
+    s = json.loads(found[0].read_text())
+    assert (s["world_size"], s["backend"]) == (2, "gloo")
+    # rank 0 learns it from its next collective, or from torchrun's SIGTERM if that comes first
+    assert s["status"] == "failed", (s["status"], s["error"], out[-2000:])
+    assert s["error"].startswith(("PeerFailure: another rank failed", "Terminated: SIGTERM (torchrun")), s["error"]
+    assert 3 <= s["steps_done"] < 100000
