@@ -257,7 +257,6 @@ def _one_line_errors(debug: bool):
 
 def _memory(argv: list[str]) -> None:
     """`dpmem memory`: plan every point of the sweep (comma lists, with or without -m) into one folder."""
-
     from dpmem.engine.planner import largest_batch, parse_bytes, plan
     from dpmem.report import memory as report
 
@@ -296,7 +295,6 @@ def _labels(points: list[tuple[str, ...]], cfgs, skip: str | None = None) -> lis
 
 def _audit(argv: list[str]) -> None:
     """`dpmem audit`: each sweep point trained with canaries into its own folder, and one table of the bounds."""
-
     from dpmem.audit import run_audit, table
     from dpmem.report.labels import file_name
 
@@ -327,7 +325,6 @@ def _audit(argv: list[str]) -> None:
 
 def _spectrum(argv: list[str]) -> None:
     """`dpmem spectrum`: one configuration (the C and sigma lists are swept inside), into one folder."""
-
     from dpmem.spectrum import run_spectrum
 
     overrides = _sweep_overrides(argv)

@@ -8,7 +8,7 @@ What the ranks share and what they split:
   the one a single process would draw, so the accountant sees the same q and steps.
 - Private methods all-reduce their clipped sums (grape: its r-dimensional projected sums), and every rank then
   adds the same Gaussian draw: the noise generator has one seed, rank 0's, so N(0, σ²C²) enters the aggregate
-  once, as in a single process, and no rank needs to trust another rank's generator.
+  once, as in a single process, and the ranks stay identical replicas without a second collective.
 - Non-private methods all-reduce their summed gradients; zeroth-order methods all-reduce scalars only.
 """
 
@@ -106,10 +106,13 @@ def _reduce_bucket(bucket: list[torch.Tensor]) -> None:
     for t in bucket:
         groups.setdefault((t.device, t.dtype), []).append(t)
     for same in groups.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
+        alone = len(same) == 1 and same[0].is_contiguous()  # a large tensor is reduced where it is, not copied
+        flat = same[0] if alone else torch.cat([t.reshape(-1) for t in same])
         Traffic.bytes += flat.numel() * flat.element_size()
         with _collective():
             dist.all_reduce(flat)
+        if alone:
+            continue
         offset = 0
         for t in same:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))

@@ -155,14 +155,19 @@ class Run:
             self.summary["status"] = "ok"
             if self.main:  # a finished run resumes nothing
                 (self.run_dir / "checkpoint.pt").unlink(missing_ok=True)
-        except KeyboardInterrupt:
-            self.summary["status"] = "interrupted"
-        except torch.OutOfMemoryError as e:
-            self.summary.update(status="oom", error=str(e).splitlines()[0])
-        except (Exception, Terminated) as e:  # the summary records it; the caller decides the exit code
-            self.summary.update(status="failed", error=f"{type(e).__name__}: {e}")
-            self.exception = e
+        except (Exception, KeyboardInterrupt, Terminated) as e:  # the summary records it; the caller decides the exit
+            # code. A SIGTERM from here on (torchrun stopping this rank after a collective already failed) must not
+            # cut the summary short
+            self._ending = True
+            if isinstance(e, KeyboardInterrupt):
+                self.summary["status"] = "interrupted"
+            elif isinstance(e, torch.OutOfMemoryError):
+                self.summary.update(status="oom", error=str(e).splitlines()[0])
+            else:
+                self.summary.update(status="failed", error=f"{type(e).__name__}: {e}")
+                self.exception = e
         finally:
+            self._ending = True
             restore()
             self.method.close()
             self.summary["wall_time_s"] = time.perf_counter() - start
@@ -183,7 +188,7 @@ class Run:
         counter's, on every free) is printed and dropped by Python, so the loop re-raises it at the next step.
         SIGTERM (torchrun stopping the other ranks after one failed, SLURM's scancel) raises Terminated, so the
         summary says failed instead of staying at running."""
-        self._ctrl_c = False
+        self._ctrl_c = self._ending = False
         if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
             return lambda: None
 
@@ -192,6 +197,8 @@ class Run:
             raise KeyboardInterrupt
 
         def on_term(signum, frame):
+            if self._ending:
+                return
             raise Terminated("SIGTERM" + (" (torchrun stops every rank when one fails)"
                                           if distributed.world_size() > 1 else ""))
         previous = {sig: signal.signal(sig, handler) for sig, handler in
