@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
+from dpmem.cli import CONF_DIR
 from dpmem.engine.trainer import Run
 from tests.test_resume import SMALL
 
@@ -131,7 +133,7 @@ def test_epsilon_is_the_single_process_epsilon(runs):
     assert (b["sigma"], b["sample_rate"], b["steps_done"]) == (a["sigma"], a["sample_rate"], a["steps_done"])
 
 
-def test_a_run_that_dies_resumes_on_as_many_ranks_to_the_uninterrupted_result(runs, tmp_path):
+def test_a_run_that_dies_resumes_on_as_many_ranks_to_the_uninterrupted_result(runs):
     _, pair = runs
     resumed = summary(pair, "rc-resumed")
     assert resumed["status"] == "ok" and resumed["resumed_from_step"] == 2
@@ -140,9 +142,7 @@ def test_a_run_that_dies_resumes_on_as_many_ranks_to_the_uninterrupted_result(ru
     left = summary(pair, "left")
     assert left["status"] == "failed" and "went away" in left["error"]
     assert (pair / "left" / "checkpoint.pt").exists()
-    # one process may not resume what two left: the ranks' noise, probe and dropout states are per process
-    from hydra import compose, initialize_config_dir
-    from dpmem.cli import CONF_DIR
+    # one process may not resume what two left: the ranks' probe and dropout states are per process
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = compose("config", overrides=jobs("cpu")[-1]["overrides"] + ["train.checkpoint_every=2"])
     run = Run(cfg, pair / "left")

@@ -292,9 +292,9 @@ class Run:
         world = distributed.world_size()
         if state["world_size"] != world:
             raise RuntimeError(f"{path} was written by a run of {state['world_size']} process(es) and this one has "
-                               f"{world}: resume it with torchrun --nproc_per_node={state['world_size']} (the ranks' "
-                               "noise, sampling and dropout states are per process), or run with train.resume=false "
-                               "in another folder")
+                               f"{world}: resume it with torchrun --nproc_per_node={state['world_size']} (each rank's "
+                               "dropout and probe states are its own), or run with train.resume=false in another "
+                               "folder")
         if state["config"] != self._fingerprint():
             raise RuntimeError(f"{path} was written by another configuration; delete it to start again, or run "
                                "with train.resume=false in another folder")
