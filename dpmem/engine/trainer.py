@@ -270,8 +270,7 @@ class Run:
         and the summary so far, written atomically. It holds the noise generator's state: keep it as private as
         the data. Under torchrun rank 0 writes it, with every rank's RNG state (the ranks' dropout masks differ)."""
         rngs = distributed.gathered({"torch_rng": torch.get_rng_state(),
-                                     "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
-                                     "method": self.method.rank_state()})
+                                     "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None})
         if not self.main:
             return
         state = {"step": step, "config": self._fingerprint(), "world_size": len(rngs), "model": self.model.state_dict(),
@@ -293,7 +292,7 @@ class Run:
         if state["world_size"] != world:
             raise RuntimeError(f"{path} was written by a run of {state['world_size']} process(es) and this one has "
                                f"{world}: resume it with torchrun --nproc_per_node={state['world_size']} (each rank's "
-                               "dropout and probe states are its own), or run with train.resume=false in another "
+                               "dropout state is its own), or run with train.resume=false in another "
                                "folder")
         if state["config"] != self._fingerprint():
             raise RuntimeError(f"{path} was written by another configuration; delete it to start again, or run "
@@ -304,7 +303,6 @@ class Run:
         torch.set_rng_state(rng["torch_rng"].cpu())
         if rng["cuda_rng"] is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda_rng"].cpu())
-        self.method.load_rank_state(rng["method"])
         step = state["step"]
         self.summary.update(state["summary"], resumed_from_step=step)
         self.summary["epsilon_spent"], self._eps_steps = self.ledger.epsilon(step), step

@@ -77,6 +77,8 @@ class Method:
             state["optimizer"] = self.optimizer.state_dict()
         if self.noise is not None and self.noise.generator is not None:
             state["noise_rng"] = self.noise.generator.get_state()
+        if self.privatize is not None and self.privatize.probes is not None:  # dp-sgd-rc's per-step probe seeds
+            state["probe_rng"] = self.privatize.probes.get_state()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -84,13 +86,6 @@ class Method:
             self.optimizer.load_state_dict(state["optimizer"])
         if "noise_rng" in state:
             self.noise.generator.set_state(state["noise_rng"])
-
-    def rank_state(self) -> dict:
-        """Generator states that differ between torchrun's ranks (saved for every rank): the estimators' probes."""
-        probes = self.privatize.probes if self.privatize is not None else None
-        return {"probe_rng": probes.get_state()} if probes is not None else {}
-
-    def load_rank_state(self, state: dict) -> None:
         if "probe_rng" in state:
             self.privatize.probes.set_state(state["probe_rng"])
 

@@ -42,10 +42,13 @@ class GaLore(Method):
     def _parameters(self, model, noise, cfg) -> list[torch.nn.Parameter]:
         return [p for p in model.parameters() if p.requires_grad]
 
-    def gradient(self, microbatches, loss_fn) -> tuple[dict, torch.Tensor]:
-        """The batch-mean gradient of an ordinary backward pass (micro-batches accumulate; ranks sum theirs)."""
+    def gradient(self, microbatches, loss_fn) -> tuple[dict | None, torch.Tensor]:
+        """The batch-mean gradient of an ordinary backward pass (micro-batches accumulate; ranks sum theirs), None
+        when the logical batch is empty."""
         total = distributed.total(sum(batch_size(mb) for mb in microbatches))
         loss_sum = torch.zeros((), device=self.params[0].device)
+        if not total:
+            return None, loss_sum
         for mb in microbatches:
             losses = loss_fn(self.model, mb)
             (losses.sum() / total).backward()
@@ -72,10 +75,10 @@ class GaLore(Method):
                             for i, (P, side) in state["projections"].items()}
 
     def step(self, microbatches, loss_fn):
-        if not self.private and not distributed.total(sum(batch_size(mb) for mb in microbatches)):
-            return torch.zeros((), device=self.params[0].device)  # nothing sampled: no gradient
-        self.t = t = self.t + 1
         grads, loss_sum = self.gradient(microbatches, loss_fn)
+        if grads is None:  # nothing sampled: no gradient, no step
+            return loss_sum
+        self.t = t = self.t + 1
         for p, side in self.sides.items():
             if p not in self.projections or t % self.refresh == 0:
                 self.projections[p] = svd_projection(grads[p], side, self.rank)

@@ -55,10 +55,11 @@ class Privatizer:
         # The estimators' probes (dp-sgd-rc) are fresh at every logical step and shared by its whole batch: every
         # micro-batch, on every rank, draws them again from the step's seed. So neither the physical batch size nor
         # the number of ranks changes them, and the noise generator, which seeds them, draws the same on all ranks.
+        # The step seeds come from a CPU generator (no host sync per step), advanced once per step on every rank.
         self.probes = self._probe_draws = None
         if noise.generator is not None and clipping in ("hutch", "hutchpp"):
             seed = int(torch.randint(2**62, (1,), generator=noise.generator, device=noise.generator.device))
-            self.probes = torch.Generator(device=noise.generator.device).manual_seed(seed)  # step seeds
+            self.probes = torch.Generator().manual_seed(seed)
             self._probe_draws = torch.Generator(device=noise.generator.device)
         self._keep_grads = False  # the second pass of two-pass clipping accumulates into .grad
         self._stepping = False  # inside __call__: the only time its hooks act
@@ -144,7 +145,7 @@ class Privatizer:
         loss_sum = torch.zeros((), device=self.params[0].device)
         probe_seed = None
         if self.probes is not None:
-            probe_seed = int(torch.randint(2**62, (1,), generator=self.probes, device=self.probes.device))
+            probe_seed = int(torch.randint(2**62, (1,), generator=self.probes))
         for mb in microbatches:
             if probe_seed is not None:
                 self._probe_draws.manual_seed(probe_seed)
