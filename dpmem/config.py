@@ -279,6 +279,8 @@ class TrainConfig:
     precision: Precision = Precision.fp32  # bf16 = autocast on CUDA
     # recompute each block's activations in the backward pass instead of keeping them (first-order methods)
     activation_checkpointing: bool = False
+    # under torchrun: shard parameters, gradients and optimiser state over the ranks with FSDP2 (dpmem.sharding)
+    fsdp: bool = False
     # faults: checkpoint.pt in the run folder every N steps (0 = never); a run started again in the same folder
     # (the same hydra.run.dir / hydra.sweep.dir) resumes from it, privacy accounting included
     checkpoint_every: int = 0
@@ -331,6 +333,8 @@ class MemoryConfig:
     # counts exact bytes with the CPU's kernel (to compare with a CPU run)
     target: PlanTarget = PlanTarget.cuda
     device: PlanDevice = PlanDevice.meta
+    # > 1: the peak of one rank of a train.fsdp=true run over this many ranks (simulated in one process)
+    world_size: int = 1
     dir: Optional[str] = None  # output folder; None = outputs/memory/DATE/TIME
 
 

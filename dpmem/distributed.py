@@ -129,6 +129,16 @@ def total(count: int) -> int:
     return int(t)
 
 
+def most(count: int) -> int:
+    """The largest `count` over ranks (how many micro-batches the fullest part of a logical batch has)."""
+    if world_size() == 1:
+        return count
+    t = torch.tensor([count], dtype=torch.int64)
+    with _collective():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
 def reduce_gradients(params) -> None:
     """Sum `.grad` over ranks; a rank that saw no sample (an empty part of a Poisson batch) adds zeros."""
     if world_size() == 1:

@@ -13,6 +13,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from dpmem import sharding
+
 CATEGORIES = ("parameters", "gradients", "per_sample", "optimizer_state", "activations", "temporaries")
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to a multiple of 512 bytes
 
@@ -71,7 +73,7 @@ class LiveTensorCounter(TorchDispatchMode):
     def _add(self, t, category: str) -> None:
         if not isinstance(t, torch.Tensor) or t.is_sparse:
             return
-        storage = t.untyped_storage()
+        storage = sharding.local(t).untyped_storage()  # an FSDP shard: what this rank holds
         key = id(storage)
         if key in self._live:
             return
@@ -91,8 +93,10 @@ class LiveTensorCounter(TorchDispatchMode):
     def _new_peak(self) -> None:
         self.peak = self.current
         breakdown = dict(self.by_category)
-        for p in self._params:
-            entry = self._live.get(id(p.grad.untyped_storage())) if p.grad is not None else None
+        # storages, not gradients: FSDP's gradient shards can be views of one reduce-scatter buffer
+        grads = {id(sharding.local(p.grad).untyped_storage()) for p in self._params if p.grad is not None}
+        for key in grads:
+            entry = self._live.get(key)
             if entry is not None and entry[2] != "gradients":
                 breakdown[entry[2]] -= entry[1]
                 breakdown["gradients"] += entry[1]

@@ -1,7 +1,8 @@
 """Runs dpmem `Run`s in one process or, under torchrun, in each rank (tests/test_distributed.py launches it both
 ways and compares). Usage: python distributed_worker.py OUT_DIR JOBS.json, where JOBS.json is a list of
 {"name": ..., "overrides": [...], "die_at_step": k, "resume": bool} (the last two optional). For each job, rank 0
-saves the initial and final parameters to OUT_DIR/NAME.init.pt and NAME.pt; the run folder is OUT_DIR/NAME/. `die_at_step` makes every rank's
+saves the initial and final parameters to OUT_DIR/NAME.init.pt and NAME.pt (and, with train.fsdp=true, what FSDP
+did per step to NAME.fsdp.json); the run folder is OUT_DIR/NAME/. `die_at_step` makes every rank's
 method raise at that step (a crash after a checkpoint); unless "resume" is false the job is then run again in the
 same folder, which resumes it."""
 
@@ -10,9 +11,11 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from hydra import compose, initialize_config_dir
+from torch.distributed.fsdp import FSDPModule
 
-from dpmem import distributed
+from dpmem import distributed, sharding
 from dpmem.cli import CONF_DIR
 from dpmem.engine.trainer import Run
 
@@ -22,7 +25,8 @@ class Died(Exception):
 
 
 def parameters(model) -> dict:
-    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    """Whole parameters (FSDP's shards gathered: every rank takes part)."""
+    return {n: sharding.full(p.detach()).cpu().clone() for n, p in model.named_parameters()}
 
 
 def run(cfg, folder: Path, die_at_step: int | None = None) -> Run:
@@ -30,8 +34,9 @@ def run(cfg, folder: Path, die_at_step: int | None = None) -> Run:
         folder.mkdir(parents=True, exist_ok=True)
     run = Run(cfg, folder)
     run.prepare()
+    initial = parameters(run.model)
     if distributed.is_main():
-        torch.save(parameters(run.model), folder.parent / f"{folder.name}.init.pt")
+        torch.save(initial, folder.parent / f"{folder.name}.init.pt")
     if die_at_step is not None:
         real, calls = run.method.step, []
 
@@ -41,8 +46,44 @@ def run(cfg, folder: Path, die_at_step: int | None = None) -> Run:
                 raise Died("the machine went away")
             return real(micro, loss_fn)
         run.method.step = dies
-    run.execute()
+    log = FSDPWatch(run) if cfg.train.fsdp else None
+    try:
+        run.execute()
+    finally:
+        if log is not None:
+            log.close()
     return run
+
+
+class FSDPWatch:
+    """Per step of an FSDP run, on every rank: its micro-batches, how many were padding, and how many reduce-scatters
+    FSDP made (gathered to rank 0 as `steps`, one list per rank)."""
+
+    def __init__(self, run: Run):
+        self.calls, self.log, self.run = 0, [], run
+        self.reduce_scatter = dist.reduce_scatter_single
+        self.units = sum(isinstance(m, FSDPModule) for m in run.model.modules())
+
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return self.reduce_scatter(*args, **kwargs)
+        dist.reduce_scatter_single = counting
+        real = run.method.step
+
+        def step(micro, loss_fn):
+            self.calls = 0
+            out = real(micro, loss_fn)
+            self.log.append({"micro": len(micro), "padding": sum(isinstance(m, sharding.Padding) for m in micro),
+                             "reduce_scatters": self.calls})
+            return out
+        run.method.step = step
+
+    def close(self) -> None:
+        dist.reduce_scatter_single = self.reduce_scatter
+        steps = distributed.gathered(self.log)
+        if distributed.is_main():
+            record = {"units": self.units, "steps": steps}
+            (self.run.run_dir.parent / f"{self.run.run_dir.name}.fsdp.json").write_text(json.dumps(record))
 
 
 def main(out: Path, jobs: list[dict]) -> None:
@@ -54,8 +95,9 @@ def main(out: Path, jobs: list[dict]) -> None:
         done = run(cfg, folder, job.get("die_at_step"))
         if job.get("die_at_step") is not None and job.get("resume", True):
             done = run(cfg, folder)
+        final = parameters(done.model)
         if distributed.is_main():
-            torch.save(parameters(done.model), out / f"{job['name']}.pt")
+            torch.save(final, out / f"{job['name']}.pt")
     distributed.close()
 
 

@@ -19,6 +19,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from dpmem.cli import CONF_DIR
+from dpmem.config import ConfigError
+from dpmem.engine.planner import plan
 from dpmem.engine.trainer import Run
 from tests.test_resume import SMALL
 
@@ -49,6 +51,12 @@ NOISE = ["method=dp-sgd", "train.lr=1.0", "train.steps=1", "privacy.noise_seed=5
 # dp-sgd-rc's probes come from the noise seed; privacy=none, since the rc accountant takes half a minute
 RC = ["method=dp-sgd-rc", "method.k=4", "privacy=none", "privacy.noise_seed=2", "train.steps=4",
       "train.physical_batch_size=8", *ADAM]
+# FSDP (two ranks only) runs these jobs again with sharded parameters; the two-rank data-parallel run is the oracle
+FSDP = ["adam", "dp-adam-ghost", "dp-sgd-mixed", "grape"]
+FSDP_NOISE = ["method.clipping=ghost", "train.physical_batch_size=4"]  # the noise jobs, in a mode FSDP runs
+# rank 0's counted peak, which `dpmem memory memory.world_size=2` plans: batches of exactly 16 per rank
+MEMORY = COMMON + ["method=dp-adam", "method.clipping=mixed", "privacy=none", "train.sampling=fixed",
+                   "train.steps=4", "logging.memory_steps=2", "memory.target=cpu"]
 
 
 def env():
@@ -76,12 +84,21 @@ def runs(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"distributed-{device}")
     single, pair = root / "single", root / "pair"
     single.mkdir(), pair.mkdir()
-    (single / "jobs.json").write_text(json.dumps(jobs(device)))
+    memory = {"name": "memory", "overrides": MEMORY + [f"train.device={device}"]}
+    (single / "jobs.json").write_text(json.dumps(jobs(device) + [memory]))
     resumed = [{"name": "rc-resumed", "overrides": jobs(device)[-1]["overrides"] + ["train.checkpoint_every=2"],
                 "die_at_step": 3},
                {"name": "left", "overrides": jobs(device)[-1]["overrides"] + ["train.checkpoint_every=2"],
                 "die_at_step": 3, "resume": False}]
-    (pair / "jobs.json").write_text(json.dumps(jobs(device) + resumed))
+    by_name = {job["name"]: job["overrides"] for job in jobs(device)}
+    sharded = [{"name": f"fsdp-{name}", "overrides": by_name[name] + ["train.fsdp=true"]} for name in FSDP]
+    sharded += [{"name": f"fsdp-{name}", "overrides": by_name[name] + FSDP_NOISE + ["train.fsdp=true"]}
+                for name in ("noise-on", "noise-off")]
+    # one sample per micro-batch: the ranks' parts of a Poisson batch differ in size, so a rank pads
+    sharded += [{"name": "fsdp-padded",
+                 "overrides": by_name["dp-adam-ghost"] + ["train.physical_batch_size=1", "train.fsdp=true"]},
+                {"name": "fsdp-memory", "overrides": memory["overrides"] + ["train.fsdp=true"]}]
+    (pair / "jobs.json").write_text(json.dumps(jobs(device) + resumed + sharded))
     worker = str(HERE / "distributed_worker.py")
     one = subprocess.Popen([sys.executable, worker, str(single), str(single / "jobs.json")], env=env(),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -197,3 +214,103 @@ def test_rank_0_alone_writes_the_run_folder_and_a_rank_that_dies_fails_the_run(t
     assert s["status"] == "failed", (s["status"], s["error"], out[-2000:])
     assert s["error"].startswith(("PeerFailure: another rank failed", "Terminated: SIGTERM (torchrun")), s["error"]
     assert 3 <= s["steps_done"] < 100000, s
+
+
+def fsdp_record(pair: Path, name: str) -> dict:
+    return json.loads((pair / f"fsdp-{name}.fsdp.json").read_text())
+
+
+@pytest.mark.parametrize("name", FSDP)
+def test_fsdp_trains_to_the_parameters_of_data_parallel_ranks(runs, name):
+    _, pair = runs
+    sharded, replicated = params(pair, f"fsdp-{name}"), params(pair, name)
+    s = summary(pair, f"fsdp-{name}")
+    assert s["status"] == "ok" and s["fsdp"] is True, s["error"]
+    assert s["samples_seen"] == summary(pair, name)["samples_seen"]
+    assert fsdp_record(pair, name)["units"] == 2  # the one block, and the rest of the model
+    for key in replicated:
+        torch.testing.assert_close(sharded[key], replicated[key], rtol=0, atol=1e-5, msg=f"{name}: {key}")
+
+
+def test_fsdp_ranks_pad_to_as_many_micro_batches_which_change_nothing(runs):
+    _, pair = runs
+    steps = fsdp_record(pair, "padded")["steps"]  # per rank, per step
+    for r0, r1 in zip(*steps):
+        assert r0["micro"] == r1["micro"]
+    assert sum(step["padding"] for rank in steps for step in rank) > 0  # Poisson parts differ: some steps padded
+    padded, replicated = params(pair, "fsdp-padded"), params(pair, "dp-adam-ghost")
+    for key in replicated:
+        torch.testing.assert_close(padded[key], replicated[key], rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("name", [*FSDP, "padded"])
+def test_fsdp_reduce_scatters_only_what_the_update_needs(runs, name):
+    """Two-pass clipping's first backward sends nothing (its batch gradients are dropped before FSDP sees them):
+    one reduce-scatter per unit and micro-batch, from the second pass, as plain Adam's one backward makes. The
+    first step's coverage check keeps one first pass's gradients, and FSDP reduces them: one more per unit. DP-GRAPE
+    reduce-scatters nothing: its projected sums are all-reduced."""
+    record = fsdp_record(runs[1], name)
+    units = record["units"]
+    for rank in record["steps"]:
+        for t, step in enumerate(rank):
+            coverage = units if t == 0 and name != "adam" else 0
+            expected = 0 if name == "grape" else units * step["micro"]
+            assert step["reduce_scatters"] == expected + coverage, (t, step)
+
+
+def test_fsdp_noise_is_one_draw_per_coordinate_each_rank_its_own(runs):
+    _, pair = runs
+    on, off, s = params(pair, "fsdp-noise-on"), params(pair, "fsdp-noise-off"), summary(pair, "fsdp-noise-on")
+    scale = s["sample_rate"] * s["n_train"]
+    z = {k: (on[k] - off[k]) * scale for k in on}
+    ratio = float(torch.cat([v.flatten() for v in z.values()]).var() / (s["sigma"] * s["max_grad_norm"]) ** 2)
+    assert abs(ratio - 1) < 0.15, ratio
+    # each rank drew its own rows: not the data-parallel run's shared draw, not the other rank's draw
+    ddp = params(pair, "noise-on")
+    ddp_z = {k: (ddp[k] - params(pair, "noise-off")[k]) * scale for k in ddp}
+    big = [k for k in z if z[k].dim() == 2 and z[k].shape[0] % 2 == 0 and z[k].numel() > 200]
+    assert big
+    for k in big:
+        first, second = z[k].chunk(2)
+        assert not torch.allclose(first, second, atol=1e-3 * float(first.abs().max())), k
+        assert not torch.allclose(z[k], ddp_z[k], atol=1e-3 * float(z[k].abs().max())), k
+
+
+def test_the_per_rank_plan_equals_rank_0s_counted_peak(runs):
+    """`dpmem memory memory.world_size=2` simulates rank 0 of two in one process (fake process group and tensors);
+    a real two-rank FSDP run counts its live tensors on CPU: the peak planned, plus what the trainer holds beside
+    the steps (its sampler's and data set's tensors), which a one-process run and its plan show."""
+    single, pair = runs
+    sharded, whole = summary(pair, "fsdp-memory"), summary(single, "memory")
+    assert sharded["status"] == "ok" and sharded["peak_memory_source"] == "live_tensors", sharded["error"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        planned = {n: plan(compose("config", overrides=MEMORY + [f"memory.world_size={n}"])) for n in (1, 2)}
+    assert (planned[2]["per_rank_batch_size"], planned[2]["world_size"]) == (16, 2)
+    beside = whole["peak_memory_bytes"] - planned[1]["peak_bytes"]
+    assert 0 <= beside < 0.1 * planned[2]["peak_bytes"]
+    assert sharded["peak_memory_bytes"] == planned[2]["peak_bytes"] + beside
+    assert planned[2]["breakdown"]["optimizer_state"] < 0.6 * planned[1]["breakdown"]["optimizer_state"]
+
+
+GHOST = ["method=dp-adam", "method.clipping=ghost"]
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["method=dp-adam", "method.clipping=bk", "train.fsdp=true"], "train.fsdp", "dp-adam (bk) needs whole"),
+    (["method=dpzero", "train.fsdp=true"], "train.fsdp", "dpzero"),
+    (["method=galore-dp-naive", "train.fsdp=true"], "train.fsdp", "galore-dp-naive"),
+    ([*GHOST, "train.fsdp=true", "train.checkpoint_every=2"], "train.checkpoint_every", "not written yet"),
+    ([*GHOST, "train.fsdp=true"], "train.fsdp", "--nproc_per_node=N"),  # one process: nothing to shard over
+    (["method=dp-adam", "method.clipping=bk", "memory.world_size=2"], "train.fsdp", "two-pass"),
+    ([*GHOST, "memory.world_size=2", "memory.device=cpu"], "memory.device", "torchrun"),
+    ([*GHOST, "memory.world_size=0"], "memory.world_size", "at least 1"),
+])
+def test_fsdp_refuses_what_it_cannot_run(tmp_path, overrides, key, words):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("config", overrides=COMMON + overrides)
+    with pytest.raises(ConfigError) as refused:
+        if any(o.startswith("memory.") for o in overrides):
+            plan(cfg)
+        else:
+            Run(cfg, tmp_path).prepare()
+    assert refused.value.key == key and words in str(refused.value), str(refused.value)

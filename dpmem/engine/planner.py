@@ -1,9 +1,14 @@
 """Memory planning: real training steps of the real method code on the `meta` device (no weights, nothing
 allocated) under the live-tensor counter, which gives the peak and what it is made of, in seconds, for any model
-that has an architecture config. `device=cpu` (or cuda) runs the same steps on real tensors, to check the plan."""
+that has an architecture config. `device=cpu` (or cuda) runs the same steps on real tensors, to check the plan.
+
+`memory.world_size=N` plans one rank of a `train.fsdp=true` run over N ranks: the same steps, on rank 0 of N
+simulated in this process (`dpmem.sharding.simulated_ranks`: torch's fake process group and fake tensors), with
+the rank's share of the logical batch. FSDP shards the state, and gathers and frees each block, as it would."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
@@ -11,8 +16,10 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
+from dpmem import sharding
 from dpmem.config import ConfigError, enum_value
 from dpmem.data import build_data, example_batch
 from dpmem.metering import CUDA_BLOCK, LiveTensorCounter, labelled_forward
@@ -51,7 +58,7 @@ class AttentionKernels(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and args[0].device.type == "meta":
+        if func is F.scaled_dot_product_attention and (args[0].device.type == "meta" or isinstance(args[0], FakeTensor)):
             call = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
                             args), **kwargs)
             q, k, v = call["query"], call["key"], call["value"]
@@ -94,35 +101,51 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
         raise ConfigError("train.precision", "memory is planned in fp32: autocast has no meta backend, so a bf16 "
                           "plan would be a guess; allowed: fp32 (measure bf16 on a GPU: scripts/validate_memory.py)")
     batch = batch_size or t.batch_size
-    physical = min(physical_batch_size or t.physical_batch_size or batch, batch)
+    world = mem.world_size
     device = torch.device(device or enum_value(mem.device))
+    if world > 1:
+        sharding.check_method(method_class(m.name), m)
+        if device.type != "meta":
+            raise ConfigError("memory.device", "a plan over memory.world_size ranks is simulated (meta); to measure "
+                              "one, run torchrun --nproc_per_node=N -m dpmem train train.fsdp=true")
+        device = torch.device("cpu")  # fake tensors, which FSDP takes (it refuses meta ones)
+    elif world < 1:
+        raise ConfigError("memory.world_size", f"{world} must be at least 1")
+    per_rank = -(-batch // world)  # the fullest rank's part of the logical batch (its expected size, rounded up)
+    physical = min(physical_batch_size or t.physical_batch_size or per_rank, per_rank)
     tic = time.perf_counter()
     torch.manual_seed(t.seed)
     data = build_data(cfg.data, cfg.model)
-    with torch.device(device):
+    with torch.device("meta" if world > 1 else device):
         model = build_model(cfg.model, data, weights=False).train()
     target = enum_value(mem.target)
     if t.activation_checkpointing:
         checkpoint_activations(model, lambda: AttentionKernels(target))
-    noise = None
-    if method_class(m.name).private:  # sigma and the generator change values, not memory
-        gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(0)
-        noise = Noise(1.0, m.max_grad_norm, float(batch), gen)
-    method = build_method(m, model, t.lr, noise, seed=t.seed)
-    sizes = [physical] * (batch // physical) + ([batch % physical] if batch % physical else [])
-    micro = [example_batch(data, size, device) for size in sizes]
-    loss_fn = labelled_forward(data.per_sample_loss)
-    block = CUDA_BLOCK if target == "cuda" else 1
-    with AttentionKernels(target):
-        method.step(micro, loss_fn)
-        counter = LiveTensorCounter(block).track_state(model, method)
-        counter.track((v for mb in micro for v in mb.values()), "activations")  # the inputs
-        if device.type == "cuda":  # a real GPU: its allocator's peaks beside the count (scripts/validate_memory)
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        with counter:
-            for _ in range(mem.steps - 1):
-                method.step(micro, loss_fn)
+    ranks = sharding.simulated_ranks(world) if world > 1 else contextlib.nullcontext()
+    with ranks as mesh:
+        if mesh is not None:
+            sharding.shard_model(model.to_empty(device=device), mesh)  # fake tensors, uninitialised
+            m = m.copy()
+            m.check_coverage = False  # fake tensors have no values to compare
+        noise = None
+        if method_class(m.name).private:  # sigma and the generator change values, not memory
+            gen = None if device.type == "meta" or mesh is not None else torch.Generator(device=device).manual_seed(0)
+            noise = Noise(1.0, m.max_grad_norm, float(batch), gen)
+        method = build_method(m, model, t.lr, noise, seed=t.seed)
+        sizes = [physical] * (per_rank // physical) + ([per_rank % physical] if per_rank % physical else [])
+        micro = [example_batch(data, size, device) for size in sizes]
+        loss_fn = labelled_forward(data.per_sample_loss)
+        block = CUDA_BLOCK if target == "cuda" else 1
+        with AttentionKernels(target):
+            method.step(micro, loss_fn)
+            counter = LiveTensorCounter(block).track_state(model, method)
+            counter.track((v for mb in micro for v in mb.values()), "activations")  # the inputs
+            if device.type == "cuda":  # a real GPU: its allocator's peaks beside the count (scripts/validate_memory)
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            with counter:
+                for _ in range(mem.steps - 1):
+                    method.step(micro, loss_fn)
     cuda = {}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -131,7 +154,8 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     params = list(model.parameters())
     return {
         "method": m.name, "model": cfg.model.name, "data": cfg.data.name, "input_shape": list(data.input_shape),
-        "batch_size": batch, "physical_batch_size": physical, "device": device.type, "target": target,
+        "batch_size": batch, "physical_batch_size": physical, "device": "meta" if world > 1 else device.type,
+        "target": target, "world_size": world, "per_rank_batch_size": per_rank,
         "steps": mem.steps,
         "parameters": sum(p.numel() for p in params),
         "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),

@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from dpmem import distributed
+from dpmem import distributed, sharding
 from dpmem.config import ConfigError, enum_value
 from dpmem.data import DataBundle, build_data
 from dpmem.engine.summary import append_metrics, json_ready, summary_table, versions, write_summary
@@ -86,6 +86,8 @@ class Run:
         self.exception: Exception | None = None  # a training failure, re-raised by run_training
         self._eps_steps = 0  # the step count epsilon_spent was last computed for
         self.main = distributed.is_main()
+        # rank 0 evaluates alone, unless FSDP's sharded forward needs every rank (all evaluate; rank 0 records)
+        self.evaluates = self.main or cfg.train.fsdp
 
     # -- set-up (configuration errors surface here, before anything is trained) ----------------------------
     def prepare(self) -> None:
@@ -108,6 +110,9 @@ class Run:
             torch.manual_seed(t.seed + 1_000_003 * distributed.rank())
         if t.activation_checkpointing:
             checkpoint_activations(self.model)
+        if t.fsdp:
+            self._check_fsdp(method)
+            sharding.shard_model(self.model, sharding.mesh(self.device.type))
         self.model.train()
         self.ledger = PrivacyLedger(cfg, method, self.model, n, self.steps, self.sampling)
         noise = self.ledger.noise(m.max_grad_norm, p.noise_seed, self.device) if method.private else None
@@ -130,7 +135,7 @@ class Run:
             "seed": t.seed, "device": str(self.device), **self.ledger.fields,
             "steps": self.steps, "steps_done": 0, "samples_seen": 0, "batch_size": t.batch_size,
             "physical_batch_size": t.physical_batch_size or t.batch_size, "n_train": n, "lr": t.lr,
-            "world_size": distributed.world_size(), "backend": distributed.backend(),
+            "world_size": distributed.world_size(), "backend": distributed.backend(), "fsdp": t.fsdp,
             "metric_name": self.data.metric_name, "metric_final": None, "metric_best": None,
             "peak_memory_bytes": None, "peak_memory_allocated_bytes": None, "peak_memory_source": None,
             "throughput_samples_per_s": None, "wall_time_s": None, "error": None,
@@ -140,6 +145,16 @@ class Run:
             self.summary["subspace"] = {"path": m.subspace.path, "k": subspace.k, "where": subspace.where,
                                         "private": ok, "why": why}
         self._write_summary()
+
+    def _check_fsdp(self, method) -> None:
+        t = self.cfg.train
+        sharding.check_method(method, self.cfg.method)
+        if t.checkpoint_every:
+            raise ConfigError("train.checkpoint_every", "checkpoints of FSDP's sharded state are not written yet; "
+                              "use train.checkpoint_every=0 with train.fsdp=true")
+        if distributed.world_size() == 1:
+            raise ConfigError("train.fsdp", "shards over the ranks of a torchrun launch; run torchrun "
+                              "--nproc_per_node=N -m dpmem train ... with N > 1, or train.fsdp=false")
 
     def _write_summary(self) -> None:
         if self.main:
@@ -245,7 +260,7 @@ class Run:
                     bar.set_postfix(loss=f"{mean_loss:.3f}", eps=f"{s['epsilon_spent']:.2f}",
                                     sps=f"{s['throughput_samples_per_s']:.0f}", refresh=False)
                     loss_sum, loss_count = None, 0
-                if t.eval_every and (step + 1) % t.eval_every == 0 and not last and self.main:
+                if t.eval_every and (step + 1) % t.eval_every == 0 and not last and self.evaluates:
                     record[s["metric_name"]] = self._evaluate()
                 if record:
                     self._record({"step": step + 1, **record})
@@ -255,7 +270,7 @@ class Run:
                 bar.update(1)
             if self._ctrl_c:
                 raise KeyboardInterrupt
-            if self.main:
+            if self.evaluates:
                 final = self._evaluate()
                 s["metric_final"] = final
                 self._record({"step": s["steps_done"], s["metric_name"]: final, "final": True})
@@ -329,10 +344,16 @@ class Run:
             return lr, self.method.step(micro, self.data.per_sample_loss)
 
     def microbatches(self, index: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-        """A logical batch (training-set indices) as physical micro-batches on the device."""
+        """A logical batch (training-set indices) as physical micro-batches on the device. Under FSDP every rank
+        runs as many as the fullest rank: the others add padding ones (one sample, weighing 0)."""
         physical = self.cfg.train.physical_batch_size or self.cfg.train.batch_size
-        return [{k: v.to(self.device, non_blocking=True) for k, v in self.data.batch(self.data.train, chunk).items()}
-                for chunk in index.split(physical)] if len(index) else []
+        chunks = list(index.split(physical)) if len(index) else []
+        padding = distributed.most(len(chunks)) - len(chunks) if self.cfg.train.fsdp else 0
+        return ([self._on_device(chunk) for chunk in chunks]
+                + [sharding.Padding(self._on_device(torch.zeros(1, dtype=torch.long))) for _ in range(padding)])
+
+    def _on_device(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device, non_blocking=True) for k, v in self.data.batch(self.data.train, index).items()}
 
     def batches(self):
         """The logical batches of the run's `steps` steps, as the sampler draws them."""

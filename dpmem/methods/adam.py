@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dpmem import distributed
+from dpmem import distributed, sharding
 from dpmem.config import OptimizerConfig
 from dpmem.methods.base import Method, batch_size, make_optimizer
 
@@ -17,15 +17,20 @@ class Adam(Method):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, cfg, lr)
 
+    @classmethod
+    def shardable(cls, cfg) -> bool:
+        return True
+
     def step(self, microbatches, loss_fn):
-        total = distributed.total(sum(batch_size(mb) for mb in microbatches))  # the logical batch, all ranks
+        # the logical batch over all ranks (FSDP's padding micro-batches weigh 0)
+        total = distributed.total(sum(batch_size(mb) for mb in microbatches if sharding.weight(mb)))
         loss_sum = torch.zeros(())
         for mb in microbatches:
-            losses = loss_fn(self.model, mb)
-            (losses.sum() / total).backward()
+            losses = loss_fn(self.model, mb) * sharding.weight(mb)
+            (losses.sum() / max(total, 1)).backward()
             loss_sum = loss_sum.to(losses.device) + losses.detach().sum()
-        if total:
-            distributed.reduce_gradients(self.params)
+        if total:  # FSDP has reduced its shards' gradients already
+            distributed.reduce_gradients([p for p in self.params if not sharding.is_sharded(p)])
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum

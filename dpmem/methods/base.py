@@ -52,6 +52,11 @@ class Method:
     privatize = None  # first-order private methods: their dpmem.methods.privatize.Privatizer
 
     @classmethod
+    def shardable(cls, cfg) -> bool:
+        """Whether its steps run with FSDP's sharded parameters (train.fsdp; see dpmem.sharding)."""
+        return False
+
+    @classmethod
     def norm_rule(cls, cfg) -> str | None:
         """How per-sample norms are formed (materialize, bk, fgc, ghost, mixed, hutch, hutchpp), for the summary."""
         return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dpmem.config import DPAdamConfig, enum_value
 from dpmem.methods.base import Method, Noise, make_optimizer
-from dpmem.methods.privatize import Privatizer
+from dpmem.methods.privatize import ONE_PASS, Privatizer
 
 
 class DPAdam(Method):
@@ -21,6 +21,10 @@ class DPAdam(Method):
                                     **self.norm_options(cfg))
         self.params = self.privatize.params
         self.optimizer = make_optimizer(self.params, cfg, lr)
+
+    @classmethod
+    def shardable(cls, cfg) -> bool:  # two passes: autograd forms the clipped sum, which FSDP reduce-scatters
+        return cls.norm_rule(cfg) not in ONE_PASS
 
     @classmethod
     def norm_rule(cls, cfg) -> str:

@@ -30,6 +30,10 @@ class Grape(Method):
     private = True  # its clipped sums live in the projected space: no full privatised gradient
 
     @classmethod
+    def shardable(cls, cfg) -> bool:  # its clipped sums are small projections, all-reduced whole
+        return True
+
+    @classmethod
     def norm_rule(cls, cfg) -> str:
         return "materialize"  # the projected per-sample gradients are small: they are materialised
 

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dpmem import distributed
+from dpmem import distributed, sharding
 from dpmem.metering import memory_label
 from dpmem.methods.base import Noise, batch_size
 from dpmem.persample import (PerSampleGradients, clip_factors, per_sample_norms, verify_coverage, weighted_sum,
@@ -72,6 +72,19 @@ class Privatizer:
         drop = weakly(self._drop_grad)
         self._handles = [p.register_post_accumulate_grad_hook(drop) for p in self.params]
         self._close = weakref.finalize(self, remove_handles, self._handles)
+        if any(sharding.is_sharded(p) for p in self.params):
+            # FSDP: a layer computes with gathered stand-ins of its parameters, and autograd's batch gradient lands
+            # on those; dropped there before FSDP reduce-scatters what it finds, it costs no communication
+            self._stand_ins: dict[int, torch.Tensor] = {}  # by id (tensors compare elementwise); FSDP keeps them
+            watch = weakly(self._watch_stand_ins)
+            self._handles += [m.register_forward_pre_hook(watch) for m in model.modules()
+                              if any(p.requires_grad for p in m.parameters(recurse=False))]
+
+    def _watch_stand_ins(self, module: nn.Module, args) -> None:
+        for q in module.parameters(recurse=False):
+            if q.requires_grad and not sharding.is_sharded(q) and id(q) not in self._stand_ins:
+                self._stand_ins[id(q)] = q
+                self._handles.append(q.register_post_accumulate_grad_hook(weakly(self._drop_grad)))
 
     def close(self) -> None:
         """Remove every hook it put on the model (idempotent)."""
@@ -99,7 +112,8 @@ class Privatizer:
                 summed, loss_sum = self._two_pass(microbatches, loss_fn)
         finally:
             self._stepping = False
-        distributed.sum_(summed.values())  # the clipped sums of the whole logical batch, on every rank
+        # the clipped sums of the whole logical batch, on every rank (FSDP's shards are reduced already)
+        distributed.sum_(s for s in summed.values() if not sharding.is_sharded(s))
         if self.observe is not None:  # e.g. dpmem spectrum's recorder of the non-noised clipped mean
             self.observe(summed, self.noise.expected_batch_size)
         if self.canaries is not None:  # planted gradients, clipped as the real ones are, summed before the noise
@@ -129,12 +143,12 @@ class Privatizer:
                 ones = torch.ones(batch_size(mb), device=self.params[0].device)
                 verify_coverage(self.model, self.params, weighted_sum(grads, ones), coverage_transform)
             norms = per_sample_norms(grads, "mixed" if bk else "ghost")  # exact; mixed: the cheaper per layer
-            factors = clip_factors(norms, self.noise.max_grad_norm)
+            factors = clip_factors(norms, self.noise.max_grad_norm) * sharding.weight(mb)
             for p, g in grads.items():  # one parameter at a time: no second model-sized temporary
                 with memory_label("gradients"):
                     _accumulate(summed, p, weighted_sum_of(g, factors))
             self.persample.clear()
-            loss_sum = loss_sum + losses.detach().sum()
+            loss_sum = loss_sum + losses.detach().sum() * sharding.weight(mb)
         return self._completed(summed, shapes), loss_sum
 
     def _squared_norms(self, p: nn.Parameter, g) -> torch.Tensor:
@@ -157,7 +171,7 @@ class Privatizer:
                 self._check_coverage = False
                 verify_coverage(self.model, self.params, self.persample.sums)
                 self.persample.sums = {}
-            factors = clip_factors(self.persample.squared_norms.sqrt(), self.noise.max_grad_norm)
+            factors = clip_factors(self.persample.squared_norms.sqrt(), self.noise.max_grad_norm) * sharding.weight(mb)
             self._keep_grads = True
             try:  # second pass: autograd forms Σᵢ fᵢ gᵢ in .grad
                 (losses * factors.to(losses.dtype)).sum().backward()
@@ -167,13 +181,15 @@ class Privatizer:
                 if p.grad is not None:
                     _accumulate(summed, p, p.grad)
                     p.grad = None
-            loss_sum = loss_sum + losses.detach().sum()
-        return self._completed(summed, {p: p.shape for p in self.params}), loss_sum
+            loss_sum = loss_sum + losses.detach().sum() * sharding.weight(mb)
+        return self._completed(summed), loss_sum
 
-    def _completed(self, summed, shapes) -> dict[nn.Parameter, torch.Tensor]:
-        """Every parameter's clipped sum: zeros for one that no micro-batch reached."""
+    def _completed(self, summed, shapes=None) -> dict[nn.Parameter, torch.Tensor]:
+        """Every parameter's clipped sum: zeros (of `shapes[p]`, else of p: a shard under FSDP) for one that no
+        micro-batch reached."""
         with memory_label("gradients"):
-            return {p: summed[p] if p in summed else torch.zeros(shapes[p], device=p.device, dtype=p.dtype)
+            return {p: summed[p] if p in summed else
+                    torch.zeros_like(p) if shapes is None else torch.zeros(shapes[p], device=p.device, dtype=p.dtype)
                     for p in self.params}
 
 
@@ -184,10 +200,26 @@ def _accumulate(summed: dict, p: nn.Parameter, part: torch.Tensor) -> None:
 
 
 def add_noise(summed: dict[nn.Parameter, torch.Tensor], noise: Noise) -> dict[nn.Parameter, torch.Tensor]:
-    """The Gaussian mechanism on clipped sums, in place: (Σᵢ clip(gᵢ) + N(0, σ²C² I)) / (q·n)."""
+    """The Gaussian mechanism on clipped sums, in place: (Σᵢ clip(gᵢ) + N(0, σ²C² I)) / (q·n).
+
+    A sum every rank holds whole gets the same draw on every rank (the generator has one seed). A sum sharded by
+    FSDP gets, on each rank, a draw for its own shard from that rank's generator of the step."""
     std = noise.sigma * noise.max_grad_norm
+    own = None
     for p, s in summed.items():
+        part = sharding.local(s)
         if std > 0:  # sigma = 0 only for privacy=none: clipping without noise
-            s += std * torch.randn(s.shape, generator=noise.generator, device=s.device, dtype=s.dtype)
-        s /= noise.expected_batch_size
+            generator = noise.generator
+            if part is not s and generator is not None:  # (None: planning on meta, where values are not drawn)
+                own = own or _rank_generator(generator)
+                generator = own
+            part += std * torch.randn(part.shape, generator=generator, device=part.device, dtype=part.dtype)
+        part /= noise.expected_batch_size
     return summed
+
+
+def _rank_generator(shared: torch.Generator) -> torch.Generator:
+    """This rank's generator for one step's noise on its shards: seeded by the step's draw of the shared generator
+    (the same on every rank, which keeps the shared one in step) and the rank."""
+    step = int(torch.randint(2**62, (1,), generator=shared, device=shared.device))
+    return torch.Generator(device=shared.device).manual_seed((step + 1_000_003 * distributed.rank()) % 2**63)

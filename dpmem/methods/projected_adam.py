@@ -2,7 +2,8 @@
 
     M ← β₁M + (1−β₁)R ;  V ← β₂V + (1−β₂)R² ;  α = η·√(1−β₂ᵗ)/(1−β₁ᵗ) ;  W ← W − α · lift(M / (√V + ε̂))
 
-Parameters without a projection keep full-size moments and lift is the identity. The caller says which
+Parameters without a projection keep full-size moments and lift is the identity. Under FSDP (`dpmem.sharding`) each
+rank keeps the moments of its rows of an unprojected parameter, and lifts the update onto its rows only. The caller says which
 projection lifts each parameter at step t (regenerated for DP-GRAPE, stored for GaLore); moments carry over
 when the projection changes, as the algorithm is written.
 """
@@ -16,6 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dpmem import sharding
 from dpmem.config import ConfigError
 from dpmem.persample import Projection, projectable_weights
 
@@ -69,8 +71,10 @@ class ProjectedAdam:
     def __init__(self, params: list[nn.Parameter], shapes: dict[nn.Parameter, torch.Size], betas, eps: float,
                  weight_decay: float = 0.0):
         self.params, self.betas, self.eps, self.weight_decay = params, tuple(betas), eps, weight_decay
-        self.moments = {p: (torch.zeros(shapes[p], device=p.device, dtype=p.dtype),
-                            torch.zeros(shapes[p], device=p.device, dtype=p.dtype)) for p in params}
+        # an unprojected parameter's moments have its shape: under FSDP, that of this rank's shard
+        local = {p: sharding.local(p).shape if shapes[p] == p.shape else shapes[p] for p in params}
+        self.moments = {p: (torch.zeros(local[p], device=p.device, dtype=p.dtype),
+                            torch.zeros(local[p], device=p.device, dtype=p.dtype)) for p in params}
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [m for pair in self.moments.values() for m in pair]
@@ -90,12 +94,14 @@ class ProjectedAdam:
         alpha = lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
         for p in self.params:
             m, v = self.moments[p]
-            m.mul_(beta1).add_(grads[p], alpha=1 - beta1)
-            v.mul_(beta2).addcmul_(grads[p], grads[p], value=1 - beta2)
+            proj, rows = projection(p), sharding.rows(p)  # rows: all of them, or this rank's shard's
+            g = grads[p] if proj is not None else grads[p][rows]
+            m.mul_(beta1).add_(g, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             update = m / (v.sqrt() + self.eps)
-            proj = projection(p)
             if proj is not None:
-                update = proj.lift(update)
+                update = proj.lift(update, rows)
+            target = sharding.local(p)
             if self.weight_decay:
-                p.mul_(1 - lr * self.weight_decay)
-            p.sub_(alpha * update)
+                target.mul_(1 - lr * self.weight_decay)
+            target.sub_(alpha * update)

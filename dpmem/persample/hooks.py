@@ -13,6 +13,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from dpmem import distributed, sharding
 from dpmem.metering import memory_label
 from dpmem.persample import rules  # noqa: F401  (registers the layer rules)
 from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads
@@ -367,6 +368,9 @@ def verify_coverage(model: nn.Module, params: list[nn.Parameter], totals: dict[n
         p.grad = None
     if not params or params[0].device.type == "meta":
         return
+    if any(sharding.is_sharded(g) for _, g, _ in pairs):  # FSDP: the batch gradient is the sum over the ranks
+        distributed.sum_(t for _, _, t in pairs if t is not None)
+        pairs = [(p, None if g is None else sharding.full(g), t) for p, g, t in pairs]
     names = {p: n for n, p in model.named_parameters()}
     # float32 sums differ in rounding only; gradients that vanish analytically (attention key biases) are
     # compared against the scale of the whole gradient, not their own

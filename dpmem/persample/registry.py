@@ -29,9 +29,9 @@ class Projection:
         """A (rows, cols) matrix to its projected form."""
         return self.P.T @ g if self.side == 0 else g @ self.P
 
-    def lift(self, u: torch.Tensor) -> torch.Tensor:
-        """A projected matrix back to (rows, cols)."""
-        return self.P @ u if self.side == 0 else u @ self.P.T
+    def lift(self, u: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """A projected matrix back to (rows, cols), or only the given rows of it (an FSDP shard's)."""
+        return self.P[rows] @ u if self.side == 0 else u[rows] @ self.P.T
 
 
 def projected_outer(x: torch.Tensor, y: torch.Tensor, projection: Projection | None) -> torch.Tensor:

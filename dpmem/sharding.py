@@ -1,0 +1,119 @@
+"""`train.fsdp=true` under torchrun: the run's parameters, gradients and optimiser state sharded over the ranks with
+FSDP2 (`torch.distributed.fsdp.fully_shard`), for models whose training state does not fit one device.
+
+Each block of the model's stack (every element of its outermost `nn.ModuleList`s: ViT's, RoBERTa's, OPT's and
+Llama's layers) is one FSDP unit, the rest of the model (embeddings, a head tied to them) another.
+A unit's parameters are gathered for its forward and again for its backward, then freed; each rank keeps a dim-0
+shard (a DTensor) of every parameter, its gradient and its Adam moments.
+
+What privacy needs from FSDP, and how it gets it:
+- Two-pass clipping (ghost, mixed, fgc, hutch, hutchpp): the first backward forms only per-sample norms. Its
+  batch gradients land on the gathered stand-ins of the parameters and are dropped there (`Privatizer`), so FSDP
+  reduce-scatters nothing in that pass. The second backward's Σᵢ cᵢ gᵢ is reduce-scattered as a *sum* (the
+  divide factor is 1, not FSDP's default mean over ranks).
+- Noise: each rank adds N(0, σ²C²) to its own shard of each clipped sum, from a generator of its own (seeded by
+  the step's draw of the shared noise generator and the rank), so every coordinate is noised exactly once.
+- DP-GRAPE's clipped sums are its small projected matrices: they are all-reduced and noised as without FSDP (one
+  shared draw), and each rank lifts the update onto the rows it holds.
+- Every rank runs the same number of forward and backward passes (FSDP's collectives pair them up): a rank whose
+  part of a Poisson batch has fewer micro-batches runs padding ones whose samples weigh 0 (`Padding`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from dpmem import distributed
+from dpmem.config import ConfigError
+
+# Methods whose steps FSDP can run: autograd forms their gradient sums (two-pass clipping, plain backward) or
+# their gradients are small (DP-GRAPE's projections). One-pass clipping keeps every parameter's per-sample
+# gradient whole, the zeroth-order methods' perturbations need the whole weights, and GaLore's SVD a whole gradient.
+SHARDABLE = "adam, dp-adam / dp-sgd / dp-sgd-rc with two-pass clipping (fgc, ghost, mixed, hutch, hutchpp), grape"
+
+
+def check_method(method, cfg) -> None:
+    """Refuse a method (class `method`, config `cfg`) whose step needs whole parameters or gradients."""
+    if not method.shardable(cfg) or (method.privatised_gradient and cfg.subspace.path is not None):
+        raise ConfigError("train.fsdp", f"method={cfg.name} ({method.norm_rule(cfg) or 'its step'}) needs whole "
+                          f"parameters or gradients; with FSDP: {SHARDABLE}")
+
+
+@contextlib.contextmanager
+def simulated_ranks(world_size: int):
+    """Rank 0 of `world_size` ranks, in this process, with tensors that have shapes but no data: torch's fake
+    process group (its collectives do nothing) under FakeTensorMode. FSDP shards, gathers and frees as it would,
+    so a memory count sees one rank's tensors. Yields the mesh; tensors made inside are fake."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("ranks are simulated in a process that is not part of a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        ranks = mesh("cpu")
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            yield ranks
+    finally:
+        dist.destroy_process_group()
+
+
+class Padding(dict):
+    """A micro-batch run only so that this rank's FSDP collectives pair with the other ranks': its samples weigh 0."""
+
+
+def weight(batch) -> float:
+    return 0.0 if isinstance(batch, Padding) else 1.0
+
+
+def mesh(device_type: str):
+    """All ranks, in one dimension: FSDP's device mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device_type, (distributed.world_size(),))
+
+
+def shard_model(model: nn.Module, mesh) -> nn.Module:
+    """`fully_shard` every block, then the root, over the `mesh`'s ranks; gradients are reduced as sums."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    stacks: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and not any(name.startswith(s + ".") for s in stacks):
+            stacks.append(name)
+            for block in module:
+                if any(p.requires_grad for p in block.parameters()):
+                    fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    return model
+
+
+def is_sharded(t) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (a view: writing it writes the shard); a plain tensor itself."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def rows(p: torch.Tensor) -> slice:
+    """The rows of `p`'s whole shape that this rank's shard holds (FSDP2 shards dim 0 as torch.chunk does)."""
+    if not is_sharded(p):
+        return slice(None)
+    per_rank = -(-p.shape[0] // distributed.world_size())
+    start = min(per_rank * distributed.rank(), p.shape[0])
+    return slice(start, start + p.to_local().shape[0])
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor gathered whole on every rank (a collective); a plain tensor itself."""
+    return t.full_tensor() if is_sharded(t) else t
