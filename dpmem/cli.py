@@ -55,8 +55,13 @@ MAX_PREFLIGHT = 256  # sweep points composed before launch; larger grids are che
 
 register_configs()
 OmegaConf.register_new_resolver("dpmem.cuda_device_count", cuda_device_count, replace=True)  # hydra/launcher=local
-_failed: list[str] = []
+_failed: list[str] = []  # runs of this process's sweep that did not end ok
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 _launched_at: str | None = None
+
+
+class RunFailed(RuntimeError):
+    """A run under a launcher ended without an exception but not ok (out of memory): its job fails."""
 
 
 def _launch_time(pattern: str) -> str:
@@ -164,6 +169,9 @@ def _train(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
+    # a launcher's job (joblib, submitit) runs in another process: its failure is raised, so that Hydra marks the
+    # job failed and the sweep, once its other jobs are done, exits non-zero
+    here = not multirun or hc.launcher._target_ == BASIC_LAUNCHER
     prior = run_dir / "summary.json"
     done = cfg.train.skip_done and prior.exists() and json.loads(prior.read_text()).get("status") == "ok"
     if distributed.from_main(done):  # every rank skips, or none
@@ -183,13 +191,15 @@ def _train(cfg: DictConfig) -> None:
     except Terminated:
         raise SystemExit(143) from None  # 128 + SIGTERM, as if the signal had ended the process
     except Exception as e:
-        if not multirun or cfg.debug:
+        if not multirun or cfg.debug or not here:
             raise
         # a sweep goes on past a failed run; its summary.json says why, and the exit code says so at the end
         print(f"dpmem: run {run_dir} failed: {type(e).__name__}: {e}", file=sys.stderr)
         _failed.append(str(run_dir))
         return
     if summary["status"] != "ok":
+        if not here:
+            raise RunFailed(f"run {run_dir} ended with status {summary['status']}: {summary['error']}")
         _failed.append(str(run_dir))
 
 

@@ -73,16 +73,49 @@ class LiveTensorCounter(TorchDispatchMode):
     def _add(self, t, category: str) -> None:
         if not isinstance(t, torch.Tensor) or t.is_sparse:
             return
-        storage = sharding.local(t).untyped_storage()  # an FSDP shard: what this rank holds
+        self._add_storage(sharding.local(t).untyped_storage(), category)  # an FSDP shard: what this rank holds
+
+    def _add_storage(self, storage, category: str) -> None:
         key = id(storage)
         if key in self._live:
             return
-        size = -(-storage.nbytes() // self.block) * self.block
+        size = self._rounded(storage)
         self._live[key] = (weakref.ref(storage, lambda _, key=key: self._free(key)), size, category)
+        self._grow(size, category)
+
+    def _rounded(self, storage) -> int:
+        return -(-storage.nbytes() // self.block) * self.block
+
+    def _grow(self, size: int, category: str) -> None:
         self.current += size
         self.by_category[category] += size
         if self.current > self.peak:
             self._new_peak()
+
+    def _resized(self, storage) -> None:
+        """A storage resized in place: FSDP frees a gathered parameter by resizing its storage to 0 and gathers it
+        again into the same storage, which no op reports."""
+        entry = self._live.get(id(storage))
+        if entry is None:  # made before the count began (freed then), allocated again now
+            return self._add_storage(storage, _label.get())
+        ref, size, category = entry
+        new = self._rounded(storage)
+        self._live[id(storage)] = (ref, new, category)
+        self._grow(new - size, category)
+
+    def __enter__(self):
+        self._resize = resize = torch.UntypedStorage.resize_
+
+        def resized(storage, size):
+            out = resize(storage, size)
+            self._resized(storage)
+            return out
+        torch.UntypedStorage.resize_ = resized
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
 
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)

@@ -2,7 +2,7 @@
 FSDP2 (`torch.distributed.fsdp.fully_shard`), for models whose training state does not fit one device.
 
 Each block of the model's stack (every element of its outermost `nn.ModuleList`s: ViT's, RoBERTa's, OPT's and
-Llama's layers) is one FSDP unit, the rest of the model (embeddings, a head tied to them) another.
+Llama's layers) is one FSDP unit, the rest of the model's parameters (embeddings, a head tied to them) another.
 A unit's parameters are gathered for its forward and again for its backward, then freed; each rank keeps a dim-0
 shard (a DTensor) of every parameter, its gradient and its Adam moments.
 
@@ -76,8 +76,34 @@ def mesh(device_type: str):
     return init_device_mesh(device_type, (distributed.world_size(),))
 
 
-def shard_model(model: nn.Module, mesh) -> nn.Module:
-    """`fully_shard` every block, then the root, over the `mesh`'s ranks; gradients are reduced as sums."""
+class Root(nn.Module):
+    """FSDP's root unit: the model, and a forward that runs a task's function of it (a loss, a prediction), since
+    tasks call its parts (`base_model(...)`, then `lm_head(...)`) rather than its own forward. FSDP gathers the
+    root's parameters (those outside the blocks: embeddings, a head tied to them) when its forward begins, and
+    runs its lazy initialisation and end-of-backward work from it, whatever parts the function calls."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn, *args):
+        return fn(self.model, *args)
+
+    def calling(self, fn):
+        """`fn(model, batch)` run as this root's forward. A padding batch draws its dropout masks from a copy of the
+        random state, so the rank's real batches get the masks they would get without it."""
+        def call(model, batch):
+            if not isinstance(batch, Padding):
+                return self(fn, batch)
+            device = next(iter(batch.values())).device
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                return self(fn, batch)
+        return call
+
+
+def shard_model(model: nn.Module, mesh) -> Root:
+    """`fully_shard` every block, then the root, over the `mesh`'s ranks; gradients are reduced as sums. The
+    model's parameters become its shards (DTensors); call the model's functions through the returned root."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     stacks: list[str] = []
@@ -87,12 +113,12 @@ def shard_model(model: nn.Module, mesh) -> nn.Module:
             for block in module:
                 if any(p.requires_grad for p in block.parameters()):
                     fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    for module in model.modules():
+    root = fully_shard(Root(model), mesh=mesh)
+    for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
-    return model
+    return root
 
 
 def is_sharded(t) -> bool:
@@ -117,3 +143,43 @@ def rows(p: torch.Tensor) -> slice:
 def full(t: torch.Tensor) -> torch.Tensor:
     """A sharded tensor gathered whole on every rank (a collective); a plain tensor itself."""
     return t.full_tensor() if is_sharded(t) else t
+
+
+def full_rows(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Every rank's `part` (its rows of a tensor shaped and sharded as `like`), gathered whole (a collective)."""
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(part, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride()).full_tensor()
+
+
+def model_sharded(model: nn.Module) -> bool:
+    return any(is_sharded(p) for p in model.parameters())
+
+
+# Checkpoints of a sharded run hold whole tensors, written by rank 0 in the one-process format: torch's
+# distributed state-dict API gathers them (each parameter in turn, to the CPU) and shards them again on load.
+def _whole():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def model_state(model: nn.Module) -> dict:
+    """The whole model's state dict on rank 0 ({} on the others); a collective."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    return get_model_state_dict(model, options=_whole())
+
+
+def load_model_state(model: nn.Module, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    set_model_state_dict(model, state, options=_whole())
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimiser's whole state (keyed by parameter names) on rank 0 ({} on the others); a collective."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    return get_optimizer_state_dict(model, optimizer, options=_whole())
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    set_optimizer_state_dict(model, optimizer, state, options=_whole())

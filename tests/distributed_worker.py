@@ -62,7 +62,7 @@ class FSDPWatch:
     def __init__(self, run: Run):
         self.calls, self.log, self.run = 0, [], run
         self.reduce_scatter = dist.reduce_scatter_single
-        self.units = sum(isinstance(m, FSDPModule) for m in run.model.modules())
+        self.units = sum(isinstance(m, FSDPModule) for m in run.root.modules())
 
         def counting(*args, **kwargs):
             self.calls += 1

@@ -51,8 +51,11 @@ NOISE = ["method=dp-sgd", "train.lr=1.0", "train.steps=1", "privacy.noise_seed=5
 # dp-sgd-rc's probes come from the noise seed; privacy=none, since the rc accountant takes half a minute
 RC = ["method=dp-sgd-rc", "method.k=4", "privacy=none", "privacy.noise_seed=2", "train.steps=4",
       "train.physical_batch_size=8", *ADAM]
+GHOST = ["method=dp-adam", "method.clipping=ghost"]
 # FSDP (two ranks only) runs these jobs again with sharded parameters; the two-rank data-parallel run is the oracle
-FSDP = ["adam", "dp-adam-ghost", "dp-sgd-mixed", "grape"]
+FSDP = ["adam", "dp-adam-ghost", "dp-sgd-mixed", "dp-sgd-rc", "grape"]
+TEXT = ["model=roberta-tiny", "model.head=mlm", "data=synthetic", "data.seq_len=12", *GHOST, "privacy=none",
+        "train.physical_batch_size=4", *ADAM]
 FSDP_NOISE = ["method.clipping=ghost", "train.physical_batch_size=4"]  # the noise jobs, in a mode FSDP runs
 # rank 0's counted peak, which `dpmem memory memory.world_size=2` plans: batches of exactly 16 per rank
 MEMORY = COMMON + ["method=dp-adam", "method.clipping=mixed", "privacy=none", "train.sampling=fixed",
@@ -98,6 +101,16 @@ def runs(request, tmp_path_factory):
     sharded += [{"name": "fsdp-padded",
                  "overrides": by_name["dp-adam-ghost"] + ["train.physical_batch_size=1", "train.fsdp=true"]},
                 {"name": "fsdp-memory", "overrides": memory["overrides"] + ["train.fsdp=true"]}]
+    # resumed after dying at step 3 (checkpoint at 2): grape (its moments' row shards) and noisy dp-adam
+    noisy = COMMON + [f"train.device={device}", *GHOST, "privacy=eps1", "privacy.noise_seed=5", "train.steps=4",
+                      "train.fsdp=true"]
+    sharded += [{"name": "fsdp-grape-resumed", "overrides": sharded[FSDP.index("grape")]["overrides"] +
+                 ["train.checkpoint_every=2"], "die_at_step": 3},
+                {"name": "fsdp-noisy", "overrides": noisy},
+                {"name": "fsdp-noisy-resumed", "overrides": noisy + ["train.checkpoint_every=2"], "die_at_step": 3}]
+    # a text model whose task calls its parts (base model, then tied LM head), with dropout: data-parallel and FSDP
+    text = {"name": "roberta", "overrides": [o for o in COMMON if o not in SMALL] + [f"train.device={device}", *TEXT]}
+    sharded += [text, {"name": "fsdp-roberta", "overrides": text["overrides"] + ["train.fsdp=true"]}]
     (pair / "jobs.json").write_text(json.dumps(jobs(device) + resumed + sharded))
     worker = str(HERE / "distributed_worker.py")
     one = subprocess.Popen([sys.executable, worker, str(single), str(single / "jobs.json")], env=env(),
@@ -220,14 +233,14 @@ def fsdp_record(pair: Path, name: str) -> dict:
     return json.loads((pair / f"fsdp-{name}.fsdp.json").read_text())
 
 
-@pytest.mark.parametrize("name", FSDP)
+@pytest.mark.parametrize("name", [*FSDP, "roberta"])
 def test_fsdp_trains_to_the_parameters_of_data_parallel_ranks(runs, name):
     _, pair = runs
     sharded, replicated = params(pair, f"fsdp-{name}"), params(pair, name)
     s = summary(pair, f"fsdp-{name}")
     assert s["status"] == "ok" and s["fsdp"] is True, s["error"]
     assert s["samples_seen"] == summary(pair, name)["samples_seen"]
-    assert fsdp_record(pair, name)["units"] == 2  # the one block, and the rest of the model
+    assert fsdp_record(pair, name)["units"] == (3 if name == "roberta" else 2)  # each block, and the rest
     for key in replicated:
         torch.testing.assert_close(sharded[key], replicated[key], rtol=0, atol=1e-5, msg=f"{name}: {key}")
 
@@ -292,14 +305,11 @@ def test_the_per_rank_plan_equals_rank_0s_counted_peak(runs):
     assert planned[2]["breakdown"]["optimizer_state"] < 0.6 * planned[1]["breakdown"]["optimizer_state"]
 
 
-GHOST = ["method=dp-adam", "method.clipping=ghost"]
-
 
 @pytest.mark.parametrize("overrides, key, words", [
     (["method=dp-adam", "method.clipping=bk", "train.fsdp=true"], "train.fsdp", "dp-adam (bk) needs whole"),
     (["method=dpzero", "train.fsdp=true"], "train.fsdp", "dpzero"),
     (["method=galore-dp-naive", "train.fsdp=true"], "train.fsdp", "galore-dp-naive"),
-    ([*GHOST, "train.fsdp=true", "train.checkpoint_every=2"], "train.checkpoint_every", "not written yet"),
     ([*GHOST, "train.fsdp=true"], "train.fsdp", "--nproc_per_node=N"),  # one process: nothing to shard over
     (["method=dp-adam", "method.clipping=bk", "memory.world_size=2"], "train.fsdp", "two-pass"),
     ([*GHOST, "memory.world_size=2", "memory.device=cpu"], "memory.device", "torchrun"),
@@ -314,3 +324,14 @@ def test_fsdp_refuses_what_it_cannot_run(tmp_path, overrides, key, words):
         else:
             Run(cfg, tmp_path).prepare()
     assert refused.value.key == key and words in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize("name", ["grape", "noisy"])
+def test_an_fsdp_run_that_dies_resumes_to_the_uninterrupted_result(runs, name):
+    """Rank 0 writes whole tensors (gathered from the shards) and every rank takes its shards back on resume:
+    weights, Adam's moments (torch's and grape's row shards), the noise generator."""
+    _, pair = runs
+    resumed = summary(pair, f"fsdp-{name}-resumed")
+    assert resumed["status"] == "ok" and resumed["resumed_from_step"] == 2, resumed["error"]
+    for key, value in params(pair, f"fsdp-{name}").items():
+        torch.testing.assert_close(params(pair, f"fsdp-{name}-resumed")[key], value, rtol=0, atol=0, msg=key)

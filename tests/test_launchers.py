@@ -1,7 +1,7 @@
 """Sweeps through Hydra's launcher plugins (the cluster extra): joblib runs jobs side by side in worker processes,
 hydra/launcher=local runs each as a submitit job (what hydra/launcher=slurm submits), both into the usual sweep
-folder, which dpmem report reads as any other; a relaunch with train.skip_done skips the finished runs; and the GPU
-each concurrent job takes."""
+folder, which dpmem report reads as any other; a failed job makes the sweep exit non-zero; a relaunch with
+train.skip_done skips the finished runs; and the GPU each concurrent job takes."""
 
 import json
 import os
@@ -49,19 +49,25 @@ def assert_reported(cli, sweep: Path) -> None:
     assert len(table) == 2 and "Not in the table" not in r.stdout, r.stdout
 
 
-def test_a_joblib_sweep_runs_side_by_side_is_reported_and_a_relaunch_skips_it(cli, tmp_path):
+def test_a_joblib_sweep_runs_side_by_side_fails_for_a_failed_run_and_a_relaunch_redoes_only_that(cli, tmp_path):
     sweep = tmp_path / "sweep"
-    args = ["train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *SWEEP, f"hydra.sweep.dir={sweep}"]
+    args = ["train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *SWEEP, f"hydra.sweep.dir={sweep}",
+            "hydra.sweep.subdir=${hydra.job.num}"]
+    (sweep / "0").mkdir(parents=True)
+    (sweep / "0" / "checkpoint.pt").write_bytes(b"not a checkpoint")  # run 0 cannot resume: it fails
     first = cli(*args)
-    assert first.returncode == 0, first.stderr
-    done = finished(sweep, JOBLIB)
-    before = [(f.stat().st_mtime_ns, f.read_text()) for f in done]
-    assert_reported(cli, sweep)
-    # the same sweep again into the same hydra.sweep.dir, now with train.skip_done (which is not part of the run
-    # folders' names): both runs are found and skipped, their records untouched
+    assert first.returncode != 0 and "UnpicklingError" in first.stderr, first.stderr[-2000:]
+    statuses = {f.parent.name: json.loads(f.read_text())["status"] for f in sweep.glob("*/summary.json")}
+    assert statuses == {"0": "failed", "1": "ok"}  # the other job ran to its end beside it
+    ok = (sweep / "1" / "summary.json").stat().st_mtime_ns, (sweep / "1" / "summary.json").read_text()
+    # the same sweep again with train.skip_done (not part of the run folders' names): the finished run is found and
+    # skipped, its records untouched; the failed one runs again
+    (sweep / "0" / "checkpoint.pt").unlink()
     again = cli(*args, "train.skip_done=true")
     assert again.returncode == 0, again.stderr
-    assert [(f.stat().st_mtime_ns, f.read_text()) for f in finished(sweep, JOBLIB)] == before
+    finished(sweep, JOBLIB)
+    assert ((sweep / "1" / "summary.json").stat().st_mtime_ns, (sweep / "1" / "summary.json").read_text()) == ok
+    assert_reported(cli, sweep)
 
 
 def test_a_submitit_local_sweep_writes_its_runs_and_logs_into_the_sweep_folder(cli, tmp_path):

@@ -12,7 +12,7 @@ from dpmem.config import ConfigError
 from dpmem.data import build_data
 from dpmem.engine.planner import largest_batch, parse_bytes, plan
 from dpmem.engine.trainer import run_training
-from dpmem.metering import CATEGORIES
+from dpmem.metering import CATEGORIES, LiveTensorCounter
 from dpmem.models import build_model
 
 
@@ -70,6 +70,22 @@ def test_the_plan_equals_the_trainers_counted_peak(tmp_path, method):
     assert summary["status"] == "ok" and summary["peak_memory_source"] == "live_tensors"
     # the trainer also holds the indices it sampled and the batch it took from the data set
     assert plan(config(*run))["peak_bytes"] == pytest.approx(summary["peak_memory_bytes"], rel=0.01)
+
+
+def test_the_counter_follows_storages_resized_in_place():
+    """FSDP frees a gathered parameter by resizing its storage to 0, and gathers into the same storage again."""
+    before = torch.empty(250)  # made before the count began, and freed
+    before.untyped_storage().resize_(0)
+    with LiveTensorCounter() as counter:
+        x = torch.empty(1000)
+        assert counter.current == 4000
+        x.untyped_storage().resize_(0)
+        assert counter.current == 0
+        x.untyped_storage().resize_(4000)
+        before.untyped_storage().resize_(1000)
+        assert counter.current == 5000 and counter.peak == 5000
+    del x
+    assert counter.current == 1000  # x's storage died
 
 
 def test_the_breakdown_matches_sizes_computed_from_the_model():

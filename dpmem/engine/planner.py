@@ -123,8 +123,10 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
         checkpoint_activations(model, lambda: AttentionKernels(target))
     ranks = sharding.simulated_ranks(world) if world > 1 else contextlib.nullcontext()
     with ranks as mesh:
+        per_sample_loss = data.per_sample_loss
         if mesh is not None:
-            sharding.shard_model(model.to_empty(device=device), mesh)  # fake tensors, uninitialised
+            root = sharding.shard_model(model.to_empty(device=device), mesh)  # fake tensors, uninitialised
+            per_sample_loss = root.calling(per_sample_loss)
             m = m.copy()
             m.check_coverage = False  # fake tensors have no values to compare
         noise = None
@@ -134,7 +136,7 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
         method = build_method(m, model, t.lr, noise, seed=t.seed)
         sizes = [physical] * (per_rank // physical) + ([per_rank % physical] if per_rank % physical else [])
         micro = [example_batch(data, size, device) for size in sizes]
-        loss_fn = labelled_forward(data.per_sample_loss)
+        loss_fn = labelled_forward(per_sample_loss)
         block = CUDA_BLOCK if target == "cuda" else 1
         with AttentionKernels(target):
             method.step(micro, loss_fn)

@@ -53,17 +53,19 @@ def lr_at(step: int, total: int, cfg) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, data: DataBundle, device, batch_size: int, autocast) -> float:
-    """The data set's metric on its evaluation split (accuracy of `predict` unless the task scores itself)."""
+def evaluate(model, data: DataBundle, device, batch_size: int, autocast, root=None) -> float:
+    """The data set's metric on its evaluation split (accuracy of `predict` unless the task scores itself). Under
+    FSDP the task's functions run through the `root` (dpmem.sharding.Root)."""
     model.eval()
+    call = (lambda fn, *args: fn(model, *args)) if root is None else root
     try:
         if data.score is not None:
-            return data.score(model, device, batch_size, autocast)
+            return call(data.score, device, batch_size, autocast)
         correct, n = 0, len(data.test["labels"])
         for start in range(0, n, batch_size):
             batch = {k: v.to(device) for k, v in data.batch(data.test, slice(start, start + batch_size)).items()}
             with autocast():
-                correct += int((data.predict(model, batch) == batch["labels"]).sum())
+                correct += int((call(data.predict, batch) == batch["labels"]).sum())
         return correct / max(n, 1)
     finally:
         model.train()
@@ -86,6 +88,7 @@ class Run:
         self.exception: Exception | None = None  # a training failure, re-raised by run_training
         self._eps_steps = 0  # the step count epsilon_spent was last computed for
         self.main = distributed.is_main()
+        self.root: sharding.Root | None = None  # under FSDP, what the model's functions are called through
         # rank 0 evaluates alone, unless FSDP's sharded forward needs every rank (all evaluate; rank 0 records)
         self.evaluates = self.main or cfg.train.fsdp
 
@@ -112,7 +115,7 @@ class Run:
             checkpoint_activations(self.model)
         if t.fsdp:
             self._check_fsdp(method)
-            sharding.shard_model(self.model, sharding.mesh(self.device.type))
+            self.root = sharding.shard_model(self.model, sharding.mesh(self.device.type))
         self.model.train()
         self.ledger = PrivacyLedger(cfg, method, self.model, n, self.steps, self.sampling)
         noise = self.ledger.noise(m.max_grad_norm, p.noise_seed, self.device) if method.private else None
@@ -147,11 +150,7 @@ class Run:
         self._write_summary()
 
     def _check_fsdp(self, method) -> None:
-        t = self.cfg.train
         sharding.check_method(method, self.cfg.method)
-        if t.checkpoint_every:
-            raise ConfigError("train.checkpoint_every", "checkpoints of FSDP's sharded state are not written yet; "
-                              "use train.checkpoint_every=0 with train.fsdp=true")
         if distributed.world_size() == 1:
             raise ConfigError("train.fsdp", "shards over the ranks of a torchrun launch; run torchrun "
                               "--nproc_per_node=N -m dpmem train ... with N > 1, or train.fsdp=false")
@@ -283,13 +282,17 @@ class Run:
     def _checkpoint(self, step: int) -> None:
         """Weights, method state (optimiser, projections, noise and direction generators), the global RNG (dropout)
         and the summary so far, written atomically. It holds the noise generator's state: keep it as private as
-        the data. Under torchrun rank 0 writes it, with every rank's RNG state (the ranks' dropout masks differ)."""
+        the data. Under torchrun rank 0 writes it, with every rank's RNG state (the ranks' dropout masks differ);
+        under FSDP every rank takes part in gathering the sharded tensors whole, and the file is the same."""
         rngs = distributed.gathered({"torch_rng": torch.get_rng_state(),
                                      "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None})
+        fsdp = self.cfg.train.fsdp
+        model = sharding.model_state(self.model) if fsdp else None
+        method = self.method.state_dict() if fsdp or self.main else None
         if not self.main:
             return
-        state = {"step": step, "config": self._fingerprint(), "world_size": len(rngs), "model": self.model.state_dict(),
-                 "method": self.method.state_dict(), "rngs": rngs,
+        state = {"step": step, "config": self._fingerprint(), "world_size": len(rngs),
+                 "model": model if fsdp else self.model.state_dict(), "method": method, "rngs": rngs,
                  "summary": {k: self.summary[k] for k in RESUMED}}
         tmp = self.run_dir / "checkpoint.pt.tmp"
         torch.save(state, tmp)
@@ -302,7 +305,8 @@ class Run:
         path = self.run_dir / "checkpoint.pt"
         if not path.exists():
             return 0
-        state = torch.load(path, map_location=self.device, weights_only=True)
+        fsdp = self.cfg.train.fsdp  # each rank takes its shards from the whole tensors, kept on the CPU
+        state = torch.load(path, map_location="cpu" if fsdp else self.device, weights_only=True)
         world = distributed.world_size()
         if state["world_size"] != world:
             raise RuntimeError(f"{path} was written by a run of {state['world_size']} process(es) and this one has "
@@ -312,7 +316,10 @@ class Run:
         if state["config"] != self._fingerprint():
             raise RuntimeError(f"{path} was written by another configuration; delete it to start again, or run "
                                "with train.resume=false in another folder")
-        self.model.load_state_dict(state["model"])
+        if fsdp:
+            sharding.load_model_state(self.model, state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.method.load_state_dict(state["method"])
         rng = state["rngs"][distributed.rank()]
         torch.set_rng_state(rng["torch_rng"].cpu())
@@ -341,7 +348,8 @@ class Run:
         lr = lr_at(step, self.steps, self.cfg.train)
         self.method.set_lr(lr)
         with self.autocast():
-            return lr, self.method.step(micro, self.data.per_sample_loss)
+            loss_fn = self.data.per_sample_loss
+            return lr, self.method.step(micro, loss_fn if self.root is None else self.root.calling(loss_fn))
 
     def microbatches(self, index: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """A logical batch (training-set indices) as physical micro-batches on the device. Under FSDP every rank
@@ -376,7 +384,8 @@ class Run:
 
     def _evaluate(self) -> float:
         with self.meter.paused():
-            value = evaluate(self.model, self.data, self.device, self.cfg.train.eval_batch_size, self.autocast)
+            value = evaluate(self.model, self.data, self.device, self.cfg.train.eval_batch_size, self.autocast,
+                             self.root)
         best = self.summary["metric_best"]
         self.summary["metric_best"] = value if best is None else max(best, value)
         return value

@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from dpmem import sharding
 from dpmem.config import MethodConfig, enum_value
 
 Batch = dict[str, torch.Tensor]
@@ -78,8 +79,9 @@ class Method:
         """What a checkpoint needs besides the weights: optimiser state and the noise generator's state (so a
         resumed run draws the noise the lost steps drew: the same batches give the same release, nothing new)."""
         state = {}
-        if self.optimizer is not None:
-            state["optimizer"] = self.optimizer.state_dict()
+        if self.optimizer is not None:  # under FSDP, gathered whole (every rank takes part; rank 0 gets it)
+            state["optimizer"] = (sharding.optimizer_state(self.model, self.optimizer)
+                                  if sharding.model_sharded(self.model) else self.optimizer.state_dict())
         if self.noise is not None and self.noise.generator is not None:
             state["noise_rng"] = self.noise.generator.get_state()
         if self.privatize is not None and self.privatize.probes is not None:  # dp-sgd-rc's per-step probe seeds
@@ -88,11 +90,14 @@ class Method:
 
     def load_state_dict(self, state: dict) -> None:
         if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
-        if "noise_rng" in state:
-            self.noise.generator.set_state(state["noise_rng"])
+            if sharding.model_sharded(self.model):
+                sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
+        if "noise_rng" in state:  # a generator's state is a CPU tensor, whatever its device
+            self.noise.generator.set_state(state["noise_rng"].cpu())
         if "probe_rng" in state:
-            self.privatize.probes.set_state(state["probe_rng"])
+            self.privatize.probes.set_state(state["probe_rng"].cpu())
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr

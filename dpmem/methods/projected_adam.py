@@ -72,7 +72,8 @@ class ProjectedAdam:
                  weight_decay: float = 0.0):
         self.params, self.betas, self.eps, self.weight_decay = params, tuple(betas), eps, weight_decay
         # an unprojected parameter's moments have its shape: under FSDP, that of this rank's shard
-        local = {p: sharding.local(p).shape if shapes[p] == p.shape else shapes[p] for p in params}
+        self.row_shards = {p for p in params if sharding.is_sharded(p) and shapes[p] == p.shape}
+        local = {p: sharding.local(p).shape if p in self.row_shards else shapes[p] for p in params}
         self.moments = {p: (torch.zeros(local[p], device=p.device, dtype=p.dtype),
                             torch.zeros(local[p], device=p.device, dtype=p.dtype)) for p in params}
 
@@ -80,12 +81,15 @@ class ProjectedAdam:
         return [m for pair in self.moments.values() for m in pair]
 
     def state_dict(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [self.moments[p] for p in self.params]
+        """Every moment whole (under FSDP, a row shard's gathered: a collective)."""
+        return [tuple(sharding.full_rows(m, p) if p in self.row_shards else m for m in self.moments[p])
+                for p in self.params]
 
     def load_state_dict(self, state: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for p, (m, v) in zip(self.params, state):
-            self.moments[p][0].copy_(m)
-            self.moments[p][1].copy_(v)
+        for p, whole in zip(self.params, state):
+            rows = sharding.rows(p) if p in self.row_shards else slice(None)
+            for mine, saved in zip(self.moments[p], whole):
+                mine.copy_(saved[rows])
 
     @torch.no_grad()
     def step(self, grads: dict[nn.Parameter, torch.Tensor], lr: float, t: int,
