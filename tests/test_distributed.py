@@ -295,6 +295,8 @@ def test_the_per_rank_plan_equals_rank_0s_counted_peak(runs):
     the steps (its sampler's and data set's tensors), which a one-process run and its plan show."""
     single, pair = runs
     sharded, whole = summary(pair, "fsdp-memory"), summary(single, "memory")
+    if sharded["device"].startswith("cuda"):
+        pytest.skip("on CUDA a run reports the allocator's peak (scripts/validate_memory.py compares plans with it)")
     assert sharded["status"] == "ok" and sharded["peak_memory_source"] == "live_tensors", sharded["error"]
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         planned = {n: plan(compose("config", overrides=MEMORY + [f"memory.world_size={n}"])) for n in (1, 2)}
@@ -303,6 +305,10 @@ def test_the_per_rank_plan_equals_rank_0s_counted_peak(runs):
     assert 0 <= beside < 0.1 * planned[2]["peak_bytes"]
     assert sharded["peak_memory_bytes"] == planned[2]["peak_bytes"] + beside
     assert planned[2]["breakdown"]["optimizer_state"] < 0.6 * planned[1]["breakdown"]["optimizer_state"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):  # the methods FSDP runs all plan
+        for method in (["method=adam"], ["method=grape"], ["method=dp-sgd-rc", "privacy=none"]):
+            cfg = compose("config", overrides=COMMON + method + ["memory.world_size=2"])
+            assert plan(cfg)["peak_bytes"] > 0
 
 
 

@@ -127,8 +127,9 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
         if mesh is not None:
             root = sharding.shard_model(model.to_empty(device=device), mesh)  # fake tensors, uninitialised
             per_sample_loss = root.calling(per_sample_loss)
-            m = m.copy()
-            m.check_coverage = False  # fake tensors have no values to compare
+            if "check_coverage" in m:
+                m = m.copy()
+                m.check_coverage = False  # fake tensors have no values to compare
         noise = None
         if method_class(m.name).private:  # sigma and the generator change values, not memory
             gen = None if device.type == "meta" or mesh is not None else torch.Generator(device=device).manual_seed(0)
