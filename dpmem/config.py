@@ -459,6 +459,8 @@ def validate(cfg: Any) -> None:
         raise ConfigError("train.checkpoint_every", f"{t.checkpoint_every} must be >= 0 (0 = no checkpoints)")
     if t.eval_every < 0:
         raise ConfigError("train.eval_every", f"{t.eval_every} must be >= 0 (0 = only at the end)")
+    if t.eval_batch_size <= 0:
+        raise ConfigError("train.eval_batch_size", f"{t.eval_batch_size} must be positive")
     if p.epsilon is not None and not p.epsilon > 0:
         raise ConfigError("privacy.epsilon", f"{p.epsilon} must be > 0 (or null for non-private)")
     if p.epsilon is not None:
