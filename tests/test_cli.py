@@ -43,7 +43,7 @@ def dpmem(*args, cwd):
     ("method=dp-sgd-rc method.clipping=ghost", "method.clipping", "estimator, k"),
 ])
 def test_bad_input_is_one_clear_line(cli, override, key, allowed):
-    r = cli("train", *override.split(), *TINY)
+    r = cli("train", *TINY, *override.split())  # the override last: it wins over TINY's
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, r.stderr
