@@ -121,21 +121,20 @@ def _reduce_bucket(bucket: list[torch.Tensor]) -> None:
 
 def total(count: int) -> int:
     """`count` summed over ranks (a host-side integer: how many samples the logical batch has)."""
-    if world_size() == 1:
-        return count
-    t = torch.tensor([count], dtype=torch.int64)
-    with _collective():
-        dist.all_reduce(t)
-    return int(t)
+    return _reduced(count, "SUM")
 
 
 def most(count: int) -> int:
     """The largest `count` over ranks (how many micro-batches the fullest part of a logical batch has)."""
+    return _reduced(count, "MAX")
+
+
+def _reduced(count: int, op: str) -> int:
     if world_size() == 1:
         return count
     t = torch.tensor([count], dtype=torch.int64)
     with _collective():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return int(t)
 
 

@@ -114,9 +114,9 @@ def test_a_correct_privatizer_audits_below_its_claimed_epsilon(clipping):
 def test_noise_scaled_down_by_root_b_is_caught(monkeypatch):
     real = privatize.add_noise
 
-    def weak(summed, noise):
+    def weak(summed, noise, *shards):
         return real(summed, Noise(noise.sigma / math.sqrt(256), noise.max_grad_norm, noise.expected_batch_size,
-                                  noise.generator))
+                                  noise.generator), *shards)
     monkeypatch.setattr(privatize, "add_noise", weak)
     assert privatizer_audit() > 2.0
 

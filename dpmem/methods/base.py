@@ -84,8 +84,8 @@ class Method:
                                   if sharding.model_sharded(self.model) else self.optimizer.state_dict())
         if self.noise is not None and self.noise.generator is not None:
             state["noise_rng"] = self.noise.generator.get_state()
-        if self.privatize is not None and self.privatize.probes is not None:  # dp-sgd-rc's per-step probe seeds
-            state["probe_rng"] = self.privatize.probes.get_state()
+        if self.privatize is not None and self.privatize.step_seeds is not None:  # probes', FSDP noise's seeds
+            state["step_seeds"] = self.privatize.step_seeds.get_state()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -96,8 +96,9 @@ class Method:
                 self.optimizer.load_state_dict(state["optimizer"])
         if "noise_rng" in state:  # a generator's state is a CPU tensor, whatever its device
             self.noise.generator.set_state(state["noise_rng"].cpu())
-        if "probe_rng" in state:
-            self.privatize.probes.set_state(state["probe_rng"].cpu())
+        seeds = state.get("step_seeds", state.get("probe_rng"))  # (probe_rng: its name in older checkpoints)
+        if seeds is not None:
+            self.privatize.step_seeds.set_state(seeds.cpu())
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr

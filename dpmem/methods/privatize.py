@@ -52,14 +52,18 @@ class Privatizer:
         self.persample = PerSampleGradients(model)
         self.params = self.persample.parameters
         self._check_coverage = check_coverage
-        # The estimators' probes (dp-sgd-rc) are fresh at every logical step and shared by its whole batch: every
-        # micro-batch, on every rank, draws them again from the step's seed. So neither the physical batch size nor
-        # the number of ranks changes them, and the noise generator, which seeds them, draws the same on all ranks.
-        # The step seeds come from a CPU generator (no host sync per step), advanced once per step on every rank.
-        self.probes = self._probe_draws = None
-        if noise.generator is not None and clipping in ("hutch", "hutchpp"):
+        self.sharded = any(sharding.is_sharded(p) for p in self.params)  # FSDP (dpmem.sharding)
+        # Seeds drawn once per logical step, the same on every rank, from a CPU generator (no host sync per step)
+        # seeded by the noise generator:
+        # - the estimators' probes (dp-sgd-rc), shared by the step's whole batch: every micro-batch, on every rank,
+        #   draws them again from the step's seed, so neither the physical batch size nor the number of ranks
+        #   changes them, and the noise generator draws the same on all ranks;
+        # - under FSDP, each rank's generator of the step's noise on its shards (seeded by the step's seed and rank).
+        self.step_seeds = self._probe_draws = None
+        if noise.generator is not None and (clipping in ("hutch", "hutchpp") or self.sharded):
             seed = int(torch.randint(2**62, (1,), generator=noise.generator, device=noise.generator.device))
-            self.probes = torch.Generator().manual_seed(seed)
+            self.step_seeds = torch.Generator().manual_seed(seed)
+        if self.step_seeds is not None and clipping in ("hutch", "hutchpp"):
             self._probe_draws = torch.Generator(device=noise.generator.device)
         self._keep_grads = False  # the second pass of two-pass clipping accumulates into .grad
         self._stepping = False  # inside __call__: the only time its hooks act
@@ -72,7 +76,7 @@ class Privatizer:
         drop = weakly(self._drop_grad)
         self._handles = [p.register_post_accumulate_grad_hook(drop) for p in self.params]
         self._close = weakref.finalize(self, remove_handles, self._handles)
-        if any(sharding.is_sharded(p) for p in self.params):
+        if self.sharded:
             # FSDP: a layer computes with gathered stand-ins of its parameters, and autograd's batch gradient lands
             # on those; dropped there before FSDP reduce-scatters what it finds, it costs no communication
             self._stand_ins: dict[int, torch.Tensor] = {}  # by id (tensors compare elementwise); FSDP keeps them
@@ -120,12 +124,22 @@ class Privatizer:
             self.canaries.plant(summed, lambda norms: clip_factors(norms, self.noise.max_grad_norm))
         if self.subspace is not None and self.subspace.where == "clipped":
             summed = self.subspace(summed)
-        summed = add_noise(summed, self.noise)
+        summed = add_noise(summed, self.noise, self._shard_noise() if self.sharded else None)
         if self.subspace is not None and self.subspace.where == "privatised":
             summed = self.subspace(summed)
         if self.canaries is not None:
             self.canaries.record(summed)
         return summed, loss_sum
+
+    def _step_seed(self) -> int:
+        return int(torch.randint(2**62, (1,), generator=self.step_seeds))
+
+    def _shard_noise(self) -> torch.Generator | None:
+        """This rank's generator of the step's noise on its FSDP shards (None on meta, where nothing is drawn)."""
+        if self.step_seeds is None:
+            return None
+        seed = (self._step_seed() + 1_000_003 * distributed.rank()) % 2**63
+        return torch.Generator(device=self.noise.generator.device).manual_seed(seed)
 
     def _one_pass(self, microbatches, loss_fn, shapes, coverage_transform):
         summed = {}  # made by the first micro-batch's clipped sums, after its backward pass (`_accumulate`)
@@ -157,9 +171,7 @@ class Privatizer:
     def _two_pass(self, microbatches, loss_fn):
         summed = {}  # the first micro-batch's .grad tensors themselves (`_accumulate`)
         loss_sum = torch.zeros((), device=self.params[0].device)
-        probe_seed = None
-        if self.probes is not None:
-            probe_seed = int(torch.randint(2**62, (1,), generator=self.probes))
+        probe_seed = self._step_seed() if self._probe_draws is not None else None
         for mb in microbatches:
             if probe_seed is not None:
                 self._probe_draws.manual_seed(probe_seed)
@@ -199,27 +211,17 @@ def _accumulate(summed: dict, p: nn.Parameter, part: torch.Tensor) -> None:
     summed[p] = part if p not in summed else summed[p].add_(part)
 
 
-def add_noise(summed: dict[nn.Parameter, torch.Tensor], noise: Noise) -> dict[nn.Parameter, torch.Tensor]:
+def add_noise(summed: dict[nn.Parameter, torch.Tensor], noise: Noise,
+              own: torch.Generator | None = None) -> dict[nn.Parameter, torch.Tensor]:
     """The Gaussian mechanism on clipped sums, in place: (Σᵢ clip(gᵢ) + N(0, σ²C² I)) / (q·n).
 
     A sum every rank holds whole gets the same draw on every rank (the generator has one seed). A sum sharded by
-    FSDP gets, on each rank, a draw for its own shard from that rank's generator of the step."""
+    FSDP gets, on each rank, a draw for its own shard from `own`, that rank's generator of the step."""
     std = noise.sigma * noise.max_grad_norm
-    own = None
     for p, s in summed.items():
         part = sharding.local(s)
         if std > 0:  # sigma = 0 only for privacy=none: clipping without noise
-            generator = noise.generator
-            if part is not s and generator is not None:  # (None: planning on meta, where values are not drawn)
-                own = own or _rank_generator(generator)
-                generator = own
+            generator = own if part is not s and own is not None else noise.generator
             part += std * torch.randn(part.shape, generator=generator, device=part.device, dtype=part.dtype)
         part /= noise.expected_batch_size
     return summed
-
-
-def _rank_generator(shared: torch.Generator) -> torch.Generator:
-    """This rank's generator for one step's noise on its shards: seeded by the step's draw of the shared generator
-    (the same on every rank, which keeps the shared one in step) and the rank."""
-    step = int(torch.randint(2**62, (1,), generator=shared, device=shared.device))
-    return torch.Generator(device=shared.device).manual_seed((step + 1_000_003 * distributed.rank()) % 2**63)
