@@ -26,6 +26,8 @@ from tests.test_resume import SMALL
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+# one xdist worker runs the whole module: its module-scoped torchrun would otherwise run once per worker
+pytestmark = pytest.mark.xdist_group("distributed")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.device_count() >= 2 else [])
 COMMON = ["train.steps=3", "train.batch_size=32", "logging.progress=false", "logging.every=1",
           "logging.memory_steps=0", "train.eval_batch_size=512", *SMALL]
