@@ -204,6 +204,9 @@ class DPSGDRCConfig(OptimizerConfig, Privatised):
     """dp-sgd-rc: per-sample squared norms of linear-like layers estimated with k probes."""
     estimator: Estimator = Estimator.hutch
     k: int = 32
+    # one backward pass: the estimates from each layer's kept factors, the clipped sums (c ⊙ G)ᵀA from them (as
+    # dp-adam's clipping=bk); the same mechanism as the paper's two passes, faster, at about ghost's memory
+    bookkeeping: bool = False
 
 
 @dataclass

@@ -36,6 +36,8 @@ DPMEM = {"dpmem dp-adam (materialize)": ("dp-adam", {"clipping": "materialize"})
          "dpmem dp-adam (bk)": ("dp-adam", {"clipping": "bk"}),
          "dpmem dp-adam (ghost)": ("dp-adam", {"clipping": "ghost"}),
          "dpmem dp-adam (mixed)": ("dp-adam", {"clipping": "mixed"}),
+         "dpmem dp-sgd-rc (hutch, two passes)": ("dp-sgd-rc", {}),
+         "dpmem dp-sgd-rc (hutch, bk)": ("dp-sgd-rc", {"bookkeeping": True}),
          "dpmem grape": ("grape", {})}
 
 
@@ -117,7 +119,8 @@ def opacus_ghost(model, batch, size: int) -> Contestant:
 
 
 def dpmem_method(model, batch, size: int, name: str, options: dict) -> Contestant:
-    cfg = method_config(name, max_grad_norm=1.0, **({"optimizer": "adamw"} if name == "dp-adam" else {}), **options)
+    cfg = method_config(name, max_grad_norm=1.0, **({"optimizer": "adamw"} if name in ("dp-adam", "dp-sgd-rc") else {}),
+                        **options)
     method = build_method(cfg, model, LR, Noise(1.0, 1.0, float(size), torch.Generator().manual_seed(0)))
     return Contestant(model, lambda: method.step([batch], per_sample_loss), method.state_tensors)
 

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpmem.methods import DPAdam, GaLoreDPNaive, Noise, method_config
-from dpmem.persample import PerSampleGradients
+from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive, Noise, method_config
+from dpmem.persample import PerSampleGradients, reducers
 from dpmem.persample.factored import Factored
 from test_sparse_embedding import LargestTensor
 from test_two_pass_clipping import B, Layers, batch, layers_case, loss_fn, method_cfg, roberta_case, run_steps, vit_case
@@ -26,14 +26,27 @@ def test_galore_dp_naive_takes_bk():
                                want, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("make", [layers_case, roberta_case], ids=["layers", "roberta"])
+@pytest.mark.parametrize("estimator", ["hutch", "hutchpp"])
+def test_dp_sgd_rc_with_bookkeeping_equals_its_two_passes(make, estimator):
+    """The same probes give the same estimates and clip factors: one pass with the clipped sums from the factors
+    must land where the paper's two passes do; both differ from exact clipping (k = 2 probes estimate coarsely)."""
+    cfg = lambda **kw: method_config("dp-sgd-rc", max_grad_norm=0.5, optimizer="adam", estimator=estimator,  # noqa
+                                     k=2, **kw)
+    want = run_steps(make, DPSGDRC, cfg())
+    torch.testing.assert_close(run_steps(make, DPSGDRC, cfg(bookkeeping=True)), want, rtol=1e-9, atol=1e-10)
+    exact = run_steps(make, DPAdam, method_cfg(clipping="bk"))
+    assert (want - exact).abs().max() > 1e-4
+
+
 def test_a_factored_capture_keeps_linear_like_layers_factored_and_the_rest_dense():
     model, b = Layers().double(), batch()
     with PerSampleGradients(model) as psg:
-        with psg.capture(B, factored=True):
+        with psg.capture(B, dict.fromkeys(psg.parameters, reducers.bookkeeping())) as kept:
             loss_fn(model, b).sum().backward()
         for m in (model.emb, model.conv, model.flat, model.tokens, model.gpt):
-            assert isinstance(psg.grads[m.weight], Factored), m
-        assert all(isinstance(psg.grads[m.bias], torch.Tensor) for m in (model.conv, model.flat, model.gpt))
+            assert isinstance(kept[m.weight][1], Factored), m
+        assert all(isinstance(kept[m.bias][1], torch.Tensor) for m in (model.conv, model.flat, model.gpt))
 
 
 @pytest.mark.parametrize("clipping", ["materialize", "bk"])

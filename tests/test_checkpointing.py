@@ -43,10 +43,10 @@ def per_sample(name, checkpointing):
     model, loss, batch = case(name, checkpointing)
     calls = blocks_run(model)
     with PerSampleGradients(model) as psg:
-        with psg.capture(3):
+        with psg.capture(3) as kept:
             loss(model, batch).sum().backward()
         names = {p: n for n, p in model.named_parameters()}
-        grads = {names[p]: g.to_dense() if isinstance(g, Factored) else g for p, g in psg.grads.items()}
+        grads = {names[p]: g.to_dense() if isinstance(g, Factored) else g for p, g in kept.items()}
     return grads, calls
 
 

@@ -49,11 +49,11 @@ def test_clipped_sum_equals_opacus():
     model, batch, C = Net(), make_batch(), 5.0
     # ours
     psg = PerSampleGradients(model)
-    with psg.capture(8):
+    with psg.capture(8) as grads:
         loss_fn(model, batch).sum().backward()
-    norms = per_sample_norms(psg.grads)
+    norms = per_sample_norms(grads)
     assert (norms > C).any() and (norms < C).any(), "the batch should be partly clipped"
-    ours = weighted_sum(psg.grads, clip_factors(norms, C))
+    ours = weighted_sum(grads, clip_factors(norms, C))
     psg.close()
     model.zero_grad(set_to_none=True)
     # Opacus

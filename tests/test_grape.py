@@ -11,7 +11,7 @@ from transformers.pytorch_utils import Conv1D
 
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, GaLoreDPNaive, Grape, Noise, method_config
-from dpmem.persample import PerSampleGradients, Projection
+from dpmem.persample import PerSampleGradients, Projection, reducers
 
 
 
@@ -53,11 +53,11 @@ def loss_fn(model, b):
 
 def full_per_sample(model, b):
     psg = PerSampleGradients(model)
-    with psg.capture(len(b["y"])):
+    with psg.capture(len(b["y"])) as grads:
         loss_fn(model, b).sum().backward()
     psg.close()
     model.zero_grad(set_to_none=True)
-    return psg.grads
+    return grads
 
 
 @pytest.mark.parametrize("layer,side", [("up", 1), ("down", 0), ("conv_wide", 0), ("conv_tall", 1)])
@@ -68,11 +68,10 @@ def test_projected_per_sample_gradients_equal_projected_explicit_ones(layer, sid
     full = full_per_sample(model, b)[weight]
     P = torch.randn(weight.shape[side], 3, dtype=torch.float64)
     psg = PerSampleGradients(model)
-    psg.projections = {weight: lambda: Projection(P, side)}
-    with psg.capture(6):
+    with psg.capture(6, {weight: reducers.projected(lambda: Projection(P, side))}) as kept:
         loss_fn(model, b).sum().backward()
     want = torch.einsum("mr,bmn->brn", P, full) if side == 0 else full @ P
-    got = psg.grads[weight]
+    got = kept[weight]
     assert got.shape == want.shape
     assert (got - want).norm() / want.norm() <= 1e-5
     assert Projection(P, side).project(full[0]).allclose(want[0])
@@ -181,9 +180,8 @@ def test_per_sample_buffers_are_b_times_r_times_max_dimension():
     model, rank = Mixer(), 2
     method = Grape(model, grape_cfg(rank=rank), 1e-3, Noise(1.0, 1.0, 6.0, None))
     psg = method.privatize.persample
-    psg.projections = {p: (lambda p=p: method.projection(p, 1)) for p in method.sides}
-    with psg.capture(6):
+    project = {p: reducers.projected(lambda p=p: method.projection(p, 1)) for p in method.sides}
+    with psg.capture(6, project) as kept:
         loss_fn(model, batch()).sum().backward()
     for p in method.sides:
-        assert psg.grads[p].numel() == 6 * rank * max(p.shape)  # never 6·out·in
-    psg.clear()
+        assert kept[p].numel() == 6 * rank * max(p.shape)  # never 6·out·in

@@ -24,10 +24,10 @@ def float64():
 
 def engine_grads(model, loss_fn, batch):
     psg = PerSampleGradients(model)
-    with psg.capture(batch_size=next(iter(batch.values())).shape[0]):
+    with psg.capture(batch_size=next(iter(batch.values())).shape[0]) as grads:
         loss_fn(model, batch).sum().backward()
     names = {p: n for n, p in model.named_parameters()}
-    out = {names[p]: g.to_dense() if isinstance(g, Factored) else g for p, g in psg.grads.items()}
+    out = {names[p]: g.to_dense() if isinstance(g, Factored) else g for p, g in grads.items()}
     psg.close()
     model.zero_grad(set_to_none=True)
     return out

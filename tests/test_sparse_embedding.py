@@ -13,7 +13,7 @@ from dpmem.data import build_data, example_batch
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, Noise, build_method, method_config
 from dpmem.models import build_model
-from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
+from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, reducers, weighted_sum
 from dpmem.persample.factored import Factored
 
 
@@ -73,15 +73,15 @@ def test_norms_and_clipped_sums_equal_dense_for_untied_and_tied_embeddings():
         torch.manual_seed(0)
         model, b = LM(tied).double(), make_batch()
         psg = PerSampleGradients(model)
-        with psg.capture(5):
+        with psg.capture(5) as grads:
             lm_loss(model, b).sum().backward()
-        assert isinstance(psg.grads[model.emb.weight], Factored)  # tied: the head's use joins as factors
+        assert isinstance(grads[model.emb.weight], Factored)  # tied: the head's use joins as factors
         want = dense_oracle(model, b)
-        norms = per_sample_norms(psg.grads)
+        norms = per_sample_norms(grads)
         want_norms = torch.stack([g.reshape(5, -1).pow(2).sum(1) for g in want.values()]).sum(0).sqrt()
         torch.testing.assert_close(norms, want_norms)
         factors = clip_factors(norms, float(norms.median()))
-        got = weighted_sum(psg.grads, factors)
+        got = weighted_sum(grads, factors)
         for p, g in want.items():
             torch.testing.assert_close(got[p], torch.einsum("b,b...->...", factors, g))
 
@@ -121,10 +121,9 @@ def test_projected_embeddings_equal_dense_gradients_times_p_with_tied_head():
         assert sides[model.emb.weight] == 1 and sides[model.head.weight] == 1  # hidden side for both
         P = torch.randn(6, 2, dtype=torch.float64)
         psg = PerSampleGradients(model)
-        psg.projections = {model.emb.weight: lambda: Projection(P, 1)}
-        with psg.capture(5):
+        with psg.capture(5, {model.emb.weight: reducers.projected(lambda: Projection(P, 1))}) as kept:
             lm_loss(model, b).sum().backward()
-        got = psg.grads[model.emb.weight]
+        got = kept[model.emb.weight]
         got = got.to_dense() if isinstance(got, Factored) else got
         want = dense_oracle(model, b)[model.emb.weight] @ P
         torch.testing.assert_close(got, want)

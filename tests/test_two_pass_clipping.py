@@ -73,19 +73,21 @@ def test_exact_rules_equal_the_per_sample_loop(rule):
     got, kinds = {}, {}
     psg = PerSampleGradients(model)
 
-    def record(p, g):
-        got[p], kinds[p] = squared_norms(g, rule), type(g)
-        return got[p]
+    def record(p):
+        def reduce(g):
+            got[p], kinds[p] = squared_norms(g, rule), type(g)
+            return got[p]
+        return reduce
 
-    with psg.capture(B, norms=record):
+    with psg.capture(B, {p: record(p) for p in psg.parameters}) as kept:
         loss_fn(model, b).sum().backward()
     assert kinds[model.emb.weight] is Factored  # embedding + tied head: one factored gradient of two uses
     assert all(kinds[m.weight] is Factored for m in (model.conv, model.flat, model.tokens, model.gpt))
     assert set(got) == set(want)
     for p in want:
         torch.testing.assert_close(got[p], want[p], rtol=1e-5, atol=1e-12)
-    torch.testing.assert_close(psg.squared_norms, sum(want.values()), rtol=1e-5, atol=1e-12)
-    assert not psg.grads  # every per-sample gradient was freed once normed
+    torch.testing.assert_close(sum(kept.values()), sum(want.values()), rtol=1e-5, atol=1e-12)
+    assert all(v.shape == (B,) for v in kept.values())  # every per-sample gradient was freed once normed
 
 
 def test_mixed_picks_the_cheaper_rule_per_layer():
@@ -130,11 +132,13 @@ def test_estimators_on_ids_and_tied_terms_are_unbiased():
     psg = PerSampleGradients(model)
     tied = {}
 
-    def keep(p, g):
-        tied[p] = g
-        return squared_norms(g, "ghost")
+    def keep(p):
+        def reduce(g):
+            tied[p] = g
+            return squared_norms(g, "ghost")
+        return reduce
 
-    with psg.capture(B, norms=keep):
+    with psg.capture(B, {p: keep(p) for p in psg.parameters}):
         loss_fn(model, b).sum().backward()
     g = tied[model.emb.weight]
     assert len(g.terms) == 2 and g.terms[0][0].dim() + g.terms[1][0].dim() == 5  # ids (2-D) and dense (3-D)

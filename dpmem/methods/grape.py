@@ -69,10 +69,8 @@ class Grape(Method):
 
     def step(self, microbatches, loss_fn):
         self.t = t = self.t + 1
-        self.privatize.persample.projections = {p: (lambda p=p: self.projection(p, t)) for p in self.sides}
-        grads, loss_sum = self.privatize(
-            microbatches, loss_fn, self.shapes,
-            coverage_transform=lambda p, g: self.projection(p, t).project(g) if p in self.sides else g)
+        grads, loss_sum = self.privatize(microbatches, loss_fn, self.shapes,
+                                         {p: (lambda p=p: self.projection(p, t)) for p in self.sides})
         # one layer's P at a time, regenerated for the update
         self.adam.step(grads, self.lr, t, lambda p: self.projection(p, t) if p in self.sides else None)
         return loss_sum

@@ -14,10 +14,14 @@ Clipped sums accumulate over physical micro-batches; the noise is drawn once per
   only per-sample squared norms, one layer at a time (`dpmem.persample.norms` says how each rule gets them);
   the second back-propagates Σᵢ min(1, C/‖gᵢ‖)·Lᵢ through the same graph, so autograd itself sums the clipped
   gradients into `.grad`. With an estimator (DP-SGD-RC) ‖gᵢ‖ is the square root of the summed estimates.
+  `bookkeeping=True` takes an estimator's norms in bk's one pass instead: the same clip factors, hence the same
+  mechanism, with the clipped sums formed from the kept factors.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 import weakref
 from typing import Callable
 
@@ -27,10 +31,10 @@ from torch import nn
 from dpmem import distributed, sharding
 from dpmem.metering import memory_label
 from dpmem.methods.base import Noise, batch_size
-from dpmem.persample import (PerSampleGradients, clip_factors, per_sample_norms, verify_coverage, weighted_sum,
-                             weighted_sum_of)
+from dpmem.persample import (PerSampleGradients, Projection, clip_factors, per_sample_norms, reducers,
+                             verify_coverage, weighted_sum, weighted_sum_of)
 from dpmem.persample.hooks import remove_handles, weakly
-from dpmem.persample.norms import RULES, squared_norms
+from dpmem.persample.norms import ESTIMATORS, RULES
 
 CLIPPINGS = ("materialize", "bk") + RULES
 ONE_PASS = ("materialize", "bk")
@@ -45,10 +49,15 @@ class Privatizer:
     """
 
     def __init__(self, model: nn.Module, noise: Noise, check_coverage: bool = True, clipping: str = "materialize",
-                 k: int = 32):
+                 k: int = 32, bookkeeping: bool = False):
         if clipping not in CLIPPINGS:
             raise ValueError(f"clipping {clipping!r}: allowed {', '.join(CLIPPINGS)}")
+        if bookkeeping and clipping not in ESTIMATORS:
+            raise ValueError(f"bookkeeping with an estimator ({', '.join(ESTIMATORS)}), not {clipping!r}; "
+                             "exact norms have clipping='bk'")
         self.model, self.noise, self.clipping, self.k = model, noise, clipping, k
+        # one backward pass, the clipped sums from the kept factors, with norms by this rule
+        self.bookkeeping = "mixed" if clipping == "bk" else clipping if bookkeeping else None
         self.persample = PerSampleGradients(model)
         self.params = self.persample.parameters
         self._check_coverage = check_coverage
@@ -60,10 +69,10 @@ class Privatizer:
         #   changes them, and the noise generator draws the same on all ranks;
         # - under FSDP, each rank's generator of the step's noise on its shards (seeded by the step's seed and rank).
         self.step_seeds = self._probe_draws = None
-        if noise.generator is not None and (clipping in ("hutch", "hutchpp") or self.sharded):
+        if noise.generator is not None and (clipping in ESTIMATORS or self.sharded):
             seed = int(torch.randint(2**62, (1,), generator=noise.generator, device=noise.generator.device))
             self.step_seeds = torch.Generator().manual_seed(seed)
-        if self.step_seeds is not None and clipping in ("hutch", "hutchpp"):
+        if self.step_seeds is not None and clipping in ESTIMATORS:
             self._probe_draws = torch.Generator(device=noise.generator.device)
         self._keep_grads = False  # the second pass of two-pass clipping accumulates into .grad
         self._stepping = False  # inside __call__: the only time its hooks act
@@ -106,12 +115,18 @@ class Privatizer:
             p.grad = None
 
     def __call__(self, microbatches, loss_fn, shapes: dict[nn.Parameter, torch.Size],
-                 coverage_transform: Callable | None = None) -> tuple[dict[nn.Parameter, torch.Tensor], torch.Tensor]:
-        """The privatised gradient (of shape `shapes[p]` per parameter) and the summed per-sample loss."""
+                 projections: dict[nn.Parameter, Callable[[], Projection]] | None = None
+                 ) -> tuple[dict[nn.Parameter, torch.Tensor], torch.Tensor]:
+        """The privatised gradient (of shape `shapes[p]` per parameter) and the summed per-sample loss.
+        `projections` (DP-GRAPE, one pass only) makes a parameter's projection when its layer's gradient arrives;
+        its per-sample gradients, clipped sum and noise are then projected ones."""
+        one_pass = self.clipping == "materialize" or self.bookkeeping is not None
+        if projections and not one_pass:
+            raise ValueError(f"projected per-sample gradients need one-pass clipping, not {self.clipping!r}")
         self._stepping = True
         try:
-            if self.clipping in ONE_PASS:
-                summed, loss_sum = self._one_pass(microbatches, loss_fn, shapes, coverage_transform)
+            if one_pass:
+                summed, loss_sum = self._one_pass(microbatches, loss_fn, shapes, projections or {})
             else:
                 summed, loss_sum = self._two_pass(microbatches, loss_fn)
         finally:
@@ -141,49 +156,59 @@ class Privatizer:
         seed = (self._step_seed() + 1_000_003 * distributed.rank()) % 2**63
         return torch.Generator(device=self.noise.generator.device).manual_seed(seed)
 
-    def _one_pass(self, microbatches, loss_fn, shapes, coverage_transform):
+    def _one_pass(self, microbatches, loss_fn, shapes, projections):
         summed = {}  # made by the first micro-batch's clipped sums, after its backward pass (`_accumulate`)
         loss_sum = torch.zeros((), device=self.params[0].device)
-        bk = self.clipping == "bk"
+        bk = self.bookkeeping is not None
+        keep = reducers.bookkeeping(self.bookkeeping, self.k, self._probe_draws) if bk else reducers.materialize
+        reduce = {p: reducers.projected(projections[p], keep) if p in projections else keep for p in self.params}
+        probe_seed = self._step_seed() if self._probe_draws is not None else None
         for mb in microbatches:
+            if probe_seed is not None:  # the step's probes, drawn again for every micro-batch
+                self._probe_draws.manual_seed(probe_seed)
             # autograd's batch gradient is needed only by the coverage check: otherwise the hooks' per-sample
             # gradients are all there is, and the backward skips the weights' batch products
-            with self.persample.capture(batch_size(mb), batch_gradients=self._check_coverage, factored=bk):
+            with self.persample.capture(batch_size(mb), reduce, batch_gradients=self._check_coverage) as kept:
                 losses = loss_fn(self.model, mb)
                 losses.sum().backward()
-            grads = self.persample.grads
+            if bk:  # squared norms (exact or estimated), made as each layer's gradient arrived; its factors
+                norms = _total(squares for squares, _ in kept.values()).sqrt()
+                grads = {p: g for p, (_, g) in kept.items()}
+            else:  # exact norms of dense gradients; a tied embedding's by ghost norms
+                grads = kept
+                norms = per_sample_norms(grads)
+            del kept
             if self._check_coverage:
                 self._check_coverage = False
                 ones = torch.ones(batch_size(mb), device=self.params[0].device)
-                verify_coverage(self.model, self.params, weighted_sum(grads, ones), coverage_transform)
-            norms = per_sample_norms(grads, "mixed" if bk else "ghost")  # exact; mixed: the cheaper per layer
+                verify_coverage(self.model, self.params, weighted_sum(grads, ones),
+                                lambda p, g: projections[p]().project(g) if p in projections else g)
             factors = clip_factors(norms, self.noise.max_grad_norm) * sharding.weight(mb)
             for p, g in grads.items():  # one parameter at a time: no second model-sized temporary
                 with memory_label("gradients"):
                     _accumulate(summed, p, weighted_sum_of(g, factors))
-            self.persample.clear()
+            del grads
             loss_sum = loss_sum + losses.detach().sum() * sharding.weight(mb)
         return self._completed(summed, shapes), loss_sum
-
-    def _squared_norms(self, p: nn.Parameter, g) -> torch.Tensor:
-        return squared_norms(g, self.clipping, self.k, self._probe_draws)
 
     def _two_pass(self, microbatches, loss_fn):
         summed = {}  # the first micro-batch's .grad tensors themselves (`_accumulate`)
         loss_sum = torch.zeros((), device=self.params[0].device)
         probe_seed = self._step_seed() if self._probe_draws is not None else None
+        norm = reducers.norms(self.clipping, self.k, self._probe_draws)
         for mb in microbatches:
             if probe_seed is not None:
                 self._probe_draws.manual_seed(probe_seed)
             check = self._check_coverage
-            with self.persample.capture(batch_size(mb), norms=self._squared_norms, keep_sums=check):
+            reduce = dict.fromkeys(self.params, reducers.with_sum(norm) if check else norm)
+            with self.persample.capture(batch_size(mb), reduce) as kept:
                 losses = loss_fn(self.model, mb)
                 losses.sum().backward(retain_graph=True)  # first pass: norms only
             if check:
                 self._check_coverage = False
-                verify_coverage(self.model, self.params, self.persample.sums)
-                self.persample.sums = {}
-            factors = clip_factors(self.persample.squared_norms.sqrt(), self.noise.max_grad_norm) * sharding.weight(mb)
+                verify_coverage(self.model, self.params, {p: total for p, (_, total) in kept.items()})
+                kept = {p: squares for p, (squares, _) in kept.items()}
+            factors = clip_factors(_total(kept.values()).sqrt(), self.noise.max_grad_norm) * sharding.weight(mb)
             self._keep_grads = True
             try:  # second pass: autograd forms Σᵢ fᵢ gᵢ in .grad
                 (losses * factors.to(losses.dtype)).sum().backward()
@@ -203,6 +228,11 @@ class Privatizer:
             return {p: summed[p] if p in summed else
                     torch.zeros_like(p) if shapes is None else torch.zeros(shapes[p], device=p.device, dtype=p.dtype)
                     for p in self.params}
+
+
+def _total(parts):
+    """Σ of per-parameter squared norms, in the order the parameters were reduced."""
+    return functools.reduce(operator.add, parts)
 
 
 def _accumulate(summed: dict, p: nn.Parameter, part: torch.Tensor) -> None:

@@ -32,7 +32,11 @@ class DPSGDRC(DPAdam):
 
     @classmethod
     def norm_options(cls, cfg) -> dict:
-        return {"k": cfg.k}  # probes per estimate
+        return {"k": cfg.k, "bookkeeping": cfg.bookkeeping}  # probes per estimate; one pass or two
+
+    @classmethod
+    def shardable(cls, cfg) -> bool:  # book-keeping keeps whole factors; two passes are sharded as dp-adam's
+        return not cfg.bookkeeping
 
 
 def estimated_matrices(model: nn.Module) -> list[nn.Parameter]:

@@ -1,8 +1,10 @@
-"""Per-sample gradients: hooks capture layer inputs and output gradients; one rule per layer type."""
+"""Per-sample gradients: hooks capture layer inputs and output gradients; one rule per layer type; the caller's
+reducer per parameter says what is kept of them."""
 
-from dpmem.persample.hooks import (PerSampleGradients, clip_factors, per_sample_norms, verify_coverage,
-                                   weighted_sum, weighted_sum_of)
+from dpmem.persample import reducers
+from dpmem.persample.factored import weighted_sum_of
+from dpmem.persample.hooks import PerSampleGradients, clip_factors, per_sample_norms, verify_coverage, weighted_sum
 from dpmem.persample.registry import Projection, factored_weights, projectable_weights, register, rule_for
 
-__all__ = ["PerSampleGradients", "Projection", "per_sample_norms", "clip_factors", "weighted_sum",
+__all__ = ["PerSampleGradients", "Projection", "reducers", "per_sample_norms", "clip_factors", "weighted_sum",
            "weighted_sum_of", "verify_coverage", "register", "rule_for", "projectable_weights", "factored_weights"]

@@ -25,6 +25,11 @@ def _is_ids(side: torch.Tensor) -> bool:
     return side.dim() == 2  # (B, T) integer rows; a dense side is (B, T, n)
 
 
+def batch_rows(t: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
+    """A layer's input or output gradient as (B, T, n): any middle dims flattened into T."""
+    return t.reshape(batch, -1, t.shape[-1]).to(dtype)
+
+
 def apply(side: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """side (B, T, n) or ids (B, T) times x of shape (n, k) or (B, n, k): (B, T, k)."""
     if not _is_ids(side):
@@ -58,6 +63,11 @@ def _total(parts):
     return reduce(operator.add, parts)
 
 
+def _scaled(side: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each sample's rows of a dense side (B, T, n) times its weight."""
+    return side * weights.to(side.dtype).view(-1, 1, 1)
+
+
 def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if _is_ids(t) else t.to(torch.promote_types(t.dtype, torch.float32))
 
@@ -82,6 +92,15 @@ class Factored:
         return torch.Size((self.terms[0][1].shape[0], *self.param_shape))
 
     @property
+    def device(self) -> torch.device:
+        return self.terms[0][1].device
+
+    @property
+    def sparse(self) -> bool:
+        """Some use is an embedding's ids: the dense form would be (B, vocab, D), mostly zeros."""
+        return any(_is_ids(left) for left, _ in self.terms)
+
+    @property
     def tokens(self) -> int:
         """Positions summed over, across all uses (the T of the T×T Gram matrices)."""
         return sum(right.shape[1] for _, right in self.terms)
@@ -91,15 +110,17 @@ class Factored:
         return dense.reshape(self.shape)
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
-        """Σᵢ wᵢ gᵢ as one (param_shape) tensor, never (B, rows, cols)."""
+        """Σᵢ wᵢ gᵢ as one (param_shape) tensor, never (B, rows, cols): (w ⊙ left)ᵀ right over all B·T positions,
+        the weights applied to the narrower side (ids: to the dense one)."""
         out = None
         for left, right in self.terms:
-            r = (right * weights.to(right.dtype).view(-1, 1, 1)).flatten(0, 1)
             if _is_ids(left):
-                part = torch.zeros(self.rows, self.cols, dtype=r.dtype, device=r.device)
-                part.index_add_(0, left.flatten(), r)
+                part = torch.zeros(self.rows, self.cols, dtype=right.dtype, device=right.device)
+                part.index_add_(0, left.flatten(), _scaled(right, weights).flatten(0, 1))
+            elif left.shape[-1] <= right.shape[-1]:
+                part = _scaled(left, weights).flatten(0, 1).T @ right.flatten(0, 1)
             else:
-                part = left.flatten(0, 1).T @ r
+                part = left.flatten(0, 1).T @ _scaled(right, weights).flatten(0, 1)
             out = part if out is None else out + part
         return out.reshape(self.param_shape)
 
@@ -154,3 +175,10 @@ class Factored:
         return self.to_dense() + other
 
     __radd__ = __add__
+
+
+def weighted_sum_of(g: torch.Tensor | Factored, weights: torch.Tensor) -> torch.Tensor:
+    """Σᵢ wᵢ gᵢ of one parameter's per-sample gradients, Factored or dense (B, *shape): a dense tensor."""
+    if isinstance(g, Factored):
+        return g.weighted_sum(weights)
+    return torch.einsum("b,b...->...", weights.to(g.dtype), g)

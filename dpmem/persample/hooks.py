@@ -16,10 +16,11 @@ from torch import nn
 from dpmem import distributed, sharding
 from dpmem.metering import memory_label
 from dpmem.persample import rules  # noqa: F401  (registers the layer rules)
+from dpmem.persample.factored import Factored, weighted_sum_of
 from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads
-from dpmem.persample.registry import Projection, Rule, rule_for
-from dpmem.persample.factored import Factored
 from dpmem.persample.norms import squared_norms
+from dpmem.persample.reducers import Reducer, materialize
+from dpmem.persample.registry import Rule, rule_for
 
 # Per-sample gradients mix samples through batch statistics in these layers: there is no per-sample gradient.
 REFUSED = (nn.modules.batchnorm._BatchNorm, nn.RNNBase, nn.MultiheadAttention)
@@ -33,7 +34,6 @@ class _Owner:
     params: dict[str, nn.Parameter]  # attribute name -> parameter (trainable, direct, owned here)
     rule: Rule | None  # None = generic fallback
     scopes: list = field(default_factory=list)  # a rule's forward scopes, entered by the pre-hook
-    tied: bool = False  # owns a weight shared with another module: its gradients stay `Factored`
     on_grad: Callable | None = None  # (saved, output gradient) -> per-sample gradients, made once per owner
 
 
@@ -55,15 +55,13 @@ def remove_handles(handles: list) -> None:
 
 
 class PerSampleGradients:
-    """Per-sample gradients of every trainable parameter of `model`.
+    """Per-sample gradients of every trainable parameter of `model`, reduced one parameter at a time.
 
-    Inside `with psg.capture(batch_size):` a forward and backward of a *summed* per-sample loss leave in `psg.grads` a
-    tensor (B, *param.shape) per trainable parameter. A parameter used by several modules (tied weights) gets
-    the sum over every use, before anyone takes a norm.
-
-    With `capture(batch_size, norms=f)` (the first pass of two-pass clipping) only squared norms are kept: layers
-    with a factored rule give `Factored` gradients, and as soon as every use of a parameter has arrived its
-    per-sample gradient is reduced by f(param, grad) -> (B,) and freed; `psg.squared_norms` holds the total.
+    `with psg.capture(batch_size, reducers) as kept:` around a forward and backward of a *summed* per-sample loss
+    leaves in `kept` one entry per parameter: its reducer (`dpmem.persample.reducers`; `materialize`, dense
+    (B, *shape) tensors, for any parameter not in `reducers`) applied to its per-sample gradient as soon as its
+    last use has arrived. A parameter used by several modules (tied weights) is reduced as the sum over every
+    use. The layer's factors are freed then, unless the reducer keeps them (book-keeping).
 
     Its hooks are removed by `close()` (or `with PerSampleGradients(model) as psg:`), and when it is garbage-
     collected; several objects on one model do not interfere, since each one's hooks act only inside its capture.
@@ -71,20 +69,15 @@ class PerSampleGradients:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.grads: dict[nn.Parameter, torch.Tensor] = {}
-        # DP-GRAPE: parameter -> a function that (re)generates its Projection when its layer's gradient arrives
-        self.projections: dict[nn.Parameter, Callable[[], Projection]] = {}
         self._active = False
-        self._norms: Callable[[nn.Parameter, Any], torch.Tensor] | None = None
-        self._keep_sums = False
-        self._factored = False
+        self._reducers: dict[nn.Parameter, Reducer] = {}
+        self._pending: dict[nn.Parameter, Any] = {}  # per-sample gradients of parameters with uses still to come
+        self._kept: dict[nn.Parameter, Any] = {}  # what the reducers returned
         self._uses: dict[nn.Parameter, int] = {}  # forward uses of each parameter in this capture
         self._skipping = False  # inside a capture without batch gradients
         self._graph = False  # the last forward pass was inside a capture (see `_acting`)
         self._replaying = False
         self._arrived: dict[nn.Parameter, int] = {}  # backward hooks seen per parameter
-        self.squared_norms: torch.Tensor | None = None
-        self.sums: dict[nn.Parameter, torch.Tensor] = {}  # Σᵢ gᵢ in norm mode with keep_sums
         self._owners: list[_Owner] = []
         claimed: set[int] = set()
         param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -112,17 +105,6 @@ class PerSampleGradients:
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in claimed]
         if missing:
             raise ValueError(f"no per-sample rule covers {missing[0]}; add a rule or freeze it")
-        # A weight shared by factored rules (an LM head tied to the word embeddings) keeps every use factored, so
-        # that its per-sample gradient (sparse rows plus low-rank head terms) is never a B×vocab×hidden tensor.
-        owners_of: dict[nn.Parameter, list[_Owner]] = {}
-        for owner in self._owners:
-            for p in owner.params.values():
-                owners_of.setdefault(p, []).append(owner)
-        for owners in owners_of.values():
-            if len(owners) > 1 and all(o.rule is not None and o.rule.factors is not None
-                                       and o.rule.factorable(o.module) for o in owners):
-                for o in owners:
-                    o.tied = True
         # what capture(batch_gradients=False) turns off: an embedding's weight (also tied to a head) keeps
         # requires_grad, since its ids cannot carry a gradient to its hook; so do the fallback's
         keep = {p for o in self._owners if o.rule is None or isinstance(o.module, nn.Embedding)
@@ -149,30 +131,30 @@ class PerSampleGradients:
         return out
 
     @contextlib.contextmanager
-    def capture(self, batch_size: int, norms: Callable[[nn.Parameter, Any], torch.Tensor] | None = None,
-                keep_sums: bool = False, batch_gradients: bool = True, factored: bool = False):
-        """Hooks are live inside; `batch_size` is the number of samples in the forward pass. With `norms`, keep
-        only squared norms (and, with `keep_sums`, Σᵢ gᵢ per parameter for the coverage check). With `factored`,
-        `grads` keeps every linear-like layer's gradient `Factored` (book-keeping clipping) instead of dense.
+    def capture(self, batch_size: int, reducers: dict[nn.Parameter, Reducer] | None = None,
+                batch_gradients: bool = True):
+        """Hooks are live inside; `batch_size` is the number of samples in the forward pass. Yields the dict that
+        holds each parameter's reduced per-sample gradient once the block is done (in the order their last uses
+        arrived).
 
         `batch_gradients=False`: the forward inside runs with the parameters of float-input layer rules (linear,
         conv, LayerNorm) not requiring grad, so the backward does not form autograd's batch gradient of those
         weights (the m×n product per layer that private training drops anyway); their per-sample gradients come
         from the hooks as before. A layer whose input then requires no grad gets a grad-requiring view of it, so
         that its output gradient still reaches the hook."""
-        self._active, self._batch = True, batch_size
-        self._norms, self._keep_sums, self._factored = norms, keep_sums, factored
-        self._uses, self._arrived, self.squared_norms, self.sums = {}, {}, None, {}
+        self._active, self._batch, self._reducers = True, batch_size, reducers or {}
+        self._uses, self._arrived, self._pending, self._kept = {}, {}, {}, {}
         skipped = [] if batch_gradients else self._without_batch_gradients()
         try:
             # a checkpoint's recompute runs whole, so that every hook that enters a scope also leaves it
             with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-                yield self
+                yield self._kept
             with memory_label("per_sample"):
-                for p in list(self.grads) if norms is not None else []:  # uses whose output got no gradient
+                for p in list(self._pending):  # uses whose output got no gradient
                     self._reduce(p)
         finally:
-            self._active, self._norms, self._skipping = False, None, False
+            self._active, self._skipping, self._reducers, self._pending = False, False, {}, {}
+            self._kept = {}
             for p in skipped:
                 p.requires_grad_(True)
 
@@ -183,9 +165,6 @@ class PerSampleGradients:
             p.requires_grad_(False)
         self._skipping = bool(skipped)
         return skipped
-
-    def clear(self) -> None:
-        self.grads = {}
 
     def close(self) -> None:
         """Remove every hook from the model (idempotent)."""
@@ -268,32 +247,18 @@ class PerSampleGradients:
             finally:
                 self._replaying = False
         else:
-            wanted = {n: self.projections[p]() for n, p in owner.params.items() if p in self.projections}
-            if owner.tied:  # kept factored; projected on the factors, if at all
-                grads = owner.rule.factors(owner.module, saved, grad_output)
-                grads = {n: g.project(wanted[n]) if n in wanted else g for n, g in grads.items()}
-            elif wanted:  # each projector exists only while its layer's gradients are projected
-                grads = owner.rule.project(owner.module, saved, grad_output, wanted)
-            elif (self._norms is not None or self._factored) and owner.rule.factors is not None:
-                grads = owner.rule.factors(owner.module, saved, grad_output)
-            else:
-                grads = owner.rule.compute(owner.module, saved, grad_output)
+            grads = owner.rule.gradients(owner.module, saved, grad_output)
         for name, g in grads.items():
             p = owner.params.get(name)
             if p is None:  # a frozen parameter of a rule-covered module
                 continue
-            self.grads[p] = g if p not in self.grads else _tied_sum(self.grads[p], g)
-            if self._norms is not None:
-                self._arrived[p] = self._arrived.get(p, 0) + 1
-                if self._arrived[p] == self._uses.get(p, 0):  # every use is in: norm it and free it
-                    self._reduce(p)
+            self._pending[p] = g if p not in self._pending else _tied_sum(self._pending[p], g)
+            self._arrived[p] = self._arrived.get(p, 0) + 1
+            if self._arrived[p] == self._uses.get(p, 0):  # every use is in: reduce it, free the rest
+                self._reduce(p)
 
     def _reduce(self, p: nn.Parameter) -> None:
-        g = self.grads.pop(p)
-        if self._keep_sums:
-            self.sums[p] = weighted_sum_of(g, torch.ones(g.shape[0], device=p.device))
-        squares = self._norms(p, g)
-        self.squared_norms = squares if self.squared_norms is None else self.squared_norms + squares
+        self._kept[p] = self._reducers.get(p, materialize)(self._pending.pop(p))
 
 
 def _in_backward() -> bool:
@@ -342,13 +307,6 @@ def per_sample_norms(grads: dict[nn.Parameter, torch.Tensor | Factored], rule: s
 def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
     """min(1, C/‖gᵢ‖), with the same small guard against 0/0 as Opacus."""
     return (max_norm / (norms + 1e-6)).clamp(max=1.0)
-
-
-def weighted_sum_of(g: torch.Tensor | Factored, weights: torch.Tensor) -> torch.Tensor:
-    """Σᵢ wᵢ gᵢ of one parameter's per-sample gradients (dense)."""
-    if isinstance(g, Factored):
-        return g.weighted_sum(weights)
-    return torch.einsum("b,b...->...", weights.to(g.dtype), g)
 
 
 def weighted_sum(grads: dict[nn.Parameter, torch.Tensor | Factored],

@@ -1,7 +1,9 @@
 """The registry of per-sample gradient rules, one per layer type (the idea of Opacus' register_grad_sampler).
 
 A rule takes the module, the activations its `capture` kept from the forward pass and the gradient of the
-module's output (batch first), and returns {parameter name: per-sample gradient of shape (B, *param.shape)}.
+module's output (batch first), and returns {parameter name: per-sample gradient}: `Factored` for linear-like
+weights (a layer's input and output gradient, never the B×rows×cols product), dense (B, *param.shape) for the
+rest. What is then made of them (dense tensors, projections, norms) is the caller's reducer (`reducers.py`).
 """
 
 from __future__ import annotations
@@ -13,9 +15,7 @@ import torch
 from torch import nn
 
 Capture = Callable[[nn.Module, tuple, dict, Any, Any], Any]  # (module, args, kwargs, output, scope)
-Compute = Callable[[nn.Module, Any, torch.Tensor], dict[str, torch.Tensor]]
-# (module, activations, grad_output, {param name: Projection}) -> per-sample gradients, projected where asked
-Project = Callable[[nn.Module, Any, torch.Tensor, dict], dict[str, torch.Tensor]]
+Gradients = Callable[[nn.Module, Any, torch.Tensor], dict[str, Any]]  # -> {name: Factored | dense}
 
 
 @dataclass(frozen=True)
@@ -34,47 +34,41 @@ class Projection:
         return self.P[rows] @ u if self.side == 0 else u[rows] @ self.P.T
 
 
-def projected_outer(x: torch.Tensor, y: torch.Tensor, projection: Projection | None) -> torch.Tensor:
-    """Per-sample xᵢᵀ yᵢ for x (B, T, rows), y (B, T, cols), projected before the product when asked, so that
-    (B, rows, cols) never exists: side 0 is (xᵢP)ᵀyᵢ, side 1 is xᵢᵀ(yᵢP)."""
-    if projection is None:
-        return torch.bmm(x.transpose(1, 2), y)
-    P = projection.P.to(x.dtype)
-    if projection.side == 0:
-        return torch.bmm((x @ P).transpose(1, 2), y)
-    return torch.bmm(x.transpose(1, 2), y @ P)
-
-
 def capture_first_input(module: nn.Module, args: tuple, kwargs: dict, output: Any, scope: Any) -> torch.Tensor:
     return args[0].detach() if args else next(iter(kwargs.values())).detach()
 
 
+def always(module: nn.Module) -> bool:
+    return True
+
+
+def never(module: nn.Module) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class Rule:
-    compute: Compute
+    gradients: Gradients
     capture: Capture = capture_first_input
     # Optional: a context entered around the module's forward (for rules that must see inside it).
     scope: Callable[[nn.Module], Any] | None = None
     # Optional: raise a ValueError naming the parameter when a module of this type is configured unsupportedly.
     check: Callable[[str, nn.Module], None] | None = None
-    # Optional: per-sample gradients with some matrix parameters projected (DP-GRAPE); None = not projectable.
-    project: Project | None = None
-    # Optional: per-sample gradients as `Factored` outer products (linear-like layers), for ghost norms and
-    # norm estimators; None = only the dense `compute`. `factorable` says for which modules the weight's gradient
-    # does come out factored (`factors` falls back to the dense form for the others).
-    factors: Compute | None = None
-    factorable: Callable[[nn.Module], bool] = lambda module: True
+    # For which modules the weight's per-sample gradient comes out `Factored` (norm estimators apply to those).
+    factored: Callable[[nn.Module], bool] = never
+    # Whether DP-GRAPE may project the weight (its factored gradient, on one side).
+    projectable: bool = False
 
 
 RULES: dict[type, Rule] = {}
 
 
-def register(*types: type, capture: Capture = capture_first_input, scope=None, check=None, project=None,
-             factors=None, factorable=Rule.factorable):
-    def wrap(compute: Compute) -> Compute:
+def register(*types: type, capture: Capture = capture_first_input, scope=None, check=None, factored=never,
+             projectable: bool = False):
+    def wrap(gradients: Gradients) -> Gradients:
         for t in types:
-            RULES[t] = Rule(compute, capture, scope, check, project, factors, factorable)
-        return compute
+            RULES[t] = Rule(gradients, capture, scope, check, factored, projectable)
+        return gradients
     return wrap
 
 
@@ -90,13 +84,13 @@ def _weights(model: nn.Module, wanted: Callable[[Rule, nn.Module], bool]) -> dic
 
 def projectable_weights(model: nn.Module) -> dict[str, nn.Parameter]:
     """Module name -> trainable weight of every layer whose rule can project its per-sample gradient."""
-    return _weights(model, lambda rule, module: rule.project is not None)
+    return _weights(model, lambda rule, module: rule.projectable)
 
 
 def factored_weights(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Module name -> trainable weight of every layer whose per-sample gradient comes out `Factored` in the
-    two-pass pipeline (a tied weight under each module that uses it)."""
-    return _weights(model, lambda rule, module: rule.factors is not None and rule.factorable(module))
+    """Module name -> trainable weight of every layer whose per-sample gradient comes out `Factored` (a tied
+    weight under each module that uses it)."""
+    return _weights(model, lambda rule, module: rule.factored(module))
 
 
 def rule_for(module: nn.Module) -> Rule | None:

@@ -55,15 +55,14 @@ def measure(model, microbatches, loss_fn, layers: dict[str, torch.nn.Parameter],
     sums = {c: {n: torch.zeros_like(p) for n, p in layers.items()} for c in clips}
     try:
         for mb in microbatches:
-            with persample.capture(len(next(iter(mb.values())))):
+            with persample.capture(len(next(iter(mb.values())))) as grads:
                 loss_fn(model, mb).sum().backward()
-            grads = persample.grads
             norms = per_sample_norms(grads)
             for c in clips:
                 factors = torch.ones_like(norms) if c is None else clip_factors(norms, c)
                 for n, p in layers.items():
                     sums[c][n] += weighted_sum_of(grads[p], factors)
-            persample.clear()
+            del grads
             for p in model.parameters():
                 p.grad = None
     finally:

@@ -1,4 +1,4 @@
-"""nn.Conv2d: unfold the input into patches, then the per-sample gradient is Gᵢ colsᵢᵀ per group."""
+"""nn.Conv2d: unfold the input into patches (B, in·kh·kw, L); then the per-sample gradient is Gᵢ colsᵢᵀ per group."""
 
 import torch
 import torch.nn.functional as F
@@ -34,24 +34,19 @@ def _ungrouped(module: nn.Conv2d) -> bool:
     return module.groups == 1
 
 
-def _factors(module: nn.Conv2d, activations, grad_output) -> dict[str, torch.Tensor | Factored]:
-    """Ungrouped convolutions are linear in their patches: gᵢ = Σ_l G[:, l] ⊗ cols[:, l]."""
-    if not _ungrouped(module):
-        return conv2d(module, activations, grad_output)
-    cols, g = _unfold(module, activations, grad_output)
-    grads = {"weight": Factored.outer(g.transpose(1, 2), cols.transpose(1, 2), param_shape=module.weight.shape)}
-    if module.bias is not None:
-        grads["bias"] = g.sum(2)
-    return grads
-
-
-@register(nn.Conv2d, factors=_factors, factorable=_ungrouped)
-def conv2d(module: nn.Conv2d, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, torch.Tensor]:
+@register(nn.Conv2d, factored=_ungrouped)
+def conv2d(module: nn.Conv2d, inputs, grad_output) -> dict:
+    """Ungrouped, the convolution is linear in its patches: gᵢ = Σ_l G[:, l] ⊗ cols[:, l], kept factored. Grouped,
+    each group's gradient is its own G colsᵀ, made dense."""
     batch, groups = grad_output.shape[0], module.groups
-    cols, g = _unfold(module, activations, grad_output)
-    cols = cols.reshape(batch, groups, -1, cols.shape[-1])
-    weight = torch.einsum("bgol,bgil->bgoi", g.reshape(batch, groups, -1, g.shape[-1]), cols)
-    grads = {"weight": weight.reshape(batch, *module.weight.shape)}
+    cols, g = _unfold(module, inputs, grad_output)
+    if _ungrouped(module):
+        weight = Factored.outer(g.transpose(1, 2), cols.transpose(1, 2), param_shape=module.weight.shape)
+    else:
+        cols = cols.reshape(batch, groups, -1, cols.shape[-1])
+        weight = torch.einsum("bgol,bgil->bgoi", g.reshape(batch, groups, -1, g.shape[-1]), cols)
+        weight = weight.reshape(batch, *module.weight.shape)
+    grads = {"weight": weight}
     if module.bias is not None:
         grads["bias"] = g.sum(2)
     return grads

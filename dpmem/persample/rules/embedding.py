@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dpmem.persample.registry import register
-from dpmem.persample.factored import Factored
+from dpmem.persample.factored import Factored, batch_rows
+from dpmem.persample.registry import always, register
 
 
 class _RecordIndices(TorchFunctionMode):
@@ -44,26 +44,13 @@ def _check(name: str, module: nn.Embedding) -> None:
                          "and max_norm mix samples or rewrite the weight); turn those options off or freeze it")
 
 
-def _project(module: nn.Embedding, indices, grad_output, projections) -> dict[str, Factored]:
-    """Rows projected along the hidden dimension (side 1: (B, vocab, r)), still factored."""
-    batch, dim = grad_output.shape[0], module.embedding_dim
-    ids = indices.reshape(batch, -1)
-    g = grad_output.reshape(batch, -1, dim).to(module.weight.dtype)
-    if module.padding_idx is not None:  # F.embedding gives the padding row no gradient
+@register(nn.Embedding, capture=_capture, scope=_scope, check=_check, factored=always, projectable=True)
+def embedding(module: nn.Embedding, ids, grad_output) -> dict:
+    """Row v of sample i's gradient is Σ_t [ids[i,t] = v]·G[i,t]: the factors (ids, G), never (B, vocab, D).
+    F.embedding gives the padding row no gradient."""
+    batch = grad_output.shape[0]
+    ids = ids.reshape(batch, -1)
+    g = batch_rows(grad_output, batch, module.weight.dtype)
+    if module.padding_idx is not None:
         g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
-    projection = projections.get("weight")
-    if projection is not None:
-        if projection.side != 1:
-            raise ValueError("embeddings are projected along the hidden dimension (side 1) only")
-        g = g @ projection.P.to(g.dtype)
     return {"weight": Factored.outer(ids, g, rows=module.num_embeddings)}
-
-
-def _factors(module: nn.Embedding, indices, grad_output) -> dict[str, Factored]:
-    return _project(module, indices, grad_output, {})
-
-
-@register(nn.Embedding, capture=_capture, scope=_scope, check=_check, project=_project, factors=_factors)
-def embedding(module: nn.Embedding, indices: torch.Tensor, grad_output: torch.Tensor) -> dict[str, Factored]:
-    """Factored even here: the dense form would be (B, vocab, D)."""
-    return _factors(module, indices, grad_output)

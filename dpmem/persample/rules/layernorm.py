@@ -1,6 +1,5 @@
 """nn.LayerNorm: y = x̂ ⊙ w + b, so the per-sample gradients are Σ G ⊙ x̂ and Σ G over the non-normalised dims."""
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -8,10 +7,10 @@ from dpmem.persample.registry import register
 
 
 @register(nn.LayerNorm)
-def layernorm(module: nn.LayerNorm, activations: torch.Tensor, grad_output: torch.Tensor) -> dict[str, torch.Tensor]:
+def layernorm(module: nn.LayerNorm, inputs, grad_output) -> dict:
     batch, shape = grad_output.shape[0], tuple(module.normalized_shape)
     dtype = (module.weight if module.weight is not None else module.bias).dtype
-    x_hat = F.layer_norm(activations.to(dtype), shape, eps=module.eps)
+    x_hat = F.layer_norm(inputs.to(dtype), shape, eps=module.eps)
     g = grad_output.to(dtype)
     grads = {}
     if module.weight is not None:

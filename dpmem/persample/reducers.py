@@ -1,0 +1,45 @@
+"""What a capture keeps of one parameter's per-sample gradient. A reducer is applied once the parameter's last use
+in the forward pass has had its output gradient, so a weight used several times (a tied LM head) is reduced as the
+sum over its uses: normed and clipped as one, never per use. It takes the per-sample gradient, `Factored`
+(linear-like weights, embedding ids) or dense (B, *shape), and returns what the caller keeps; the rest is freed
+then, one layer at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from dpmem.persample.factored import Factored, weighted_sum_of
+from dpmem.persample.norms import squared_norms
+from dpmem.persample.registry import Projection
+
+Reducer = Callable[[Any], Any]
+
+
+def materialize(g):
+    """Dense per-sample gradients (B, *shape); an embedding's stay factored (dense they would be B×vocab×D)."""
+    return g.to_dense() if isinstance(g, Factored) and not g.sparse else g
+
+
+def projected(projection: Callable[[], Projection], then: Reducer = materialize) -> Reducer:
+    """DP-GRAPE: P applied to the factors, then `then` (by default the small (B, r, cols) or (B, rows, r) product).
+    The projection is made when the layer's gradient arrives and dropped after it."""
+    return lambda g: then(g.project(projection()))
+
+
+def norms(rule: str, k: int = 32, generator: torch.Generator | None = None) -> Reducer:
+    """Squared per-sample norms (B,) by a rule of `dpmem.persample.norms` (two-pass clipping's first pass)."""
+    return lambda g: squared_norms(g, rule, k, generator)
+
+
+def bookkeeping(rule: str = "mixed", k: int = 32, generator: torch.Generator | None = None) -> Reducer:
+    """Squared norms now (by default exact: ghost or the per-sample product, whichever is smaller; or a DP-SGD-RC
+    estimate), and the factors kept for the clipped sum (c ⊙ G)ᵀA once every norm is known."""
+    return lambda g: (squared_norms(g, rule, k, generator), g)
+
+
+def with_sum(reducer: Reducer) -> Reducer:
+    """Also Σᵢ gᵢ, for the check that the per-sample gradients add up to autograd's batch gradient."""
+    return lambda g: (reducer(g), weighted_sum_of(g, torch.ones(g.shape[0], device=g.device)))
