@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.pytorch_utils import Conv1D
 
 from dpmem.persample import PerSampleGradients
@@ -102,6 +103,55 @@ def test_layer_rules_match_loop(case):
     model, x = CASES[case]()
     batch = {"x": x, "y": torch.randn(x.shape[0], 3)}
     assert_close(engine_grads(model, mse_loss, batch), loop_grads(model, mse_loss, batch, x.shape[0]))
+
+
+class InPlace(nn.Module):
+    """In-place ops on a hooked layer's output, as Hugging Face models do (OPT scales its queries in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        h *= 2.0
+        h.tanh_()
+        return self.b(h).sum(1)
+
+
+class Copies(TorchDispatchMode):
+    """Counts the copies and clones made inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in (torch.ops.aten.copy_.default, torch.ops.aten.clone.default)
+        return func(*args, **(kwargs or {}))
+
+
+def test_in_place_ops_on_a_layer_output_are_legal():
+    torch.manual_seed(0)
+    model, x = InPlace(), torch.randn(5, 7, 6)
+    batch = {"x": x, "y": torch.randn(5, 3)}
+    assert_close(engine_grads(model, mse_loss, batch), loop_grads(model, mse_loss, batch, 5))
+
+
+def test_the_hooks_make_the_backward_copy_no_gradient():
+    """The backward makes as many copies with the hooks as without (an in-place identity on each layer's output,
+    a view of its matmul's 2-D result, made autograd clone and copy the output gradient per layer)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    x, w = torch.randn(5, 7, 6), torch.randn(5, 7, 3)
+    with Copies() as plain:
+        (model(x) * w).sum().backward()
+    with PerSampleGradients(model) as psg:
+        with psg.capture(5, {p: (lambda g: None) for p in psg.parameters}):
+            loss = (model(x) * w).sum()
+            with Copies() as copies:
+                loss.backward()
+    assert copies.count == plain.count
 
 
 def test_embedding_with_padding_and_tied_head_matches_torch_func():

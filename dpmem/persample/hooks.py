@@ -270,16 +270,19 @@ class _KeepInput(torch.autograd.Function):
     """The identity on a layer's output that keeps the layer's captured input (or ids) as an autograd saved
     tensor and hands it, with the output's gradient, to `on_grad` in the backward pass. A saved tensor, unlike a
     Python reference, is what activation checkpointing drops after the forward and recomputes in the backward
-    (the recompute runs the hooks again, which save it again). The output is returned marked dirty, not as a
-    view, so that later in-place ops on it stay legal; the rules' layers do not save their own outputs, which
-    the version bump of marking would invalidate."""
+    (the recompute runs the hooks again, which save it again).
+
+    The output is returned as a detached alias of the layer's output: a new autograd output, not a view of an
+    input, so later in-place ops on it stay legal. Marking the output dirty instead (an in-place identity) made
+    autograd treat the layer's output, itself a view of the matmul's 2-D result, as a modified view: every
+    backward then cloned and copied each layer's output gradient four times (CopySlices). The alias shares the output's version counter; the rules' layers do not save their
+    own outputs, so an in-place op on it invalidates nothing they need."""
 
     @staticmethod
     def forward(ctx, output, saved, on_grad):
         ctx.save_for_backward(saved)
         ctx.on_grad = on_grad
-        ctx.mark_dirty(output)
-        return output
+        return output.detach()
 
     @staticmethod
     def backward(ctx, grad_output):
