@@ -20,8 +20,6 @@ Clipped sums accumulate over physical micro-batches; the noise is drawn once per
 
 from __future__ import annotations
 
-import functools
-import operator
 import weakref
 from typing import Callable
 
@@ -172,7 +170,7 @@ class Privatizer:
                 losses = loss_fn(self.model, mb)
                 losses.sum().backward()
             if bk:  # squared norms (exact or estimated), made as each layer's gradient arrived; its factors
-                norms = _total(squares for squares, _ in kept.values()).sqrt()
+                norms = sum(squares for squares, _ in kept.values()).sqrt()
                 grads = {p: g for p, (_, g) in kept.items()}
             else:  # exact norms of dense gradients; a tied embedding's by ghost norms
                 grads = kept
@@ -208,7 +206,7 @@ class Privatizer:
                 self._check_coverage = False
                 verify_coverage(self.model, self.params, {p: total for p, (_, total) in kept.items()})
                 kept = {p: squares for p, (squares, _) in kept.items()}
-            factors = clip_factors(_total(kept.values()).sqrt(), self.noise.max_grad_norm) * sharding.weight(mb)
+            factors = clip_factors(sum(kept.values()).sqrt(), self.noise.max_grad_norm) * sharding.weight(mb)
             self._keep_grads = True
             try:  # second pass: autograd forms Σᵢ fᵢ gᵢ in .grad
                 (losses * factors.to(losses.dtype)).sum().backward()
@@ -228,11 +226,6 @@ class Privatizer:
             return {p: summed[p] if p in summed else
                     torch.zeros_like(p) if shapes is None else torch.zeros(shapes[p], device=p.device, dtype=p.dtype)
                     for p in self.params}
-
-
-def _total(parts):
-    """Σ of per-parameter squared norms, in the order the parameters were reduced."""
-    return functools.reduce(operator.add, parts)
 
 
 def _accumulate(summed: dict, p: nn.Parameter, part: torch.Tensor) -> None:
