@@ -42,7 +42,7 @@ def test_dp_sgd_rc_with_bookkeeping_equals_its_two_passes(make, estimator):
 def test_a_factored_capture_keeps_linear_like_layers_factored_and_the_rest_dense():
     model, b = Layers().double(), batch()
     with PerSampleGradients(model) as psg:
-        with psg.capture(B, dict.fromkeys(psg.parameters, reducers.bookkeeping())) as kept:
+        with psg.capture(B, dict.fromkeys(psg.parameters, reducers.normed())) as kept:
             loss_fn(model, b).sum().backward()
         for m in (model.emb, model.conv, model.flat, model.tokens, model.gpt):
             assert isinstance(kept[m.weight][1], Factored), m

@@ -120,7 +120,7 @@ class Run:
         self.ledger = PrivacyLedger(cfg, method, self.model, n, self.steps, self.sampling)
         noise = self.ledger.noise(m.max_grad_norm, p.noise_seed, self.device) if method.private else None
         self.method = build_method(m, self.model, t.lr, noise, seed=t.seed)
-        if t.activation_checkpointing and (method.norm_rule(m) == "bk" or getattr(m, "bookkeeping", False)):
+        if t.activation_checkpointing and method.bookkeeping(m):
             print("dpmem: warning: book-keeping (method.clipping=bk, method.bookkeeping=true) keeps every layer's "
                   "input and output gradient until the norms are known, which activation checkpointing cannot "
                   "drop; two passes (method.clipping=ghost or mixed; dp-sgd-rc without bookkeeping) are the "

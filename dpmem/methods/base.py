@@ -58,6 +58,12 @@ class Method:
         return False
 
     @classmethod
+    def bookkeeping(cls, cfg) -> bool:
+        """Clipping by book-keeping: one backward pass that keeps every layer's input and output gradient until the
+        per-sample norms are known (activation checkpointing cannot drop them; FSDP cannot shard them)."""
+        return cls.norm_rule(cfg) == "bk"
+
+    @classmethod
     def norm_rule(cls, cfg) -> str | None:
         """How per-sample norms are formed (materialize, bk, fgc, ghost, mixed, hutch, hutchpp), for the summary."""
         return None

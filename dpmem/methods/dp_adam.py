@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dpmem.config import DPAdamConfig, enum_value
 from dpmem.methods.base import Method, Noise, make_optimizer
-from dpmem.methods.privatize import ONE_PASS, Privatizer
+from dpmem.methods.privatize import Privatizer
 
 
 class DPAdam(Method):
@@ -24,7 +24,7 @@ class DPAdam(Method):
 
     @classmethod
     def shardable(cls, cfg) -> bool:  # two passes: autograd forms the clipped sum, which FSDP reduce-scatters
-        return cls.norm_rule(cfg) not in ONE_PASS
+        return cls.norm_rule(cfg) != "materialize" and not cls.bookkeeping(cfg)
 
     @classmethod
     def norm_rule(cls, cfg) -> str:

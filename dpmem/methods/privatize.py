@@ -29,13 +29,12 @@ from torch import nn
 from dpmem import distributed, sharding
 from dpmem.metering import memory_label
 from dpmem.methods.base import Noise, batch_size
-from dpmem.persample import (PerSampleGradients, Projection, clip_factors, per_sample_norms, reducers,
-                             verify_coverage, weighted_sum, weighted_sum_of)
+from dpmem.persample import (PerSampleGradients, Projection, clip_factors, reducers, verify_coverage, weighted_sum,
+                             weighted_sum_of)
 from dpmem.persample.hooks import remove_handles, weakly
 from dpmem.persample.norms import ESTIMATORS, RULES
 
 CLIPPINGS = ("materialize", "bk") + RULES
-ONE_PASS = ("materialize", "bk")
 
 
 class Privatizer:
@@ -54,8 +53,9 @@ class Privatizer:
             raise ValueError(f"bookkeeping with an estimator ({', '.join(ESTIMATORS)}), not {clipping!r}; "
                              "exact norms have clipping='bk'")
         self.model, self.noise, self.clipping, self.k = model, noise, clipping, k
-        # one backward pass, the clipped sums from the kept factors, with norms by this rule
-        self.bookkeeping = "mixed" if clipping == "bk" else clipping if bookkeeping else None
+        # one backward pass (materialize, book-keeping): the rule that norms the kept per-sample gradients (exact for
+        # dense ones, ghost for an embedding's, mixed for factors, or an estimator); None: two passes
+        self._one_pass_norms = {"materialize": "ghost", "bk": "mixed"}.get(clipping, clipping if bookkeeping else None)
         self.persample = PerSampleGradients(model)
         self.params = self.persample.parameters
         self._check_coverage = check_coverage
@@ -118,12 +118,11 @@ class Privatizer:
         """The privatised gradient (of shape `shapes[p]` per parameter) and the summed per-sample loss.
         `projections` (DP-GRAPE, one pass only) makes a parameter's projection when its layer's gradient arrives;
         its per-sample gradients, clipped sum and noise are then projected ones."""
-        one_pass = self.clipping == "materialize" or self.bookkeeping is not None
-        if projections and not one_pass:
+        if projections and self._one_pass_norms is None:
             raise ValueError(f"projected per-sample gradients need one-pass clipping, not {self.clipping!r}")
         self._stepping = True
         try:
-            if one_pass:
+            if self._one_pass_norms is not None:
                 summed, loss_sum = self._one_pass(microbatches, loss_fn, shapes, projections or {})
             else:
                 summed, loss_sum = self._two_pass(microbatches, loss_fn)
@@ -154,27 +153,31 @@ class Privatizer:
         seed = (self._step_seed() + 1_000_003 * distributed.rank()) % 2**63
         return torch.Generator(device=self.noise.generator.device).manual_seed(seed)
 
+    def _with_step_probes(self, microbatches):
+        """The micro-batches, with dp-sgd-rc's probe generator reset to the step's seed before each: the step's
+        probes, the same for every micro-batch (and rank)."""
+        seed = self._step_seed() if self._probe_draws is not None else None
+        for mb in microbatches:
+            if seed is not None:
+                self._probe_draws.manual_seed(seed)
+            yield mb
+
     def _one_pass(self, microbatches, loss_fn, shapes, projections):
         summed = {}  # made by the first micro-batch's clipped sums, after its backward pass (`_accumulate`)
         loss_sum = torch.zeros((), device=self.params[0].device)
-        bk = self.bookkeeping is not None
-        keep = reducers.bookkeeping(self.bookkeeping, self.k, self._probe_draws) if bk else reducers.materialize
+        dense = self.clipping == "materialize"  # else book-keeping: the factors are kept
+        keep = reducers.normed(self._one_pass_norms, self.k, self._probe_draws,
+                               **({"then": reducers.materialize} if dense else {}))
         reduce = {p: reducers.projected(projections[p], keep) if p in projections else keep for p in self.params}
-        probe_seed = self._step_seed() if self._probe_draws is not None else None
-        for mb in microbatches:
-            if probe_seed is not None:  # the step's probes, drawn again for every micro-batch
-                self._probe_draws.manual_seed(probe_seed)
+        for mb in self._with_step_probes(microbatches):
             # autograd's batch gradient is needed only by the coverage check: otherwise the hooks' per-sample
             # gradients are all there is, and the backward skips the weights' batch products
             with self.persample.capture(batch_size(mb), reduce, batch_gradients=self._check_coverage) as kept:
                 losses = loss_fn(self.model, mb)
                 losses.sum().backward()
-            if bk:  # squared norms (exact or estimated), made as each layer's gradient arrived; its factors
-                norms = sum(squares for squares, _ in kept.values()).sqrt()
-                grads = {p: g for p, (_, g) in kept.items()}
-            else:  # exact norms of dense gradients; a tied embedding's by ghost norms
-                grads = kept
-                norms = per_sample_norms(grads)
+            # squared norms, made as each layer's gradient arrived, and its per-sample gradients
+            norms = sum(squares for squares, _ in kept.values()).sqrt()
+            grads = {p: g for p, (_, g) in kept.items()}
             del kept
             if self._check_coverage:
                 self._check_coverage = False
@@ -192,11 +195,8 @@ class Privatizer:
     def _two_pass(self, microbatches, loss_fn):
         summed = {}  # the first micro-batch's .grad tensors themselves (`_accumulate`)
         loss_sum = torch.zeros((), device=self.params[0].device)
-        probe_seed = self._step_seed() if self._probe_draws is not None else None
         norm = reducers.norms(self.clipping, self.k, self._probe_draws)
-        for mb in microbatches:
-            if probe_seed is not None:
-                self._probe_draws.manual_seed(probe_seed)
+        for mb in self._with_step_probes(microbatches):
             check = self._check_coverage
             reduce = dict.fromkeys(self.params, reducers.with_sum(norm) if check else norm)
             with self.persample.capture(batch_size(mb), reduce) as kept:

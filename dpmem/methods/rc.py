@@ -35,8 +35,8 @@ class DPSGDRC(DPAdam):
         return {"k": cfg.k, "bookkeeping": cfg.bookkeeping}  # probes per estimate; one pass or two
 
     @classmethod
-    def shardable(cls, cfg) -> bool:  # book-keeping keeps whole factors; two passes are sharded as dp-adam's
-        return not cfg.bookkeeping
+    def bookkeeping(cls, cfg) -> bool:
+        return cfg.bookkeeping
 
 
 def estimated_matrices(model: nn.Module) -> list[nn.Parameter]:

@@ -34,10 +34,15 @@ def norms(rule: str, k: int = 32, generator: torch.Generator | None = None) -> R
     return lambda g: squared_norms(g, rule, k, generator)
 
 
-def bookkeeping(rule: str = "mixed", k: int = 32, generator: torch.Generator | None = None) -> Reducer:
-    """Squared norms now (by default exact: ghost or the per-sample product, whichever is smaller; or a DP-SGD-RC
-    estimate), and the factors kept for the clipped sum (c ⊙ G)ᵀA once every norm is known."""
-    return lambda g: (squared_norms(g, rule, k, generator), g)
+def normed(rule: str = "mixed", k: int = 32, generator: torch.Generator | None = None,
+           then: Reducer = lambda g: g) -> Reducer:
+    """(squared norms, what `then` keeps): one-pass clipping. By default the factors as they are (book-keeping),
+    normed now (exactly, ghost or the per-sample product, whichever is smaller; or a DP-SGD-RC estimate) and kept
+    for the clipped sum (c ⊙ G)ᵀA once every norm is known; with `then=materialize`, dense gradients."""
+    def reduce(g):
+        kept = then(g)
+        return squared_norms(kept, rule, k, generator), kept
+    return reduce
 
 
 def with_sum(reducer: Reducer) -> Reducer:
