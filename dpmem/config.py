@@ -55,9 +55,10 @@ class Device(Enum):
     meta = "meta"
 
 
-class Precision(Enum):
-    fp32 = "fp32"
-    bf16 = "bf16"
+class Precision(Enum):  # dpmem.precision
+    fp32 = "fp32"  # float32, TF32 off
+    tf32 = "tf32"  # float32 tensors, CUDA matmuls and convolutions in TF32
+    bf16 = "bf16"  # autocast to bfloat16 (cpu or cuda); parameters, optimiser state and private arithmetic float32
 
 
 class Direction(Enum):
@@ -279,7 +280,7 @@ class TrainConfig:
     eval_batch_size: int = 256
     sampling: Sampling = Sampling.auto
     device: Device = Device.auto
-    precision: Precision = Precision.fp32  # bf16 = autocast on CUDA
+    precision: Precision = Precision.fp32  # fp32 | tf32 (CUDA) | bf16 (autocast): dpmem.precision
     # recompute each block's activations in the backward pass instead of keeping them (first-order methods)
     activation_checkpointing: bool = False
     # under torchrun: shard parameters, gradients and optimiser state over the ranks with FSDP2 (dpmem.sharding)
@@ -518,5 +519,5 @@ def validate(cfg: Any) -> None:
             raise ConfigError("memory.steps", f"{mem.steps}: at least 2 (the first creates the optimiser state)")
         if not mem.allocator_overhead >= 0:
             raise ConfigError("memory.allocator_overhead", f"{mem.allocator_overhead} must be >= 0 (a fraction)")
-    if t.precision == Precision.bf16 and t.device == Device.cpu:
-        raise ConfigError("train.precision", "bf16 autocast is for CUDA; allowed on cpu: fp32")
+    if t.precision == Precision.tf32 and t.device == Device.cpu:
+        raise ConfigError("train.precision", "tf32 is a mode of CUDA GPUs' matmuls; allowed on cpu: fp32, bf16")

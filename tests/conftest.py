@@ -15,6 +15,18 @@ if _workers > 1:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked cuda run where a GPU is, and are skipped elsewhere."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 # Hydra's own logging set-up, left out in-process: its logging.config.dictConfig closes every handler it finds,
 # and absl's (dp-accounting's) closes the stream it was made with, which under pytest is pytest's capture file
 NO_HYDRA_LOGGING = ["hydra/job_logging=none", "hydra/hydra_logging=none"]

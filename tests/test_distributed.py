@@ -65,7 +65,8 @@ MEMORY = COMMON + ["method=dp-adam", "method.clipping=mixed", "privacy=none", "t
 
 
 def env():
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT),
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # packages there stay seen
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": path,
             "OMP_NUM_THREADS": "1"}
 
 
@@ -143,7 +144,9 @@ def test_two_ranks_train_to_the_parameters_of_one_process(runs, name):
     start = torch.load(single / f"{name}.init.pt")
     assert max(float((one[k] - start[k]).abs().max()) for k in one) > 1e-4  # it trained
     for key in one:
-        torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-6, msg=f"{name}: {key}")
+        # float32 sums in another order (all-reduce), which GaLore's SVD amplifies (1.4e-6 seen on torch 2.14.1);
+        # a wrong sum is as large as a step (the parameters moved by > 1e-4)
+        torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-5, msg=f"{name}: {key}")
 
 
 @pytest.mark.parametrize("folder", ["single", "pair"])

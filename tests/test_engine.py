@@ -88,7 +88,8 @@ def test_dp_adam_holds_more_live_memory_than_adam(tmp_path):
     peaks = {}
     for method in ("adam", "dp-adam"):
         extra = ["method.clipping=materialize"] if method == "dp-adam" else []
-        s = run_training(config(f"method={method}", "logging.memory_steps=2", *extra), tmp_path / method)
+        s = run_training(config(f"method={method}", "logging.memory_steps=2", "train.device=cpu", *extra),
+                         tmp_path / method)
         assert s["peak_memory_source"] == "live_tensors"
         peaks[method] = s["peak_memory_bytes"]
     # adam holds about 4·d (weights, gradient, two moments) plus small activations; dp-adam adds 32·d

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from dpmem.cli import CONF_DIR
 from dpmem.config import ConfigError
 from dpmem.data import build_data
-from dpmem.engine.planner import largest_batch, parse_bytes, plan
+from dpmem.engine.planner import UnknownValues, largest_batch, parse_bytes, plan
 from dpmem.engine.trainer import run_training
 from dpmem.metering import CATEGORIES, LiveTensorCounter
 from dpmem.models import build_model
@@ -49,11 +49,16 @@ CASES = [
 
 @pytest.mark.parametrize("overrides", CASES, ids=lambda o: " ".join(o))
 def test_the_meta_plan_equals_a_real_cpu_run(overrides):
-    """The same steps on real CPU tensors hold exactly the bytes the meta plan predicts (the issue asks for 5%)."""
+    """The same steps on real CPU tensors hold exactly the bytes the meta plan predicts (the issue asks for 5%).
+    Where the model asked a meta tensor's truth value (transformers 5.17's OPT: is there padding?), the plan took
+    the answer that keeps more, and may hold a little more than the run."""
     meta = plan(config(*overrides, "memory.target=cpu"))
     cpu = plan(config(*overrides, "memory.target=cpu"), device="cpu")
     assert meta["device"] == "meta" and cpu["device"] == "cpu"
     assert abs(meta["peak_bytes"] - cpu["peak_bytes"]) <= 0.05 * cpu["peak_bytes"]
+    if meta["guessed_truth_values"]:
+        assert cpu["peak_bytes"] <= meta["peak_bytes"] <= 1.01 * cpu["peak_bytes"]
+        return
     assert meta["peak_bytes"] == cpu["peak_bytes"] and meta["breakdown"] == cpu["breakdown"]
     assert sum(meta["breakdown"].values()) == meta["peak_bytes"]
     assert set(meta["breakdown"]) == set(CATEGORIES)
@@ -65,7 +70,7 @@ def test_the_plan_equals_the_trainers_counted_peak(tmp_path, method):
     predicts on meta."""
     run = ["train.steps=4", "logging.memory_steps=2", "train.sampling=fixed" if method == "dp-adam" else
            "train.sampling=shuffle", "privacy.accountant=rdp", "privacy.neighbouring=replace_one",
-           f"method={method}", "memory.target=cpu"]
+           f"method={method}", "memory.target=cpu", "train.device=cpu"]
     summary = run_training(config(*run), tmp_path)
     assert summary["status"] == "ok" and summary["peak_memory_source"] == "live_tensors"
     # the trainer also holds the indices it sampled and the batch it took from the data set
@@ -179,3 +184,24 @@ def test_dpmem_memory_bad_input_is_one_line(tmp_path, cli, override, key):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and key in lines[0], r.stderr
+
+
+def test_a_meta_plan_survives_a_forward_that_asks_a_truth_value(monkeypatch):
+    """transformers 5.17 asks `bool(mask.sum() == mask.numel())` in OPT's forward (is there padding?), which has
+    no value on meta: the plan takes the answer that keeps the explicit mask, and goes on."""
+    import transformers.masking_utils as masking
+    asked = []
+    original = masking._ignore_causal_mask_sdpa
+
+    def asking(padding_mask, *args, **kwargs):  # as 5.17 asks, also where a later version passes no mask
+        mask = torch.ones(2, 12, dtype=torch.bool, device="meta") if padding_mask is None else padding_mask
+        asked.append(bool(mask.sum() == mask.numel()))
+        return original(padding_mask, *args, **kwargs)
+    monkeypatch.setattr(masking, "_ignore_causal_mask_sdpa", asking)
+    planned = plan(config("model=opt-tiny", "data=synthetic", "data.seq_len=12", "method=adam", *SMALL_PLAN))
+    assert asked and planned["guessed_truth_values"] >= len(asked) and planned["peak_bytes"] > 0
+
+
+def test_a_number_read_on_meta_is_an_error_that_names_the_fallback():
+    with UnknownValues(), pytest.raises(RuntimeError, match="memory.device=cpu"):
+        torch.ones(2, device="meta").sum().item()

@@ -26,7 +26,7 @@ TINY = ["model.arch.hidden_size=8", "model.arch.num_hidden_layers=1", "model.arc
 
 def config(*overrides):
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose("config", overrides=["logging.progress=false", "logging.memory_steps=0",
+        return compose("config", overrides=["logging.progress=false", "logging.memory_steps=0", "train.device=cpu",
                                             "train.batch_size=32", *overrides])
 
 

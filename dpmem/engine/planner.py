@@ -77,6 +77,27 @@ class AttentionKernels(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class UnknownValues(TorchFunctionMode):
+    """A meta tensor has a shape but no values. A model that asks for one in its forward (transformers 5.17's
+    `_ignore_causal_mask_sdpa` reads `bool(mask.sum() == mask.numel())`, "is there no padding?") is told no: a
+    truth value on meta is False, the branch that keeps an explicit mask, which costs memory rather than saves it.
+    A number (`.item()` of a non-boolean) has no safe guess: that is an error that names the fallback. `guessed`
+    counts the answers given (the plan reports it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.guessed = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__bool__, torch.Tensor.item) and args and getattr(args[0], "is_meta", False):
+            if func is torch.Tensor.__bool__ or args[0].dtype == torch.bool:
+                self.guessed += 1
+                return False
+            raise RuntimeError("the model reads a number out of a tensor (.item()) in its forward, which a meta plan "
+                               "has no values for; plan on real tensors: memory.device=cpu (or cuda)")
+        return func(*args, **(kwargs or {}))
+
+
 def _sig(mask):
     return None if mask is None else (tuple(mask.shape), mask.dtype)
 
@@ -97,9 +118,10 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     (default memory.device), metering every step after the first (which creates the optimiser state and runs
     one-off checks). Returns the peak tensor bytes and its breakdown."""
     t, m, mem = cfg.train, cfg.method, cfg.memory
-    if enum_value(t.precision) != "fp32":
-        raise ConfigError("train.precision", "memory is planned in fp32: autocast has no meta backend, so a bf16 "
-                          "plan would be a guess; allowed: fp32 (measure bf16 on a GPU: scripts/validate_memory.py)")
+    if enum_value(t.precision) == "bf16":  # tf32 rounds inside the matmuls: its tensors are fp32's
+        raise ConfigError("train.precision", "memory is planned in float32: autocast has no meta backend, so a bf16 "
+                          "plan would be a guess; allowed: fp32, tf32 (measure bf16 on a GPU: "
+                          "scripts/validate_memory.py)")
     batch = batch_size or t.batch_size
     world = mem.world_size
     device = torch.device(device or enum_value(mem.device))
@@ -139,7 +161,7 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
         micro = [example_batch(data, size, device) for size in sizes]
         loss_fn = labelled_forward(per_sample_loss)
         block = CUDA_BLOCK if target == "cuda" else 1
-        with AttentionKernels(target):
+        with AttentionKernels(target), UnknownValues() as unknown:
             method.step(micro, loss_fn)
             counter = LiveTensorCounter(block).track_state(model, method)
             counter.track((v for mb in micro for v in mb.values()), "activations")  # the inputs
@@ -166,6 +188,7 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
         "rounding": f"{block}-byte blocks" if block > 1 else "exact bytes",
         "allocator_overhead": mem.allocator_overhead,
         "reserved_estimate_bytes": math.ceil(counter.peak * (1 + mem.allocator_overhead)),
+        "guessed_truth_values": unknown.guessed,  # asked of meta tensors in the steps (UnknownValues)
         "wall_s": time.perf_counter() - tic, **cuda,
     }
 

@@ -3,7 +3,6 @@ an interval, meter memory and throughput, keep the privacy ledger, and leave a s
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -17,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from dpmem import distributed, sharding
+from dpmem import distributed, precision, sharding
 from dpmem.config import ConfigError, enum_value
 from dpmem.data import DataBundle, build_data
 from dpmem.engine.summary import append_metrics, json_ready, summary_table, versions, write_summary
@@ -97,6 +96,11 @@ class Run:
         cfg = self.cfg
         t, p, m = cfg.train, cfg.privacy, cfg.method
         self.device = resolve_device(enum_value(t.device))
+        why = precision.unsupported(enum_value(t.precision), self.device)
+        if why is not None:
+            raise ConfigError("train.precision", why)
+        self.precision = precision.RunPrecision(enum_value(t.precision), self.device)
+        self.autocast = self.precision.autocast  # a forward pass's context (evaluation, dpmem audit, dpmem spectrum)
         torch.manual_seed(t.seed)
         self.data = build_data(cfg.data, cfg.model)
         if self.data_hook is not None:
@@ -131,12 +135,9 @@ class Run:
             if not ok:
                 self.ledger.mark_leak(why)
         self.sampler_gen = torch.Generator().manual_seed(t.seed)
-        bf16 = enum_value(t.precision) == "bf16" and self.device.type == "cuda"
-        self.autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16
-                         else contextlib.nullcontext)
         self.summary = {
             "status": "running", "method": m.name, "model": cfg.model.name, "data": cfg.data.name,
-            "seed": t.seed, "device": str(self.device), **self.ledger.fields,
+            "seed": t.seed, "device": str(self.device), "precision": self.precision.name, **self.ledger.fields,
             "steps": self.steps, "steps_done": 0, "samples_seen": 0, "batch_size": t.batch_size,
             "physical_batch_size": t.physical_batch_size or t.batch_size, "n_train": n, "lr": t.lr,
             "world_size": distributed.world_size(), "backend": distributed.backend(), "fsdp": t.fsdp,
@@ -166,7 +167,8 @@ class Run:
         restore = self._catch_signals()
         self.tracker = open_tracker(self.cfg, self.run_dir) if self.main else NoTracker()
         try:
-            self._train()
+            with self.precision:
+                self._train()
             self.summary["status"] = "ok"
             if self.main:  # a finished run resumes nothing
                 (self.run_dir / "checkpoint.pt").unlink(missing_ok=True)
@@ -307,7 +309,9 @@ class Run:
         if not path.exists():
             return 0
         fsdp = self.cfg.train.fsdp  # each rank takes its shards from the whole tensors, kept on the CPU
-        state = torch.load(path, map_location="cpu" if fsdp else self.device, weights_only=True)
+        # on the CPU: generator states are CPU tensors whatever their generator's device; weights and optimiser
+        # state go to the parameters' device as they load (a checkpoint written on CUDA resumes on the CPU too)
+        state = torch.load(path, map_location="cpu", weights_only=True)
         world = distributed.world_size()
         if state["world_size"] != world:
             raise RuntimeError(f"{path} was written by a run of {state['world_size']} process(es) and this one has "
@@ -323,11 +327,16 @@ class Run:
             self.model.load_state_dict(state["model"])
         self.method.load_state_dict(state["method"])
         rng = state["rngs"][distributed.rank()]
-        torch.set_rng_state(rng["torch_rng"].cpu())
+        torch.set_rng_state(rng["torch_rng"])
         if rng["cuda_rng"] is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda_rng"].cpu())
+            torch.cuda.set_rng_state(rng["cuda_rng"])
         step = state["step"]
         self.summary.update(state["summary"], resumed_from_step=step)
+        if self.method.noise_reseeded is not None:
+            self.summary["noise_reseeded"] = self.method.noise_reseeded
+            print(f"dpmem: warning: {self.method.noise_reseeded}, whose states do not carry over: the noise is "
+                  f"seeded afresh, so steps after {step} that the earlier run had done are redrawn with new noise "
+                  "(what they released then, their metrics, is not in epsilon)", file=sys.stderr)
         self.summary["epsilon_spent"], self._eps_steps = self.ledger.epsilon(step), step
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists() and self.main:  # records of the lost steps are written again
@@ -339,7 +348,7 @@ class Run:
     def _fingerprint(self) -> str:
         """The configuration a checkpoint belongs to (what resuming does not change)."""
         tree = OmegaConf.to_container(self.cfg, resolve=True)
-        for key in ("resume", "skip_done", "checkpoint_every"):
+        for key in ("resume", "skip_done", "checkpoint_every", "device"):  # a run may resume on another device
             tree["train"].pop(key, None)
         return json.dumps({k: tree.get(k) for k in ("model", "data", "method", "privacy", "train")}, sort_keys=True,
                           default=str)
@@ -348,9 +357,9 @@ class Run:
         """The method's update for 0-based `step` at its scheduled learning rate: (lr, summed per-sample loss)."""
         lr = lr_at(step, self.steps, self.cfg.train)
         self.method.set_lr(lr)
-        with self.autocast():
-            loss_fn = self.data.per_sample_loss
-            return lr, self.method.step(micro, loss_fn if self.root is None else self.root.calling(loss_fn))
+        loss_fn = self.data.per_sample_loss
+        loss_fn = self.precision.forward(loss_fn if self.root is None else self.root.calling(loss_fn))
+        return lr, self.method.step(micro, loss_fn)
 
     def microbatches(self, index: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """A logical batch (training-set indices) as physical micro-batches on the device. Under FSDP every rank

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from dpmem import sharding
+from dpmem import distributed, sharding
 from dpmem.config import MethodConfig, enum_value
 
 Batch = dict[str, torch.Tensor]
@@ -71,6 +72,7 @@ class Method:
     def __init__(self, model: nn.Module, cfg, lr: float, noise: Noise | None = None, seed: int = 0):
         self.model, self.cfg, self.lr, self.noise = model, cfg, lr, noise
         self.optimizer: torch.optim.Optimizer | None = None  # methods with their own update leave it None
+        self.noise_reseeded: str | None = None  # why a resumed run's noise generator could not take its saved state
 
     def close(self) -> None:
         """Remove the hooks the method put on the model."""
@@ -90,6 +92,7 @@ class Method:
                                   if sharding.model_sharded(self.model) else self.optimizer.state_dict())
         if self.noise is not None and self.noise.generator is not None:
             state["noise_rng"] = self.noise.generator.get_state()
+            state["noise_device"] = self.noise.generator.device.type
         if self.privatize is not None and self.privatize.step_seeds is not None:  # probes', FSDP noise's seeds
             state["step_seeds"] = self.privatize.step_seeds.get_state()
         return state
@@ -101,10 +104,21 @@ class Method:
             else:
                 self.optimizer.load_state_dict(state["optimizer"])
         if "noise_rng" in state:  # a generator's state is a CPU tensor, whatever its device
-            self.noise.generator.set_state(state["noise_rng"].cpu())
+            self.restore_noise(state["noise_rng"], state.get("noise_device", self.noise.generator.device.type))
         seeds = state.get("step_seeds", state.get("probe_rng"))  # (probe_rng: its name in older checkpoints)
         if seeds is not None:
             self.privatize.step_seeds.set_state(seeds.cpu())
+
+    def restore_noise(self, rng: torch.Tensor, device_type: str) -> None:
+        """The noise generator's saved state, if it was saved on this kind of device. A CUDA generator's state
+        (Philox) cannot seed a CPU one (Mersenne twister), nor the reverse: then it is seeded afresh from the OS and
+        `noise_reseeded` says so (steps redrawn after the checkpoint get new noise)."""
+        gen = self.noise.generator
+        if device_type == gen.device.type:
+            gen.set_state(rng.cpu())
+            return
+        gen.manual_seed(distributed.from_main(secrets.randbits(63)))
+        self.noise_reseeded = f"the checkpoint's noise generator was on {device_type}, this run is on {gen.device.type}"
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr

@@ -39,7 +39,7 @@ class ZerothOrder(Method):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.seeds.set_state(state["direction_rng"])
+        self.seeds.set_state(state["direction_rng"].cpu())  # a CPU generator (host-side seeds)
 
     def _directions(self, seed: int):
         """z for each parameter in turn, regenerated from `seed` (only one parameter's z exists at a time)."""

@@ -33,6 +33,7 @@ from dpmem.persample import (PerSampleGradients, Projection, clip_factors, reduc
                              weighted_sum_of)
 from dpmem.persample.hooks import remove_handles, weakly
 from dpmem.persample.norms import ESTIMATORS, RULES
+from dpmem.precision import exact_float32
 
 CLIPPINGS = ("materialize", "bk") + RULES
 
@@ -58,6 +59,7 @@ class Privatizer:
         self._one_pass_norms = {"materialize": "ghost", "bk": "mixed"}.get(clipping, clipping if bookkeeping else None)
         self.persample = PerSampleGradients(model)
         self.params = self.persample.parameters
+        self.device = self.params[0].device
         self._check_coverage = check_coverage
         self.sharded = any(sharding.is_sharded(p) for p in self.params)  # FSDP (dpmem.sharding)
         # Seeds drawn once per logical step, the same on every rank, from a CPU generator (no host sync per step)
@@ -128,6 +130,10 @@ class Privatizer:
                 summed, loss_sum = self._two_pass(microbatches, loss_fn)
         finally:
             self._stepping = False
+        with exact_float32(self.device):
+            return self._noised(summed), loss_sum
+
+    def _noised(self, summed: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         # the clipped sums of the whole logical batch, on every rank (FSDP's shards are reduced already)
         distributed.sum_(s for s in summed.values() if not sharding.is_sharded(s))
         if self.observe is not None:  # e.g. dpmem spectrum's recorder of the non-noised clipped mean
@@ -141,7 +147,7 @@ class Privatizer:
             summed = self.subspace(summed)
         if self.canaries is not None:
             self.canaries.record(summed)
-        return summed, loss_sum
+        return summed
 
     def _step_seed(self) -> int:
         return int(torch.randint(2**62, (1,), generator=self.step_seeds))
@@ -164,7 +170,7 @@ class Privatizer:
 
     def _one_pass(self, microbatches, loss_fn, shapes, projections):
         summed = {}  # made by the first micro-batch's clipped sums, after its backward pass (`_accumulate`)
-        loss_sum = torch.zeros((), device=self.params[0].device)
+        loss_sum = torch.zeros((), device=self.device)
         dense = self.clipping == "materialize"  # else book-keeping: the factors are kept
         keep = reducers.normed(self._one_pass_norms, self.k, self._probe_draws,
                                **({"then": reducers.materialize} if dense else {}))
@@ -175,26 +181,28 @@ class Privatizer:
             with self.persample.capture(batch_size(mb), reduce, batch_gradients=self._check_coverage) as kept:
                 losses = loss_fn(self.model, mb)
                 losses.sum().backward()
-            # squared norms, made as each layer's gradient arrived, and its per-sample gradients
-            norms = sum(squares for squares, _ in kept.values()).sqrt()
-            grads = {p: g for p, (_, g) in kept.items()}
-            del kept
-            if self._check_coverage:
-                self._check_coverage = False
-                ones = torch.ones(batch_size(mb), device=self.params[0].device)
-                verify_coverage(self.model, self.params, weighted_sum(grads, ones),
-                                lambda p, g: projections[p]().project(g) if p in projections else g)
-            factors = clip_factors(norms, self.noise.max_grad_norm) * sharding.weight(mb)
-            for p, g in grads.items():  # one parameter at a time: no second model-sized temporary
-                with memory_label("gradients"):
-                    _accumulate(summed, p, weighted_sum_of(g, factors))
-            del grads
+            with exact_float32(self.device):
+                # squared norms, made as each layer's gradient arrived, and its per-sample gradients
+                norms = sum(squares for squares, _ in kept.values()).sqrt()
+                grads = {p: g for p, (_, g) in kept.items()}
+                del kept
+                if self._check_coverage:
+                    self._check_coverage = False
+                    ones = torch.ones(batch_size(mb), device=self.device)
+                    verify_coverage(self.model, self.params, weighted_sum(grads, ones),
+                                    lambda p, g: projections[p]().project(g) if p in projections else g,
+                                    self.persample.compute)
+                factors = clip_factors(norms, self.noise.max_grad_norm) * sharding.weight(mb)
+                for p, g in grads.items():  # one parameter at a time: no second model-sized temporary
+                    with memory_label("gradients"):
+                        _accumulate(summed, p, weighted_sum_of(g, factors))
+                del grads
             loss_sum = loss_sum + losses.detach().sum() * sharding.weight(mb)
         return self._completed(summed, shapes), loss_sum
 
     def _two_pass(self, microbatches, loss_fn):
         summed = {}  # the first micro-batch's .grad tensors themselves (`_accumulate`)
-        loss_sum = torch.zeros((), device=self.params[0].device)
+        loss_sum = torch.zeros((), device=self.device)
         norm = reducers.norms(self.clipping, self.k, self._probe_draws)
         for mb in self._with_step_probes(microbatches):
             check = self._check_coverage
@@ -202,14 +210,17 @@ class Privatizer:
             with self.persample.capture(batch_size(mb), reduce) as kept:
                 losses = loss_fn(self.model, mb)
                 losses.sum().backward(retain_graph=True)  # first pass: norms only
-            if check:
-                self._check_coverage = False
-                verify_coverage(self.model, self.params, {p: total for p, (_, total) in kept.items()})
-                kept = {p: squares for p, (squares, _) in kept.items()}
-            factors = clip_factors(sum(kept.values()).sqrt(), self.noise.max_grad_norm) * sharding.weight(mb)
+            with exact_float32(self.device):
+                if check:
+                    self._check_coverage = False
+                    verify_coverage(self.model, self.params, {p: total for p, (_, total) in kept.items()},
+                                    compute=self.persample.compute)
+                    kept = {p: squares for p, (squares, _) in kept.items()}
+                factors = clip_factors(sum(kept.values()).sqrt(), self.noise.max_grad_norm) * sharding.weight(mb)
             self._keep_grads = True
-            try:  # second pass: autograd forms Σᵢ fᵢ gᵢ in .grad
-                (losses * factors.to(losses.dtype)).sum().backward()
+            try:  # second pass: autograd forms Σᵢ fᵢ gᵢ in .grad, in the model's own precision
+                wide = torch.promote_types(losses.dtype, factors.dtype)  # a bf16 loss is weighed in float32
+                (losses.to(wide) * factors.to(wide)).sum().backward()
             finally:
                 self._keep_grads = False
             for p in self.params:  # out of .grad before the next first pass drops it
