@@ -48,14 +48,21 @@ def launched() -> bool:
 
 def init_from_env() -> None:
     """Join the process group torchrun describes: gloo for CPU tensors, NCCL for CUDA ones. Each rank uses the GPU
-    of its LOCAL_RANK, so that torch.device("cuda") means that GPU."""
+    of its LOCAL_RANK, so that torch.device("cuda") means that GPU; a rank with no GPU of its own (more ranks
+    than GPUs, for a CPU run) gets gloo alone."""
     if not launched() or dist.is_initialized():
         return
     backend = "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if local_gpu() is not None:
+        torch.cuda.set_device(local_gpu())
         backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+
+
+def local_gpu() -> int | None:
+    """The GPU of this rank (its LOCAL_RANK), if the machine has that many; None without torchrun or a GPU."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return local if torch.cuda.is_available() and local < torch.cuda.device_count() else None
 
 
 def close() -> None:

@@ -35,6 +35,9 @@ def resolve_device(name: str) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device", "cuda was asked for but no CUDA device is available; allowed: auto, cpu")
+    if name == "cuda" and distributed.launched() and distributed.local_gpu() is None:
+        raise ConfigError("train.device", f"this rank (LOCAL_RANK {os.environ.get('LOCAL_RANK')}) has no GPU of its "
+                          f"own: start at most {torch.cuda.device_count()} processes per node, or train.device=cpu")
     return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
 
 
