@@ -48,8 +48,8 @@ def launched() -> bool:
 
 def init_from_env() -> None:
     """Join the process group torchrun describes: gloo for CPU tensors, NCCL for CUDA ones. Each rank uses the GPU
-    of its LOCAL_RANK, so that torch.device("cuda") means that GPU; a rank with no GPU of its own (more ranks
-    than GPUs, for a CPU run) gets gloo alone."""
+    of its LOCAL_RANK, so that torch.device("cuda") means that GPU. With more ranks per node than GPUs (a CPU run)
+    every rank joins with gloo alone: the ranks must agree on their backends."""
     if not launched() or dist.is_initialized():
         return
     backend = "gloo"
@@ -60,9 +60,11 @@ def init_from_env() -> None:
 
 
 def local_gpu() -> int | None:
-    """The GPU of this rank (its LOCAL_RANK), if the machine has that many; None without torchrun or a GPU."""
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    return local if torch.cuda.is_available() and local < torch.cuda.device_count() else None
+    """The GPU of this rank (its LOCAL_RANK), if the node has one for each of its ranks; else None."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if not torch.cuda.is_available() or ranks > torch.cuda.device_count():
+        return None
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def close() -> None:

@@ -61,13 +61,15 @@ class FSDPWatch:
 
     def __init__(self, run: Run):
         self.calls, self.log, self.run = 0, [], run
-        self.reduce_scatter = dist.reduce_scatter_single
+        # what FSDP2 reduce-scatters with: reduce_scatter_single from torch 2.14, reduce_scatter_tensor before
+        self.name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+        self.reduce_scatter = getattr(dist, self.name)
         self.units = sum(isinstance(m, FSDPModule) for m in run.root.modules())
 
         def counting(*args, **kwargs):
             self.calls += 1
             return self.reduce_scatter(*args, **kwargs)
-        dist.reduce_scatter_single = counting
+        setattr(dist, self.name, counting)
         real = run.method.step
 
         def step(micro, loss_fn):
@@ -79,7 +81,7 @@ class FSDPWatch:
         run.method.step = step
 
     def close(self) -> None:
-        dist.reduce_scatter_single = self.reduce_scatter
+        setattr(dist, self.name, self.reduce_scatter)
         steps = distributed.gathered(self.log)
         if distributed.is_main():
             record = {"units": self.units, "steps": steps}

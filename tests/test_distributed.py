@@ -22,6 +22,7 @@ from dpmem.cli import CONF_DIR
 from dpmem.config import ConfigError
 from dpmem.engine.planner import plan
 from dpmem.engine.trainer import Run
+from dpmem.precision import tolerance
 from tests.test_resume import SMALL
 
 HERE = Path(__file__).resolve().parent
@@ -48,6 +49,9 @@ METHODS = {  # one job per method family and clipping mode, noise off (privacy=n
     "grape": ["method=grape", "method.rank=4", "method.refresh=2", "train.physical_batch_size=8", *ADAM],
     "dpzero": ["method=dpzero", "train.lr=1e-4"],
     "mezo": ["method=mezo", "train.lr=1e-4"],
+    # bf16 autocast: each rank's forward rounds its own samples as one process does
+    "dp-adam-bk-bf16": ["method=dp-adam", "method.clipping=bk", "train.precision=bf16", *ADAM],
+    "dp-adam-ghost-bf16": ["method=dp-adam", "method.clipping=ghost", "train.precision=bf16", *ADAM],
 }
 NOISE = ["method=dp-sgd", "train.lr=1.0", "train.steps=1", "privacy.noise_seed=5"]  # Δθ = −(S + z)/(q·n)
 # dp-sgd-rc's probes come from the noise seed; privacy=none, since the rc accountant takes half a minute
@@ -55,7 +59,7 @@ RC = ["method=dp-sgd-rc", "method.k=4", "privacy=none", "privacy.noise_seed=2", 
       "train.physical_batch_size=8", *ADAM]
 GHOST = ["method=dp-adam", "method.clipping=ghost"]
 # FSDP (two ranks only) runs these jobs again with sharded parameters; the two-rank data-parallel run is the oracle
-FSDP = ["adam", "dp-adam-ghost", "dp-sgd-mixed", "dp-sgd-rc", "grape"]
+FSDP = ["adam", "dp-adam-ghost", "dp-sgd-mixed", "dp-sgd-rc", "grape", "dp-adam-ghost-bf16"]
 TEXT = ["model=roberta-tiny", "model.head=mlm", "data=synthetic", "data.seq_len=12", *GHOST, "privacy=none",
         "train.physical_batch_size=4", *ADAM]
 FSDP_NOISE = ["method.clipping=ghost", "train.physical_batch_size=4"]  # the noise jobs, in a mode FSDP runs
@@ -142,11 +146,18 @@ def test_two_ranks_train_to_the_parameters_of_one_process(runs, name):
     assert summary(pair, name)["status"] == "ok"
     assert summary(pair, name)["samples_seen"] == summary(single, name)["samples_seen"]  # the same batches
     start = torch.load(single / f"{name}.init.pt")
-    assert max(float((one[k] - start[k]).abs().max()) for k in one) > 1e-4  # it trained
+    moved = max(float((one[k] - start[k]).abs().max()) for k in one)
+    assert moved > 1e-4  # it trained
     for key in one:
-        # float32 sums in another order (all-reduce), which GaLore's SVD amplifies (1.4e-6 seen on torch 2.14.1);
-        # a wrong sum is as large as a step (the parameters moved by > 1e-4)
-        torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-5, msg=f"{name}: {key}")
+        torch.testing.assert_close(two[key], one[key], rtol=0, atol=agreement(name, moved), msg=f"{name}: {key}")
+
+
+def agreement(name: str, moved: float) -> float:
+    """How closely two runs that split the batch differently agree. In float32 the sums differ in order only
+    (all-reduce), which GaLore's SVD amplifies (1.4e-6 seen on torch 2.14.1), while a wrong sum is as large as a
+    step (the parameters move by > 1e-4). Two-pass clipping in bf16 forms the clipped sum in its second backward, in
+    bf16, over each rank's part of the batch: its halves are rounded apart (8e-5 seen, on a move of 2e-2)."""
+    return tolerance(torch.bfloat16) * moved if name.endswith("ghost-bf16") else 1e-5
 
 
 @pytest.mark.parametrize("folder", ["single", "pair"])
@@ -246,8 +257,11 @@ def test_fsdp_trains_to_the_parameters_of_data_parallel_ranks(runs, name):
     assert s["status"] == "ok" and s["fsdp"] is True, s["error"]
     assert s["samples_seen"] == summary(pair, name)["samples_seen"]
     assert fsdp_record(pair, name)["units"] == (3 if name == "roberta" else 2)  # each block, and the rest
+    start = torch.load(pair / f"{name}.init.pt")
+    moved = max(float((replicated[k] - start[k]).abs().max()) for k in replicated)
     for key in replicated:
-        torch.testing.assert_close(sharded[key], replicated[key], rtol=0, atol=1e-5, msg=f"{name}: {key}")
+        torch.testing.assert_close(sharded[key], replicated[key], rtol=0, atol=agreement(name, moved),
+                                   msg=f"{name}: {key}")
 
 
 def test_fsdp_ranks_pad_to_as_many_micro_batches_which_change_nothing(runs):
@@ -308,7 +322,12 @@ def test_the_per_rank_plan_equals_rank_0s_counted_peak(runs):
     assert (planned[2]["per_rank_batch_size"], planned[2]["world_size"]) == (16, 2)
     beside = whole["peak_memory_bytes"] - planned[1]["peak_bytes"]
     assert 0 <= beside < 0.1 * planned[2]["peak_bytes"]
-    assert sharded["peak_memory_bytes"] == planned[2]["peak_bytes"] + beside
+    # gloo's worker thread lets go of a collective's buffers (a unit's all-gather output, its reduce-scatter input:
+    # world_size × the unit's shard) after wait() has returned, so a real rank sometimes counts one of them live
+    # for longer than the plan's fake process group does (8896 bytes in a third of the runs): at most world_size ×
+    # the rank's parameter shards
+    extra = sharded["peak_memory_bytes"] - planned[2]["peak_bytes"] - beside
+    assert 0 <= extra <= planned[2]["world_size"] * planned[2]["breakdown"]["parameters"], extra
     assert planned[2]["breakdown"]["optimizer_state"] < 0.6 * planned[1]["breakdown"]["optimizer_state"]
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):  # the methods FSDP runs all plan
         for method in (["method=adam"], ["method=grape"], ["method=dp-sgd-rc", "privacy=none"]):

@@ -36,8 +36,8 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device", "cuda was asked for but no CUDA device is available; allowed: auto, cpu")
     if name == "cuda" and distributed.launched() and distributed.local_gpu() is None:
-        raise ConfigError("train.device", f"this rank (LOCAL_RANK {os.environ.get('LOCAL_RANK')}) has no GPU of its "
-                          f"own: start at most {torch.cuda.device_count()} processes per node, or train.device=cpu")
+        raise ConfigError("train.device", f"{os.environ.get('LOCAL_WORLD_SIZE')} ranks on a node of "
+                          f"{torch.cuda.device_count()} GPUs: start at most one process per GPU, or train.device=cpu")
     return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
 
 
