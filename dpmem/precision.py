@@ -7,9 +7,10 @@ that the private arithmetic always runs in.
            optimiser state stay float32
 
 Whatever the run's precision, per-sample gradients, their norms, clip factors, clipped sums, the noise, the
-privatised gradient and the optimiser state are float32 formed in full float32 (`exact_float32`): a norm is then
-the norm of exactly what is clipped, to float32 rounding. What the compute precision rounds is the layers' own
-inputs and output gradients, from which those per-sample gradients are made.
+privatised gradient and the optimiser state are float32 formed in full float32 (`exact_float32`). With one-pass
+clipping a norm is then the norm of exactly what is clipped, to float32 rounding; two-pass clipping's second
+backward forms the clipped sum in the compute precision (`tolerance` bounds what that adds). What the compute
+precision rounds is the layers' own inputs and output gradients, from which the per-sample gradients are made.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-
-PRECISIONS = ("fp32", "tf32", "bf16")
 
 # unit roundoff 2^-p of each format's p-bit significand (the implicit bit counted): float32 24, TF32 11 (10
 # stored), float16 11, bfloat16 8 (7 stored)
