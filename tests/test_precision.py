@@ -4,8 +4,11 @@ does, the coverage check tells rounding from a missing use, and `train.precision
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from torch import nn
 
+from dpmem.cli import CONF_DIR
+from dpmem.engine.trainer import run_training
 from dpmem.methods import Noise, build_method, method_config
 from dpmem.methods.privatize import Privatizer
 from dpmem.persample import PerSampleGradients, verify_coverage, weighted_sum
@@ -160,3 +163,20 @@ def test_a_precision_the_device_cannot_do_is_one_line(cli, tmp_path, override, a
     r = cli("train", "train.device=cpu", override, "train.steps=1", f"hydra.run.dir={tmp_path}/run")
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "train.precision" in lines[0] and allowed in lines[0], r.stderr
+
+
+BF16_RUNS = {"checkpointing-ghost": ["method=dp-adam", "train.activation_checkpointing=true", "method.clipping=ghost"],
+             "checkpointing-grape": ["method=grape", "method.rank=4", "train.activation_checkpointing=true"],
+             "lora": ["method=dp-adam", "model.lora.r=4"]}
+
+
+@pytest.mark.parametrize("overrides", BF16_RUNS.values(), ids=BF16_RUNS.keys())
+def test_bf16_trains_with_activation_checkpointing_and_lora_on_the_cpu(tmp_path, overrides):
+    """bf16 autocast on the CPU, through `dpmem train`: the recompute of a checkpointed block runs under the forward's
+    autocast, and the coverage check (on) passes."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("config", overrides=["model=roberta-tiny", "data=synthetic", "data.seq_len=12", "train.steps=2",
+                                           "train.batch_size=8", "logging.progress=false", "train.device=cpu",
+                                           "privacy.epsilon=1", "train.precision=bf16", *overrides])
+    summary = run_training(cfg, tmp_path)
+    assert summary["status"] == "ok" and summary["precision"] == "bf16", summary["error"]
