@@ -164,6 +164,7 @@ def _key_message(e: OmegaConfBaseException) -> str:
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
 def _train(cfg: DictConfig) -> None:
+    from dpmem.engine.folder import FolderRefused
     from dpmem.engine.trainer import Terminated, run_training
 
     hc = HydraConfig.get()
@@ -179,9 +180,20 @@ def _train(cfg: DictConfig) -> None:
         return
     if multirun:  # a launcher that runs jobs side by side on one machine: one GPU each, not all on GPU 0
         place_job(hc.launcher._target_, hc.job.num, enum_value(cfg.train.device))
+    if not multirun and not str(hc.run.dir).strip():
+        raise _error("hydra.run.dir: is empty, which would write the run into the current folder; name a folder "
+                     "(hydra.run.dir=outputs/my-run) or leave it out for a new dated one")
     try:
         validate(cfg)
         summary = run_training(cfg, run_dir)
+    except FolderRefused as e:  # this run's folder only: a sweep goes on with its other runs
+        if not multirun or cfg.debug:
+            raise _error(str(e)) from None
+        if not here:
+            raise RunFailed(f"run {run_dir} refused: {e}") from None
+        print(f"dpmem: run {run_dir} refused: {e}", file=sys.stderr)
+        _failed.append(str(run_dir))
+        return
     except ConfigError as e:
         if cfg.debug:
             raise

@@ -290,6 +290,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     resume: bool = True
     skip_done: bool = False  # a run whose folder already holds a summary with status ok is not run again
+    overwrite: bool = False  # a fresh run may replace the records of an earlier one in its folder
 
 
 class WandbMode(Enum):

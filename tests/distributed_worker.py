@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from dpmem import distributed, sharding
 from dpmem.cli import CONF_DIR
+from dpmem.engine.folder import claim
 from dpmem.engine.trainer import Run
 
 
@@ -32,7 +33,7 @@ def parameters(model) -> dict:
 def run(cfg, folder: Path, die_at_step: int | None = None) -> Run:
     if distributed.is_main():
         folder.mkdir(parents=True, exist_ok=True)
-    run = Run(cfg, folder)
+    run = Run(cfg, folder, checkpoint=claim(cfg, folder))
     run.prepare()
     initial = parameters(run.model)
     if distributed.is_main():

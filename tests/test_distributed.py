@@ -21,6 +21,7 @@ from hydra import compose, initialize_config_dir
 from dpmem.cli import CONF_DIR
 from dpmem.config import ConfigError
 from dpmem.engine.planner import plan
+from dpmem.engine.folder import FolderRefused, claim
 from dpmem.engine.trainer import Run
 from dpmem.precision import tolerance
 from tests.test_resume import SMALL
@@ -191,10 +192,10 @@ def test_a_run_that_dies_resumes_on_as_many_ranks_to_the_uninterrupted_result(ru
     # one process may not resume what two left: the ranks' probe and dropout states are per process
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = compose("config", overrides=jobs("cpu")[-1]["overrides"] + ["train.checkpoint_every=2"])
-    run = Run(cfg, pair / "left")
-    run.prepare()
-    s = run.execute()
-    assert s["status"] == "failed" and "--nproc_per_node=2" in s["error"], s["error"]
+    before = (pair / "left" / "summary.json").read_text()
+    with pytest.raises(FolderRefused, match="--nproc_per_node=2"):
+        claim(cfg, pair / "left")
+    assert (pair / "left" / "summary.json").read_text() == before
 
 
 def cli_run(tmp_path, *overrides, nproc=2):

@@ -54,11 +54,11 @@ def test_a_joblib_sweep_runs_side_by_side_fails_for_a_failed_run_and_a_relaunch_
     args = ["train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *SWEEP, f"hydra.sweep.dir={sweep}",
             "hydra.sweep.subdir=${hydra.job.num}"]
     (sweep / "0").mkdir(parents=True)
-    (sweep / "0" / "checkpoint.pt").write_bytes(b"not a checkpoint")  # run 0 cannot resume: it fails
+    (sweep / "0" / "checkpoint.pt").write_bytes(b"not a checkpoint")  # run 0 cannot resume: its job fails
     first = cli(*args)
-    assert first.returncode != 0 and "UnpicklingError" in first.stderr, first.stderr[-2000:]
+    assert first.returncode != 0 and "not a readable checkpoint" in first.stderr, first.stderr[-2000:]
     statuses = {f.parent.name: json.loads(f.read_text())["status"] for f in sweep.glob("*/summary.json")}
-    assert statuses == {"0": "failed", "1": "ok"}  # the other job ran to its end beside it
+    assert statuses == {"1": "ok"}  # the other job ran to its end beside it; the refused one wrote nothing
     ok = (sweep / "1" / "summary.json").stat().st_mtime_ns, (sweep / "1" / "summary.json").read_text()
     # the same sweep again with train.skip_done (not part of the run folders' names): the finished run is found and
     # skipped, its records untouched; the failed one runs again

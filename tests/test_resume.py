@@ -8,6 +8,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from dpmem.cli import CONF_DIR
+from dpmem.engine.folder import FolderRefused
 from dpmem.engine.trainer import Run, run_training
 from dpmem.methods import METHODS
 
@@ -71,7 +72,13 @@ def test_a_run_that_dies_resumes_to_the_uninterrupted_result(tmp_path, monkeypat
     assert not (tmp_path / "resumed" / "checkpoint.pt").exists()  # finished: nothing to resume
 
 
-def test_a_checkpoint_of_another_configuration_is_refused(tmp_path, monkeypatch):
+def records(folder):
+    """dpmem's files in a run folder (Hydra's own .hydra/ is rewritten by every launch)."""
+    return {f.name: f.read_bytes() for f in folder.iterdir() if f.is_file()}
+
+
+def died_after_a_checkpoint(folder, monkeypatch):
+    """A dp-adam run in `folder` that died at step 3 with its checkpoint of step 2."""
     calls = []
     real_step = METHODS["dp-adam"].step
 
@@ -82,10 +89,49 @@ def test_a_checkpoint_of_another_configuration_is_refused(tmp_path, monkeypatch)
         return real_step(self, micro, loss_fn)
     monkeypatch.setattr(METHODS["dp-adam"], "step", dies)
     with pytest.raises(RuntimeError, match="gone"):
-        run_training(config("dp-adam", "train.checkpoint_every=2"), tmp_path)
+        run_training(config("dp-adam", "train.checkpoint_every=2"), folder)
     monkeypatch.setattr(METHODS["dp-adam"], "step", real_step)
-    with pytest.raises(RuntimeError, match="another configuration"):
+    assert json.loads((folder / "summary.json").read_text())["steps_done"] == 2
+
+
+def test_a_checkpoint_of_another_configuration_is_refused_and_the_records_kept(tmp_path, monkeypatch):
+    died_after_a_checkpoint(tmp_path, monkeypatch)
+    before = records(tmp_path)
+    with pytest.raises(FolderRefused, match=r"another configuration \(train.lr: 0.01 -> 0.5\)"):
         run_training(config("dp-adam", "train.checkpoint_every=2", "train.lr=0.5"), tmp_path)
+    assert records(tmp_path) == before  # summary, metrics, config.yaml and checkpoint as they were
+
+
+@pytest.mark.parametrize("damage", [b"", b"not a checkpoint", "truncated"])
+def test_a_corrupt_checkpoint_is_named_and_the_records_kept(tmp_path, monkeypatch, damage):
+    died_after_a_checkpoint(tmp_path, monkeypatch)
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(path.read_bytes()[:1000] if damage == "truncated" else damage)
+    before = records(tmp_path)
+    with pytest.raises(FolderRefused, match="checkpoint.pt is not a readable checkpoint"):
+        run_training(config("dp-adam", "train.checkpoint_every=2"), tmp_path)
+    assert records(tmp_path) == before
+
+
+@pytest.mark.parametrize("how", [[], ["train.resume=false"]], ids=["finished", "resume-false"])
+def test_a_folder_with_a_run_is_not_overwritten_unless_asked(tmp_path, monkeypatch, how):
+    if how:  # a checkpoint that is not to be resumed
+        died_after_a_checkpoint(tmp_path, monkeypatch)
+    else:
+        run_training(config("adam", "train.steps=2"), tmp_path)
+    before = records(tmp_path)
+    with pytest.raises(FolderRefused, match="train.overwrite=true replaces it"):
+        run_training(config("adam", "train.steps=2", *how), tmp_path)
+    assert records(tmp_path) == before
+    summary = run_training(config("adam", "train.steps=2", "train.overwrite=true", *how), tmp_path)
+    assert summary["status"] == "ok" and not (tmp_path / "checkpoint.pt").exists()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [r["step"] for r in map(json.loads, lines) if "loss" in r] == [1, 2]  # this run's records alone
+
+
+def test_an_empty_run_folder_is_refused(cli, tmp_path):
+    r = cli("train", "hydra.run.dir=", "train.steps=1")
+    assert r.returncode == 2 and "hydra.run.dir" in r.stderr and not (tmp_path / "summary.json").exists(), r.stderr
 
 
 def test_a_relaunched_sweep_skips_runs_that_finished(cli, tmp_path):
@@ -97,12 +143,27 @@ def test_a_relaunched_sweep_skips_runs_that_finished(cli, tmp_path):
     done = sorted((tmp_path / "sweep").glob("*/summary.json"))
     assert len(done) == 2
     stamps = [f.stat().st_mtime_ns for f in done]
-    # one of them is marked unfinished: the re-launch runs it again and skips the other
+    # one of them is marked unfinished (and has no checkpoint): the re-launch keeps its record unless told to
+    # overwrite it, then runs it again, and skips the other either way
     s = json.loads(done[1].read_text())
     s["status"] = "interrupted"
     done[1].write_text(json.dumps(s))
-    again = cli(*args)
+    kept = cli(*args)
+    assert kept.returncode != 0 and "refused" in kept.stderr and "train.overwrite=true" in kept.stderr
+    assert json.loads(done[1].read_text())["status"] == "interrupted"
+    again = cli(*args, "train.overwrite=true")
     assert again.returncode == 0, again.stderr
     assert done[0].stat().st_mtime_ns == stamps[0]
     assert json.loads(done[1].read_text())["status"] == "ok"
     assert again.stderr.count("skipped (train.skip_done)") == 1
+
+
+def test_a_refused_resume_is_one_line_at_the_command_line(cli, tmp_path, monkeypatch):
+    died_after_a_checkpoint(tmp_path / "run", monkeypatch)
+    before = records(tmp_path / "run")
+    overrides = ["method=dp-adam", "train.steps=6", "train.batch_size=32", "logging.progress=false", "logging.every=1",
+                 "logging.memory_steps=0", *PRIVACY, *SMALL, "train.checkpoint_every=2"]
+    r = cli("train", *overrides, "train.lr=0.5", f"hydra.run.dir={tmp_path / 'run'}")
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "train.lr: 0.01 -> 0.5" in lines[0], r.stderr
+    assert records(tmp_path / "run") == before

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from dpmem import distributed, precision, sharding
 from dpmem.config import ConfigError, enum_value
 from dpmem.data import DataBundle, build_data
+from dpmem.engine.folder import claim, fingerprint
 from dpmem.engine.summary import append_metrics, json_ready, summary_table, versions, write_summary
 from dpmem.engine.tracking import NoTracker, open_tracker
 from dpmem.engine.ledger import PrivacyLedger
@@ -83,8 +84,9 @@ class Run:
     Under torchrun every rank runs one `Run` on its part of each logical batch (`dpmem.distributed`); rank 0 alone
     writes the run folder (summary, metrics, checkpoints) and evaluates."""
 
-    def __init__(self, cfg, run_dir: Path, data_hook=None):
+    def __init__(self, cfg, run_dir: Path, data_hook=None, checkpoint: dict | None = None):
         self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.checkpoint = checkpoint  # the state to resume from (dpmem.engine.folder.claim checked it)
         self.data_hook = data_hook  # changes the data set before anything is sized from it (dpmem audit's canaries)
         self.summary: dict = {}
         self.exception: Exception | None = None  # a training failure, re-raised by run_training
@@ -152,7 +154,8 @@ class Run:
         if subspace is not None:
             self.summary["subspace"] = {"path": m.subspace.path, "k": subspace.k, "where": subspace.where,
                                         "private": ok, "why": why}
-        self._write_summary()
+        if self.checkpoint is None:  # a resumed run's folder keeps the earlier summary until it is resumed
+            self._write_summary()
 
     def _check_fsdp(self, method) -> None:
         sharding.check_method(method, self.cfg.method)
@@ -235,7 +238,7 @@ class Run:
         bar = tqdm(total=self.steps, disable=not (log_cfg.progress and self.main), dynamic_ncols=True, leave=True,
                    mininterval=0.5 if sys.stderr.isatty() else 30.0,  # a log file gets a line per 30 s
                    desc=f"{cfg.method.name}")
-        done = self._resume() if t.resume else 0
+        done = self._resume() if self.checkpoint is not None else 0
         bar.update(done)
         samples, loss_sum, loss_count = s["samples_seen"], None, 0
         self.meter = meter = Meter(self.device, self.steps, log_cfg.memory_steps)
@@ -297,7 +300,7 @@ class Run:
         method = self.method.state_dict() if fsdp or self.main else None
         if not self.main:
             return
-        state = {"step": step, "config": self._fingerprint(), "world_size": len(rngs),
+        state = {"step": step, "config": fingerprint(self.cfg), "world_size": len(rngs),
                  "model": model if fsdp else self.model.state_dict(), "method": method, "rngs": rngs,
                  "summary": {k: self.summary[k] for k in RESUMED}}
         tmp = self.run_dir / "checkpoint.pt.tmp"
@@ -305,25 +308,11 @@ class Run:
         os.replace(tmp, self.run_dir / "checkpoint.pt")
 
     def _resume(self) -> int:
-        """Steps already done by an earlier run in this folder (0 without a checkpoint), their state restored.
-        ε spent is recomputed for those steps: the accountant sees each step once, and the steps lost after the
-        checkpoint are drawn again with the same batches and noise, so they release nothing new."""
-        path = self.run_dir / "checkpoint.pt"
-        if not path.exists():
-            return 0
-        fsdp = self.cfg.train.fsdp  # each rank takes its shards from the whole tensors, kept on the CPU
-        # on the CPU: generator states are CPU tensors whatever their generator's device; weights and optimiser
-        # state go to the parameters' device as they load (a checkpoint written on CUDA resumes on the CPU too)
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        world = distributed.world_size()
-        if state["world_size"] != world:
-            raise RuntimeError(f"{path} was written by a run of {state['world_size']} process(es) and this one has "
-                               f"{world}: resume it with torchrun --nproc_per_node={state['world_size']} (each rank's "
-                               "dropout state is its own), or run with train.resume=false in another "
-                               "folder")
-        if state["config"] != self._fingerprint():
-            raise RuntimeError(f"{path} was written by another configuration; delete it to start again, or run "
-                               "with train.resume=false in another folder")
+        """The steps done by the earlier run whose checkpoint this run resumes, their state restored. ε spent is
+        recomputed for those steps: the accountant sees each step once, and the steps lost after the checkpoint are
+        drawn again with the same batches and noise, so they release nothing new."""
+        state, fsdp = self.checkpoint, self.cfg.train.fsdp  # under FSDP each rank takes its shards from it
+        self.checkpoint = None  # not kept beside the model it was loaded into
         if fsdp:
             sharding.load_model_state(self.model, state["model"])
         else:
@@ -335,6 +324,8 @@ class Run:
             torch.cuda.set_rng_state(rng["cuda_rng"])
         step = state["step"]
         self.summary.update(state["summary"], resumed_from_step=step)
+        if self.main:
+            print(f"dpmem: resuming {self.run_dir} from its checkpoint at step {step}", file=sys.stderr)
         if self.method.noise_reseeded is not None:
             self.summary["noise_reseeded"] = self.method.noise_reseeded
             print(f"dpmem: warning: {self.method.noise_reseeded}, whose states do not carry over: the noise is "
@@ -347,14 +338,6 @@ class Run:
             metrics.write_text("".join(line + "\n" for line in kept))
         self._write_summary()
         return step
-
-    def _fingerprint(self) -> str:
-        """The configuration a checkpoint belongs to (what resuming does not change)."""
-        tree = OmegaConf.to_container(self.cfg, resolve=True)
-        for key in ("resume", "skip_done", "checkpoint_every", "device"):  # a run may resume on another device
-            tree["train"].pop(key, None)
-        return json.dumps({k: tree.get(k) for k in ("model", "data", "method", "privacy", "train")}, sort_keys=True,
-                          default=str)
 
     def train_step(self, step: int, micro: list[dict[str, torch.Tensor]]) -> tuple[float, torch.Tensor]:
         """The method's update for 0-based `step` at its scheduled learning rate: (lr, summed per-sample loss)."""
@@ -409,12 +392,14 @@ RESUMED = ("steps_done", "samples_seen", "metric_best", "peak_memory_bytes", "pe
 
 
 def run_training(cfg, run_dir: Path) -> dict:
-    """Prepare (ConfigError escapes), train, summarise. Writes the resolved config next to the records."""
+    """Claim the folder and prepare (ConfigErrors escape, before anything is written), train, summarise. Writes the
+    resolved config next to the records."""
     run_dir = Path(run_dir)
+    checkpoint = claim(cfg, run_dir)
     if distributed.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    run = Run(cfg, run_dir)
+    run = Run(cfg, run_dir, checkpoint=checkpoint)
     run.prepare()
     summary = run.execute()
     if distributed.is_main():

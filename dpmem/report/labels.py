@@ -9,6 +9,7 @@ from collections import defaultdict
 # what is averaged over (seeds) or is a row or column already, so never tells two variants apart
 NOT_A_VARIANT = ("train.seed", "data.fewshot_seed", "privacy.", "data.", "logging.", "memory.", "spectrum.", "debug",
                  "method.name", "train.device", "train.eval_batch_size", "train.skip_done", "train.resume",
+                 "train.overwrite",
                  "train.checkpoint_every",
                  "model.arch.", "model.family", "model.pretrained", "model.tokenizer")  # model.name says these
 
