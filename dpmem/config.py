@@ -7,6 +7,7 @@ allowed, which the CLI prints as one line.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -466,8 +467,12 @@ def validate(cfg: Any) -> None:
         raise ConfigError("train.eval_every", f"{t.eval_every} must be >= 0 (0 = only at the end)")
     if t.eval_batch_size <= 0:
         raise ConfigError("train.eval_batch_size", f"{t.eval_batch_size} must be positive")
-    if p.epsilon is not None and not p.epsilon > 0:
-        raise ConfigError("privacy.epsilon", f"{p.epsilon} must be > 0 (or null for non-private)")
+    if cfg.logging.every < 1:
+        raise ConfigError("logging.every", f"{cfg.logging.every} must be a positive number of steps")
+    if not 0 < cfg.data.test_fraction < 1:
+        raise ConfigError("data.test_fraction", f"{cfg.data.test_fraction}: the held-out share, allowed 0 < x < 1")
+    if p.epsilon is not None and not 0 < p.epsilon < math.inf:
+        raise ConfigError("privacy.epsilon", f"{p.epsilon} must be a finite number > 0 (or null for non-private)")
     if p.epsilon is not None:
         resolve_delta(p.delta, n=2)  # the form is checked here; '1/n' is resolved once n is known
     if method.private:

@@ -27,6 +27,11 @@ def dpmem(*args, cwd):
     ("privacy=eps3", "privacy", "eps1, eps2"),
     ("privacy.epsilon=0", "privacy.epsilon", "> 0"),
     ("privacy.epsilon=-1", "privacy.epsilon", "> 0"),
+    ("privacy.epsilon=inf", "privacy.epsilon", "finite"),
+    ("privacy.epsilon=1e9", "privacy.epsilon", "protects nothing"),  # looser than the least noise gives
+    ("logging.every=0", "logging.every", "positive"),  # a ZeroDivisionError after one step
+    ("data.test_fraction=1.5", "data.test_fraction", "0 < x < 1"),
+    ("data.test_fraction=0", "data.test_fraction", "0 < x < 1"),
     ("privacy.delta=1.5", "privacy.delta", "(0, 1)"),
     ("privacy.delta=0", "privacy.delta", "(0, 1)"),
     ("train.physical_batch_size=256", "train.physical_batch_size", "1..train.batch_size"),
@@ -181,3 +186,69 @@ def test_a_signal_leaves_a_readable_summary(tmp_path, sig, code, status):
     assert 0 < summary["epsilon_spent"] < 8  # what the steps done actually spent
     assert status in out
     assert not (tmp_path / "sweep" / "1").exists()  # the sweep stopped
+
+
+def bad_npz(path, case):
+    """One .npz (or not) that is wrong in one way, made on the fly."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 256, (20, 8, 8)).astype(np.uint8), np.arange(20) % 4
+    arrays = {"x": x, "y": y}
+    if case == "not-a-zip":
+        path.write_bytes(b"these are not arrays")
+        return
+    if case == "lengths":
+        arrays["y"] = y[:15]
+    elif case == "nan":
+        arrays["x"] = x.astype(np.float32)
+        arrays["x"][3, 2, 2] = np.nan
+    elif case == "negative":
+        arrays["y"] = y - 1
+    elif case == "fractional":
+        arrays["y"] = y + 0.5
+    elif case == "strings":
+        arrays["y"] = np.array(["cat", "dog"] * 10)
+    elif case == "huge":
+        arrays["y"] = y * 10**6
+    elif case == "test-without-labels":
+        arrays["x_test"] = x[:5]
+    np.savez(path, **arrays)
+
+
+NPZ_CASES = {"not-a-zip": "not a readable .npz", "lengths": "one label per image", "nan": "NaN or infinite",
+             "negative": "negative labels", "fractional": "integer class numbers", "strings": "integer class numbers",
+             "huge": "classes for 20 examples", "test-without-labels": "x_test without y_test"}
+
+
+@pytest.mark.parametrize("case", NPZ_CASES)
+def test_a_bad_npz_is_one_line_naming_the_file(cli, tmp_path, case):
+    bad_npz(tmp_path / "bad.npz", case)
+    r = cli("train", "data=npz", f"data.path={tmp_path / 'bad.npz'}", *TINY)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "data.path" in lines[0] and "bad.npz" in lines[0] and NPZ_CASES[case] in lines[0], lines[0]
+
+
+TEXT_CASES = {"empty": (b"", "not a readable"), "header-only": (b"text,label\n", "has no rows"),
+              "malformed": (b'text,label\n"an open quote,1\nb,0\n', "not a readable"),
+              "latin-1": ("text,label\ncaf\u00e9,1\n".encode("latin-1"), "not a readable"),
+              "blank-label": (b"text,label\ngood,1\nbad,\n", "empty cells")}
+
+
+@pytest.mark.parametrize("kind", ["csv", "jsonl"])
+@pytest.mark.parametrize("case", TEXT_CASES)
+def test_a_bad_text_file_is_one_line_naming_the_file(cli, tmp_path, kind, case):
+    content, words = TEXT_CASES[case]
+    if kind == "jsonl" and case in ("empty", "header-only"):  # a jsonl file has no header: empty is no rows
+        content, words = b"", "has no rows"
+    if kind == "jsonl" and case == "blank-label":
+        content = b'{"text": "good", "label": 1}\n{"text": "bad", "label": null}\n'
+    if kind == "jsonl" and case == "malformed":
+        content = b'{"text": "good", "label": 1}\n{"text": "bad", \n'
+    if kind == "jsonl" and case == "latin-1":
+        content = '{"text": "caf\u00e9", "label": 1}\n'.encode("latin-1")
+    (tmp_path / f"bad.{kind}").write_bytes(content)
+    r = cli("train", "model=roberta-tiny", f"data={kind}", f"data.path={tmp_path / f'bad.{kind}'}", *TINY)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "data.path" in lines[0] and f"bad.{kind}" in lines[0] and words in lines[0], lines[0]

@@ -15,10 +15,49 @@ def load(cfg):
     path = Path(cfg.path).expanduser()
     if not path.is_file():
         raise ConfigError("data.path", f"{cfg.path!r} does not exist; give a .npz file with arrays x and y")
-    arrays = np.load(path)
-    missing = {"x", "y"} - set(arrays.files)
+    try:
+        with np.load(path) as archive:  # no pickles: object arrays are refused as what they are
+            arrays = {name: archive[name] for name in archive.files}
+    except Exception as e:  # noqa: BLE001  (not a zip, truncated, pickled objects: each its own error)
+        raise ConfigError("data.path", f"{cfg.path!r} is not a readable .npz archive ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120] if str(e) else 'empty'}); write one with "
+                          "numpy.savez(FILE, x=images, y=labels)") from None
+    missing = {"x", "y"} - set(arrays)
     if missing:
-        raise ConfigError("data.path", f"{cfg.path!r} lacks arrays {sorted(missing)}; it has {arrays.files}")
-    test = (arrays["x_test"], arrays["y_test"]) if "x_test" in arrays.files else (None, None)
+        raise ConfigError("data.path", f"{cfg.path!r} lacks arrays {sorted(missing)}; it has {sorted(arrays)}")
+    if ("x_test" in arrays) != ("y_test" in arrays):
+        raise ConfigError("data.path", f"{cfg.path!r} has {'x_test' if 'x_test' in arrays else 'y_test'} without "
+                          f"{'y_test' if 'x_test' in arrays else 'x_test'}: give both, or neither (a split of x is "
+                          "then held out)")
+    pairs = [("x", "y")] + ([("x_test", "y_test")] if "x_test" in arrays else [])
+    for xs, ys in pairs:
+        arrays[ys] = _checked(cfg.path, xs, arrays[xs], ys, arrays[ys])
+    labels = np.concatenate([arrays[ys] for _, ys in pairs])
+    if labels.max() + 1 > len(labels):
+        raise ConfigError("data.path", f"{cfg.path!r}: labels go up to {labels.max()}, which would make "
+                          f"{labels.max() + 1} classes for {len(labels)} examples; number the classes 0..C-1")
+    test = (arrays["x_test"], arrays["y_test"]) if "x_test" in arrays else (None, None)
     return image_bundle(arrays["x"], arrays["y"], *test, test_fraction=cfg.test_fraction,
                         split_seed=cfg.split_seed, scale=255.0)
+
+
+def _checked(path, xs: str, x: np.ndarray, ys: str, y: np.ndarray) -> np.ndarray:
+    """The labels `y` as integers, once `x` and `y` are known to be images (N, H, W) or (N, C, H, W) of finite
+    numbers and one non-negative integer class per image."""
+    def bad(what: str) -> ConfigError:
+        return ConfigError("data.path", f"{path!r}: {what}")
+    if not np.issubdtype(x.dtype, np.number) or x.ndim not in (3, 4):
+        raise bad(f"{xs} must be numeric images (N, H, W) or (N, C, H, W) in 0..255, not {x.dtype} of shape "
+                  f"{x.shape}")
+    if len(x) == 0:
+        raise bad(f"{xs} holds no images")
+    if not np.isfinite(x).all():
+        raise bad(f"{xs} holds {int((~np.isfinite(x)).sum())} NaN or infinite values")
+    if y.ndim != 1 or len(y) != len(x):
+        raise bad(f"{ys} has shape {y.shape}: one label per image of {xs} ({len(x)}) is needed")
+    if not np.issubdtype(y.dtype, np.number) or not np.isfinite(y).all() or (y != np.round(y)).any():
+        raise bad(f"{ys} must hold integer class numbers, not {y.dtype}" + (
+            " values such as " + str(y[:3].tolist()) if len(y) else ""))
+    if (y < 0).any():
+        raise bad(f"{ys} holds negative labels ({int((y < 0).sum())}); classes are numbered 0..C-1")
+    return y.astype(np.int64)

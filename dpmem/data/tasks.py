@@ -163,7 +163,15 @@ def _local_file(cfg) -> list[dict]:
     if not cfg.path or not Path(cfg.path).expanduser().is_file():
         raise ConfigError("data.path", f"data={cfg.name} needs data.path=FILE.{cfg.name} (got {cfg.path!r})")
     path = Path(cfg.path).expanduser()
-    frame = pd.read_csv(path) if cfg.name == "csv" else pd.read_json(path, lines=True)
+    try:  # pandas' errors (empty, malformed, not UTF-8) are ValueErrors
+        frame = pd.read_csv(path) if cfg.name == "csv" else pd.read_json(path, lines=True)
+    except ValueError as e:
+        raise ConfigError("data.path", f"{path.name} is not a readable {cfg.name} file ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120]}); allowed: UTF-8 text, "
+                          f"{'a header row, then one row' if cfg.name == 'csv' else 'one JSON object per line'} "
+                          "per example") from None
+    if frame.empty:
+        raise ConfigError("data.path", f"{path.name} has no rows")
     mapping = {"text": "text", "label": "label", **dict(cfg.columns)}
     unknown = sorted(set(mapping) - {"text", "text_pair", "label"})
     if unknown:
@@ -171,6 +179,10 @@ def _local_file(cfg) -> list[dict]:
     missing = sorted(set(mapping.values()) - set(frame.columns))
     if missing:
         raise ConfigError("data.columns", f"{path.name} has no column(s) {missing}; it has {list(frame.columns)}")
+    blank = {column: int(frame[column].isna().sum()) for column in mapping.values() if frame[column].isna().any()}
+    if blank:
+        raise ConfigError("data.path", f"{path.name} has empty cells in {blank} (column: how many); every example "
+                          "needs its text and label")
     rows = [{f: row[column] for f, column in mapping.items()} for row in frame.to_dict("records")]
     if pd.api.types.is_integer_dtype(frame[mapping["label"]]):
         for r in rows:

@@ -109,6 +109,10 @@ def _bracket(eps, epsilon: float, max_sigma: float, unreachable: str) -> tuple[f
     if lo == hi:
         while lo > MIN_SIGMA and eps(lo) <= epsilon:
             hi, lo = lo, lo / 2
+        if eps(lo) <= epsilon:
+            raise UnreachableTarget(f"{epsilon:g} is looser than the epsilon of the least noise dpmem adds "
+                                    f"(multiplier {lo:g}: {eps(lo):.4g}); a budget that large protects nothing: "
+                                    "give a smaller epsilon, or privacy=none for a non-private run")
         lo = min(lo, hi / 2)
     return lo, hi
 
