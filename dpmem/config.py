@@ -459,8 +459,11 @@ def validate(cfg: Any) -> None:
             raise ConfigError("train.physical_batch_size",
                               f"{t.physical_batch_size} is larger than train.batch_size={t.batch_size}; "
                               "allowed: 1..train.batch_size")
-    if t.lr < 0:
-        raise ConfigError("train.lr", f"{t.lr} must be >= 0")
+    if not 0 <= t.lr < math.inf:
+        raise ConfigError("train.lr", f"{t.lr} must be a finite number >= 0")
+    for key, value in m.items():  # a NaN or infinite option trains garbage that looks fine: none is allowed
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"method.{key}", f"{value} must be a finite number")
     if t.checkpoint_every < 0:
         raise ConfigError("train.checkpoint_every", f"{t.checkpoint_every} must be >= 0 (0 = no checkpoints)")
     if t.eval_every < 0:

@@ -106,3 +106,31 @@ def test_a_delta_of_one_over_n_warns_once_and_is_recorded(tmp_path, capsys):
     run.prepare()
     assert "warning" not in capsys.readouterr().err and run.summary["delta_times_n"] == pytest.approx(1437e-6)
     run.method.close()
+
+
+def test_a_non_finite_loss_fails_the_run_with_the_epsilon_spent(tmp_path, monkeypatch):
+    """A NaN pixel with the coverage check off: the run stops at the next logged step, failed, its ε recorded."""
+    from dpmem.data import digits
+    real = digits.load
+
+    def poisoned(cfg):
+        data = real(cfg)
+        data.train["pixel_values"][:] = float("nan")
+        return data
+    monkeypatch.setattr(digits, "load", poisoned)
+    from dpmem.engine.trainer import NonFiniteLoss
+    with pytest.raises(NonFiniteLoss, match="nan"):
+        run_training(config("method=dp-adam", "method.check_coverage=false", "privacy.epsilon=8",
+                            "train.device=cpu", "logging.every=2"), tmp_path)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["status"] == "failed" and "NonFiniteLoss" in s["error"] and s["steps_done"] == 2
+    assert 0 < s["epsilon_spent"] < 8
+
+
+@pytest.mark.parametrize("override,key", [("train.lr=nan", "train.lr"), ("train.lr=inf", "train.lr"),
+                                          ("method.max_grad_norm=inf", "method.max_grad_norm")])
+def test_non_finite_hyperparameters_are_refused(override, key):
+    from dpmem.config import ConfigError, validate
+    with pytest.raises(ConfigError) as refused:
+        validate(config("method=dp-adam", override))
+    assert refused.value.key == key

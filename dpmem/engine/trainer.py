@@ -74,6 +74,10 @@ def evaluate(model, data: DataBundle, device, batch_size: int, autocast, root=No
         model.train()
 
 
+class NonFiniteLoss(RuntimeError):
+    """The training loss is NaN or infinite: the run stops, failed, with the ε its steps spent."""
+
+
 class Terminated(BaseException):
     """The process was sent SIGTERM. Not an Exception, so that a sweep stops instead of going on to its next run."""
 
@@ -260,6 +264,9 @@ class Run:
                 if (step + 1) % log_cfg.every == 0 or last:
                     distributed.sum_([loss_sum])
                     mean_loss = float(loss_sum) / max(loss_count, 1)  # the host sync, once every `every` steps
+                    if not math.isfinite(mean_loss):  # garbage from here on, but its ε is spent: the run fails
+                        raise NonFiniteLoss(f"the training loss is {mean_loss} over steps up to {step + 1} (a NaN or "
+                                            "infinite input, or a learning rate that diverges)")
                     s["epsilon_spent"], self._eps_steps = self.ledger.epsilon(step + 1), step + 1
                     s["throughput_samples_per_s"] = meter.throughput(samples)
                     s.update(meter.fields())
