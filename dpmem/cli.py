@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     distributed.init_from_env()
     try:
         _train_main(rest)
+        distributed.settle()
     finally:
         distributed.close()
 

@@ -67,6 +67,15 @@ def local_gpu() -> int | None:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def settle() -> None:
+    """At a normal end, before `close`: every rank's collectives done. gloo's worker threads let go of a collective
+    after wait() returns; a process group torn down while one still runs aborts the process ("terminate called
+    without an active exception") after its work is saved, and torchrun then reports the run failed."""
+    if dist.is_initialized():
+        with _collective():
+            dist.barrier()
+
+
 def close() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -7,6 +7,7 @@ method raise at that step (a crash after a checkpoint); unless "resume" is false
 same folder, which resumes it."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -101,7 +102,11 @@ def main(out: Path, jobs: list[dict]) -> None:
         final = parameters(done.model)
         if distributed.is_main():
             torch.save(final, out / f"{job['name']}.pt")
-    distributed.close()
+    distributed.settle()
+    # every result is saved: leave without tearing the process group down. Under load, gloo's teardown at exit
+    # sometimes aborted a rank ("terminate called without an active exception") after all of this was written
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -146,3 +146,16 @@ def test_published_lora_and_estimator_rows_are_told_apart(tmp_path):
     # DP-SGD-RC (Efficient DP-SGD for LLMs with Randomized Clipping) Table 2 (full) 96.1, Table 3 (LoRA) 95.9,
     # Table 4 (Hutch++) 70.59 ± 3.49
     assert "95.0 [96.1]" in md and "95.0 [95.9]" in md and "70.0 [70.59 ± 3.49]" in md
+
+
+def test_unreadable_and_older_summaries_are_listed_under_the_table_and_the_report_goes_on(tmp_path, capsys):
+    root = tmp_path / "runs"
+    summary(root, "good", "dp-adam", "digits", 8.0, 0, metric=0.9, peak_memory_bytes=2**20)  # no physical_batch_size
+    (root / "broken").mkdir()
+    (root / "broken" / "summary.json").write_text('{"status": "ok", "meth')  # cut off mid-write
+    (root / "old").mkdir()
+    (root / "old" / "summary.json").write_text(json.dumps({"status": "ok", "metric_final": 0.5}))
+    main(["report", str(root)])
+    out = capsys.readouterr().out
+    assert set(read_csv(root / "report" / "report.csv")) == {("dp-adam", "8", "digits")}
+    assert "broken: unreadable summary.json (JSONDecodeError" in out and "old: summary.json lacks method, data" in out

@@ -43,7 +43,7 @@ def write(out: Path, summaries: list[dict], table_cells: dict) -> list[str]:
     memory = defaultdict(dict)
     for s in ok:
         if s.get("peak_memory_bytes"):
-            memory[(s["method"], s.get("model"), s.get("peak_memory_source"))][s["physical_batch_size"]] = \
+            memory[(s["method"], s.get("model"), s.get("peak_memory_source"))][s.get("physical_batch_size")] = \
                 s["peak_memory_bytes"] / 2**30
     if any(len(v) > 1 for v in memory.values()):
         fig, ax = plt.subplots(figsize=(6, 4))

@@ -26,22 +26,34 @@ from dpmem.report.labels import row_label, variants
 OK = "ok"
 
 
+REQUIRED = ("status", "method", "data")  # what a row needs; every other field a summary may lack (older versions)
+
+
 def collect(paths: list[Path]) -> tuple[list[dict], list[str]]:
-    """Every summary under `paths`, and the run folders (with a config.yaml) that have none."""
+    """Every readable summary under `paths`, and a line (folder: why) for each run folder that has none or an
+    unreadable one: those are listed under the table, and the report goes on."""
     summaries, missing = [], []
     for root in paths:
         root = Path(root)
         if not root.exists():
             raise FileNotFoundError(f"{root} does not exist")
         for f in sorted(root.rglob("summary.json")):
-            s = json.loads(f.read_text())
+            try:
+                s = json.loads(f.read_text())
+                lacking = [k for k in REQUIRED if k not in s] if isinstance(s, dict) else ["(not a JSON object)"]
+            except (ValueError, OSError) as e:
+                missing.append(f"{f.parent}: unreadable summary.json ({type(e).__name__}: {str(e)[:80]})")
+                continue
+            if lacking:
+                missing.append(f"{f.parent}: summary.json lacks {', '.join(lacking)}")
+                continue
             s["run_dir"] = str(f.parent)
             config = f.parent / "config.yaml"
             s["config"] = _flat(OmegaConf.to_container(OmegaConf.load(config))) if config.exists() else {}
             summaries.append(s)
         for c in sorted(root.rglob("config.yaml")):
             if c.parent.name != ".hydra" and not (c.parent / "summary.json").exists():
-                missing.append(str(c.parent))
+                missing.append(f"{c.parent}: no summary.json (the run died before it started)")
     return summaries, missing
 
 
@@ -110,7 +122,8 @@ def memory_table(summaries: list[dict]) -> list[str]:
     peaks = defaultdict(dict)
     for s in summaries:
         if s["status"] == OK and s.get("peak_memory_bytes"):
-            peaks[(s["method"], s.get("model"))][s["physical_batch_size"]] = s["peak_memory_bytes"] / 2**20
+            peaks[(s["method"], s.get("model"))][s.get("physical_batch_size", s.get("batch_size"))] = \
+                s["peak_memory_bytes"] / 2**20
     if not any(len(v) > 1 for v in peaks.values()):
         return []
     batches = sorted({b for v in peaks.values() for b in v})
@@ -125,7 +138,7 @@ def memory_table(summaries: list[dict]) -> list[str]:
 def unfinished(summaries: list[dict], missing: list[str]) -> list[str]:
     lines = [f"{s['run_dir']}: {s['status']}" + (f" ({s['error']})" if s.get("error") else "")
              + f", {s.get('steps_done')}/{s.get('steps')} steps" for s in summaries if s["status"] not in (OK, "oom")]
-    lines += [f"{d}: no summary.json (the run died before it started)" for d in missing]
+    lines += missing
     return lines
 
 
