@@ -14,6 +14,7 @@ from dpmem.engine.trainer import run_training
 from dpmem.methods import METHODS
 from dpmem.precision import RunPrecision
 from test_precision import PRIVATE, released
+from test_resume import dies_at
 from tiny_models import tiny_roberta, tiny_vit
 
 pytestmark = pytest.mark.cuda
@@ -75,15 +76,8 @@ def test_every_method_trains_on_cuda_in_each_precision(tmp_path, overrides, prec
 @pytest.mark.parametrize("method", ["dp-adam", "grape", "dpzero"])
 @pytest.mark.parametrize("resume_on", ["cuda", "cpu"])
 def test_a_checkpoint_written_on_cuda_resumes(tmp_path, monkeypatch, method, resume_on):
-    cls, calls = METHODS[method], []
-    real_step = cls.step
-
-    def dies_at_step_3(self, micro, loss_fn):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("the machine went away")
-        return real_step(self, micro, loss_fn)
-    monkeypatch.setattr(cls, "step", dies_at_step_3)
+    cls = METHODS[method]
+    real_step = dies_at(monkeypatch, cls, 3)
     run = ["train.steps=4", "train.checkpoint_every=2", f"method={method}", "privacy.noise_seed=3"]
     with pytest.raises(RuntimeError, match="went away"):
         run_training(config("train.device=cuda", *run), tmp_path)

@@ -28,6 +28,20 @@ def config(method, *overrides):
                                             *PRIVACY, *own, *SMALL, *overrides])
 
 
+def dies_at(monkeypatch, cls, step: int):
+    """`cls.step` raises at its `step`-th call from now on ("the machine went away"); returns the real step, to put
+    back with monkeypatch.setattr(cls, "step", real)."""
+    calls, real_step = [], cls.step
+
+    def dies(self, micro, loss_fn):
+        calls.append(1)
+        if len(calls) == step:
+            raise RuntimeError("the machine went away")
+        return real_step(self, micro, loss_fn)
+    monkeypatch.setattr(cls, "step", dies)
+    return real_step
+
+
 @pytest.mark.parametrize("method", ["adam", "dp-adam", "grape", "galore-dp-naive", "dpzero", "dp-sgd-rc"])
 def test_a_run_that_dies_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, method):
     captured = {}
@@ -40,15 +54,8 @@ def test_a_run_that_dies_resumes_to_the_uninterrupted_result(tmp_path, monkeypat
     lr = ["train.lr=1e-4"] if method == "dpzero" else []
     oracle = run_training(config(method, *lr), tmp_path / "oracle")
 
-    cls, calls = METHODS[method], []
-    real_step = cls.step
-
-    def dies_at_step_5(self, micro, loss_fn):
-        calls.append(1)
-        if len(calls) == 5:
-            raise RuntimeError("the machine went away")
-        return real_step(self, micro, loss_fn)
-    monkeypatch.setattr(cls, "step", dies_at_step_5)
+    cls = METHODS[method]
+    real_step = dies_at(monkeypatch, cls, 5)
     with pytest.raises(RuntimeError, match="went away"):
         run_training(config(method, "train.checkpoint_every=2", *lr), tmp_path / "resumed")
     dead = json.loads((tmp_path / "resumed" / "summary.json").read_text())
@@ -79,16 +86,8 @@ def records(folder):
 
 def died_after_a_checkpoint(folder, monkeypatch):
     """A dp-adam run in `folder` that died at step 3 with its checkpoint of step 2."""
-    calls = []
-    real_step = METHODS["dp-adam"].step
-
-    def dies(self, micro, loss_fn):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("gone")
-        return real_step(self, micro, loss_fn)
-    monkeypatch.setattr(METHODS["dp-adam"], "step", dies)
-    with pytest.raises(RuntimeError, match="gone"):
+    real_step = dies_at(monkeypatch, METHODS["dp-adam"], 3)
+    with pytest.raises(RuntimeError, match="went away"):
         run_training(config("dp-adam", "train.checkpoint_every=2"), folder)
     monkeypatch.setattr(METHODS["dp-adam"], "step", real_step)
     assert json.loads((folder / "summary.json").read_text())["steps_done"] == 2

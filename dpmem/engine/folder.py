@@ -53,7 +53,7 @@ def claim(cfg, run_dir: Path) -> dict | None:
     if isinstance(verdict, tuple):
         raise FolderRefused(*verdict)
     if verdict == "resume" and state is None:  # the other ranks read what rank 0 checked
-        state = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
+        state = _load(run_dir / "checkpoint.pt")
     return state
 
 
@@ -90,9 +90,7 @@ def _held(run_dir: Path) -> str | None:
 def _resumable(cfg, path: Path) -> dict:
     """The checkpoint's state, if it can resume this run (readable, as many processes, the same configuration)."""
     try:
-        # on the CPU: generator states are CPU tensors whatever their generator's device; weights and optimiser
-        # state go to the parameters' device as they load (a checkpoint written on CUDA resumes on the CPU too)
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = _load(path)
         missing = [k for k in ("step", "config", "world_size", "model", "method", "rngs", "summary") if k not in state]
     except Exception as e:  # noqa: BLE001  (a truncated file fails in zipfile, pickle or torch, each its own way)
         raise FolderRefused("train.resume", f"{path} is not a readable checkpoint ({type(e).__name__}: "
@@ -111,6 +109,12 @@ def _resumable(cfg, path: Path) -> dict:
                           f"{'; ...' if len(changed) > 3 else ''}): run it as it was to resume, or another folder "
                           "(hydra.run.dir=...) for this one")
     return state
+
+
+def _load(path: Path) -> dict:
+    """On the CPU: generator states are CPU tensors whatever their generator's device; weights and optimiser state
+    go to the parameters' device as they load (a checkpoint written on CUDA resumes on the CPU too)."""
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _changed(old: dict, new: dict, prefix: str = "") -> list[str]:
