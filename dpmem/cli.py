@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import json
 import sys
+import tempfile
 from datetime import datetime
 from pathlib import Path
 
@@ -37,7 +38,7 @@ USAGE = """usage: dpmem train [-m] [key=value ...]
 
   dpmem train                                      the embedded default (ViT on digits, grape, eps=8)
   dpmem train method=adam privacy=none             a non-private baseline
-  dpmem train -m method=adam,dp-adam privacy=eps2,eps8   a sweep (one run folder each)
+  dpmem train -m method=dp-adam,grape privacy=eps2,eps8  a sweep (one run folder each)
   dpmem train --help                               every config group and option
   torchrun --nproc_per_node=2 -m dpmem train ...   one run data-parallel over 2 processes (GPUs)
   dpmem memory model=opt-6.7b data=synthetic method=dp-adam,grape train.batch_size=1,2,4
@@ -164,7 +165,7 @@ def _key_message(e: OmegaConfBaseException) -> str:
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
 def _train(cfg: DictConfig) -> None:
-    from dpmem.engine.folder import FolderRefused
+    from dpmem.engine.folder import FolderRefused, drop_if_empty
     from dpmem.engine.trainer import Terminated, run_training
 
     hc = HydraConfig.get()
@@ -180,12 +181,13 @@ def _train(cfg: DictConfig) -> None:
         return
     if multirun:  # a launcher that runs jobs side by side on one machine: one GPU each, not all on GPU 0
         place_job(hc.launcher._target_, hc.job.num, enum_value(cfg.train.device))
-    if not multirun and not str(hc.run.dir).strip():
-        raise _error("hydra.run.dir: is empty, which would write the run into the current folder; name a folder "
-                     "(hydra.run.dir=outputs/my-run) or leave it out for a new dated one")
     try:
-        validate(cfg)
-        summary = run_training(cfg, run_dir)
+        try:
+            validate(cfg)
+            summary = run_training(cfg, run_dir)
+        except ConfigError:
+            drop_if_empty(run_dir)  # found after Hydra made the folder: no empty folder is left behind
+            raise
     except FolderRefused as e:  # this run's folder only: a sweep goes on with its other runs
         if not multirun or cfg.debug:
             raise _error(str(e)) from None
@@ -241,17 +243,73 @@ def main(argv: list[str] | None = None) -> None:
         distributed.close()
 
 
+def _train_help(rest: list[str]) -> None:
+    """`dpmem train [overrides] --help`: the config groups users choose from (not the schemas dpmem registers for
+    validation, which Hydra's help would list) and the config the overrides compose."""
+    with _one_line_errors(_is_debug(rest)):
+        cfg = compose_points(sweep_points([a for a in rest if a not in ("-h", "--help", "-m", "--multirun")])[:1])[0]
+    lines = [USAGE.splitlines()[0].replace("usage: ", ""), "", "== Configuration groups ==",
+             "Compose your configuration from those groups (group=option)", ""]
+    for group, options in sorted(_groups().items()):
+        by_folder: dict[str, list[str]] = {}
+        for option in options:
+            folder, _, name = option.rpartition("/")
+            by_folder.setdefault(f"{group}/{folder}" if folder else group, []).append(name)
+        lines += [f"{where}: {', '.join(names)}" for where, names in sorted(by_folder.items())]
+    lines += ["", "== Config ==", "Override anything in the config (foo.bar=value)", "", OmegaConf.to_yaml(cfg)]
+    print("\n".join(lines), end="")
+
+
 def _train_main(rest: list[str]) -> None:
+    if any(a in ("-h", "--help") for a in rest):
+        return _train_help(rest)
     if not any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith("--cfg") or a == "-c"
                for a in rest):
         with _one_line_errors(_is_debug(rest)):
             preflight(rest)
-    if not distributed.is_main():  # rank 0 alone writes the run folder: Hydra's .hydra/ and log file included
-        rest = rest + ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+            if distributed.is_main():
+                key = "hydra.sweep.dir" if any(a in ("-m", "--multirun") for a in rest) else "hydra.run.dir"
+                given = _given(rest, key)
+                _check_output(key, "outputs" if given is None else given)
+    if not distributed.is_main():  # rank 0 alone speaks for Hydra (and writes the run folder)
+        rest = rest + ["hydra/hydra_logging=none"]
     sys.argv = [f"{Path(sys.argv[0]).name} train"] + rest
     _train()
     if _failed:
         raise _error(f"{len(_failed)} run(s) did not finish ok: {', '.join(_failed)}")
+
+
+def _given(overrides: list[str], key: str) -> str | None:
+    """The last value of `key=...` among the overrides, if any."""
+    values = [o.split("=", 1)[1] for o in overrides if o.startswith(key + "=")]
+    return values[-1] if values else None
+
+
+def _check_output(key: str, name: str) -> None:
+    """Before anything is made: the folder `name` (its part before any ${...}) can be made, that is, its nearest
+    existing ancestor is a folder this process can create folders in. Raises ConfigError naming the key."""
+    if not name.strip():
+        raise ConfigError(key, "is empty, which would write into the current folder; name a folder "
+                          f"({key}=outputs/my-run) or leave it out for a new dated one")
+    base = Path(name.split("${")[0] or ".").expanduser().absolute()
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise ConfigError(key, f"{name}: {base} is a file, not a folder")
+    try:
+        tempfile.TemporaryDirectory(dir=base, prefix=".dpmem-check-").cleanup()
+    except OSError as e:
+        raise ConfigError(key, f"{name}: cannot make a folder in {base} ({e.strerror or type(e).__name__}); "
+                          "name a folder you can write") from None
+
+
+def _out_dir(overrides: list[str], alias_key: str, alias: str | None, dated: str) -> Path:
+    """Where memory, spectrum and audit write: hydra.run.dir=..., as for train, else their own *.dir, else a dated
+    folder under outputs/; checked writable, and absolute (as train's run_dir is in its summary)."""
+    given = _given(overrides, "hydra.run.dir")
+    key, name = ("hydra.run.dir", given) if given is not None else (alias_key, alias or datetime.now().strftime(dated))
+    _check_output(key, name)
+    return Path(name).expanduser().absolute()
 
 
 def _is_debug(args: list[str]) -> bool:
@@ -280,7 +338,7 @@ def _one_line_errors(debug: bool):
 
 def _memory(argv: list[str]) -> None:
     """`dpmem memory`: plan every point of the sweep (comma lists, with or without -m) into one folder."""
-    from dpmem.engine.planner import largest_batch, parse_bytes, plan
+    from dpmem.engine.planner import SEARCH_LIMIT, largest_batch, parse_bytes, plan
     from dpmem.report import memory as report
 
     overrides = _sweep_overrides(argv)
@@ -291,7 +349,7 @@ def _memory(argv: list[str]) -> None:
         cfgs = compose_points(points)
         labels = _labels(points, cfgs, skip="train.batch_size=")
         mem = cfgs[0].memory
-        out = Path(mem.dir or datetime.now().strftime("outputs/memory/%Y-%m-%d/%H-%M-%S"))
+        out = _out_dir(overrides, "memory.dir", mem.dir, "outputs/memory/%Y-%m-%d/%H-%M-%S")
         rows, found = [], None
         if mem.budget is None:
             for label, cfg in zip(labels, cfgs):
@@ -303,10 +361,12 @@ def _memory(argv: list[str]) -> None:
             for label in dict.fromkeys(labels):  # batch sizes are searched, not taken from the overrides
                 cfg = cfgs[labels.index(label)]
                 batch, at = largest_batch(cfg, budget)
-                found.append({"label": label, "largest_batch": batch, "plan": {"label": label, **at}})
-                print(f"dpmem memory: {label}: largest batch {batch}", file=sys.stderr)
+                capped = batch >= SEARCH_LIMIT
+                found.append({"label": label, "largest_batch": batch, "capped": capped, "plan": {"label": label, **at}})
+                print(f"dpmem memory: {label}: largest batch {batch}" + (
+                    " (where the search stops: larger batches fit too)" if capped else ""), file=sys.stderr)
     print(report.write(out, rows, mem.budget, found), end="")
-    print(f"dpmem memory: wrote {out}/memory.json", file=sys.stderr)
+    print(f"dpmem memory: wrote {', '.join(sorted(f.name for f in out.iterdir()))} to {out}", file=sys.stderr)
 
 
 def _labels(points: list[tuple[str, ...]], cfgs, skip: str | None = None) -> list[str]:
@@ -329,7 +389,7 @@ def _audit(argv: list[str]) -> None:
         points = sweep_points(overrides)
         cfgs = compose_points(points)
         labels = _labels(points, cfgs)
-        out = Path(cfgs[0].audit.dir or datetime.now().strftime("outputs/audit/%Y-%m-%d/%H-%M-%S"))
+        out = _out_dir(overrides, "audit.dir", cfgs[0].audit.dir, "outputs/audit/%Y-%m-%d/%H-%M-%S")
         for label, cfg in zip(labels, cfgs):
             folder = out if len(cfgs) == 1 else out / file_name(label)
             folder.mkdir(parents=True, exist_ok=True)
@@ -361,7 +421,7 @@ def _spectrum(argv: list[str]) -> None:
                               "it compares are lists: spectrum.clip=[null,1.0] spectrum.sigma=[0,0.5,2.0]")
         (cfg,) = compose_points(points)
         mode = cfg.spectrum.mode.value
-        out = Path(cfg.spectrum.dir or datetime.now().strftime(f"outputs/spectrum/%Y-%m-%d/%H-%M-%S_{mode}"))
+        out = _out_dir(overrides, "spectrum.dir", cfg.spectrum.dir, f"outputs/spectrum/%Y-%m-%d/%H-%M-%S_{mode}")
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         _, text = run_spectrum(cfg, out)

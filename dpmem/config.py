@@ -132,6 +132,14 @@ class ModelConfig:
 
 
 @dataclass
+class Columns:
+    """data=csv|jsonl: the column of the file that holds each field (data.columns.text=review)."""
+    text: str = "text"
+    text_pair: Optional[str] = None  # the second text of a pair task
+    label: str = "label"
+
+
+@dataclass
 class DataConfig:
     name: str = MISSING
     path: Optional[str] = None  # local file (or folder) read instead of the hub / torchvision download
@@ -148,7 +156,7 @@ class DataConfig:
     max_new_tokens: int = 50  # generation tasks: greedy decoding length
     template: Optional[str] = None  # prompt with {field} and {mask}; None = the task's template for the model's head
     label_words: Optional[list[str]] = None  # one per class; None = the task's
-    columns: dict[str, str] = field(default_factory=dict)  # csv/jsonl: task field -> column name in the file
+    columns: Columns = field(default_factory=Columns)  # csv/jsonl
     # data=synthetic: the shape of random inputs (images for image models, token ids for text models)
     image_size: int = 32
     channels: int = 3
@@ -464,6 +472,12 @@ def validate(cfg: Any) -> None:
     for key, value in m.items():  # a NaN or infinite option trains garbage that looks fine: none is allowed
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"method.{key}", f"{value} must be a finite number")
+    arch = cfg.model.arch
+    hidden, heads = arch.get("hidden_size"), arch.get("num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads:
+        # older transformers' Llama took hidden // heads dimensions per head and dropped the rest
+        raise ConfigError("model.arch.num_attention_heads", f"{heads} heads do not divide hidden_size={hidden}; "
+                          f"allowed: a divisor of {hidden}")
     if t.checkpoint_every < 0:
         raise ConfigError("train.checkpoint_every", f"{t.checkpoint_every} must be >= 0 (0 = no checkpoints)")
     if t.eval_every < 0:

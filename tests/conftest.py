@@ -27,9 +27,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# Hydra's own logging set-up, left out in-process: its logging.config.dictConfig closes every handler it finds,
-# and absl's (dp-accounting's) closes the stream it was made with, which under pytest is pytest's capture file
-NO_HYDRA_LOGGING = ["hydra/job_logging=none", "hydra/hydra_logging=none"]
+# Hydra's own logging set-up (dpmem's config already leaves out the job's), left out in-process: its
+# logging.config.dictConfig closes every handler it finds, and absl's (dp-accounting's) closes the stream it was
+# made with, which under pytest is pytest's capture file
+NO_HYDRA_LOGGING = ["hydra/hydra_logging=none"]
 
 
 @dataclass

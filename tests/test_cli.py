@@ -4,6 +4,7 @@ Most tests call dpmem.cli.main in this process (the `cli` fixture of conftest.py
 the console entry point itself runs as a real subprocess where a process is what is tested: its exit status
 and stderr for bad input, and Ctrl-C."""
 
+import csv
 import json
 import os
 import subprocess
@@ -46,6 +47,9 @@ def dpmem(*args, cwd):
     ("method=dp-adam method.rank=8", "method.rank", "dp-adam has no option 'rank'; allowed: betas, check_coverage"),
     ("method=dp-adam method.estimator=hutchpp", "method.estimator", "dp-adam has no option"),
     ("method=dp-sgd-rc method.clipping=ghost", "method.clipping", "estimator, k"),
+    # a rank no layer exceeds would run grape as dp-adam; a head count that does not divide the width
+    ("method=grape method.rank=1000", "method.rank", "nothing would be projected; allowed: 1..63"),
+    ("model=llama-tiny data=synthetic model.arch.hidden_size=30", "model.arch.num_attention_heads", "divisor of 30"),
 ])
 def test_bad_input_is_one_clear_line(cli, override, key, allowed):
     r = cli("train", *TINY, *override.split())  # the override last: it wins over TINY's
@@ -152,7 +156,30 @@ def test_multirun_makes_one_run_folder_per_point(cli, tmp_path):
     assert seen == {("adam", None), ("dp-adam", 2), ("dp-adam", None)}
     dp_none = [s for s in summaries if s["method"] == "dp-adam" and s["epsilon_target"] is None][0]
     assert dp_none["sigma"] == 0.0 and dp_none["epsilon_spent"] == "inf"  # clipping only: not private
-    assert [s["epsilon_spent"] for s in summaries if s["method"] == "adam"] == ["inf", "inf"]
+    adam = [s for s in summaries if s["method"] == "adam"]
+    assert [s["epsilon_spent"] for s in adam] == ["inf", "inf"]
+    # a budget on a non-private method: said, recorded, and the two adam runs are one sample in the report
+    assert [s["privacy_ignored"] for s in adam] == ["privacy.epsilon=2 has no effect: adam is not private", None]
+    assert r.stderr.count("privacy.epsilon=2 has no effect") == 1
+    assert adam[0]["metric_final"] == adam[1]["metric_final"]  # they trained the same thing
+    r = cli("report", "sweep")
+    assert r.returncode == 0, r.stderr
+    with open(tmp_path / "sweep" / "report" / "report.csv") as f:
+        n = {(row["method"], row["epsilon"]): int(row["n"]) for row in csv.DictReader(f)}
+    assert n == {("adam", "non-private"): 1, ("dp-adam", "2"): 1, ("dp-adam", "non-private"): 1}
+    assert "counted once" in r.stdout
+
+
+def test_train_help_lists_the_groups_a_user_picks_from_and_the_composed_config(cli, tmp_path):
+    from dpmem.cli import CONF_DIR
+    r = cli("train", "method=dp-adam", "--help")
+    assert r.returncode == 0, r.stderr
+    groups = dict(line.split(": ", 1) for line in r.stdout.split("== Config ==")[0].splitlines() if ": " in line)
+    yamls = {p.relative_to(CONF_DIR).with_suffix("") for p in Path(CONF_DIR).rglob("*.yaml") if p.parent.name != "conf"
+             and not p.relative_to(CONF_DIR).parts[0] == "hydra"}
+    listed = {Path(group) / option for group, options in groups.items() for option in options.split(", ")}
+    assert listed == yamls  # every option file, and nothing else (not the schemas registered for validation)
+    assert "clipping: bk" in r.stdout.split("== Config ==")[1] and not list(tmp_path.iterdir())
 
 
 def test_a_bad_point_in_a_sweep_is_caught_before_launch(cli, tmp_path):
@@ -161,9 +188,9 @@ def test_a_bad_point_in_a_sweep_is_caught_before_launch(cli, tmp_path):
     assert not (tmp_path / "sweep").exists()
 
 
-@pytest.mark.parametrize("sig,code,status", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "failed")])
-def test_a_signal_leaves_a_readable_summary(tmp_path, sig, code, status):
-    """Ctrl-C interrupts; SIGTERM (scancel, torchrun stopping the ranks) fails the run and stops a sweep."""
+@pytest.mark.parametrize("sig,code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_leaves_a_readable_summary(tmp_path, sig, code):
+    """Ctrl-C and SIGTERM (scancel, torchrun stopping the ranks) interrupt the run and stop a sweep."""
     import signal
     import time
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
@@ -182,9 +209,10 @@ def test_a_signal_leaves_a_readable_summary(tmp_path, sig, code, status):
         proc.kill()  # no orphan left training if the signal was lost
     assert proc.returncode == code, err
     summary = json.loads((metrics.parent / "summary.json").read_text())
-    assert summary["status"] == status and summary["steps_done"] >= 2
+    assert summary["status"] == "interrupted" and summary["steps_done"] >= 2
+    assert summary["error"] == (None if sig == "SIGINT" else "SIGTERM")
     assert 0 < summary["epsilon_spent"] < 8  # what the steps done actually spent
-    assert status in out
+    assert "interrupted" in out
     assert not (tmp_path / "sweep" / "1").exists()  # the sweep stopped
 
 
@@ -229,10 +257,29 @@ def test_a_bad_npz_is_one_line_naming_the_file(cli, tmp_path, case):
     assert "data.path" in lines[0] and "bad.npz" in lines[0] and NPZ_CASES[case] in lines[0], lines[0]
 
 
+@pytest.mark.parametrize("args,key", [
+    (["train", "hydra.run.dir=afile/run"], "hydra.run.dir"),
+    (["train", "-m", "train.seed=0,1", "hydra.sweep.dir=afile/sweep"], "hydra.sweep.dir"),
+    (["memory", "hydra.run.dir=afile/plan"], "hydra.run.dir"),
+    (["memory", "memory.dir=afile/plan"], "memory.dir"),
+    (["audit", "hydra.run.dir=afile/audit"], "hydra.run.dir"),
+    (["spectrum", "mode=layer", "spectrum.dir=afile/s"], "spectrum.dir"),
+])
+def test_an_output_folder_that_cannot_be_made_is_one_line_before_anything_runs(cli, tmp_path, args, key):
+    (tmp_path / "afile").write_text("a file where a folder would go")  # root may write anywhere: a file cannot hold
+    r = cli(*args, *TINY[:1])
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"dpmem: error: {key}: afile/") and "is a file, not a folder" in lines[0], lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing made, nothing trained
+
+
 TEXT_CASES = {"empty": (b"", "not a readable"), "header-only": (b"text,label\n", "has no rows"),
               "malformed": (b'text,label\n"an open quote,1\nb,0\n', "not a readable"),
               "latin-1": ("text,label\ncaf\u00e9,1\n".encode("latin-1"), "not a readable"),
-              "blank-label": (b"text,label\ngood,1\nbad,\n", "empty cells")}
+              "blank-label": (b"text,label\ngood,1\nbad,\n", "empty cells"),
+              "huge-label": (b"text,label\ngood,1000000\nbad,0\nfine,1\n", "run from 0 to 1000000"),
+              "negative-label": (b"text,label\ngood,-1\nbad,0\nfine,1\n", "run from -1 to 1")}
 
 
 @pytest.mark.parametrize("kind", ["csv", "jsonl"])
@@ -245,6 +292,9 @@ def test_a_bad_text_file_is_one_line_naming_the_file(cli, tmp_path, kind, case):
         content = b'{"text": "good", "label": 1}\n{"text": "bad", "label": null}\n'
     if kind == "jsonl" and case == "malformed":
         content = b'{"text": "good", "label": 1}\n{"text": "bad", \n'
+    if kind == "jsonl" and case.endswith("-label") and case != "blank-label":  # the same rows as JSON lines
+        content = "".join(json.dumps({"text": t, "label": int(y)}) + "\n"
+                          for t, y in (line.split(",") for line in content.decode().splitlines()[1:])).encode()
     if kind == "jsonl" and case == "latin-1":
         content = '{"text": "caf\u00e9", "label": 1}\n'.encode("latin-1")
     (tmp_path / f"bad.{kind}").write_bytes(content)

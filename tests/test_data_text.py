@@ -206,7 +206,7 @@ def test_csv_and_jsonl_map_columns_and_number_string_labels(tmp_path, fx):
     pd.DataFrame(rows).to_csv(tmp_path / "r.csv", index=False)
     for kind in ("csv", "jsonl"):
         cfg = config("model=roberta-tiny", f"data={kind}", f"data.path={tmp_path / ('r.' + kind)}",
-                     f"model.tokenizer={tok['roberta']}", "+data.columns.text=review", "+data.columns.label=stars")
+                     f"model.tokenizer={tok['roberta']}", "data.columns.text=review", "data.columns.label=stars")
         d = build_data(cfg.data, cfg.model)
         assert d.n_train == 8 and len(d.test["labels"]) == 2 and d.num_classes == 2
     cfg = config("model=roberta-tiny", "data=csv", f"data.path={tmp_path / 'r.csv'}",

@@ -167,3 +167,20 @@ def test_a_private_run_on_cifar10(roots, tmp_path):
                  "train.batch_size=4")
     summary = run_training(cfg, tmp_path / "run")
     assert summary["status"] == "ok" and summary["n_train"] == 10 and summary["metric_final"] is not None
+
+
+@pytest.mark.parametrize("shape", [(12, 3, 8, 8), (12, 1, 8, 8), (12, 8, 8)])
+def test_npz_images_read_the_same_channels_first_channels_last_or_grey(tmp_path, shape):
+    """numpy and PIL keep images as (N, H, W, C): that layout reads as its transpose to torch's (N, C, H, W)."""
+    x = np.random.default_rng(0).integers(0, 256, shape).astype(np.uint8)
+    y = np.arange(12) % 2
+    last = x.transpose(0, 2, 3, 1) if x.ndim == 4 else x
+    bundles = {}
+    for name, arrays in (("first", x), ("last", last)):
+        np.savez(tmp_path / f"{name}.npz", x=arrays, y=y, x_test=arrays[:4], y_test=y[:4])
+        bundles[name] = build_data(config("data=npz", f"data.path={tmp_path / name}.npz").data, None)
+    expected = torch.as_tensor(x if x.ndim == 4 else x[:, None], dtype=torch.float32) / 127.5 - 1
+    for b in bundles.values():
+        torch.testing.assert_close(b.train["pixel_values"], expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(b.test["pixel_values"], expected[:4], rtol=0, atol=1e-6)
+        assert b.input_shape == tuple(expected.shape[1:])

@@ -240,9 +240,10 @@ def test_rank_0_alone_writes_the_run_folder_and_a_rank_that_dies_fails_the_run(t
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3, (steps, out[-3000:])
     s = json.loads(found[0].read_text())
     assert (s["world_size"], s["backend"]) == (2, "gloo"), s
-    # rank 0 learns it from its next collective, or from torchrun's SIGTERM if that comes first
-    assert s["status"] == "failed", (s["status"], s["error"], out[-2000:])
-    assert s["error"].startswith(("PeerFailure: another rank failed", "Terminated: SIGTERM (torchrun")), s["error"]
+    # rank 0 learns it from its next collective (failed), or from torchrun's SIGTERM if that comes first
+    # (interrupted): either is recorded, even when the SIGTERM lands while the failure is being written
+    assert (s["status"], s["error"].split(":")[0].split(" (")[0]) in (("failed", "PeerFailure"),
+                                                                     ("interrupted", "SIGTERM")), (s, out[-2000:])
     assert 3 <= s["steps_done"] < 100000, s
 
 
@@ -331,7 +332,7 @@ def test_the_per_rank_plan_equals_rank_0s_counted_peak(runs):
     assert 0 <= extra <= planned[2]["world_size"] * planned[2]["breakdown"]["parameters"], extra
     assert planned[2]["breakdown"]["optimizer_state"] < 0.6 * planned[1]["breakdown"]["optimizer_state"]
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):  # the methods FSDP runs all plan
-        for method in (["method=adam"], ["method=grape"], ["method=dp-sgd-rc", "privacy=none"]):
+        for method in (["method=adam"], ["method=grape", "method.rank=4"], ["method=dp-sgd-rc", "privacy=none"]):
             cfg = compose("config", overrides=COMMON + method + ["memory.world_size=2"])
             assert plan(cfg)["peak_bytes"] > 0
 

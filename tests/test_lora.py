@@ -169,7 +169,7 @@ def test_bad_lora_options_name_the_key(model, override, key):
 
 @pytest.mark.parametrize("method", ["dp-adam", "grape", "dp-sgd-rc", "dpzero"])
 def test_training_moves_only_the_adapters_and_the_head(method):
-    probes = ["method.k=4"] if method == "dp-sgd-rc" else []
+    probes = {"dp-sgd-rc": ["method.k=4"], "grape": ["method.rank=2"]}.get(method, [])  # grape: below LoRA's r=4
     cfg = config("model=roberta-tiny", f"method={method}", "method.max_grad_norm=1.0", *probes)
     torch.manual_seed(0)
     data = build_data(cfg.data, cfg.model)
@@ -191,17 +191,20 @@ def test_training_moves_only_the_adapters_and_the_head(method):
 @pytest.mark.parametrize("method", ["grape", "galore"])
 def test_adapters_are_projected_only_below_their_rank(method):
     """A LoRA matrix, r×in or out×r, projected to rank >= r would be no smaller (and GaLore's SVD has only r
-    directions to give): it is left whole, and projected along its r side when method.rank < r."""
-    for rank, want in ((4, {None}), (2, {0, 1})):
-        cfg = config("model=roberta-tiny", f"method={method}", f"method.rank={rank}")
-        data = build_data(cfg.data, cfg.model)
-        model = build_model(cfg.model, data).train()
-        noise = Noise(1.0, 1.0, 4.0, torch.Generator().manual_seed(0)) if method_class(method).private else None
-        step = build_method(cfg.method, model, 1e-2, noise)
-        sides = {n: step.sides.get(p) for n, p in model.named_parameters() if ".lora_" in n}
-        assert set(sides.values()) == want
-        assert all(side is None or side == (0 if ".lora_A." in n else 1) for n, side in sides.items())
-        step.step([{k: v[:4] for k, v in data.train.items()}], data.per_sample_loss)
+    directions to give): it is projected along its r side when method.rank < r. With rank >= r nothing that
+    trains could be projected (the head stays whole), and the method is refused rather than run unprojected."""
+    cfg = config("model=roberta-tiny", f"method={method}", "method.rank=4")
+    data = build_data(cfg.data, cfg.model)
+    noise = Noise(1.0, 1.0, 4.0, torch.Generator().manual_seed(0)) if method_class(method).private else None
+    with pytest.raises(ConfigError, match=r"method.rank: 4 is at least .* \(at most 4\).*allowed: 1..3"):
+        build_method(cfg.method, build_model(cfg.model, data).train(), 1e-2, noise)
+    cfg = config("model=roberta-tiny", f"method={method}", "method.rank=2")
+    model = build_model(cfg.model, data).train()
+    step = build_method(cfg.method, model, 1e-2, noise)
+    sides = {n: step.sides.get(p) for n, p in model.named_parameters() if ".lora_" in n}
+    assert set(sides.values()) == {0, 1}
+    assert all(side == (0 if ".lora_A." in n else 1) for n, side in sides.items())
+    step.step([{k: v[:4] for k, v in data.train.items()}], data.per_sample_loss)
 
 
 def test_memory_planning_builds_the_adapters_on_meta():

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from dpmem.cli import CONF_DIR
 from dpmem.config import ConfigError
 from dpmem.data import build_data
-from dpmem.engine.planner import UnknownValues, largest_batch, parse_bytes, plan
+from dpmem.engine.planner import SEARCH_LIMIT, UnknownValues, largest_batch, parse_bytes, plan
 from dpmem.engine.trainer import run_training
 from dpmem.metering import CATEGORIES, LiveTensorCounter
 from dpmem.models import build_model
@@ -152,9 +152,10 @@ def test_bad_budgets_are_refused(text):
 
 
 def test_dpmem_memory_sweep_writes_table_json_and_figures(tmp_path, cli):
-    r = cli("memory", "-m", "method=adam,dp-adam", "train.batch_size=2,4", f"memory.dir={tmp_path}/out",
-              *SMALL_PLAN)
-    assert r.returncode == 0, r.stderr
+    r = cli("memory", "-m", "method=adam,dp-adam", "train.batch_size=2,4", "hydra.run.dir=out", *SMALL_PLAN)
+    assert r.returncode == 0, r.stderr  # hydra.run.dir names the folder, as for dpmem train (memory.dir too)
+    assert r.stderr.splitlines()[-1] == ("dpmem memory: wrote memory.json, memory.md, memory_method=adam.png, "
+                                         f"memory_method=dp-adam.png, memory_vs_batch.png to {tmp_path / 'out'}")
     record = json.loads((tmp_path / "out" / "memory.json").read_text())
     plans = record["plans"]
     assert [(p["label"], p["batch_size"]) for p in plans] == [
@@ -172,7 +173,12 @@ def test_dpmem_memory_budget_reports_the_largest_batch(tmp_path, cli):
     assert set(found) == {"method=adam", "method=grape"}
     for f in found.values():
         assert f["largest_batch"] >= 1 and f["plan"]["reserved_estimate_bytes"] <= 2**20
-        assert f["plan"]["batch_size"] == f["largest_batch"]
+        assert f["plan"]["batch_size"] == f["largest_batch"] and not f["capped"]
+    # a budget beyond what the search tries is said to be its limit, not passed off as the answer
+    r = cli("memory", "method=adam", "memory.budget=1TB", f"memory.dir={tmp_path}", *SMALL_PLAN)
+    (f,) = json.loads((tmp_path / "memory.json").read_text())["largest_batch"]
+    assert f["largest_batch"] == SEARCH_LIMIT and f["capped"] and f["plan"]["reserved_estimate_bytes"] < 2**40
+    assert "larger batches fit too" in r.stderr and f"≥ {SEARCH_LIMIT} (the search's limit)" in r.stdout
 
 
 @pytest.mark.parametrize("override,key", [("memory.budget=lots", "memory.budget"),

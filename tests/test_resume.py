@@ -133,6 +133,23 @@ def test_an_empty_run_folder_is_refused(cli, tmp_path):
     assert r.returncode == 2 and "hydra.run.dir" in r.stderr and not (tmp_path / "summary.json").exists(), r.stderr
 
 
+def test_a_refused_folder_keeps_hydras_records_and_a_late_config_error_leaves_no_folder(cli, tmp_path):
+    """Hydra makes the run folder before dpmem can look into it: its .hydra/ is written only once the folder is
+    claimed and the run prepared, so a refusal touches nothing, and an error found then leaves no empty folder."""
+    tiny = ["method=adam", "privacy=none", "train.steps=2", "train.batch_size=32", "logging.progress=false"]
+    assert cli("train", *tiny, "hydra.run.dir=run").returncode == 0
+    every = {f.relative_to(tmp_path): f.read_bytes() for f in (tmp_path / "run").rglob("*") if f.is_file()}
+    assert {str(f) for f in every} == {"run/.hydra/config.yaml", "run/.hydra/hydra.yaml", "run/.hydra/overrides.yaml",
+                                       "run/config.yaml", "run/metrics.jsonl", "run/summary.json"}  # no empty log
+    assert "train.steps=2" in (tmp_path / "run" / ".hydra" / "overrides.yaml").read_text()
+    r = cli("train", *tiny, "train.lr=0.5", "hydra.run.dir=run")
+    assert r.returncode == 2 and "train.overwrite=true replaces it" in r.stderr, r.stderr
+    assert {f.relative_to(tmp_path): f.read_bytes() for f in (tmp_path / "run").rglob("*") if f.is_file()} == every
+    r = cli("train", *tiny, "train.batch_size=100000", "hydra.run.dir=new/run")  # found once the data is read
+    assert r.returncode == 2 and "larger than the training set" in r.stderr, r.stderr
+    assert not (tmp_path / "new" / "run").exists()
+
+
 def test_a_relaunched_sweep_skips_runs_that_finished(cli, tmp_path):
     args = ["train", "-m", "method=adam,dp-adam", *PRIVACY, "train.steps=2", "train.batch_size=32",
             "logging.progress=false", "logging.memory_steps=0", "train.skip_done=true",

@@ -1,5 +1,5 @@
-"""Local image arrays: a .npz file with `x` (N, H, W) or (N, C, H, W) in 0..255 and integer labels `y`,
-optionally `x_test`/`y_test` (otherwise a stratified split of `x` is held out)."""
+"""Local image arrays: a .npz file with `x` (N, H, W), (N, C, H, W) or channels-last (N, H, W, C) in 0..255 and
+integer labels `y`, optionally `x_test`/`y_test` (otherwise a stratified split of `x` is held out)."""
 
 from pathlib import Path
 
@@ -36,19 +36,21 @@ def load(cfg):
     if labels.max() + 1 > len(labels):
         raise ConfigError("data.path", f"{cfg.path!r}: labels go up to {labels.max()}, which would make "
                           f"{labels.max() + 1} classes for {len(labels)} examples; number the classes 0..C-1")
+    for xs, _ in pairs:
+        arrays[xs] = _channels_first(arrays[xs])
     test = (arrays["x_test"], arrays["y_test"]) if "x_test" in arrays else (None, None)
     return image_bundle(arrays["x"], arrays["y"], *test, test_fraction=cfg.test_fraction,
                         split_seed=cfg.split_seed, scale=255.0)
 
 
 def _checked(path, xs: str, x: np.ndarray, ys: str, y: np.ndarray) -> np.ndarray:
-    """The labels `y` as integers, once `x` and `y` are known to be images (N, H, W) or (N, C, H, W) of finite
-    numbers and one non-negative integer class per image."""
+    """The labels `y` as integers, once `x` and `y` are known to be images (N, H, W), (N, C, H, W) or (N, H, W, C)
+    of finite numbers and one non-negative integer class per image."""
     def bad(what: str) -> ConfigError:
         return ConfigError("data.path", f"{path!r}: {what}")
     if not np.issubdtype(x.dtype, np.number) or x.ndim not in (3, 4):
-        raise bad(f"{xs} must be numeric images (N, H, W) or (N, C, H, W) in 0..255, not {x.dtype} of shape "
-                  f"{x.shape}")
+        raise bad(f"{xs} must be numeric images (N, H, W), (N, C, H, W) or (N, H, W, C) in 0..255, not {x.dtype} "
+                  f"of shape {x.shape}")
     if len(x) == 0:
         raise bad(f"{xs} holds no images")
     if not np.isfinite(x).all():
@@ -61,3 +63,14 @@ def _checked(path, xs: str, x: np.ndarray, ys: str, y: np.ndarray) -> np.ndarray
     if (y < 0).any():
         raise bad(f"{ys} holds negative labels ({int((y < 0).sum())}); classes are numbered 0..C-1")
     return y.astype(np.int64)
+
+
+CHANNELS = (1, 3, 4)  # grey, RGB, RGBA
+
+
+def _channels_first(x: np.ndarray) -> np.ndarray:
+    """(N, H, W, C) images, numpy's and PIL's usual layout, as (N, C, H, W); where both readings are possible
+    (a second and last dimension of 1, 3 or 4), channels first."""
+    if x.ndim == 4 and x.shape[3] in CHANNELS and x.shape[1] not in CHANNELS:
+        return x.transpose(0, 3, 1, 2)
+    return x

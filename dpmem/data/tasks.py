@@ -156,9 +156,9 @@ def _movie_reviews(cfg) -> list[dict]:
 
 
 def _local_file(cfg) -> list[dict]:
-    """A local csv / jsonl file for classification: `data.columns` maps the fields text (and text_pair) and label
-    to columns (default: the same names). Integer labels are kept; string labels are numbered in sorted order and
-    their names become the default label words."""
+    """A local csv / jsonl file for classification: `data.columns` names the columns of the fields text (and
+    text_pair) and label. Integer labels are the classes 0..C-1; string labels are numbered in sorted order and their
+    names become the default label words."""
     import pandas as pd
     if not cfg.path or not Path(cfg.path).expanduser().is_file():
         raise ConfigError("data.path", f"data={cfg.name} needs data.path=FILE.{cfg.name} (got {cfg.path!r})")
@@ -172,10 +172,7 @@ def _local_file(cfg) -> list[dict]:
                           "per example") from None
     if frame.empty:
         raise ConfigError("data.path", f"{path.name} has no rows")
-    mapping = {"text": "text", "label": "label", **dict(cfg.columns)}
-    unknown = sorted(set(mapping) - {"text", "text_pair", "label"})
-    if unknown:
-        raise ConfigError("data.columns", f"unknown field(s) {unknown}; allowed: text, text_pair, label")
+    mapping = {f: column for f, column in cfg.columns.items() if column is not None}
     missing = sorted(set(mapping.values()) - set(frame.columns))
     if missing:
         raise ConfigError("data.columns", f"{path.name} has no column(s) {missing}; it has {list(frame.columns)}")
@@ -184,7 +181,12 @@ def _local_file(cfg) -> list[dict]:
         raise ConfigError("data.path", f"{path.name} has empty cells in {blank} (column: how many); every example "
                           "needs its text and label")
     rows = [{f: row[column] for f, column in mapping.items()} for row in frame.to_dict("records")]
-    if pd.api.types.is_integer_dtype(frame[mapping["label"]]):
+    labels = frame[mapping["label"]]
+    if pd.api.types.is_integer_dtype(labels):  # classes 0..C-1; a label far out of range would size the head
+        if labels.min() < 0 or labels.max() >= len(rows):
+            raise ConfigError("data.path", f"{path.name}: integer labels run from {labels.min()} to {labels.max()}, "
+                              f"which is not classes 0..C-1 for {len(rows)} examples; number the classes 0..C-1 or "
+                              "give them as names (strings)")
         for r in rows:
             r["label"] = int(r["label"])
     else:

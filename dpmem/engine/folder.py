@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from dpmem import distributed
@@ -127,3 +128,22 @@ def _changed(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             out.append(f"{prefix}{key}: {a} -> {b}")
     return out
+
+
+def write_config(cfg, run_dir: Path) -> None:
+    """The run's configuration, once the folder is claimed and the run prepared: `config.yaml` resolved, and under
+    Hydra its `.hydra/` (config.yaml, hydra.yaml, overrides.yaml, as Hydra writes them)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if HydraConfig.initialized():
+        hc = HydraConfig.get()
+        (run_dir / ".hydra").mkdir(exist_ok=True)
+        (run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        (run_dir / ".hydra" / "hydra.yaml").write_text(OmegaConf.to_yaml({"hydra": hc}))
+        (run_dir / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(list(hc.overrides.task)))
+
+
+def drop_if_empty(run_dir: Path) -> None:
+    """After a configuration error: the folder Hydra made for the run goes again if nothing was written to it."""
+    if distributed.is_main() and run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()

@@ -23,6 +23,12 @@ class PrivacyLedger:
         p, m = cfg.privacy, cfg.method
         self.private = method.private
         self.accounted = self.private and p.epsilon is not None  # privacy=none: a private method clips only
+        # a budget given to a non-private method buys nothing: said once, and kept in the summary, so that a sweep
+        # over privacy=eps2,eps8 with method=adam is seen to have run adam twice
+        self.ignored = (f"privacy.epsilon={p.epsilon:g} has no effect: {m.name} is not private"
+                        if not self.private and p.epsilon is not None else None)
+        if self.ignored and distributed.is_main():
+            print(f"dpmem: warning: {self.ignored}", file=sys.stderr)
         self.sample_rate = cfg.train.batch_size / n
         self.expected_batch_size = self.sample_rate * n
         self.delta = resolve_delta(p.delta, n) if self.accounted else None
@@ -57,6 +63,7 @@ class PrivacyLedger:
         self.leak: str | None = None  # why a private run is not private after all (a subspace from its own data)
         self.fields = {
             "private": self.private, "epsilon_target": p.epsilon if self.accounted else None,
+            "privacy_ignored": self.ignored,
             "epsilon_spent": 0.0 if self.accounted else math.inf, "delta": self.delta,
             "delta_times_n": self.delta * n if self.accounted else None,
             "sigma": self.sigma if self.private else None,

@@ -193,9 +193,12 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     }
 
 
-def largest_batch(cfg, budget: int, limit: int = 1 << 16) -> tuple[int, dict | None]:
-    """The largest batch, in one physical batch, whose reserved estimate fits `budget` bytes, and its plan;
-    (0, plan at 1) if not even one example fits. Doubling, then bisection: memory grows with the batch."""
+SEARCH_LIMIT = 1 << 16  # largest_batch looks no further: a budget that holds this many is said to be capped
+
+
+def largest_batch(cfg, budget: int, limit: int = SEARCH_LIMIT) -> tuple[int, dict | None]:
+    """The largest batch up to `limit`, in one physical batch, whose reserved estimate fits `budget` bytes, and its
+    plan; (0, plan at 1) if not even one example fits. Doubling, then bisection: memory grows with the batch."""
     fits = {}
 
     def ok(b):

@@ -13,13 +13,12 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from dpmem import distributed, precision, sharding
 from dpmem.config import ConfigError, enum_value
 from dpmem.data import DataBundle, build_data
-from dpmem.engine.folder import claim, fingerprint
+from dpmem.engine.folder import claim, fingerprint, write_config
 from dpmem.engine.summary import append_metrics, json_ready, summary_table, versions, write_summary
 from dpmem.engine.tracking import NoTracker, open_tracker
 from dpmem.engine.ledger import PrivacyLedger
@@ -79,7 +78,8 @@ class NonFiniteLoss(RuntimeError):
 
 
 class Terminated(BaseException):
-    """The process was sent SIGTERM. Not an Exception, so that a sweep stops instead of going on to its next run."""
+    """The process was sent SIGTERM: the run is interrupted. Not an Exception, so that a sweep stops instead of
+    going on to its next run."""
 
 
 class Run:
@@ -93,7 +93,7 @@ class Run:
         self.checkpoint = checkpoint  # the state to resume from (dpmem.engine.folder.claim checked it)
         self.data_hook = data_hook  # changes the data set before anything is sized from it (dpmem audit's canaries)
         self.summary: dict = {}
-        self.exception: Exception | None = None  # a training failure, re-raised by run_training
+        self.exception: BaseException | None = None  # a training failure or a signal, re-raised by run_training
         self._eps_steps = 0  # the step count epsilon_spent was last computed for
         self.main = distributed.is_main()
         self.root: sharding.Root | None = None  # under FSDP, what the model's functions are called through
@@ -158,8 +158,6 @@ class Run:
         if subspace is not None:
             self.summary["subspace"] = {"path": m.subspace.path, "k": subspace.k, "where": subspace.where,
                                         "private": ok, "why": why}
-        if self.checkpoint is None:  # a resumed run's folder keeps the earlier summary until it is resumed
-            self._write_summary()
 
     def _check_fsdp(self, method) -> None:
         sharding.check_method(method, self.cfg.method)
@@ -174,6 +172,8 @@ class Run:
     # -- the loop -----------------------------------------------------------------------------------------
     def execute(self) -> dict:
         start = time.perf_counter()
+        if self.checkpoint is None:  # a resumed run's folder keeps the earlier summary until it is resumed
+            self._write_summary()
         restore = self._catch_signals()
         self.tracker = open_tracker(self.cfg, self.run_dir) if self.main else NoTracker()
         try:
@@ -183,11 +183,12 @@ class Run:
             if self.main:  # a finished run resumes nothing
                 (self.run_dir / "checkpoint.pt").unlink(missing_ok=True)
         except (Exception, KeyboardInterrupt, Terminated) as e:  # the summary records it; the caller decides the exit
-            # code. A SIGTERM from here on (torchrun stopping this rank after a collective already failed) must not
-            # cut the summary short
+            # code. A signal from here on (torchrun's SIGTERM after a collective already failed) must not cut the
+            # summary short
             self._ending = True
-            if isinstance(e, KeyboardInterrupt):
-                self.summary["status"] = "interrupted"
+            if isinstance(e, (KeyboardInterrupt, Terminated)):
+                self.summary.update(status="interrupted", error=None if isinstance(e, KeyboardInterrupt) else str(e))
+                self.exception = e
             elif isinstance(e, torch.OutOfMemoryError):
                 self.summary.update(status="oom", error=str(e).splitlines()[0])
             else:
@@ -195,7 +196,6 @@ class Run:
                 self.exception = e
         finally:
             self._ending = True
-            restore()
             self.method.close()
             self.summary["wall_time_s"] = time.perf_counter() - start
             done = self.summary["steps_done"]
@@ -203,6 +203,7 @@ class Run:
                 self.summary["epsilon_spent"] = self.ledger.epsilon(done)
             self._write_summary()
             self.tracker.finish(json_ready(self.summary))
+            restore()  # only now: a SIGTERM with the default handler back would end the process unrecorded
         return self.summary
 
     def _record(self, record: dict) -> None:
@@ -211,25 +212,25 @@ class Run:
             self.tracker.log(json_ready(record))
 
     def _catch_signals(self):
-        """Ctrl-C raises KeyboardInterrupt and is remembered: one that lands in a weakref callback (the live-tensor
-        counter's, on every free) is printed and dropped by Python, so the loop re-raises it at the next step.
-        SIGTERM (torchrun stopping the other ranks after one failed, SLURM's scancel) raises Terminated, so the
-        summary says failed instead of staying at running."""
-        self._ctrl_c = self._ending = False
+        """Ctrl-C raises KeyboardInterrupt, SIGTERM (SLURM's scancel, torchrun stopping the other ranks after one
+        failed) raises Terminated: the summary says interrupted instead of staying at running. Each is remembered:
+        one that lands in a weakref callback (the live-tensor counter's, on every free) is printed and dropped by
+        Python, so the loop raises it again at the next step."""
+        self._signalled: BaseException | None = None
+        self._ending = False
         if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
             return lambda: None
 
-        def on_ctrl_c(signum, frame):
-            self._ctrl_c = True
-            raise KeyboardInterrupt
-
-        def on_term(signum, frame):
+        def on_signal(signum, frame):
             if self._ending:
                 return
-            raise Terminated("SIGTERM" + (" (torchrun stops every rank when one fails)"
-                                          if distributed.world_size() > 1 else ""))
-        previous = {sig: signal.signal(sig, handler) for sig, handler in
-                    ((signal.SIGINT, on_ctrl_c), (signal.SIGTERM, on_term))}
+            if signum == signal.SIGINT:
+                self._signalled = KeyboardInterrupt()
+            else:
+                self._signalled = Terminated("SIGTERM" + (" (torchrun stops every rank when one fails)"
+                                                          if distributed.world_size() > 1 else ""))
+            raise self._signalled
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
         def restore():
             for sig, handler in previous.items():
@@ -250,8 +251,8 @@ class Run:
             for step, index in enumerate(self.batches()):
                 if step < done:  # drawn again and skipped, so the sampler is where the lost run had it
                     continue
-                if self._ctrl_c:
-                    raise KeyboardInterrupt
+                if self._signalled is not None:
+                    raise self._signalled
                 meter.step_begins(step, self.model, self.method)
                 lr, loss = self.train_step(step, self.microbatches(distributed.shard(index)))
                 meter.step_ends(step)
@@ -283,8 +284,8 @@ class Run:
                 if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and not last:
                     self._checkpoint(step + 1)
                 bar.update(1)
-            if self._ctrl_c:
-                raise KeyboardInterrupt
+            if self._signalled is not None:
+                raise self._signalled
             if self.evaluates:
                 final = self._evaluate()
                 s["metric_final"] = final
@@ -399,20 +400,17 @@ RESUMED = ("steps_done", "samples_seen", "metric_best", "peak_memory_bytes", "pe
 
 
 def run_training(cfg, run_dir: Path) -> dict:
-    """Claim the folder and prepare (ConfigErrors escape, before anything is written), train, summarise. Writes the
-    resolved config next to the records."""
+    """Claim the folder and prepare (ConfigErrors escape before anything is written), write the config, train,
+    summarise."""
     run_dir = Path(run_dir)
     checkpoint = claim(cfg, run_dir)
-    if distributed.is_main():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     run = Run(cfg, run_dir, checkpoint=checkpoint)
     run.prepare()
+    if distributed.is_main():
+        write_config(cfg, run_dir)
     summary = run.execute()
     if distributed.is_main():
         print(summary_table(summary))
     if run.exception is not None:
         raise run.exception
-    if summary["status"] == "interrupted":
-        raise KeyboardInterrupt
     return summary

@@ -57,6 +57,12 @@ def choose_projected(model: nn.Module, patterns, rank: int, embeddings: bool = F
         for n, p in all_weights.items():
             if n in embedding_weights or id(p) in tied_heads:
                 sides[p] = 1
+    if not sides:  # the method would run as its unprojected twin under its own name
+        widest = max((min(p.shape) for n, p in all_weights.items() if n not in embedding_weights
+                      and not any(fnmatch.fnmatch(n, pat) for pat in HEAD_PATTERNS)), default=0)
+        raise ConfigError("method.rank", f"{rank} is at least the smaller side of every projectable layer (at most "
+                          f"{widest}): nothing would be projected; allowed: 1..{widest - 1}" if widest > 1 else
+                          "the model has no layer to project (Linear, Conv1D)")
     return sides
 
 

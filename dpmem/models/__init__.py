@@ -24,7 +24,7 @@ def _vit(cfg, data: DataBundle, weights: bool) -> nn.Module:
         raise ConfigError("model", "a ViT needs an image data set; this one gives token ids")
     channels, height, width = data.input_shape
     if height != width:
-        raise ConfigError("data", f"ViT needs square images, got {height}x{width}")
+        raise ConfigError("data", f"ViT needs square images; these are (C, H, W) = {tuple(data.input_shape)}")
     _heads(cfg, "classifier")
     if cfg.pretrained and weights:
         return _from_pretrained(ViTForImageClassification, cfg.pretrained, num_labels=data.num_classes,

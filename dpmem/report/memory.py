@@ -37,7 +37,8 @@ def budget_table(budget: str, found: list[dict]) -> str:
         plan = f["plan"]
         reserved = _size(plan["reserved_estimate_bytes"]) if f["largest_batch"] else "does not fit at B = 1: " + \
             _size(plan["reserved_estimate_bytes"])
-        lines.append(f"| {f['label']} | {f['largest_batch']} | {reserved} |")
+        largest = f"≥ {f['largest_batch']} (the search's limit)" if f.get("capped") else str(f["largest_batch"])
+        lines.append(f"| {f['label']} | {largest} | {reserved} |")
     return "\n".join(lines)
 
 
@@ -71,6 +72,7 @@ def _figures(out: Path, rows: list[dict]) -> None:
     for label, rs in sweeps.items():
         ax.plot([r["batch_size"] for r in rs], [r["reserved_estimate_bytes"] / GIB for r in rs], "o-", label=label)
     ax.set(xlabel="batch size", ylabel="reserved estimate (GiB)", xscale="log", title="Planned peak memory")
+    _batch_ticks(ax, sorted({r["batch_size"] for rs in sweeps.values() for r in rs}))
     ax.legend()
     save_figure(fig, out, "memory_vs_batch", formats=("png",))
     for label, rs in sweeps.items():
@@ -78,5 +80,13 @@ def _figures(out: Path, rows: list[dict]) -> None:
         x = [r["batch_size"] for r in rs]
         ax.stackplot(x, *[[r["breakdown"][c] / GIB for r in rs] for c in CATEGORIES], labels=CATEGORIES)
         ax.set(xlabel="batch size", ylabel="GiB at the peak", title=label)
+        _batch_ticks(ax, x)
         ax.legend(loc="upper left", fontsize=8)
         save_figure(fig, out, f"memory_{file_name(label)}", formats=("png",))
+
+
+def _batch_ticks(ax, batches: list[int]) -> None:
+    """Ticks at the batch sizes planned, written out (a log axis alone shows 10⁰, 10¹, ...)."""
+    from matplotlib.ticker import NullLocator
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.xaxis.set_minor_locator(NullLocator())

@@ -4,9 +4,9 @@ Rows are method × ε (and, within a method, the settings that differ between it
 method.subspace.k), columns are tasks (data sets); a cell is the final metric's mean ± standard error over seeds,
 in percent (accuracy, F1, EM, ROUGE-1 are fractions in the summaries). A cell whose runs ran out of memory says OOM;
 the best private result of each column is marked (bold in markdown, \\textbf in LaTeX). Runs that did not finish
-ok (failed, interrupted, still running or dead with status running) and run folders with no summary are listed,
-never silently dropped. Written as report.md, report.csv (one line per cell) and report.tex, with the figures of
-`dpmem.report.figures`."""
+ok (failed, interrupted, still running or dead with status running), run folders with no summary and repeats of
+a run (the same configuration and seed) are listed, never silently dropped or counted twice. Written as report.md,
+report.csv (one line per cell) and report.tex, with the figures of `dpmem.report.figures`."""
 
 from __future__ import annotations
 
@@ -55,6 +55,34 @@ def collect(paths: list[Path]) -> tuple[list[dict], list[str]]:
             if c.parent.name != ".hydra" and not (c.parent / "summary.json").exists():
                 missing.append(f"{c.parent}: no summary.json (the run died before it started)")
     return summaries, missing
+
+
+# settings that change where and how a run is recorded, not what it trains
+NOT_TRAINING = ("logging.", "memory.", "spectrum.", "audit.", "debug", "train.device", "train.skip_done",
+                "train.resume", "train.overwrite", "train.checkpoint_every", "train.eval_batch_size")
+
+
+def distinct(summaries: list[dict]) -> tuple[list[dict], list[str]]:
+    """One run per configuration and seed, and a line for each run left out: two runs that train the same thing
+    are one sample, not two seeds. The privacy options of a run without noise (adam under privacy=eps2 and eps8)
+    train nothing different. An ok run is kept before one that is not."""
+    kept: dict[str, dict] = {}
+    repeats = []
+    for s in sorted(summaries, key=lambda s: (s["status"] != OK, s["run_dir"])):
+        config = s.get("config", {})
+        if "train.seed" not in config:  # without its config.yaml, a run cannot be told to be another's repeat
+            kept[s["run_dir"]] = s
+            continue
+        same = {k: v for k, v in config.items() if not k.startswith(NOT_TRAINING)
+                and not (k.startswith("privacy.") and not s.get("sigma"))}
+        key = json.dumps(same, sort_keys=True, default=str)
+        if key in kept:
+            repeats.append(f"{s['run_dir']}: the same configuration and seed as {kept[key]['run_dir']}, counted once"
+                           + (f" ({s['privacy_ignored']})" if s.get("privacy_ignored") else ""))
+        else:
+            kept[key] = s
+    chosen = {id(s) for s in kept.values()}
+    return [s for s in summaries if id(s) in chosen], repeats
 
 
 def _flat(tree, prefix: str = "") -> dict:
@@ -183,6 +211,7 @@ def write(out: Path, summaries: list[dict], missing: list[str], compare: bool = 
     """report.md, report.csv and report.tex in `out` (with `compare`, the papers' numbers in brackets); returns
     the markdown."""
     out.mkdir(parents=True, exist_ok=True)
+    summaries, repeats = distinct(summaries)
     table_cells = cells(summaries)
     columns, rows, texts, best = table(table_cells)
     sources = []
@@ -208,7 +237,7 @@ def write(out: Path, summaries: list[dict], missing: list[str], compare: bool = 
     if compare:
         md += ["", "[In brackets]: the published number for the same method, ε and data set, from: "
                + ("; ".join(sources) if sources else "no matching table") + "."]
-    left = unfinished(summaries, missing)
+    left = unfinished(summaries, missing) + repeats
     if left:
         md += ["", f"Not in the table ({len(left)}):", ""] + [f"- {line}" for line in left]
     with open(out / "report.csv", "w", newline="") as f:

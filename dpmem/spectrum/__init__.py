@@ -28,8 +28,12 @@ def run_spectrum(cfg, out: Path) -> tuple[dict, str]:
             folder = folder / "gradients" if (folder / "gradients").is_dir() else folder
         else:
             run, folder = record(cfg, out)
-            if run.summary["status"] not in ("ok", "interrupted"):
+            if isinstance(run.exception, KeyboardInterrupt):
+                pass  # Ctrl-C ends the recording early: what it recorded is analysed
+            elif run.exception is not None:  # a failure, or SIGTERM
+                raise run.exception
+            elif run.summary["status"] != "ok":
                 raise ConfigError("spectrum", f"the recording run ended {run.summary['status']}: "
-                                  f"{run.summary.get('error')}") if run.exception is None else run.exception
+                                  f"{run.summary.get('error')}")
         result = analyse(folder, cfg.spectrum, out, resolve_device(enum_value(cfg.train.device)))
     return result, report.write(out, result)
