@@ -273,6 +273,9 @@ class PrivacyConfig:
     # (dpmem.methods.rc.rc_dimension)
     rc_dimension: Any = "model"
     noise_seed: Optional[int] = None  # None = seeded from the OS so the noise cannot be replayed
+    # None = a private run's Poisson sampler is seeded from the OS, so which steps held a record stays secret (what
+    # amplification by subsampling assumes); a number makes the batches reproducible, and derivable from the config
+    sampler_seed: Optional[int] = None
 
 
 @dataclass

@@ -4,7 +4,7 @@ no-op, so a single-process run is unchanged.
 
 What the ranks share and what they split:
 - Every rank composes the same config, builds the same model from the same seed and draws the same logical batch
-  (the sampler's generator has the run seed); rank r trains on positions r, r+N, r+2N, ... of it. The batch is
+  (the sampler's seed is rank 0's); rank r trains on positions r, r+N, r+2N, ... of it. The batch is
   the one a single process would draw, so the accountant sees the same q and steps.
 - Private methods all-reduce their clipped sums (grape: its r-dimensional projected sums), and every rank then
   adds the same Gaussian draw: the noise generator has one seed, rank 0's, so N(0, σ²C²) enters the aggregate

@@ -49,7 +49,7 @@ def worker(args) -> None:
             name = label.split(",")[0]
             overrides = [f"model={model}", "data=synthetic", "data.seq_len=32", "data.num_classes=2",
                          f"method={name}", *METHODS[label], "train.steps=1", "train.batch_size=2",
-                         "privacy=eps8", "privacy.noise_seed=0", "logging.progress=false", "logging.memory_steps=0"]
+                         "privacy=eps8", "privacy.noise_seed=0", "privacy.sampler_seed=0", "logging.progress=false", "logging.memory_steps=0"]
             with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
                 cfg = compose("config", overrides=overrides)
             with tempfile.TemporaryDirectory() as folder:

@@ -21,6 +21,7 @@ from dpmem.config import ConfigError
 from dpmem.methods import Noise
 from dpmem.methods.privatize import Privatizer
 from dpmem.persample import PerSampleGradients
+from dpmem.persample import reducers
 from dpmem.privacy import calibrate_sigma
 
 
@@ -124,6 +125,16 @@ def test_noise_scaled_down_by_root_b_is_caught(monkeypatch):
 def test_no_clipping_is_caught(monkeypatch):
     monkeypatch.setattr(privatize, "clip_factors", lambda norms, C: torch.ones_like(norms))
     assert privatizer_audit() > 2.0
+
+
+@pytest.mark.parametrize("clipping", ["materialize", "ghost", "hutch"])
+def test_per_sample_norms_that_never_clip_real_samples_are_caught(monkeypatch, clipping):
+    """Issue 34: the canaries' norms come from the norm rule the real samples' do (one pass or the first of two),
+    so a rule that returns 0 for every sample, which leaves every real gradient unclipped, leaves them unclipped
+    too: the audit sees 10 C where C was claimed."""
+    assert privatizer_audit(clipping) < 2.0
+    monkeypatch.setattr(reducers, "squared_norms", lambda g, *args, **kwargs: torch.zeros(g.shape[0]))
+    assert privatizer_audit(clipping) > 2.0
 
 
 # -- input canaries through a weight used K times (one shared Linear over K positions), two-pass clipping

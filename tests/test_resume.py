@@ -16,7 +16,7 @@ SMALL = ["model.arch.hidden_size=16", "model.arch.num_hidden_layers=1", "model.a
          "model.arch.intermediate_size=32", "model.arch.patch_size=4"]
 # ε = 0.1: a large σ, which the accountants calibrate and account in a fraction of the time they take at ε = 8
 # (what is tested is that ε after resuming is the uninterrupted run's, not its size)
-PRIVACY = ["privacy.epsilon=0.1", "privacy.noise_seed=3"]
+PRIVACY = ["privacy.epsilon=0.1", "privacy.noise_seed=3", "privacy.sampler_seed=3"]
 PROJECTED = ("grape", "galore-dp-naive")  # the methods with a rank and a refresh interval (refreshed mid-run here)
 
 
@@ -183,3 +183,104 @@ def test_a_refused_resume_is_one_line_at_the_command_line(cli, tmp_path, monkeyp
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "train.lr: 0.01 -> 0.5" in lines[0], r.stderr
     assert records(tmp_path / "run") == before
+
+
+def drawn_batches(monkeypatch) -> list[list[list[int]]]:
+    """Every logical batch each run draws from here on: one list of index lists per run (the sampler's own draws,
+    skipped ones of a resumed run included)."""
+    from dpmem.engine import trainer
+    runs, real = [], trainer.make_batches
+
+    def recording(*args, **kwargs):
+        runs.append([])
+        for index in real(*args, **kwargs):
+            runs[-1].append(index.tolist())
+            yield index
+    monkeypatch.setattr(trainer, "make_batches", recording)
+    return runs
+
+
+def test_a_private_runs_batches_are_secret_unless_seeded_and_a_resumed_run_continues_them(tmp_path, monkeypatch):
+    """Issue 34: with train.seed in config.yaml anyone could redraw the batches, and amplification by subsampling
+    assumes nobody knows which steps held a record. The sampler's seed comes from the OS (or privacy.sampler_seed,
+    said in the summary), lives in the checkpoint alone, and a resumed run goes on drawing what the lost one drew."""
+    runs = drawn_batches(monkeypatch)
+    secret = ["privacy.epsilon=0.1", "privacy.sampler_seed=null", "privacy.noise_seed=null"]
+    for name in ("a", "b"):
+        s = run_training(config("dp-adam", *secret), tmp_path / name)
+        assert s["derivable_from_config"] == [] and str(s).find("sampler_seed") < 0
+    assert runs[0] != runs[1]  # the same config, other batches
+    assert [len(b) for b in runs[0]] != [len(b) for b in runs[1]]
+    for name in ("c", "d"):
+        s = run_training(config("dp-adam", "privacy.sampler_seed=7"), tmp_path / name)
+        assert s["derivable_from_config"] == ["batches", "noise"]
+    assert runs[2] == runs[3]
+    # adam is not private: its batches stay the run seed's, as they were
+    run_training(config("adam", "privacy=none"), tmp_path / "e")
+    run_training(config("adam", "privacy=none"), tmp_path / "f")
+    assert runs[4] == runs[5]
+    # dies at step 5 with its checkpoint at 4: the resumed run redraws steps 1-4 (skipped) and goes on from 5 with the
+    # batch the lost run had drawn for it
+    real_step = dies_at(monkeypatch, METHODS["dp-adam"], 5)
+    with pytest.raises(RuntimeError, match="went away"):
+        run_training(config("dp-adam", *secret, "train.checkpoint_every=2"), tmp_path / "g")
+    monkeypatch.setattr(METHODS["dp-adam"], "step", real_step)
+    assert "sampler_seed" not in (tmp_path / "g" / "summary.json").read_text()
+    resumed = run_training(config("dp-adam", *secret, "train.checkpoint_every=2"), tmp_path / "g")
+    assert resumed["resumed_from_step"] == 4 and resumed["steps_done"] == 6
+    lost, again = runs[6], runs[7]
+    assert again[:5] == lost[:5] and len(again) == 6 and again != runs[0]
+
+
+def ledger(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "privacy.jsonl").read_text().splitlines()]
+
+
+def test_the_privacy_ledger_keeps_every_released_step_whatever_the_folder_goes_through(tmp_path, monkeypatch, cli):
+    """Issue 34: privacy.jsonl is appended to, never rewritten: a run killed, its checkpoint corrupted, a resume with
+    another config refused, the summary deleted, the folder overwritten: every step that was released stays there,
+    at the ε dp-accounting gives it; a resumed run's summary takes the most any attempt spent; dpmem report reads it
+    where the summary is gone."""
+    from tests.test_privacy import direct_epsilon
+    run = tmp_path / "run"
+    real_step = dies_at(monkeypatch, METHODS["dp-adam"], 5)  # checkpoint at 3, steps 1-4 logged, dies in step 5
+    with pytest.raises(RuntimeError, match="went away"):
+        run_training(config("dp-adam", "train.checkpoint_every=3"), run)
+    monkeypatch.setattr(METHODS["dp-adam"], "step", real_step)
+    lines = ledger(run)
+    assert [r.get("event") for r in lines] == ["start", None, None, None, None, "end"]
+    assert lines[-1]["status"] == "failed" and lines[-1]["steps_done"] == 4
+    s = json.loads((run / "summary.json").read_text())
+    for r in lines[1:5]:  # the oracle: dp-accounting's PLD for the run's σ, q, δ and steps
+        assert r["epsilon"] == pytest.approx(direct_epsilon("pld", s["sigma"], s["sample_rate"], r["steps_done"],
+                                                             s["delta"]), rel=1e-9)
+    written = (run / "privacy.jsonl").read_bytes()
+
+    # resumed from step 3, it dies again in its first step: the summary keeps ε of step 4, which was released
+    dies_at(monkeypatch, METHODS["dp-adam"], 1)
+    with pytest.raises(RuntimeError, match="went away"):
+        run_training(config("dp-adam", "train.checkpoint_every=3"), run)
+    monkeypatch.setattr(METHODS["dp-adam"], "step", real_step)
+    s = json.loads((run / "summary.json").read_text())
+    assert s["steps_done"] == 3 and s["epsilon_spent"] == lines[4]["epsilon"]
+    assert (run / "privacy.jsonl").read_bytes().startswith(written)
+    assert [r.get("event") for r in ledger(run)][6:] == ["resume", "end"]
+    written = (run / "privacy.jsonl").read_bytes()
+
+    (run / "checkpoint.pt").write_bytes(b"corrupt")  # refused, and refused with another configuration
+    for other in ([], ["train.lr=0.5"]):
+        with pytest.raises(FolderRefused):
+            run_training(config("dp-adam", "train.checkpoint_every=3", *other), run)
+        assert (run / "privacy.jsonl").read_bytes() == written
+    (run / "summary.json").unlink()
+    r = cli("report", str(tmp_path))
+    note = f"{run}: no summary.json; its privacy.jsonl records epsilon {lines[4]['epsilon']:.4g} spent over 4 steps"
+    assert note in r.stdout, r.stdout + r.stderr
+    # the checkpoint moved away (as the refusal says) and the folder overwritten by another configuration: its
+    # lines follow the earlier ones
+    (run / "checkpoint.pt").unlink()
+    run_training(config("dp-adam", "train.lr=0.5", "train.overwrite=true"), run)
+    assert (run / "privacy.jsonl").read_bytes().startswith(written)
+    new = ledger(run)[8:]
+    assert new[0]["event"] == "start" and new[-1]["event"] == "end" and new[-1]["status"] == "ok"
+    assert new[0]["config"] != lines[0]["config"] and new[-1]["steps_done"] == 6

@@ -230,7 +230,7 @@ def _final_params(cfg, run_dir):
 
 @pytest.mark.parametrize("where", ["clipped", "privatised"])
 def test_subspace_of_full_dimension_equals_the_unprojected_method(tmp_path, where):
-    base = ["method=dp-adam", "train.steps=3", "privacy.noise_seed=5", *TINY]
+    base = ["method=dp-adam", "train.steps=3", "privacy.noise_seed=5", "privacy.sampler_seed=5", *TINY]
     probe = make_run(config(*base), tmp_path / "probe")
     probe.prepare()
     p = sum(t.numel() for t in probe.model.parameters())

@@ -4,8 +4,9 @@ model's loss on them. Gradient canaries: white-box one-run auditing (Steinke, Na
 A canary is a per-sample gradient planted directly: a Dirac vector of norm `norm` (a multiple of C, so that the
 method's clipping has work to do) on one coordinate of the quantity the method privatises. Each of the m canaries
 is in the training set with probability ½ (the audit's secret bits); an included canary is Poisson-sampled at the
-run's rate q every step, like a real example, passes through the same clipping as the real examples' gradients,
-and is summed with them before the noise. Its score is the sum over steps of the released value at its
+run's rate q every step, like a real example, is normed, clipped and summed by the Privatizer's own code for real
+samples (given as one-hot factors, the form a layer's per-sample gradient takes), and added to their clipped sum
+before the noise. Its score is the sum over steps of the released value at its
 coordinate: the auditor who sees every privatised gradient (the threat model DP-SGD's accounting assumes).
 
 Where the canary lives is where the mechanism looks:
@@ -71,22 +72,35 @@ class GradientCanaries:
         return self.included & (torch.rand(self.m, generator=self.gen) < self.sample_rate)
 
     # -- first-order methods: planted into the clipped sums, scored on the released gradient ---------------------
-    def plant(self, summed: dict, clip_factors) -> None:
-        """Add the sampled canaries, clipped by `clip_factors(norms)` as real gradients are, to `summed`."""
+    def plant(self, summed: dict, clipped_sum) -> None:
+        """Add the sampled canaries to `summed`, clipped and summed by `clipped_sum` (the Privatizer's own code for
+        real samples: norm rule, clip factors, weighted sum) from their per-sample gradients, one Dirac each."""
         if self.where is None:
             small = sum(s.numel() for s in summed.values()) <= 10**8  # the mask is a byte per coordinate, on the host
             zero = torch.cat([(s == 0).reshape(-1).cpu() for s in summed.values()]) if small else None
             self.place({key: s.shape for key, s in summed.items()}, zero)
         sampled = self.sample()
-        if not sampled.any():
-            return
-        norms = torch.full((int(sampled.sum()),), float(self.norm))
-        value = float((clip_factors(norms) * norms)[0])  # every canary has the same norm
         for key, (ids, flat) in self.where.items():
             hit = flat[sampled[ids]]
-            if len(hit):
-                s = summed[key].view(-1)
-                s.index_add_(0, hit.to(s.device), torch.full((len(hit),), value, device=s.device, dtype=s.dtype))
+            if len(hit):  # each canary lives in one key: its norm there is its whole norm
+                summed[key] += clipped_sum({key: self._diracs(summed[key], hit)})[key].to(summed[key].dtype)
+
+    def _diracs(self, like: torch.Tensor, flat: torch.Tensor):
+        """Per-sample gradients of canaries at `flat` coordinates of `like`'s shape, one row each: `norm` there, zero
+        elsewhere. A matrix's as `Factored` (one-hot left and right factors at one position), the form its layer's
+        per-sample gradients take; a vector's dense."""
+        from dpmem.persample.factored import Factored
+        at, flat = torch.arange(len(flat), device=like.device), flat.to(like.device)
+        if like.dim() < 2:
+            dense = torch.zeros(len(flat), like.numel(), device=like.device, dtype=like.dtype)
+            dense[at, flat] = self.norm
+            return dense.reshape(len(flat), *like.shape)
+        rows, cols = like.shape[0], like[0].numel()
+        left = torch.zeros(len(flat), 1, rows, device=like.device, dtype=like.dtype)
+        right = torch.zeros(len(flat), 1, cols, device=like.device, dtype=like.dtype)
+        left[at, 0, flat // cols] = self.norm
+        right[at, 0, flat % cols] = 1.0
+        return Factored.outer(left, right, param_shape=like.shape)
 
     def record(self, released: dict) -> None:
         for key, (ids, flat) in self.where.items():

@@ -1,8 +1,9 @@
 """A run folder is the record of a run's privacy budget spent. Before a run writes anything into one, `claim` decides
 what the folder's earlier contents allow: resume from its checkpoint (checked readable and of this configuration
 first), start afresh in an empty folder, or, where a finished or failed run's records would be overwritten, refuse
-unless `train.overwrite=true` asks for it. Refusals are `FolderRefused` (a ConfigError: one line, exit 2; in a
-sweep, that run fails and the others go on), and nothing is touched."""
+unless `train.overwrite=true` asks for it (privacy.jsonl, the record of ε spent, is kept even then). Refusals are
+`FolderRefused` (a ConfigError: one line, exit 2; in a sweep, that run fails and the others go on), and nothing
+is touched."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from omegaconf import OmegaConf
 
 from dpmem import distributed
 from dpmem.config import ConfigError
+from dpmem.engine.summary import PRIVACY_LEDGER
 
-RECORDS = ("summary.json", "metrics.jsonl", "checkpoint.pt")  # what a run leaves; train.overwrite=true removes them
+# what a run leaves; train.overwrite=true removes them, never privacy.jsonl (append-only: every attempt's ε)
+RECORDS = ("summary.json", "metrics.jsonl", "checkpoint.pt")
 # how a run is (re)started, not what it computes: a checkpoint resumes whatever these say
 NOT_FINGERPRINTED = ("resume", "skip_done", "overwrite", "checkpoint_every", "device")
 
@@ -84,7 +87,7 @@ def _held(run_dir: Path) -> str | None:
                     f"recorded in {summary.name}")
         except (ValueError, OSError):
             return f"an unreadable {summary.name}"
-    present = [name for name in RECORDS if (run_dir / name).exists()]
+    present = [name for name in (*RECORDS, PRIVACY_LEDGER) if (run_dir / name).exists()]
     return f"an earlier run's {', '.join(present)}" if present else None
 
 

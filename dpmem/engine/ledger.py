@@ -60,10 +60,16 @@ class PrivacyLedger:
             if isinstance(sigma, str):
                 raise ConfigError("privacy.epsilon", sigma)
             self.sigma = sigma
+        # what an adversary holding config.yaml can replay: ε does not hold against one
+        derivable = [what for what, seed in (("batches", p.sampler_seed), ("noise", p.noise_seed)) if seed is not None]
+        if self.accounted and derivable and distributed.is_main():
+            print(f"dpmem: warning: privacy.{'sampler' if 'batches' in derivable else 'noise'}_seed is set: the run's "
+                  f"{' and '.join(derivable)} can be derived from its config, and epsilon does not hold against "
+                  "anyone who has it (for debugging and tests)", file=sys.stderr)
         self.leak: str | None = None  # why a private run is not private after all (a subspace from its own data)
         self.fields = {
             "private": self.private, "epsilon_target": p.epsilon if self.accounted else None,
-            "privacy_ignored": self.ignored,
+            "privacy_ignored": self.ignored, "derivable_from_config": derivable if self.accounted else None,
             "epsilon_spent": 0.0 if self.accounted else math.inf, "delta": self.delta,
             "delta_times_n": self.delta * n if self.accounted else None,
             "sigma": self.sigma if self.private else None,
@@ -73,6 +79,14 @@ class PrivacyLedger:
             "neighbouring": self.accountant["neighbouring"] if self.accounted else None,
             "clipping": method.norm_rule(m) if self.private else None, "rc_accountant": rc,
         }
+
+    def sampler_seed(self, seed: int | None, train_seed: int) -> int:
+        """The seed of the batch sampler: `seed` if given; for an accounted run, drawn from the OS (on rank 0, for
+        every rank), since ε assumes nobody knows which steps held a record; otherwise the run seed (a baseline's
+        batches reproduce)."""
+        if seed is not None:
+            return seed
+        return distributed.from_main(secrets.randbits(63)) if self.accounted else train_seed
 
     def noise(self, max_grad_norm: float, seed: int | None, device: torch.device) -> Noise:
         """The Gaussian mechanism of a private method; its generator seeded from the OS unless `seed` is given.

@@ -1,5 +1,5 @@
-"""The run folder's records: metrics.jsonl lines, summary.json (rewritten atomically, so a run that dies leaves a
-readable one) and the short table printed at the end."""
+"""The run folder's records: metrics.jsonl lines, privacy.jsonl (append-only: ε spent), summary.json (rewritten
+atomically, so a run that dies leaves a readable one) and the short table printed at the end."""
 
 from __future__ import annotations
 
@@ -51,6 +51,38 @@ def write_summary(run_dir: Path, summary: dict) -> None:
 def append_metrics(run_dir: Path, record: dict) -> None:
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(json_ready(record)) + "\n")
+
+
+PRIVACY_LEDGER = "privacy.jsonl"
+
+
+def append_privacy(run_dir: Path, record: dict) -> None:
+    """One line of the run folder's append-only record of ε spent, on disk before the step after it runs. No dpmem
+    command truncates or rewrites it: a run started again in the folder (resumed or overwritten) adds its own."""
+    with open(run_dir / PRIVACY_LEDGER, "a") as f:
+        f.write(json.dumps(json_ready(record)) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def privacy_records(run_dir: Path) -> list[dict]:
+    """The ledger's lines (a line cut short by a crash is skipped)."""
+    path = Path(run_dir) / PRIVACY_LEDGER
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def most_spent(records: list[dict]) -> float | None:
+    """The largest ε any line records: what was released, whatever happened after."""
+    spent = [float(r["epsilon"]) for r in records if r.get("epsilon") is not None]
+    return max(spent) if spent else None
 
 
 def _fmt(value) -> str:

@@ -3,6 +3,8 @@ an interval, meter memory and throughput, keep the privacy ledger, and leave a s
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import math
 import os
@@ -19,7 +21,8 @@ from dpmem import distributed, precision, sharding
 from dpmem.config import ConfigError, enum_value
 from dpmem.data import DataBundle, build_data
 from dpmem.engine.folder import claim, fingerprint, write_config
-from dpmem.engine.summary import append_metrics, json_ready, summary_table, versions, write_summary
+from dpmem.engine.summary import (append_metrics, append_privacy, json_ready, most_spent, privacy_records,
+                                  summary_table, versions, write_summary)
 from dpmem.engine.tracking import NoTracker, open_tracker
 from dpmem.engine.ledger import PrivacyLedger
 from dpmem.engine.meter import Meter
@@ -95,6 +98,7 @@ class Run:
         self.summary: dict = {}
         self.exception: BaseException | None = None  # a training failure or a signal, re-raised by run_training
         self._eps_steps = 0  # the step count epsilon_spent was last computed for
+        self._released = 0.0  # the most ε privacy.jsonl records for this run's earlier attempts (a resumed run)
         self.main = distributed.is_main()
         self.root: sharding.Root | None = None  # under FSDP, what the model's functions are called through
         # rank 0 evaluates alone, unless FSDP's sharded forward needs every rank (all evaluate; rank 0 records)
@@ -143,7 +147,8 @@ class Run:
             ok, why = privacy_of(subspace.source, cfg.data)
             if not ok:
                 self.ledger.mark_leak(why)
-        self.sampler_gen = torch.Generator().manual_seed(t.seed)
+        self.sampler_seed = self.ledger.sampler_seed(p.sampler_seed, t.seed)  # kept in the checkpoint alone
+        self.sampler_gen = torch.Generator().manual_seed(self.sampler_seed)
         self.summary = {
             "status": "running", "method": m.name, "model": cfg.model.name, "data": cfg.data.name,
             "seed": t.seed, "device": str(self.device), "precision": self.precision.name, **self.ledger.fields,
@@ -172,8 +177,10 @@ class Run:
     # -- the loop -----------------------------------------------------------------------------------------
     def execute(self) -> dict:
         start = time.perf_counter()
+        self._attempt = datetime.datetime.now().isoformat(timespec="seconds")  # names this attempt's ledger lines
         if self.checkpoint is None:  # a resumed run's folder keeps the earlier summary until it is resumed
             self._write_summary()
+            self._spent(event="start")
         restore = self._catch_signals()
         self.tracker = open_tracker(self.cfg, self.run_dir) if self.main else NoTracker()
         try:
@@ -200,11 +207,23 @@ class Run:
             self.summary["wall_time_s"] = time.perf_counter() - start
             done = self.summary["steps_done"]
             if done != self._eps_steps:
-                self.summary["epsilon_spent"] = self.ledger.epsilon(done)
+                self.summary["epsilon_spent"] = max(self.ledger.epsilon(done), self._released)
+            self._spent(event="end", status=self.summary["status"])
             self._write_summary()
             self.tracker.finish(json_ready(self.summary))
             restore()  # only now: a SIGTERM with the default handler back would end the process unrecorded
         return self.summary
+
+    def _spent(self, **fields) -> None:
+        """A line of privacy.jsonl (dpmem.engine.summary.append_privacy): ε spent after the steps done, with what it
+        was computed from. Private methods only; rank 0 writes it."""
+        if not (self.main and self.ledger.private):
+            return
+        s = self.summary
+        append_privacy(self.run_dir, {
+            "attempt": self._attempt, **fields, "steps_done": s["steps_done"], "samples_seen": s["samples_seen"],
+            "epsilon": s["epsilon_spent"], "delta": s["delta"], "sigma": s["sigma"], "sample_rate": s["sample_rate"],
+            "accountant": s["accountant"], "config": hashlib.sha256(fingerprint(self.cfg).encode()).hexdigest()[:12]})
 
     def _record(self, record: dict) -> None:
         if self.main:
@@ -268,7 +287,9 @@ class Run:
                     if not math.isfinite(mean_loss):  # garbage from here on, but its ε is spent: the run fails
                         raise NonFiniteLoss(f"the training loss is {mean_loss} over steps up to {step + 1} (a NaN or "
                                             "infinite input, or a learning rate that diverges)")
-                    s["epsilon_spent"], self._eps_steps = self.ledger.epsilon(step + 1), step + 1
+                    s["epsilon_spent"] = max(self.ledger.epsilon(step + 1), self._released)
+                    self._eps_steps = step + 1
+                    self._spent()
                     s["throughput_samples_per_s"] = meter.throughput(samples)
                     s.update(meter.fields())
                     record = {"loss": mean_loss, "lr": lr, "epsilon": s["epsilon_spent"],
@@ -297,9 +318,9 @@ class Run:
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def _checkpoint(self, step: int) -> None:
-        """Weights, method state (optimiser, projections, noise and direction generators), the global RNG (dropout)
-        and the summary so far, written atomically. It holds the noise generator's state: keep it as private as
-        the data. Under torchrun rank 0 writes it, with every rank's RNG state (the ranks' dropout masks differ);
+        """Weights, method state (optimiser, projections, noise and direction generators), the global RNG (dropout),
+        the sampler's seed and the summary so far, written atomically. It holds the noise generator's state and the
+        sampler's seed: keep it as private as the data. Under torchrun rank 0 writes it, with every rank's RNG state (the ranks' dropout masks differ);
         under FSDP every rank takes part in gathering the sharded tensors whole, and the file is the same."""
         rngs = distributed.gathered({"torch_rng": torch.get_rng_state(),
                                      "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None})
@@ -310,6 +331,7 @@ class Run:
             return
         state = {"step": step, "config": fingerprint(self.cfg), "world_size": len(rngs),
                  "model": model if fsdp else self.model.state_dict(), "method": method, "rngs": rngs,
+                 "sampler_seed": self.sampler_seed,
                  "summary": {k: self.summary[k] for k in RESUMED}}
         tmp = self.run_dir / "checkpoint.pt.tmp"
         torch.save(state, tmp)
@@ -326,6 +348,9 @@ class Run:
         else:
             self.model.load_state_dict(state["model"])
         self.method.load_state_dict(state["method"])
+        # the batches continue as the lost run drew them (a checkpoint of an older dpmem: the run seed's)
+        self.sampler_seed = state.get("sampler_seed", self.cfg.train.seed)
+        self.sampler_gen.manual_seed(self.sampler_seed)
         rng = state["rngs"][distributed.rank()]
         torch.set_rng_state(rng["torch_rng"])
         if rng["cuda_rng"] is not None and self.device.type == "cuda":
@@ -339,7 +364,13 @@ class Run:
             print(f"dpmem: warning: {self.method.noise_reseeded}, whose states do not carry over: the noise is "
                   f"seeded afresh, so steps after {step} that the earlier run had done are redrawn with new noise "
                   "(what they released then, their metrics, is not in epsilon)", file=sys.stderr)
-        self.summary["epsilon_spent"], self._eps_steps = self.ledger.epsilon(step), step
+        # what the lost attempts released, by privacy.jsonl since this run's start: the steps redone after the
+        # checkpoint redraw the same batches and noise, so ε is the most any attempt reached, not the checkpoint's
+        records = privacy_records(self.run_dir)
+        starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
+        self._released = most_spent(records[starts[-1]:] if starts else records) or 0.0
+        self.summary["epsilon_spent"], self._eps_steps = max(self.ledger.epsilon(step), self._released), step
+        self._spent(event="resume", from_step=step)
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists() and self.main:  # records of the lost steps are written again
             kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= step]

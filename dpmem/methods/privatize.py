@@ -139,7 +139,7 @@ class Privatizer:
         if self.observe is not None:  # e.g. dpmem spectrum's recorder of the non-noised clipped mean
             self.observe(summed, self.noise.expected_batch_size)
         if self.canaries is not None:  # planted gradients, clipped as the real ones are, summed before the noise
-            self.canaries.plant(summed, lambda norms: clip_factors(norms, self.noise.max_grad_norm))
+            self.canaries.plant(summed, self._clipped_sum)
         if self.subspace is not None and self.subspace.where == "clipped":
             summed = self.subspace(summed)
         summed = add_noise(summed, self.noise, self._shard_noise() if self.sharded else None)
@@ -148,6 +148,23 @@ class Privatizer:
         if self.canaries is not None:
             self.canaries.record(summed)
         return summed
+
+    def _clipped_sum(self, grads: dict) -> dict:
+        """Σᵢ min(1, C/‖gᵢ‖)·gᵢ of per-sample gradients given outside a backward pass (dpmem audit's canaries:
+        `Factored` or dense rows, keyed like the clipped sums), through the real samples' code: the method's norm
+        rule and reducer, the clip factors, the weighted sum. A fault there shows in the audit."""
+        reduce = self._reducer() if self._one_pass_norms is not None else reducers.with_kept(
+            reducers.norms(self.clipping, self.k, self._probe_draws))
+        reduced = {key: reduce(g) for key, g in grads.items()}
+        factors = clip_factors(sum(squares for squares, _ in reduced.values()).sqrt(), self.noise.max_grad_norm)
+        return {key: weighted_sum_of(kept, factors) for key, (_, kept) in reduced.items()}
+
+    def _reducer(self):
+        """One-pass clipping's reducer: squared norms by the method's rule, and the per-sample gradients kept for
+        the clipped sum (dense for materialize, factors for book-keeping)."""
+        dense = self.clipping == "materialize"
+        return reducers.normed(self._one_pass_norms, self.k, self._probe_draws,
+                               **({"then": reducers.materialize} if dense else {}))
 
     def _step_seed(self) -> int:
         return int(torch.randint(2**62, (1,), generator=self.step_seeds))
@@ -171,9 +188,7 @@ class Privatizer:
     def _one_pass(self, microbatches, loss_fn, shapes, projections):
         summed = {}  # made by the first micro-batch's clipped sums, after its backward pass (`_accumulate`)
         loss_sum = torch.zeros((), device=self.device)
-        dense = self.clipping == "materialize"  # else book-keeping: the factors are kept
-        keep = reducers.normed(self._one_pass_norms, self.k, self._probe_draws,
-                               **({"then": reducers.materialize} if dense else {}))
+        keep = self._reducer()  # materialize: dense per-sample gradients; book-keeping: the factors
         reduce = {p: reducers.projected(projections[p], keep) if p in projections else keep for p in self.params}
         for mb in self._with_step_probes(microbatches):
             # autograd's batch gradient is needed only by the coverage check: otherwise the hooks' per-sample

@@ -45,6 +45,11 @@ def normed(rule: str = "mixed", k: int = 32, generator: torch.Generator | None =
     return reduce
 
 
+def with_kept(reducer: Reducer) -> Reducer:
+    """(what `reducer` gives, the per-sample gradient itself)."""
+    return lambda g: (reducer(g), g)
+
+
 def with_sum(reducer: Reducer) -> Reducer:
     """Also Σᵢ gᵢ, for the check that the per-sample gradients add up to autograd's batch gradient."""
     return lambda g: (reducer(g), weighted_sum_of(g, torch.ones(g.shape[0], device=g.device)))

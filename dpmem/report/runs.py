@@ -20,6 +20,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from dpmem.engine.summary import PRIVACY_LEDGER, most_spent, privacy_records
 from dpmem.report import figures
 from dpmem.report.labels import row_label, variants
 
@@ -42,19 +43,33 @@ def collect(paths: list[Path]) -> tuple[list[dict], list[str]]:
                 s = json.loads(f.read_text())
                 lacking = [k for k in REQUIRED if k not in s] if isinstance(s, dict) else ["(not a JSON object)"]
             except (ValueError, OSError) as e:
-                missing.append(f"{f.parent}: unreadable summary.json ({type(e).__name__}: {str(e)[:80]})")
+                missing.append(f"{f.parent}: unreadable summary.json ({type(e).__name__}: {str(e)[:80]})"
+                               + _ledger_note(f.parent))
                 continue
             if lacking:
-                missing.append(f"{f.parent}: summary.json lacks {', '.join(lacking)}")
+                missing.append(f"{f.parent}: summary.json lacks {', '.join(lacking)}" + _ledger_note(f.parent))
                 continue
             s["run_dir"] = str(f.parent)
             config = f.parent / "config.yaml"
             s["config"] = _flat(OmegaConf.to_container(OmegaConf.load(config))) if config.exists() else {}
             summaries.append(s)
-        for c in sorted(root.rglob("config.yaml")):
-            if c.parent.name != ".hydra" and not (c.parent / "summary.json").exists():
-                missing.append(f"{c.parent}: no summary.json (the run died before it started)")
+        folders = {c.parent for c in root.rglob("config.yaml") if c.parent.name != ".hydra"}
+        folders |= {c.parent for c in root.rglob(PRIVACY_LEDGER)}
+        for folder in sorted(folders):
+            if not (folder / "summary.json").exists():
+                note = _ledger_note(folder)
+                missing.append(f"{folder}: no summary.json" + (note or " (the run died before it started)"))
     return summaries, missing
+
+
+def _ledger_note(folder: Path) -> str:
+    """What the folder's privacy.jsonl says was spent, for a run whose summary cannot be read."""
+    records = privacy_records(folder)
+    spent = most_spent(records)
+    if spent is None:
+        return ""
+    steps = max(int(r.get("steps_done") or 0) for r in records)
+    return f"; its {PRIVACY_LEDGER} records epsilon {spent:.4g} spent over {steps} steps"
 
 
 # settings that change where and how a run is recorded, not what it trains
