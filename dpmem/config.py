@@ -163,6 +163,12 @@ class DataConfig:
     seq_len: int = 128
     num_classes: int = 10
     n_train: Optional[int] = None  # synthetic: examples made; text tasks: training examples drawn (None = all)
+    # data=median (Li et al. 2022 §4.1): β ∈ R^dimension, A = diag of 1 (const), 1/√k (sqr) or 1/k (linear), the
+    # examples' first d_min coordinates drawn N(1, 1), the ridge weight alpha of (α/2)‖β‖²
+    dimension: int = 100
+    A: str = "const"
+    d_min: int = 10
+    alpha: float = 0.0
 
 
 @dataclass

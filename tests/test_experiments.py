@@ -12,7 +12,7 @@ from dpmem.cli import CONF_DIR, compose_point
 
 EXPERIMENTS = sorted(p.relative_to(Path(CONF_DIR) / "experiment").with_suffix("").as_posix()
                      for p in (Path(CONF_DIR) / "experiment").rglob("*.yaml"))
-GRIDS = {"mini/vit-digits-accuracy": 36, "mini/vit-digits-memory": 16, "mini/steps-grape": 3,
+GRIDS = {"li/fig1-median": 75, "li/fig1-median-search": 60, "mini/vit-digits-accuracy": 36, "mini/vit-digits-memory": 16, "mini/steps-grape": 3,
          "mini/steps-dpzero": 3, "minilm-rt": 2, "spectrum/retrain-vit-digits": 9,
          "spectrum/retrain-distilroberta-sst2": 15, "spectrum/retrain-minilm-rt": 3,
          "dpgrape/table7": 36, "dpgrape/table10": 24, "dpgrape/table3": 36,
@@ -77,7 +77,7 @@ def test_every_hyperparameter_point_of_a_table_composes_with_its_method(name):
 
 
 def test_every_hyperparameter_file_is_swept_by_some_table():
-    swept = {f"{g}/{o}" for e in EXPERIMENTS if e.startswith(("dpgrape/", "dpsgdrc/"))
+    swept = {f"{g}/{o}" for e in EXPERIMENTS if e.startswith(("dpgrape/", "dpsgdrc/", "li/"))
              for g, opts in hp_points(e).items()
              for o in opts}
     files = {p.relative_to(Path(CONF_DIR)).with_suffix("").as_posix() for p in (Path(CONF_DIR) / "hp").rglob("*.yaml")}

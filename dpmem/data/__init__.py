@@ -20,10 +20,13 @@ class DataBundle:
     per_sample_loss: Callable  # (model, batch) -> losses of shape (B,)
     predict: Callable  # (model, batch) -> predicted labels, for the accuracy metric
     metric_name: str = "accuracy"
-    # (model, device, batch_size, autocast) -> the metric on `test`; None = accuracy of `predict` on test["labels"]
+    # (model, device, batch_size, autocast) -> the metric on `test`, or a dict of metrics (metric_name's among them);
+    # None = accuracy of `predict` on test["labels"]
     score: Optional[Callable] = None
     # right-padded token columns: a batch drops the padding all its examples share (same losses, less compute)
     trim_padding: bool = False
+    higher_is_better: bool = True  # the metric's direction (a loss is better lower)
+    problem: Optional[dict] = None  # what a model built for this data set takes from it (data=median: A, alpha)
 
     @property
     def n_train(self) -> int:
@@ -46,8 +49,9 @@ def take(columns: dict[str, torch.Tensor], index) -> dict[str, torch.Tensor]:
 def build_data(cfg, model_cfg) -> DataBundle:
     """The data set of `cfg`. Synthetic data takes its kind (images or token ids) from the model; text tasks take
     the model's tokenizer and head (which prompt, how a class is read off)."""
-    from dpmem.data import digits, npz, synthetic, tasks, vision
-    loaders = {"digits": digits.load, "npz": npz.load, "synthetic": lambda c: synthetic.load(c, model_cfg),
+    from dpmem.data import digits, median, npz, synthetic, tasks, vision
+    loaders = {"digits": digits.load, "npz": npz.load, "median": median.load,
+               "synthetic": lambda c: synthetic.load(c, model_cfg),
                **{name: vision.load for name in vision.DATASETS},
                **{name: (lambda c: tasks.load(c, model_cfg)) for name in tasks.TASKS}}
     if cfg.name not in loaders:

@@ -58,9 +58,10 @@ def lr_at(step: int, total: int, cfg) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, data: DataBundle, device, batch_size: int, autocast, root=None) -> float:
-    """The data set's metric on its evaluation split (accuracy of `predict` unless the task scores itself). Under
-    FSDP the task's functions run through the `root` (dpmem.sharding.Root)."""
+def evaluate(model, data: DataBundle, device, batch_size: int, autocast, root=None) -> float | dict[str, float]:
+    """The data set's metric on its evaluation split (accuracy of `predict` unless the task scores itself, maybe
+    with other metrics beside it in a dict). Under FSDP the task's functions run through the `root`
+    (dpmem.sharding.Root)."""
     model.eval()
     call = (lambda fn, *args: fn(model, *args)) if root is None else root
     try:
@@ -298,7 +299,7 @@ class Run:
                                     sps=f"{s['throughput_samples_per_s']:.0f}", refresh=False)
                     loss_sum, loss_count = None, 0
                 if t.eval_every and (step + 1) % t.eval_every == 0 and not last and self.evaluates:
-                    record[s["metric_name"]] = self._evaluate()
+                    record.update(self._evaluate())
                 if record:
                     self._record({"step": step + 1, **record})
                     self._write_summary()
@@ -309,8 +310,8 @@ class Run:
                 raise self._signalled
             if self.evaluates:
                 final = self._evaluate()
-                s["metric_final"] = final
-                self._record({"step": s["steps_done"], s["metric_name"]: final, "final": True})
+                s["metric_final"] = final[s["metric_name"]]
+                self._record({"step": s["steps_done"], **final, "final": True})
         finally:
             bar.close()
             meter.close()
@@ -417,13 +418,19 @@ class Run:
         self._write_summary()
         return self.summary
 
-    def _evaluate(self) -> float:
+    def _evaluate(self) -> dict[str, float]:
+        """The data set's metrics ({metric_name: value}, and any others its task scores); the best so far of the
+        metric, in its direction, and the last evaluation's others (summary's `metrics`) go in the summary."""
         with self.meter.paused():
             value = evaluate(self.model, self.data, self.device, self.cfg.train.eval_batch_size, self.autocast,
                              self.root)
-        best = self.summary["metric_best"]
-        self.summary["metric_best"] = value if best is None else max(best, value)
-        return value
+        values = value if isinstance(value, dict) else {self.data.metric_name: value}
+        if len(values) > 1:
+            self.summary["metrics"] = values
+        value, best = values[self.data.metric_name], self.summary["metric_best"]
+        better = max if self.data.higher_is_better else min
+        self.summary["metric_best"] = value if best is None else better(best, value)
+        return values
 
 
 RESUMED = ("steps_done", "samples_seen", "metric_best", "peak_memory_bytes", "peak_memory_allocated_bytes",

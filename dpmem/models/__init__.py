@@ -108,8 +108,16 @@ def _from_pretrained(cls, name: str, **kwargs) -> nn.Module:
         raise ConfigError("model.pretrained", f"cannot load {name!r}{hint}: {str(e).splitlines()[0]}") from None
 
 
+def _median(cfg, data: DataBundle, weights: bool) -> nn.Module:
+    """β of the generalized geometric median: its dimension and metric are the data set's (data=median)."""
+    from dpmem.models.median import GeometricMedian
+    if data.problem is None or "A" not in data.problem:
+        raise ConfigError("data", "model=median is the vector β of data=median; choose data=median")
+    return GeometricMedian(data.problem["A"], data.problem["alpha"])
+
+
 FAMILIES = {"vit": _vit, "roberta": _roberta, "bert": _bert, "opt": _causal("OPTConfig", "OPTForCausalLM"),
-            "llama": _causal("LlamaConfig", "LlamaForCausalLM")}
+            "llama": _causal("LlamaConfig", "LlamaForCausalLM"), "median": _median}
 
 
 def build_model(cfg, data: DataBundle, weights: bool = True) -> nn.Module:

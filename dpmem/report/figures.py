@@ -2,7 +2,8 @@
 - accuracy vs ε: per data set, the final metric's mean ± standard error against ε, one line per method;
 - memory vs batch size: peak memory against the physical batch size, one line per method and model;
 - development metric vs step: the evaluations of runs with train.eval_every, averaged over seeds;
-- σ vs k: the noise multiplier of dp-sgd-rc runs against the number of probes, one line per d."""
+- σ vs k: the noise multiplier of dp-sgd-rc runs against the number of probes, one line per d;
+- excess loss vs dimension (Li et al. 2022 Fig. 1): data=median runs, one line per A."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from dpmem.report import pyplot, save_figure
-from dpmem.report.labels import row_label
+from dpmem.report.labels import PROBLEM, row_label
 
 
 def write(out: Path, summaries: list[dict], table_cells: dict) -> list[str]:
@@ -88,4 +89,44 @@ def write(out: Path, summaries: list[dict], table_cells: dict) -> list[str]:
         ax.set(xlabel="k (probes)", ylabel="σ", xscale="log", title="DP-SGD-RC noise multiplier vs k")
         ax.legend(fontsize=8)
         written += save_figure(fig, out, "sigma_vs_k")
+    written += _excess_loss_vs_dimension(plt, out, ok)
     return written
+
+
+MEDIAN_METRICS = (("excess_empirical_loss", "excess empirical loss"),
+                  ("excess_population_loss", "excess population loss"))
+
+
+def _without_problem(s: dict) -> str:
+    """The run's row label without the problem's settings (A, dimension, ...), which are the figure's lines and
+    axis."""
+    problem = {key.split(".", 1)[1] for key in PROBLEM}
+    kept = [part for part in (s.get("variant") or "").split(", ") if part and part.split("=", 1)[0] not in problem]
+    return f"{s['method']} ({', '.join(kept)})" if kept else s["method"]
+
+
+def _excess_loss_vs_dimension(plt, out: Path, ok: list[dict]) -> list[str]:
+    """Li et al. 2022 Fig. 1: data=median runs' excess empirical and population loss against the dimension d, one
+    line per A (and method, ε where several), mean ± one standard deviation over seeds."""
+    points = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for s in ok:
+        config, metrics = s.get("config", {}), s.get("metrics") or {}
+        if s["data"] != "median" or "data.dimension" not in config or not metrics:
+            continue
+        line = (config.get("data.A"), _without_problem(s), s.get("epsilon_target"))
+        for name, _ in MEDIAN_METRICS:
+            if name in metrics:
+                points[name][line][config["data.dimension"]].append(metrics[name])
+    if not any(len(by_d) > 1 for lines in points.values() for by_d in lines.values()):
+        return []
+    fig, axes = plt.subplots(1, len(MEDIAN_METRICS), figsize=(11, 4))
+    several = len({line[1:] for lines in points.values() for line in lines}) > 1
+    for ax, (name, title) in zip(axes, MEDIAN_METRICS):
+        for (A, row, eps), by_d in sorted(points[name].items(), key=lambda kv: str(kv[0])):
+            ds = sorted(by_d)
+            ax.errorbar(ds, [statistics.fmean(by_d[d]) for d in ds], marker="o", capsize=3,
+                        yerr=[statistics.stdev(by_d[d]) if len(by_d[d]) > 1 else 0.0 for d in ds],
+                        label=f"A_{A}" + (f", {row}, ε={eps}" if several else ""))
+        ax.set(xlabel="dimension d", ylabel=title, xscale="log", title=f"{title} (mean ± 1 s.d. over seeds)")
+        ax.legend(fontsize=8)
+    return save_figure(fig, out, "excess_loss_vs_dimension")

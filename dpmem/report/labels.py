@@ -14,6 +14,10 @@ NOT_A_VARIANT = ("train.seed", "data.fewshot_seed", "privacy.", "data.", "loggin
                  "model.arch.", "model.family", "model.pretrained", "model.tokenizer")  # model.name says these
 
 
+# a generated problem's settings (data=median) are what its runs compare, though they are data options
+PROBLEM = ("data.A", "data.dimension", "data.d_min", "data.alpha")
+
+
 def variants(summaries: list[dict]) -> None:
     """Label each summary with the settings that differ between runs of its method on its data set (e.g.
     method.subspace.k=10), so a sweep over them gives one row each; seeds, the row's ε and the column's data set
@@ -23,7 +27,7 @@ def variants(summaries: list[dict]) -> None:
         by_method[(s["method"], s["data"])].append(s)
     for runs in by_method.values():
         keys = set().union(*(r["config"] for r in runs))
-        varying = sorted(k for k in keys if not k.startswith(NOT_A_VARIANT)
+        varying = sorted(k for k in keys if (k in PROBLEM or not k.startswith(NOT_A_VARIANT))
                          and len({json.dumps(r["config"].get(k), sort_keys=True) for r in runs}) > 1)
         for r in runs:
             r["variant"] = ", ".join(f"{k.split('.', 1)[-1]}={r['config'].get(k)}" for k in varying)

@@ -14,6 +14,7 @@ import csv
 import functools
 import json
 import math
+import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -134,13 +135,27 @@ def cells(summaries: list[dict]) -> dict[tuple[str, str, str], dict]:
     return out
 
 
+def is_loss(metric) -> bool:
+    """A loss (data=median's excess losses) is shown as it is, and is best at its lowest; other metrics are
+    fractions (accuracy, F1, EM, ROUGE-1), shown in %."""
+    return str(metric).endswith("loss")
+
+
 def _text(cell: dict | None) -> str:
     if cell is None:
         return ""
     if cell["n"] == 0:
         return "OOM" if cell["oom"] else "–"
+    if is_loss(cell["metric"]):
+        return f"{cell['mean']:.4g}" + (f" ± {cell['se']:.2g}" if cell["se"] is not None else "")
     text = f"{100 * cell['mean']:.1f}"
     return text + (f" ± {100 * cell['se']:.1f}" if cell["se"] is not None else "")
+
+
+def _natural(label: str) -> list:
+    """A row label's sort key with its numbers as numbers (dimension=3000 before dimension=10000)."""
+    return [(0, float(part), "") if part.replace(".", "", 1).isdigit() else (1, 0.0, part)
+            for part in re.split(r"(\d+(?:\.\d+)?)", label)]
 
 
 def _epsilon_order(eps: str) -> float:
@@ -150,10 +165,11 @@ def _epsilon_order(eps: str) -> float:
 def table(table_cells: dict) -> tuple[list[str], list[tuple[str, str]], dict, set]:
     """Columns (tasks), rows (method, ε), cell texts and the best private cell per column."""
     columns = sorted({d for _, _, d in table_cells})
-    rows = sorted({(m, e) for m, e, _ in table_cells}, key=lambda r: (r[0], _epsilon_order(r[1])))
+    rows = sorted({(m, e) for m, e, _ in table_cells}, key=lambda r: (_natural(r[0]), _epsilon_order(r[1])))
     best = set()
     for d in columns:
-        private = [(c["mean"], k) for k, c in table_cells.items() if k[2] == d and c["private"] and c["n"]]
+        private = [(-c["mean"] if is_loss(c["metric"]) else c["mean"], k) for k, c in table_cells.items()
+                   if k[2] == d and c["private"] and c["n"]]
         if private:
             top = max(m for m, _ in private)
             best |= {k for m, k in private if m == top}
@@ -233,8 +249,8 @@ def write(out: Path, summaries: list[dict], missing: list[str], compare: bool = 
     if compare:
         texts, sources = with_published(table_cells, texts)
     metrics = sorted({str(c["metric"]) for c in table_cells.values()})
-    md = [f"Final {', '.join(metrics)} (%), mean ± standard error over seeds; **bold**: best private result per "
-          "column; OOM: out of memory.", "",
+    md = [f"Final {', '.join(metrics)} ({'losses as they are, others ' if any(map(is_loss, metrics)) else ''}%), "
+          "mean ± standard error over seeds; **bold**: best private result per column; OOM: out of memory.", "",
           "| method | ε | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
     tex = [r"\begin{tabular}{ll" + "c" * len(columns) + "}", r"\toprule",
            "method & $\\varepsilon$ & " + " & ".join(columns) + r" \\", r"\midrule"]
