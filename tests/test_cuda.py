@@ -78,7 +78,8 @@ def test_every_method_trains_on_cuda_in_each_precision(tmp_path, overrides, prec
 def test_a_checkpoint_written_on_cuda_resumes(tmp_path, monkeypatch, method, resume_on):
     cls = METHODS[method]
     real_step = dies_at(monkeypatch, cls, 3)
-    run = ["train.steps=4", "train.checkpoint_every=2", f"method={method}", "privacy.noise_seed=3", "privacy.sampler_seed=3"]
+    run = ["train.steps=4", "train.checkpoint_every=2", f"method={method}", "privacy.noise_seed=3",
+           "privacy.sampler_seed=3"]
     with pytest.raises(RuntimeError, match="went away"):
         run_training(config("train.device=cuda", *run), tmp_path)
     assert (tmp_path / "checkpoint.pt").exists()

@@ -54,7 +54,8 @@ METHODS = {  # one job per method family and clipping mode, noise off (privacy=n
     "dp-adam-bk-bf16": ["method=dp-adam", "method.clipping=bk", "train.precision=bf16", *ADAM],
     "dp-adam-ghost-bf16": ["method=dp-adam", "method.clipping=ghost", "train.precision=bf16", *ADAM],
 }
-NOISE = ["method=dp-sgd", "train.lr=1.0", "train.steps=1", "privacy.noise_seed=5", "privacy.sampler_seed=5"]  # Δθ = −(S + z)/(q·n)
+# Δθ = −(S + z)/(q·n)
+NOISE = ["method=dp-sgd", "train.lr=1.0", "train.steps=1", "privacy.noise_seed=5", "privacy.sampler_seed=5"]
 # dp-sgd-rc's probes come from the noise seed; privacy=none, since the rc accountant takes half a minute
 RC = ["method=dp-sgd-rc", "method.k=4", "privacy=none", "privacy.noise_seed=2", "train.steps=4",
       "train.physical_batch_size=8", *ADAM]
@@ -110,7 +111,8 @@ def runs(request, tmp_path_factory):
                  "overrides": by_name["dp-adam-ghost"] + ["train.physical_batch_size=1", "train.fsdp=true"]},
                 {"name": "fsdp-memory", "overrides": memory["overrides"] + ["train.fsdp=true"]}]
     # resumed after dying at step 3 (checkpoint at 2): grape (its moments' row shards) and noisy dp-adam
-    noisy = COMMON + [f"train.device={device}", *GHOST, "privacy=eps1", "privacy.noise_seed=5", "privacy.sampler_seed=5", "train.steps=4",
+    noisy = COMMON + [f"train.device={device}", *GHOST, "privacy=eps1", "privacy.noise_seed=5",
+                      "privacy.sampler_seed=5", "train.steps=4",
                       "train.fsdp=true"]
     sharded += [{"name": "fsdp-grape-resumed", "overrides": sharded[FSDP.index("grape")]["overrides"] +
                  ["train.checkpoint_every=2"], "die_at_step": 3},

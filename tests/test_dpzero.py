@@ -95,7 +95,8 @@ def test_a_fixed_seed_reproduces_a_run_exactly(tmp_path):
     from dpmem.engine.trainer import run_training
     runs = []
     for name in ("a", "b"):
-        run_training(config("method=dpzero", "privacy.noise_seed=5", "privacy.sampler_seed=5", "train.seed=3"), tmp_path / name)
+        run_training(config("method=dpzero", "privacy.noise_seed=5", "privacy.sampler_seed=5", "train.seed=3"),
+                     tmp_path / name)
         runs.append([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()])
     losses = [[r.get("loss") for r in run] for run in runs]
     assert losses[0] == losses[1] and None not in losses[0][:-1]

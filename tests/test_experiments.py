@@ -12,7 +12,8 @@ from dpmem.cli import CONF_DIR, compose_point
 
 EXPERIMENTS = sorted(p.relative_to(Path(CONF_DIR) / "experiment").with_suffix("").as_posix()
                      for p in (Path(CONF_DIR) / "experiment").rglob("*.yaml"))
-GRIDS = {"li/fig1-median": 75, "li/fig1-median-search": 60, "mini/vit-digits-accuracy": 36, "mini/vit-digits-memory": 16, "mini/steps-grape": 3,
+GRIDS = {"li/fig1-median": 75, "li/fig1-median-search": 60,
+         "mini/vit-digits-accuracy": 36, "mini/vit-digits-memory": 16, "mini/steps-grape": 3,
          "mini/steps-dpzero": 3, "minilm-rt": 2, "spectrum/retrain-vit-digits": 9,
          "spectrum/retrain-distilroberta-sst2": 15, "spectrum/retrain-minilm-rt": 3,
          "dpgrape/table7": 36, "dpgrape/table10": 24, "dpgrape/table3": 36,

@@ -159,3 +159,22 @@ def test_unreadable_and_older_summaries_are_listed_under_the_table_and_the_repor
     out = capsys.readouterr().out
     assert set(read_csv(root / "report" / "report.csv")) == {("dp-adam", "8", "digits")}
     assert "broken: unreadable summary.json (JSONDecodeError" in out and "old: summary.json lacks method, data" in out
+
+
+def test_releasing_a_search_composes_every_private_run_on_the_same_data(tmp_path, capsys):
+    """Issue 37 (part): choosing the best of N private runs on one data set releases all N: the report's ε is their
+    composition, here N identical runs = dp-accounting's PLD of N·T steps of the one mechanism."""
+    from tests.test_privacy import direct_epsilon
+    root, sigma, q, steps, delta = tmp_path / "search", 1.1, 0.05, 40, 1e-5
+    for i in range(3):
+        summary(root, f"lr{i}", "dp-adam", "sst2", 2.0, 0, metric=0.8 + i / 100, sigma=sigma, sample_rate=q,
+                steps_done=steps, delta=delta, accountant="pld", neighbouring="add_remove", sampling="poisson",
+                epsilon_spent=1.9, n_train=1000)
+    summary(root, "other-data", "dp-adam", "rte", 2.0, 0, metric=0.6, sigma=sigma, sample_rate=q, steps_done=steps,
+            delta=delta, accountant="pld", epsilon_spent=1.9)  # alone on its data: nothing to compose
+    main(["report", str(root)])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("- sst2:"))
+    composed = float(line.split("ε = ")[1].split(" ")[0])
+    assert "3 private runs" in line and "each ε ≤ 1.9" in line
+    assert composed == pytest.approx(direct_epsilon("pld", sigma, q, 3 * steps, delta), rel=5e-3)
+    assert "rte:" not in (root / "report" / "report.md").read_text()

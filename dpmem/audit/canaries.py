@@ -6,8 +6,8 @@ method's clipping has work to do) on one coordinate of the quantity the method p
 is in the training set with probability ½ (the audit's secret bits); an included canary is Poisson-sampled at the
 run's rate q every step, like a real example, is normed, clipped and summed by the Privatizer's own code for real
 samples (given as one-hot factors, the form a layer's per-sample gradient takes), and added to their clipped sum
-before the noise. Its score is the sum over steps of the released value at its
-coordinate: the auditor who sees every privatised gradient (the threat model DP-SGD's accounting assumes).
+before the noise. Its score is the sum over steps of the released value at its coordinate: the auditor who sees
+every privatised gradient (the threat model DP-SGD's accounting assumes).
 
 Where the canary lives is where the mechanism looks:
 - dp-adam, dp-sgd, galore-dp-naive, dp-sgd-rc: a coordinate of a parameter's gradient;

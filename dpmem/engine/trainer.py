@@ -179,6 +179,7 @@ class Run:
     def execute(self) -> dict:
         start = time.perf_counter()
         self._attempt = datetime.datetime.now().isoformat(timespec="seconds")  # names this attempt's ledger lines
+        self._config_hash = hashlib.sha256(fingerprint(self.cfg).encode()).hexdigest()[:12]
         if self.checkpoint is None:  # a resumed run's folder keeps the earlier summary until it is resumed
             self._write_summary()
             self._spent(event="start")
@@ -224,7 +225,7 @@ class Run:
         append_privacy(self.run_dir, {
             "attempt": self._attempt, **fields, "steps_done": s["steps_done"], "samples_seen": s["samples_seen"],
             "epsilon": s["epsilon_spent"], "delta": s["delta"], "sigma": s["sigma"], "sample_rate": s["sample_rate"],
-            "accountant": s["accountant"], "config": hashlib.sha256(fingerprint(self.cfg).encode()).hexdigest()[:12]})
+            "accountant": s["accountant"], "config": self._config_hash})
 
     def _record(self, record: dict) -> None:
         if self.main:
@@ -321,8 +322,9 @@ class Run:
     def _checkpoint(self, step: int) -> None:
         """Weights, method state (optimiser, projections, noise and direction generators), the global RNG (dropout),
         the sampler's seed and the summary so far, written atomically. It holds the noise generator's state and the
-        sampler's seed: keep it as private as the data. Under torchrun rank 0 writes it, with every rank's RNG state (the ranks' dropout masks differ);
-        under FSDP every rank takes part in gathering the sharded tensors whole, and the file is the same."""
+        sampler's seed: keep it as private as the data. Under torchrun rank 0 writes it, with every rank's RNG
+        state (the ranks' dropout masks differ); under FSDP every rank takes part in gathering the sharded tensors
+        whole, and the file is the same."""
         rngs = distributed.gathered({"torch_rng": torch.get_rng_state(),
                                      "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None})
         fsdp = self.cfg.train.fsdp

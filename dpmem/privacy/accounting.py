@@ -98,6 +98,28 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
     return float(acc.get_epsilon(delta))
 
 
+def composed_epsilon(runs: list[dict], delta: float, accountant: str = "pld",
+                     neighbouring: str = "add_remove") -> float:
+    """Epsilon of releasing what several runs on the same data produced (a search's chosen result): their
+    mechanisms composed. Each run is {sigma, sample_rate, steps, sampling, dataset_size}; inf if any added no
+    noise."""
+    events = []
+    for r in runs:
+        _check(delta, r["sample_rate"], r["steps"])
+        if r["steps"] == 0:
+            continue
+        if r["sigma"] <= 0:
+            return math.inf
+        events.append(_event(r["sigma"], r["sample_rate"], r["steps"], r["sampling"], r.get("dataset_size")))
+    if not events:
+        return 0.0
+    acc = _accountant(accountant, neighbouring)
+    event = dp_accounting.ComposedDpEvent(events)
+    if not acc.supports(event):
+        raise ValueError(f"accountant {accountant} does not support these runs' sampling under {neighbouring}")
+    return float(acc.compose(event).get_epsilon(delta))
+
+
 def _bracket(eps, epsilon: float, max_sigma: float, unreachable: str) -> tuple[float, float]:
     """Noise multipliers lo < hi with eps(lo) > epsilon >= eps(hi), by doubling/halving from 1. Below MIN_SIGMA a
     PLD needs ~1/sigma^2 buckets (memory) and no DP training runs there; above max_sigma the target is refused."""

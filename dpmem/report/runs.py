@@ -194,6 +194,41 @@ def memory_table(summaries: list[dict]) -> list[str]:
     return lines
 
 
+def search_privacy(summaries: list[dict]) -> list[str]:
+    """A line per data set that several accounted runs trained on: choosing and releasing the best of them (a
+    search, a grid, a table) is a release of every one, so its ε is their mechanisms composed (dp-accounting, at
+    the runs' largest δ). Runs count as touching the same data when they share data.name and data.path, whatever
+    examples each drew: the conservative reading."""
+    from dpmem.privacy import composed_epsilon
+    groups = defaultdict(list)
+    for s in summaries:
+        if s.get("steps_done"):
+            groups[(s["data"], s.get("config", {}).get("data.path"))].append(s)
+    lines = []
+    for (data, path), runs in sorted(groups.items(), key=str):
+        accounted = [r for r in runs if r.get("accountant") and r.get("sigma")]
+        if len(accounted) < 2:
+            continue
+        name = data + (f" ({path})" if path else "")
+        own = max(float(r["epsilon_spent"]) for r in accounted)
+        accountants = {(r["accountant"], r.get("neighbouring")) for r in accounted}
+        delta = max(r["delta"] for r in accounted)
+        if len(accountants) > 1 or ("rc", "add_remove") in accountants:
+            lines.append(f"{name}: {len(accounted)} private runs on the same training data, each ε ≤ {own:.3g}; "
+                         "their composition is not computed here (rc, or several accountants)")
+            continue
+        accountant, neighbouring = accountants.pop()
+        composed = composed_epsilon([{"sigma": r["sigma"], "sample_rate": r["sample_rate"], "steps": r["steps_done"],
+                                      "sampling": r.get("sampling", "poisson"), "dataset_size": r.get("n_train")}
+                                     for r in accounted], delta, accountant, neighbouring or "add_remove")
+        loose = len(runs) - len(accounted)
+        lines.append(f"{name}: {len(accounted)} private runs on the same training data, each ε ≤ {own:.3g}; "
+                     f"releasing the best of them releases all: ε = {composed:.4g} at δ = {delta:.2g} "
+                     f"({accountant}, composed)" + (f"; {loose} more runs without noise release it outright"
+                                                     if loose else ""))
+    return lines
+
+
 def unfinished(summaries: list[dict], missing: list[str]) -> list[str]:
     lines = [f"{s['run_dir']}: {s['status']}" + (f" ({s['error']})" if s.get("error") else "")
              + f", {s.get('steps_done')}/{s.get('steps')} steps" for s in summaries if s["status"] not in (OK, "oom")]
@@ -268,6 +303,10 @@ def write(out: Path, summaries: list[dict], missing: list[str], compare: bool = 
     if compare:
         md += ["", "[In brackets]: the published number for the same method, ε and data set, from: "
                + ("; ".join(sources) if sources else "no matching table") + "."]
+    searched = search_privacy(summaries)
+    if searched:
+        md += ["", "The privacy of releasing a result chosen among these runs (see README, Reports):", ""] + \
+            [f"- {line}" for line in searched]
     left = unfinished(summaries, missing) + repeats
     if left:
         md += ["", f"Not in the table ({len(left)}):", ""] + [f"- {line}" for line in left]
