@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import math
 import sys
 import tempfile
 from datetime import datetime
@@ -34,7 +35,7 @@ USAGE = """usage: dpmem train [-m] [key=value ...]
        dpmem memory [key=value ...]
        dpmem spectrum mode=layer|trajectory [key=value ...]
        dpmem audit [key=value ...]
-       dpmem report PATH... [--out DIR] [--published]
+       dpmem report PATH... [--out DIR] [--published] [--select top3]
 
   dpmem train                                      the embedded default (ViT on digits, grape, eps=8)
   dpmem train method=adam privacy=none             a non-private baseline
@@ -93,7 +94,7 @@ def _error(message: str) -> "SystemExit":
 def sweep_points(overrides: list[str]) -> list[list[str]]:
     """Every point of the sweep the overrides describe (`a=1,2 b=3,4`: four points), group options checked.
     Raises ConfigError."""
-    plain = [o for o in overrides if not o.startswith(("-", "hydra.", "hydra/"))]
+    plain = [o for o in overrides if not o.lstrip("+~").startswith(("-", "hydra.", "hydra/"))]
     try:
         parsed = OverridesParser.create().parse_overrides(plain)
     except Exception as e:  # hydra's OverrideParseException and friends
@@ -101,6 +102,8 @@ def sweep_points(overrides: list[str]) -> list[list[str]]:
     groups = _groups()
     choices = []
     for o in parsed:
+        if o.is_interval_sweep():  # interval(a, b): a sweeper (optuna) draws the value; each trial checks its own
+            continue
         key = o.key_or_group.lstrip("+~")
         values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
         if key in groups:
@@ -163,8 +166,31 @@ def _key_message(e: OmegaConfBaseException) -> str:
     return _first_line(e) + allowed
 
 
+def objective(cfg, summary: dict | None) -> float:
+    """What a sweeper optimises (train.objective): the final metric or the last logged training loss; for a run
+    that did not finish ok, the worst value in the sweeper's direction (-inf when it maximises, inf when it
+    minimises), so that the search records it as bad and goes on (Optuna 2 refuses NaN)."""
+    name = enum_value(cfg.train.objective)
+    value = None
+    if summary is not None and summary.get("status") == "ok":
+        value = summary["metric_final"] if name == "metric" else summary["train_loss"]
+    if value is not None:
+        return float(value)
+    direction = HydraConfig.get().sweeper.get("direction") if HydraConfig.initialized() else None
+    return -math.inf if str(direction or _direction(name)).lower().endswith("maximize") else math.inf
+
+
+def _direction(objective_name: str) -> str:
+    """hydra/sweeper=optuna's direction for train.objective (a loss metric, as data=median's, needs
+    hydra.sweeper.direction=minimize)."""
+    return "minimize" if enum_value(objective_name) == "train_loss" else "maximize"
+
+
+OmegaConf.register_new_resolver("dpmem.direction", _direction, replace=True)
+
+
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
-def _train(cfg: DictConfig) -> None:
+def _train(cfg: DictConfig) -> float:
     from dpmem.engine.folder import FolderRefused, drop_if_empty
     from dpmem.engine.trainer import Terminated, run_training
 
@@ -178,7 +204,7 @@ def _train(cfg: DictConfig) -> None:
     done = cfg.train.skip_done and prior.exists() and json.loads(prior.read_text()).get("status") == "ok"
     if distributed.from_main(done):  # every rank skips, or none
         print(f"dpmem: {run_dir} is done (status ok), skipped (train.skip_done)", file=sys.stderr)
-        return
+        return objective(cfg, json.loads(prior.read_text()))
     if multirun:  # a launcher that runs jobs side by side on one machine: one GPU each, not all on GPU 0
         place_job(hc.launcher._target_, hc.job.num, enum_value(cfg.train.device))
     try:
@@ -188,18 +214,17 @@ def _train(cfg: DictConfig) -> None:
         except ConfigError:
             drop_if_empty(run_dir)  # found after Hydra made the folder: no empty folder is left behind
             raise
-    except FolderRefused as e:  # this run's folder only: a sweep goes on with its other runs
+    except ConfigError as e:  # this run only (a refused folder, a value a sweeper drew): a sweep goes on
         if not multirun or cfg.debug:
+            if cfg.debug:
+                raise
             raise _error(str(e)) from None
+        what = "refused" if isinstance(e, FolderRefused) else "failed"
         if not here:
-            raise RunFailed(f"run {run_dir} refused: {e}") from None
-        print(f"dpmem: run {run_dir} refused: {e}", file=sys.stderr)
+            raise RunFailed(f"run {run_dir} {what}: {e}") from None
+        print(f"dpmem: run {run_dir} {what}: {e}", file=sys.stderr)
         _failed.append(str(run_dir))
-        return
-    except ConfigError as e:
-        if cfg.debug:
-            raise
-        raise _error(str(e)) from None
+        return objective(cfg, None)
     except KeyboardInterrupt:
         raise SystemExit(130) from None
     except Terminated:
@@ -210,11 +235,12 @@ def _train(cfg: DictConfig) -> None:
         # a sweep goes on past a failed run; its summary.json says why, and the exit code says so at the end
         print(f"dpmem: run {run_dir} failed: {type(e).__name__}: {e}", file=sys.stderr)
         _failed.append(str(run_dir))
-        return
+        return objective(cfg, None)
     if summary["status"] != "ok":
         if not here:
             raise RunFailed(f"run {run_dir} ended with status {summary['status']}: {summary['error']}")
         _failed.append(str(run_dir))
+    return objective(cfg, summary)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -430,7 +456,8 @@ def _spectrum(argv: list[str]) -> None:
 
 
 def _report(argv: list[str]) -> None:
-    """`dpmem report PATH... [--out DIR] [--published]`: tables of every summary.json under the paths."""
+    """`dpmem report PATH... [--out DIR] [--published] [--select top3]`: tables of every summary.json under the
+    paths."""
     from dpmem.report import runs
 
     if not argv or any(a in ("-h", "--help") for a in argv):
@@ -438,6 +465,12 @@ def _report(argv: list[str]) -> None:
         return
     compare = "--published" in argv
     argv = [a for a in argv if a != "--published"]
+    select = None
+    if "--select" in argv:
+        i = argv.index("--select")
+        if i + 1 >= len(argv) or argv[i + 1] != "top3":
+            raise _error("--select: allowed top3 (the best metric of the three lowest training losses)")
+        select, argv = "top3", argv[:i] + argv[i + 2:]
     out = None
     if "--out" in argv:
         i = argv.index("--out")
@@ -452,7 +485,7 @@ def _report(argv: list[str]) -> None:
     if not summaries and not missing:
         raise _error(f"no summary.json under {', '.join(map(str, paths))}")
     out = out or paths[0] / "report"
-    print(runs.write(out, summaries, missing, compare), end="")
+    print(runs.write(out, summaries, missing, compare, select), end="")
     print(f"dpmem report: wrote {out}/report.md, report.csv, report.tex", file=sys.stderr)
 
 

@@ -145,6 +145,8 @@ class DataConfig:
     path: Optional[str] = None  # local file (or folder) read instead of the hub / torchvision download
     root: str = "~/.cache/dpmem"  # torchvision data sets: downloaded into and read from here
     test_fraction: float = 0.2  # held-out share for data sets without a fixed test split
+    # the data is public (a search's proxy): recorded in the summary; dpmem report composes nothing for its runs
+    public: bool = False
     split_seed: int = 0  # the train/test split is fixed by this seed, independent of train.seed
     # text tasks (dpmem.data.tasks): which examples are used
     k: Optional[int] = None  # few-shot: k training examples per class (LM-BFF/MeZO); None = no per-class sampling
@@ -284,6 +286,11 @@ class PrivacyConfig:
     sampler_seed: Optional[int] = None
 
 
+class Objective(Enum):
+    metric = "metric"  # maximised (hydra/sweeper=optuna's default direction); data=median's is a loss: minimise
+    train_loss = "train_loss"  # minimised
+
+
 @dataclass
 class TrainConfig:
     steps: Optional[int] = None  # logical steps; if None, derived from epochs
@@ -309,6 +316,9 @@ class TrainConfig:
     resume: bool = True
     skip_done: bool = False  # a run whose folder already holds a summary with status ok is not run again
     overwrite: bool = False  # a fresh run may replace the records of an earlier one in its folder
+    # what `dpmem train` returns to a sweeper (hydra/sweeper=optuna): the final evaluation metric, or the last
+    # logged training loss (DP-SGD-RC's search); a run that did not finish ok returns NaN, a failed trial
+    objective: Objective = Objective.metric
 
 
 class WandbMode(Enum):

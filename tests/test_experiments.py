@@ -12,7 +12,8 @@ from dpmem.cli import CONF_DIR, compose_point
 
 EXPERIMENTS = sorted(p.relative_to(Path(CONF_DIR) / "experiment").with_suffix("").as_posix()
                      for p in (Path(CONF_DIR) / "experiment").rglob("*.yaml"))
-GRIDS = {"li/fig1-median": 75, "li/fig1-median-search": 60,
+GRIDS = {"li/fig1-median": 75, "li/fig1-median-search": 60, "dpsgdrc/search-private": 20,
+         "dpsgdrc/search-nonprivate": 20,
          "mini/vit-digits-accuracy": 36, "mini/vit-digits-memory": 16, "mini/steps-grape": 3,
          "mini/steps-dpzero": 3, "minilm-rt": 2, "spectrum/retrain-vit-digits": 9,
          "spectrum/retrain-distilroberta-sst2": 15, "spectrum/retrain-minilm-rt": 3,
@@ -28,6 +29,8 @@ GRIDS = {"li/fig1-median": 75, "li/fig1-median-search": 60,
 def grid_size(name: str) -> int:
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = compose("config", overrides=[f"experiment={name}"], return_hydra_config=True)
+    if "n_trials" in cfg.hydra.sweeper:  # an Optuna search: its trials
+        return cfg.hydra.sweeper.n_trials
     params = cfg.hydra.sweeper.params or {}
     return math.prod(len(str(v).split(",")) for v in params.values())
 

@@ -178,3 +178,26 @@ def test_releasing_a_search_composes_every_private_run_on_the_same_data(tmp_path
     assert "3 private runs" in line and "each ε ≤ 1.9" in line
     assert composed == pytest.approx(direct_epsilon("pld", sigma, q, 3 * steps, delta), rel=5e-3)
     assert "rte:" not in (root / "report" / "report.md").read_text()
+    # the same search on data declared public (a proxy) is recorded as such, and composes nothing
+    for i in range(3):
+        s = json.loads((root / f"lr{i}" / "summary.json").read_text())
+        (root / f"lr{i}" / "summary.json").write_text(json.dumps({**s, "data_public": True}))
+    main(["report", str(root)])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("- sst2:"))
+    assert "declared public (data.public=true)" in line and "ε =" not in line
+
+
+def test_select_top3_reports_the_best_test_score_of_the_three_lowest_training_losses(tmp_path, capsys):
+    """DP-SGD-RC §6: of a search's trials, the three with the lowest training loss, and of those the best test
+    score; here the best test score overall (0.99) has the fourth-lowest loss and must not be chosen."""
+    root = tmp_path / "search"
+    trials = [(0.50, 0.70), (0.40, 0.75), (0.45, 0.72), (0.55, 0.99), (0.90, 0.98)]  # (training loss, accuracy)
+    for i, (loss, acc) in enumerate(trials):
+        summary(root, f"t{i}", "dp-adam", "bbc", 9.0, 0, metric=acc, train_loss=loss)
+    main(["report", str(root), "--select", "top3"])
+    out = capsys.readouterr().out
+    rows = read_csv(root / "report" / "report.csv")
+    assert rows[("dp-adam", "9", "bbc")]["cell"] == "75.0" and rows[("dp-adam", "9", "bbc")]["n"] == "1"
+    assert f"{root / 't1'} (training loss 0.4, 5 runs)" in out
+    with pytest.raises(SystemExit):
+        main(["report", str(root), "--select", "best"])

@@ -152,11 +152,12 @@ class Run:
         self.sampler_gen = torch.Generator().manual_seed(self.sampler_seed)
         self.summary = {
             "status": "running", "method": m.name, "model": cfg.model.name, "data": cfg.data.name,
+            "data_public": cfg.data.public,
             "seed": t.seed, "device": str(self.device), "precision": self.precision.name, **self.ledger.fields,
             "steps": self.steps, "steps_done": 0, "samples_seen": 0, "batch_size": t.batch_size,
             "physical_batch_size": t.physical_batch_size or t.batch_size, "n_train": n, "lr": t.lr,
             "world_size": distributed.world_size(), "backend": distributed.backend(), "fsdp": t.fsdp,
-            "metric_name": self.data.metric_name, "metric_final": None, "metric_best": None,
+            "metric_name": self.data.metric_name, "metric_final": None, "metric_best": None, "train_loss": None,
             "peak_memory_bytes": None, "peak_memory_allocated_bytes": None, "peak_memory_source": None,
             "throughput_samples_per_s": None, "wall_time_s": None, "error": None,
             "versions": versions(), "run_dir": str(self.run_dir),
@@ -294,6 +295,7 @@ class Run:
                     self._spent()
                     s["throughput_samples_per_s"] = meter.throughput(samples)
                     s.update(meter.fields())
+                    s["train_loss"] = mean_loss  # the last logged window's: a sweeper's train_loss objective
                     record = {"loss": mean_loss, "lr": lr, "epsilon": s["epsilon_spent"],
                               "samples_per_s": s["throughput_samples_per_s"], "memory_bytes": s["peak_memory_bytes"]}
                     bar.set_postfix(loss=f"{mean_loss:.3f}", eps=f"{s['epsilon_spent']:.2f}",

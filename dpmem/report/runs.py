@@ -210,6 +210,10 @@ def search_privacy(summaries: list[dict]) -> list[str]:
         if len(accounted) < 2:
             continue
         name = data + (f" ({path})" if path else "")
+        if all(r.get("data_public") for r in runs):
+            lines.append(f"{name}: {len(runs)} runs on data declared public (data.public=true), a proxy: searching "
+                         "there spends nothing of a private data set's budget")
+            continue
         own = max(float(r["epsilon_spent"]) for r in accounted)
         accountants = {(r["accountant"], r.get("neighbouring")) for r in accounted}
         delta = max(r["delta"] for r in accounted)
@@ -273,11 +277,33 @@ def with_published(table_cells: dict, texts: dict) -> tuple[dict, list[str]]:
     return out, sorted(set(sources))
 
 
-def write(out: Path, summaries: list[dict], missing: list[str], compare: bool = False) -> str:
-    """report.md, report.csv and report.tex in `out` (with `compare`, the papers' numbers in brackets); returns
-    the markdown."""
+def top_three(summaries: list[dict]) -> tuple[list[dict], list[str]]:
+    """DP-SGD-RC's selection (§6): of each method × ε × data set's ok runs (a search's trials), the three with the
+    lowest final training loss, and of those the best final metric. Returns the chosen runs and a line for each."""
+    groups = defaultdict(list)
+    for s in summaries:
+        if s["status"] == OK and s.get("train_loss") is not None and s.get("metric_final") is not None:
+            groups[(s["method"], _epsilon(s), s["data"])].append(s)
+    chosen, lines = [], []
+    for (method, eps, data), runs in sorted(groups.items()):
+        three = sorted(runs, key=lambda r: r["train_loss"])[:3]
+        best = (min if is_loss(three[0].get("metric_name")) else max)(three, key=lambda r: r["metric_final"])
+        chosen.append(best)
+        lines.append(f"{method}, ε {eps}, {data}: {best['run_dir']} (training loss {best['train_loss']:.4g}, "
+                     f"{len(runs)} runs)")
+    return chosen, lines
+
+
+def write(out: Path, summaries: list[dict], missing: list[str], compare: bool = False,
+          select: str | None = None) -> str:
+    """report.md, report.csv and report.tex in `out` (with `compare`, the papers' numbers in brackets; with
+    `select="top3"`, one run per method, ε and data set: `top_three`); returns the markdown."""
     out.mkdir(parents=True, exist_ok=True)
     summaries, repeats = distinct(summaries)
+    searched = search_privacy(summaries)  # every trial counts, whichever is shown
+    chosen = []
+    if select == "top3":
+        summaries, chosen = top_three(summaries)
     table_cells = cells(summaries)
     columns, rows, texts, best = table(table_cells)
     sources = []
@@ -303,7 +329,9 @@ def write(out: Path, summaries: list[dict], missing: list[str], compare: bool = 
     if compare:
         md += ["", "[In brackets]: the published number for the same method, ε and data set, from: "
                + ("; ".join(sources) if sources else "no matching table") + "."]
-    searched = search_privacy(summaries)
+    if chosen:
+        md += ["", "Each cell is one run: the best final metric of the three with the lowest final training loss "
+               "(--select top3):", ""] + [f"- {line}" for line in chosen]
     if searched:
         md += ["", "The privacy of releasing a result chosen among these runs (see README, Reports):", ""] + \
             [f"- {line}" for line in searched]
