@@ -181,7 +181,7 @@ def objective(cfg, summary: dict | None) -> float:
 
 
 def _direction(objective_name: str) -> str:
-    """hydra/sweeper=optuna's direction for train.objective (a loss metric, as data=median's, needs
+    """hydra/sweeper=search's direction for train.objective (a loss metric, as data=median's, needs
     hydra.sweeper.direction=minimize)."""
     return "minimize" if enum_value(objective_name) == "train_loss" else "maximize"
 
@@ -215,9 +215,9 @@ def _train(cfg: DictConfig) -> float:
             drop_if_empty(run_dir)  # found after Hydra made the folder: no empty folder is left behind
             raise
     except ConfigError as e:  # this run only (a refused folder, a value a sweeper drew): a sweep goes on
-        if not multirun or cfg.debug:
-            if cfg.debug:
-                raise
+        if cfg.debug:
+            raise
+        if not multirun:
             raise _error(str(e)) from None
         what = "refused" if isinstance(e, FolderRefused) else "failed"
         if not here:
