@@ -86,4 +86,4 @@ def load(cfg) -> DataBundle:
 
     return DataBundle({"x": x_train.float()}, {"x": x_test.float()}, num_classes=0, input_shape=(cfg.dimension,),
                       per_sample_loss=per_sample_loss, predict=None, metric_name="excess_empirical_loss",
-                      score=score, higher_is_better=False, problem={"A": a.float(), "alpha": alpha})
+                      score=score, problem={"A": a.float(), "alpha": alpha})

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from dpmem.config import ConfigError
+from dpmem.data import check_class_numbers
 from dpmem.data.images import image_bundle
 
 
@@ -32,10 +33,7 @@ def load(cfg):
     pairs = [("x", "y")] + ([("x_test", "y_test")] if "x_test" in arrays else [])
     for xs, ys in pairs:
         arrays[ys] = _checked(cfg.path, xs, arrays[xs], ys, arrays[ys])
-    labels = np.concatenate([arrays[ys] for _, ys in pairs])
-    if labels.max() + 1 > len(labels):
-        raise ConfigError("data.path", f"{cfg.path!r}: labels go up to {labels.max()}, which would make "
-                          f"{labels.max() + 1} classes for {len(labels)} examples; number the classes 0..C-1")
+    check_class_numbers(repr(cfg.path), np.concatenate([arrays[ys] for _, ys in pairs]))
     for xs, _ in pairs:
         arrays[xs] = _channels_first(arrays[xs])
     test = (arrays["x_test"], arrays["y_test"]) if "x_test" in arrays else (None, None)
@@ -45,7 +43,7 @@ def load(cfg):
 
 def _checked(path, xs: str, x: np.ndarray, ys: str, y: np.ndarray) -> np.ndarray:
     """The labels `y` as integers, once `x` and `y` are known to be images (N, H, W), (N, C, H, W) or (N, H, W, C)
-    of finite numbers and one non-negative integer class per image."""
+    of finite numbers and one integer label per image (check_class_numbers checks they are classes)."""
     def bad(what: str) -> ConfigError:
         return ConfigError("data.path", f"{path!r}: {what}")
     if not np.issubdtype(x.dtype, np.number) or x.ndim not in (3, 4):
@@ -60,8 +58,6 @@ def _checked(path, xs: str, x: np.ndarray, ys: str, y: np.ndarray) -> np.ndarray
     if not np.issubdtype(y.dtype, np.number) or not np.isfinite(y).all() or (y != np.round(y)).any():
         raise bad(f"{ys} must hold integer class numbers, not {y.dtype}" + (
             " values such as " + str(y[:3].tolist()) if len(y) else ""))
-    if (y < 0).any():
-        raise bad(f"{ys} holds negative labels ({int((y < 0).sum())}); classes are numbered 0..C-1")
     return y.astype(np.int64)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from dpmem.config import ConfigError
+from dpmem.data import check_class_numbers
 from dpmem.sources import offline as downloads_off
 
 PAIR_MLM = "{premise:drop_last}?{mask}, {hypothesis:lower_first}"  # LM-BFF's *sent-_0*?*mask*,*+sentl_1*
@@ -182,11 +183,8 @@ def _local_file(cfg) -> list[dict]:
                           "needs its text and label")
     rows = [{f: row[column] for f, column in mapping.items()} for row in frame.to_dict("records")]
     labels = frame[mapping["label"]]
-    if pd.api.types.is_integer_dtype(labels):  # classes 0..C-1; a label far out of range would size the head
-        if labels.min() < 0 or labels.max() >= len(rows):
-            raise ConfigError("data.path", f"{path.name}: integer labels run from {labels.min()} to {labels.max()}, "
-                              f"which is not classes 0..C-1 for {len(rows)} examples; number the classes 0..C-1 or "
-                              "give them as names (strings)")
+    if pd.api.types.is_integer_dtype(labels):
+        check_class_numbers(path.name, labels, " or give them as names (strings)")
         for r in rows:
             r["label"] = int(r["label"])
     else:

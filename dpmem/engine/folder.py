@@ -20,7 +20,8 @@ from dpmem.engine.summary import PRIVACY_LEDGER
 
 # what a run leaves; train.overwrite=true removes them, never privacy.jsonl (append-only: every attempt's ε)
 RECORDS = ("summary.json", "metrics.jsonl", "checkpoint.pt")
-# how a run is (re)started, not what it computes: a checkpoint resumes whatever these say
+# train.* settings of how a run is (re)started, not what it computes: a checkpoint resumes whatever these say
+# (dpmem.report.labels.NOT_TRAINING extends them to the report's sense of "the same run")
 NOT_FINGERPRINTED = ("resume", "skip_done", "overwrite", "checkpoint_every", "device")
 
 

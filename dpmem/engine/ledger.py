@@ -67,6 +67,7 @@ class PrivacyLedger:
                   f"{' and '.join(derivable)} can be derived from its config, and epsilon does not hold against "
                   "anyone who has it (for debugging and tests)", file=sys.stderr)
         self.leak: str | None = None  # why a private run is not private after all (a subspace from its own data)
+        self.released = 0.0  # the most ε an earlier attempt of this run recorded (privacy.jsonl): already spent
         self.fields = {
             "private": self.private, "epsilon_target": p.epsilon if self.accounted else None,
             "privacy_ignored": self.ignored, "derivable_from_config": derivable if self.accounted else None,
@@ -86,7 +87,7 @@ class PrivacyLedger:
         batches reproduce)."""
         if seed is not None:
             return seed
-        return distributed.from_main(secrets.randbits(63)) if self.accounted else train_seed
+        return _os_seed() if self.accounted else train_seed
 
     def noise(self, max_grad_norm: float, seed: int | None, device: torch.device) -> Noise:
         """The Gaussian mechanism of a private method; its generator seeded from the OS unless `seed` is given.
@@ -94,7 +95,7 @@ class PrivacyLedger:
         gen = None
         if device.type != "meta":
             gen = torch.Generator(device=device)
-            gen.manual_seed(distributed.from_main(seed if seed is not None else secrets.randbits(63)))
+            gen.manual_seed(seed if seed is not None else _os_seed())
         return Noise(self.sigma, max_grad_norm, expected_batch_size=self.expected_batch_size, generator=gen)
 
     def mark_leak(self, why: str) -> None:
@@ -102,10 +103,15 @@ class PrivacyLedger:
         self.fields.update(private=False, epsilon_spent=math.inf)
 
     def epsilon(self, steps: int) -> float:
-        """ε spent after `steps` steps: math.inf when nothing is accounted or the run leaks; NaN on torchrun's ranks
-        other than 0, which write no summary."""
+        """ε spent after `steps` steps, and no less than an earlier attempt of the run released: math.inf when
+        nothing is accounted or the run leaks; NaN on torchrun's ranks other than 0, which write no summary."""
         if not self.accounted or self.leak is not None:
             return math.inf
         if not distributed.is_main():
             return math.nan
-        return epsilon_spent(self.sigma, self.delta, self.sample_rate, steps, **self.accountant)
+        return max(epsilon_spent(self.sigma, self.delta, self.sample_rate, steps, **self.accountant), self.released)
+
+
+def _os_seed() -> int:
+    """A seed from the OS's entropy, rank 0's on every rank (what is private must not be derivable from the config)."""
+    return distributed.from_main(secrets.randbits(63))

@@ -99,7 +99,6 @@ class Run:
         self.summary: dict = {}
         self.exception: BaseException | None = None  # a training failure or a signal, re-raised by run_training
         self._eps_steps = 0  # the step count epsilon_spent was last computed for
-        self._released = 0.0  # the most ε privacy.jsonl records for this run's earlier attempts (a resumed run)
         self.main = distributed.is_main()
         self.root: sharding.Root | None = None  # under FSDP, what the model's functions are called through
         # rank 0 evaluates alone, unless FSDP's sharded forward needs every rank (all evaluate; rank 0 records)
@@ -210,7 +209,7 @@ class Run:
             self.summary["wall_time_s"] = time.perf_counter() - start
             done = self.summary["steps_done"]
             if done != self._eps_steps:
-                self.summary["epsilon_spent"] = max(self.ledger.epsilon(done), self._released)
+                self.summary["epsilon_spent"] = self.ledger.epsilon(done)
             self._spent(event="end", status=self.summary["status"])
             self._write_summary()
             self.tracker.finish(json_ready(self.summary))
@@ -290,7 +289,7 @@ class Run:
                     if not math.isfinite(mean_loss):  # garbage from here on, but its ε is spent: the run fails
                         raise NonFiniteLoss(f"the training loss is {mean_loss} over steps up to {step + 1} (a NaN or "
                                             "infinite input, or a learning rate that diverges)")
-                    s["epsilon_spent"] = max(self.ledger.epsilon(step + 1), self._released)
+                    s["epsilon_spent"] = self.ledger.epsilon(step + 1)
                     self._eps_steps = step + 1
                     self._spent()
                     s["throughput_samples_per_s"] = meter.throughput(samples)
@@ -373,8 +372,8 @@ class Run:
         # checkpoint redraw the same batches and noise, so ε is the most any attempt reached, not the checkpoint's
         records = privacy_records(self.run_dir)
         starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
-        self._released = most_spent(records[starts[-1]:] if starts else records) or 0.0
-        self.summary["epsilon_spent"], self._eps_steps = max(self.ledger.epsilon(step), self._released), step
+        self.ledger.released = most_spent(records[starts[-1]:] if starts else records) or 0.0
+        self.summary["epsilon_spent"], self._eps_steps = self.ledger.epsilon(step), step
         self._spent(event="resume", from_step=step)
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists() and self.main:  # records of the lost steps are written again

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
+from dpmem.engine.folder import NOT_FINGERPRINTED
+
+# settings of how a run is started and recorded, not what it trains (also what two repeats of a run may differ in)
+NOT_TRAINING = (*(f"train.{key}" for key in NOT_FINGERPRINTED), "train.eval_batch_size", "logging.", "memory.",
+                "spectrum.", "audit.", "debug")
 # what is averaged over (seeds) or is a row or column already, so never tells two variants apart
-NOT_A_VARIANT = ("train.seed", "data.fewshot_seed", "privacy.", "data.", "logging.", "memory.", "spectrum.", "debug",
-                 "method.name", "train.device", "train.eval_batch_size", "train.skip_done", "train.resume",
-                 "train.overwrite",
-                 "train.checkpoint_every",
+NOT_A_VARIANT = (*NOT_TRAINING, "train.seed", "data.fewshot_seed", "privacy.", "data.", "method.name",
                  "model.arch.", "model.family", "model.pretrained", "model.tokenizer")  # model.name says these
 
 

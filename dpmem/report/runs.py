@@ -21,9 +21,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from dpmem.data import is_loss
 from dpmem.engine.summary import PRIVACY_LEDGER, most_spent, privacy_records
 from dpmem.report import figures
-from dpmem.report.labels import row_label, variants
+from dpmem.report.labels import NOT_TRAINING, row_label, variants
 
 OK = "ok"
 
@@ -71,11 +72,6 @@ def _ledger_note(folder: Path) -> str:
         return ""
     steps = max(int(r.get("steps_done") or 0) for r in records)
     return f"; its {PRIVACY_LEDGER} records epsilon {spent:.4g} spent over {steps} steps"
-
-
-# settings that change where and how a run is recorded, not what it trains
-NOT_TRAINING = ("logging.", "memory.", "spectrum.", "audit.", "debug", "train.device", "train.skip_done",
-                "train.resume", "train.overwrite", "train.checkpoint_every", "train.eval_batch_size")
 
 
 def distinct(summaries: list[dict]) -> tuple[list[dict], list[str]]:
@@ -133,12 +129,6 @@ def cells(summaries: list[dict]) -> dict[tuple[str, str, str], dict]:
                     "paper": {_paper_key(r) for r in runs},
                     "metric": runs[0].get("metric_name")}
     return out
-
-
-def is_loss(metric) -> bool:
-    """A loss (data=median's excess losses) is shown as it is, and is best at its lowest; other metrics are
-    fractions (accuracy, F1, EM, ROUGE-1), shown in %."""
-    return str(metric).endswith("loss")
 
 
 def _text(cell: dict | None) -> str:
