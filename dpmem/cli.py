@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from dpmem import distributed
-from dpmem.config import ConfigError, MethodConfig, enum_value, register_configs, validate
+from dpmem.config import ConfigError, MethodConfig, enum_value, register_configs
 from dpmem.engine.placement import cuda_device_count, place_job
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")  # inside the package: works from any install
@@ -127,6 +127,8 @@ def compose_point(point: list[str]) -> DictConfig:
             where = _first_line(e).split(":")[0] + ": " if _first_line(e).startswith("In '") else ""
             raise ConfigError(cause.full_key, where + _key_message(cause)) from None
         raise ConfigError("override", _first_line(e)) from None
+    from dpmem.methods import validate  # lazily, as each verb's modules (the methods pull in transformers)
+
     validate(cfg)
     return cfg
 
@@ -193,6 +195,7 @@ OmegaConf.register_new_resolver("dpmem.direction", _direction, replace=True)
 def _train(cfg: DictConfig) -> float:
     from dpmem.engine.folder import FolderRefused, drop_if_empty
     from dpmem.engine.trainer import Terminated, run_training
+    from dpmem.methods import validate
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)

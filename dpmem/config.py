@@ -1,7 +1,8 @@
 """Structured configs: the schema of every config group, its defaults and its validation.
 
-Hydra checks types, enum values and unknown keys against these dataclasses; `validate` checks what a type
-cannot say (ranges, cross-field rules). Both end in a `ConfigError` whose message names the key and what is
+Hydra checks types, enum values and unknown keys against these dataclasses; `validate_groups` checks what a
+type cannot say (ranges, cross-field rules) within the groups, and each method's class what depends on the method
+(`dpmem.methods.validate` runs both). Each ends in a `ConfigError` whose message names the key and what is
 allowed, which the CLI prints as one line.
 """
 
@@ -437,14 +438,6 @@ def enum_value(x: Any) -> Any:
     return x.value if isinstance(x, Enum) else x
 
 
-def resolve_accountant(cfg: Any) -> str:
-    """privacy.accountant, or for auto the one the method names (pld; rc for randomized clipping)."""
-    from dpmem.methods import method_class  # lazily: the methods import this module
-
-    accountant = enum_value(cfg.privacy.accountant)
-    return method_class(cfg.method.name).accountant if accountant == "auto" else accountant
-
-
 DELTA_FORMS = "a number in (0, 1), 'auto' (min(1e-5, 1/n^1.1)) or '1/n'"
 
 
@@ -465,12 +458,8 @@ def resolve_delta(delta: Any, n: int) -> float:
     return delta
 
 
-def validate(cfg: Any) -> None:
-    """Range and cross-field checks that the types cannot express. Raises ConfigError."""
-    from dpmem.methods import method_class  # lazily: the methods import this module
-
-    t, p, m = cfg.train, cfg.privacy, cfg.method
-    method = method_class(m.name)
+def check_train(t: Any) -> None:
+    """The train group's ranges, and its precision for its device."""
     if t.steps is None and t.epochs is None:
         raise ConfigError("train.steps", "set train.steps or train.epochs")
     if t.steps is not None and t.steps <= 0:
@@ -488,78 +477,73 @@ def validate(cfg: Any) -> None:
                               "allowed: 1..train.batch_size")
     if not 0 <= t.lr < math.inf:
         raise ConfigError("train.lr", f"{t.lr} must be a finite number >= 0")
-    for key, value in m.items():  # a NaN or infinite option trains garbage that looks fine: none is allowed
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"method.{key}", f"{value} must be a finite number")
-    arch = cfg.model.arch
-    hidden, heads = arch.get("hidden_size"), arch.get("num_attention_heads")
-    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads:
-        # older transformers' Llama took hidden // heads dimensions per head and dropped the rest
-        raise ConfigError("model.arch.num_attention_heads", f"{heads} heads do not divide hidden_size={hidden}; "
-                          f"allowed: a divisor of {hidden}")
     if t.checkpoint_every < 0:
         raise ConfigError("train.checkpoint_every", f"{t.checkpoint_every} must be >= 0 (0 = no checkpoints)")
     if t.eval_every < 0:
         raise ConfigError("train.eval_every", f"{t.eval_every} must be >= 0 (0 = only at the end)")
     if t.eval_batch_size <= 0:
         raise ConfigError("train.eval_batch_size", f"{t.eval_batch_size} must be positive")
-    if cfg.logging.every < 1:
-        raise ConfigError("logging.every", f"{cfg.logging.every} must be a positive number of steps")
-    if not 0 < cfg.data.test_fraction < 1:
-        raise ConfigError("data.test_fraction", f"{cfg.data.test_fraction}: the held-out share, allowed 0 < x < 1")
+    if t.precision == Precision.tf32 and t.device == Device.cpu:
+        raise ConfigError("train.precision", "tf32 is a mode of CUDA GPUs' matmuls; allowed on cpu: fp32, bf16")
+
+
+def check_model(model: Any) -> None:
+    arch = model.arch
+    hidden, heads = arch.get("hidden_size"), arch.get("num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads:
+        # older transformers' Llama took hidden // heads dimensions per head and dropped the rest
+        raise ConfigError("model.arch.num_attention_heads", f"{heads} heads do not divide hidden_size={hidden}; "
+                          f"allowed: a divisor of {hidden}")
+
+
+def check_logging(log: Any) -> None:
+    if log.every < 1:
+        raise ConfigError("logging.every", f"{log.every} must be a positive number of steps")
+
+
+def check_data(d: Any) -> None:
+    if not 0 < d.test_fraction < 1:
+        raise ConfigError("data.test_fraction", f"{d.test_fraction}: the held-out share, allowed 0 < x < 1")
+
+
+def check_privacy(p: Any) -> None:
+    """The privacy group's own values; how they fit the method is the method's check (Method.check)."""
     if p.epsilon is not None and not 0 < p.epsilon < math.inf:
         raise ConfigError("privacy.epsilon", f"{p.epsilon} must be a finite number > 0 (or null for non-private)")
     if p.epsilon is not None:
         resolve_delta(p.delta, n=2)  # the form is checked here; '1/n' is resolved once n is known
-    if method.private:
-        if not m.max_grad_norm > 0:
-            # for dpzero C bounds the per-sample scalar (L⁺ − L⁻)/2λ, not a gradient norm
-            raise ConfigError("method.max_grad_norm", f"{m.max_grad_norm} must be > 0 for a private method")
-        if t.sampling == Sampling.shuffle and p.epsilon is not None:
-            raise ConfigError("train.sampling", "shuffle has no privacy accountant; allowed for private "
-                              "training: poisson (default), fixed (with privacy.accountant=rdp, "
-                              "privacy.neighbouring=replace_one)")
-        if t.sampling == Sampling.fixed and p.epsilon is not None and (
-                p.accountant != Accountant.rdp or p.neighbouring != Neighbouring.replace_one):
-            raise ConfigError("train.sampling", "fixed-size sampling is accounted only by privacy.accountant=rdp "
-                              "with privacy.neighbouring=replace_one")
-        if (t.sampling in (Sampling.poisson, Sampling.auto) and p.epsilon is not None
-                and p.accountant == Accountant.rdp and p.neighbouring == Neighbouring.replace_one):
-            raise ConfigError("privacy.accountant", "rdp accounts Poisson sampling only under add_remove; "
-                              "allowed with replace_one: pld")
-    if p.epsilon is not None and method.private:
-        randomized = method.accountant == "rc"
-        if randomized and p.accountant in (Accountant.pld, Accountant.rdp):
-            raise ConfigError("privacy.accountant", f"{m.name} clips with estimated norms, which pld and rdp do not "
-                              "account for (epsilon would be understated); allowed: rc, auto")
-        if not randomized and p.accountant == Accountant.rc:
-            raise ConfigError("privacy.accountant", f"rc accounts randomized clipping (dp-sgd-rc), not {m.name}; "
-                              "allowed: auto, pld, rdp")
-        if randomized and p.neighbouring != Neighbouring.add_remove:
-            raise ConfigError("privacy.neighbouring", f"the rc accountant of {m.name} is for add_remove only; "
-                              "allowed: add_remove")
     d = p.rc_dimension
     if d not in ("model", "max_layer") and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
         raise ConfigError("privacy.rc_dimension", f"{d!r}: allowed model, max_layer or a positive integer")
-    for key in ("k", "rank", "refresh"):  # the method's own options, where it has them
-        if key in m and m[key] <= 0:
-            raise ConfigError(f"method.{key}", f"{m[key]} must be a positive integer")
-    if "zo_eps" in m and not m.zo_eps > 0:
-        raise ConfigError("method.zo_eps", f"{m.zo_eps} must be > 0")
-    sp = cfg.get("spectrum")
-    if sp is not None:
-        for key in ("top", "chunk", "k"):
-            if sp[key] < 1:
-                raise ConfigError(f"spectrum.{key}", f"{sp[key]} must be a positive integer")
-        if sp.iterations < 0:
-            raise ConfigError("spectrum.iterations", f"{sp.iterations} must be >= 0")
-        if not sp.steps or min(sp.steps) < 1:
-            raise ConfigError("spectrum.steps", f"{list(sp.steps)}: 1-based step numbers, e.g. [1]")
-    mem = cfg.get("memory")
-    if mem is not None:
-        if mem.steps < 2:
-            raise ConfigError("memory.steps", f"{mem.steps}: at least 2 (the first creates the optimiser state)")
-        if not mem.allocator_overhead >= 0:
-            raise ConfigError("memory.allocator_overhead", f"{mem.allocator_overhead} must be >= 0 (a fraction)")
-    if t.precision == Precision.tf32 and t.device == Device.cpu:
-        raise ConfigError("train.precision", "tf32 is a mode of CUDA GPUs' matmuls; allowed on cpu: fp32, bf16")
+
+
+def check_spectrum(sp: Any) -> None:
+    for key in ("top", "chunk", "k"):
+        if sp[key] < 1:
+            raise ConfigError(f"spectrum.{key}", f"{sp[key]} must be a positive integer")
+    if sp.iterations < 0:
+        raise ConfigError("spectrum.iterations", f"{sp.iterations} must be >= 0")
+    if not sp.steps or min(sp.steps) < 1:
+        raise ConfigError("spectrum.steps", f"{list(sp.steps)}: 1-based step numbers, e.g. [1]")
+
+
+def check_memory(mem: Any) -> None:
+    if mem.steps < 2:
+        raise ConfigError("memory.steps", f"{mem.steps}: at least 2 (the first creates the optimiser state)")
+    if not mem.allocator_overhead >= 0:
+        raise ConfigError("memory.allocator_overhead", f"{mem.allocator_overhead} must be >= 0 (a fraction)")
+
+
+def validate_groups(cfg: Any) -> None:
+    """Range and cross-field checks that the types cannot express, group by group (spectrum and memory where the
+    config has them). What depends on the method (its options, private or not, its accountant) is checked by its
+    class: `dpmem.methods.validate` runs both. Raises ConfigError."""
+    check_train(cfg.train)
+    check_model(cfg.model)
+    check_logging(cfg.logging)
+    check_data(cfg.data)
+    check_privacy(cfg.privacy)
+    if (sp := cfg.get("spectrum")) is not None:
+        check_spectrum(sp)
+    if (mem := cfg.get("memory")) is not None:
+        check_memory(mem)

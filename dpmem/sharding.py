@@ -27,20 +27,6 @@ import torch
 from torch import nn
 
 from dpmem import distributed
-from dpmem.config import ConfigError
-
-# Methods whose steps FSDP can run: autograd forms their gradient sums (two-pass clipping, plain backward) or
-# their gradients are small (DP-GRAPE's projections). One-pass clipping keeps every parameter's per-sample
-# gradient whole, the zeroth-order methods' perturbations need the whole weights, and GaLore's SVD a whole gradient.
-SHARDABLE = "adam, dp-adam / dp-sgd / dp-sgd-rc with two-pass clipping (fgc, ghost, mixed, hutch, hutchpp), grape"
-
-
-def check_method(method, cfg) -> None:
-    """Refuse a method (class `method`, config `cfg`) whose step needs whole parameters or gradients."""
-    if not method.shardable(cfg) or (method.privatised_gradient and cfg.subspace.path is not None):
-        raise ConfigError("train.fsdp", f"method={cfg.name} ({method.norm_rule(cfg) or 'its step'}) needs whole "
-                          f"parameters or gradients; with FSDP: {SHARDABLE}")
-
 
 @contextlib.contextmanager
 def simulated_ranks(world_size: int):

@@ -21,12 +21,14 @@ import time
 
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from dpmem.cli import CONF_DIR
 from dpmem.data import DataBundle, images, text
 from dpmem.metering import LiveTensorCounter
-from dpmem.methods import METHODS, Noise, build_method
-from dpmem.models import build_model, checkpoint_activations
+from dpmem.engine.assemble import assemble
+from dpmem.methods import METHODS
+from dpmem.models import build_model
 from dpmem.report import write_markdown
 
 DEFAULT_METHODS = ["adam", "galore", "mezo", "dp-adam", "galore-dp-naive", "grape", "dpzero"]
@@ -58,12 +60,10 @@ def bench_cell(model_cfg, method_name, batch, args, device, checkpointing=False)
     torch.manual_seed(0)
     with torch.device(device):  # on meta nothing is allocated: memory is planned, not measured
         model = build_model(model_cfg, data).train()
-    if checkpointing:
-        checkpoint_activations(model)
-    cfg = method_config(method_name)
-    gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(0)
-    noise = Noise(1.0, 1.0, float(batch), gen) if METHODS[method_name].private else None
-    method = build_method(cfg, model, 1e-4, noise)
+    cfg = OmegaConf.create({"model": model_cfg, "method": method_config(method_name),
+                            "train": {"lr": 1e-4, "seed": 0, "batch_size": batch,
+                                      "activation_checkpointing": checkpointing}})
+    method = assemble(cfg, device, data, model).method  # private methods: stand-in noise, sigma = 1
     micro, loss_fn = [inputs], data.per_sample_loss
     method.step(micro, loss_fn)  # warm-up: optimiser state, one-off checks
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)

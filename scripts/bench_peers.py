@@ -22,11 +22,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from dpmem.cli import CONF_DIR
 from dpmem.data import build_data
 from dpmem.metering import LiveTensorCounter
-from dpmem.methods import Noise, build_method, method_config
+from dpmem.engine.assemble import assemble
+from dpmem.methods import method_config
 from dpmem.methods.base import optimizer_state
 from dpmem.models import build_model
 from dpmem.report import write_markdown
@@ -118,10 +120,12 @@ def opacus_ghost(model, batch, size: int) -> Contestant:
                       lambda: optimizer_state(opt.original_optimizer))
 
 
-def dpmem_method(model, batch, size: int, name: str, options: dict) -> Contestant:
-    cfg = method_config(name, max_grad_norm=1.0, **({"optimizer": "adamw"} if name in ("dp-adam", "dp-sgd-rc") else {}),
-                        **options)
-    method = build_method(cfg, model, LR, Noise(1.0, 1.0, float(size), torch.Generator().manual_seed(0)))
+def dpmem_method(cfg, data, model, batch, size: int, name: str, options: dict) -> Contestant:
+    method_cfg = method_config(name, max_grad_norm=1.0,
+                               **({"optimizer": "adamw"} if name in ("dp-adam", "dp-sgd-rc") else {}), **options)
+    cfg = OmegaConf.merge(cfg, {"train": {"lr": LR, "batch_size": size}})
+    cfg.method = method_cfg
+    method = assemble(cfg, torch.device("cpu"), data, model).method  # stand-in noise: sigma = 1
     return Contestant(model, lambda: method.step([batch], per_sample_loss), method.state_tensors)
 
 
@@ -176,7 +180,8 @@ def main() -> None:
         makers = {"torch AdamW (non-private)": lambda m: adamw(m, batch),
                   "Opacus hooks": lambda m: opacus_hooks(m, batch, size),
                   "Opacus ghost clipping": lambda m: opacus_ghost(m, batch, size),
-                  **{label: (lambda m, n=n, o=o: dpmem_method(m, batch, size, n, o)) for label, (n, o) in DPMEM.items()}}
+                  **{label: (lambda m, n=n, o=o: dpmem_method(cfg, data, m, batch, size, n, o))
+                     for label, (n, o) in DPMEM.items()}}
         chosen = args.contestants or list(makers)
         contestants = {name: makers[name](build(cfg, data, frozen, state)) for name in chosen}
         results = measure(contestants, size, args.steps)

@@ -4,6 +4,9 @@ from dataclasses import dataclass
 
 import pytest
 
+# the shared helpers' asserts (assert_close, released) report their operands as a test module's do
+pytest.register_assert_rewrite("helpers")
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

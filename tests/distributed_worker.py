@@ -66,7 +66,7 @@ class FSDPWatch:
         # what FSDP2 reduce-scatters with: reduce_scatter_single from torch 2.14, reduce_scatter_tensor before
         self.name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
         self.reduce_scatter = getattr(dist, self.name)
-        self.units = sum(isinstance(m, FSDPModule) for m in run.root.modules())
+        self.units = sum(isinstance(m, FSDPModule) for m in run.parts.root.modules())
 
         def counting(*args, **kwargs):
             self.calls += 1

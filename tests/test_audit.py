@@ -19,6 +19,7 @@ from dpmem.audit.canaries import GradientCanaries
 from dpmem.cli import CONF_DIR
 from dpmem.config import ConfigError
 from dpmem.methods import Noise
+from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.persample import PerSampleGradients
 from dpmem.persample import reducers
@@ -93,13 +94,14 @@ def privatizer_audit(clipping="materialize", eps=2.0, m=1000, n=512, batch=256, 
     def loss_fn(model, b):
         return nn.functional.cross_entropy(model(b["x"]), b["y"], reduction="none")
     gen = torch.Generator().manual_seed(seed)
-    canaries = GradientCanaries(m, q, norm=10.0, seed=seed)
-    with Privatizer(model, Noise(sigma, 1.0, q * n, gen), clipping=clipping) as privatizer:
-        privatizer.canaries = canaries
+    canaries = GradientCanaries(m, norm=10.0, seed=seed)
+    noise = Noise(sigma, 1.0, q * n, gen, sample_rate=q)
+    with Privatizer(model, noise, ClippingPlan.of(clipping), observers=(canaries,)) as privatizer:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(steps):
             idx = (torch.rand(n, generator=gen) < q).nonzero().flatten()
-            grads, _ = privatizer([{"x": x[idx], "y": y[idx]}], loss_fn, {p: p.shape for p in privatizer.params})
+            grads, _ = privatizer.gradient([{"x": x[idx], "y": y[idx]}], loss_fn,
+                                           {p: p.shape for p in privatizer.params})
             for p in privatizer.params:
                 p.grad = grads[p]
             optimizer.step()
@@ -174,14 +176,15 @@ def tied_audit(eps=2.0, m=1000, n=512, positions=16, steps=20, delta=1e-5, sampl
     scores = torch.zeros(m, dtype=torch.float64)
     order = torch.randperm(total, generator=gen)
     # the model stays where it is: a canary the model had learnt would have a small gradient and score little
-    with Privatizer(model, Noise(sigma, 1.0, q * total, gen), check_coverage, clipping="ghost") as privatizer:
+    with Privatizer(model, Noise(sigma, 1.0, q * total, gen), ClippingPlan.of("ghost"), check_coverage) as privatizer:
         for t in range(steps):
             if sampling == "poisson":
                 idx = (torch.rand(total, generator=gen) < q).nonzero().flatten()
             else:  # shuffled batches of size q·n, every example once per epoch
                 half = total // 2
                 idx = order[(t % 2) * half:(t % 2 + 1) * half]
-            grads, _ = privatizer([{"x": x[idx], "y": y[idx]}], loss_fn, {p: p.shape for p in privatizer.params})
+            grads, _ = privatizer.gradient([{"x": x[idx], "y": y[idx]}], loss_fn,
+                                           {p: p.shape for p in privatizer.params})
             scores -= grads[model.linear.weight][label, where].double()
     return audit_bound(scores.numpy(), included.numpy(), delta=delta)["epsilon_lower_bound"]
 

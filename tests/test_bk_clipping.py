@@ -9,8 +9,8 @@ from torch import nn
 from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive, Noise, method_config
 from dpmem.persample import PerSampleGradients, reducers
 from dpmem.persample.factored import Factored
-from test_sparse_embedding import LargestTensor
-from test_two_pass_clipping import B, Layers, batch, layers_case, loss_fn, method_cfg, roberta_case, run_steps, vit_case
+from helpers import (B, LargestTensor, Layers, layers_batch, layers_case, layers_loss, method_cfg, roberta_case,
+                     run_steps, vit_case)
 
 
 @pytest.mark.parametrize("make", [layers_case, roberta_case, vit_case], ids=["layers", "roberta", "vit"])
@@ -40,10 +40,10 @@ def test_dp_sgd_rc_with_bookkeeping_equals_its_two_passes(make, estimator):
 
 
 def test_a_factored_capture_keeps_linear_like_layers_factored_and_the_rest_dense():
-    model, b = Layers().double(), batch()
+    model, b = Layers().double(), layers_batch()
     with PerSampleGradients(model) as psg:
         with psg.capture(B, dict.fromkeys(psg.parameters, reducers.normed())) as kept:
-            loss_fn(model, b).sum().backward()
+            layers_loss(model, b).sum().backward()
         for m in (model.emb, model.conv, model.flat, model.tokens, model.gpt):
             assert isinstance(kept[m.weight][1], Factored), m
         assert all(isinstance(kept[m.bias][1], torch.Tensor) for m in (model.conv, model.flat, model.gpt))

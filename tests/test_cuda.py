@@ -13,8 +13,7 @@ from dpmem.engine.planner import plan
 from dpmem.engine.trainer import run_training
 from dpmem.methods import METHODS
 from dpmem.precision import RunPrecision
-from test_precision import PRIVATE, released
-from test_resume import dies_at
+from helpers import PRIVATE, dies_at, released
 from tiny_models import tiny_roberta, tiny_vit
 
 pytestmark = pytest.mark.cuda

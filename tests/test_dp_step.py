@@ -9,6 +9,7 @@ from torch import nn
 
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, Noise, method_config
+from dpmem.methods.privatize import Observer, Privatizer
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
 from tiny_models import tiny_vit
 
@@ -157,3 +158,49 @@ def test_a_private_step_runs_on_meta_with_the_same_peak_as_cpu(make):
     assert all(p.device.type == "meta" for p in model.parameters())
     _, cpu_peak = _counted_step(make, "cpu")
     assert meta_peak == cpu_peak > 0
+
+
+class Recording(Observer):
+    """Records what it sees (copies) and where it stands in the calls; `factor` replaces the clipped sums."""
+
+    def __init__(self, name, calls, factor=1.0):
+        self.name, self.calls, self.factor, self.clipped, self.released = name, calls, factor, None, None
+
+    def on_clipped(self, privatizer, summed):
+        self.calls.append(("clipped", self.name))
+        self.clipped = {p: s.clone() for p, s in summed.items()}
+        return {p: s * self.factor for p, s in summed.items()}
+
+    def on_noised(self, privatizer, released):
+        self.calls.append(("noised", self.name))
+        self.released = {p: s.clone() for p, s in released.items()}
+        return released
+
+
+def test_observers_see_the_clipped_sums_in_order_and_the_release_in_reverse():
+    """An observer given at construction sees the clipped sums (Opacus' oracle) and may replace them: the release is
+    (its replacement + the same noise) / (q·n), and observers after it see the replacement; after the noise they
+    are called in reverse order, the first seeing the final release."""
+    torch.manual_seed(0)
+    model, batch = Net(), make_batch()
+    sigma, C, expected = 0.7, 5.0, 10.0
+    calls = []
+    first, second = Recording("first", calls, factor=2.0), Recording("second", calls)
+    with Privatizer(model, Noise(sigma, C, expected, torch.Generator().manual_seed(123)),
+                    observers=(first, second)) as privatizer:
+        released, _ = privatizer.gradient([batch], loss_fn, {p: p.shape for p in privatizer.params})
+    assert calls == [("clipped", "first"), ("clipped", "second"), ("noised", "second"), ("noised", "first")]
+    reference = GradSampleModule(Net(), loss_reduction="sum")
+    reference._module.load_state_dict(model.state_dict())
+    opt = DPOptimizer(torch.optim.SGD(reference.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=C,
+                      expected_batch_size=8, loss_reduction="sum")
+    F.cross_entropy(reference(batch["x"], batch["ids"]), batch["y"], reduction="sum").backward()
+    opt.clip_and_accumulate()
+    summed = {n: p.summed_grad for n, p in reference._module.named_parameters()}
+    gen = torch.Generator().manual_seed(123)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(first.clipped[p], summed[n], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(second.clipped[p], 2 * summed[n], rtol=1e-5, atol=1e-6)
+        want = (2 * summed[n] + sigma * C * torch.randn(p.shape, generator=gen)) / expected
+        torch.testing.assert_close(released[p], want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(first.released[p], released[p]) and torch.equal(second.released[p], released[p])

@@ -91,7 +91,7 @@ def test_clipping_bounds_each_sample_and_noise_has_std_sigma_c():
 
 
 def test_a_fixed_seed_reproduces_a_run_exactly(tmp_path):
-    from test_engine import config
+    from helpers import config
     from dpmem.engine.trainer import run_training
     runs = []
     for name in ("a", "b"):

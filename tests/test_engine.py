@@ -4,18 +4,11 @@ import json
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from dpmem.cli import CONF_DIR
 from dpmem.engine.trainer import Run, lr_at, run_training
 from dpmem.methods.dp_adam import DPAdam
 from dpmem.privacy.sampling import fixed_batches, poisson_batches, shuffled_batches
-
-
-def config(*overrides):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose("config", overrides=["train.steps=5", "train.batch_size=32", "logging.progress=false",
-                                            "logging.every=1", *overrides])
+from helpers import config
 
 
 def test_a_crash_leaves_a_readable_summary(tmp_path, monkeypatch):
@@ -132,7 +125,8 @@ def test_a_non_finite_loss_fails_the_run_with_the_epsilon_spent(tmp_path, monkey
 @pytest.mark.parametrize("override,key", [("train.lr=nan", "train.lr"), ("train.lr=inf", "train.lr"),
                                           ("method.max_grad_norm=inf", "method.max_grad_norm")])
 def test_non_finite_hyperparameters_are_refused(override, key):
-    from dpmem.config import ConfigError, validate
+    from dpmem.config import ConfigError
+    from dpmem.methods import validate
     with pytest.raises(ConfigError) as refused:
         validate(config("method=dp-adam", override))
     assert refused.value.key == key

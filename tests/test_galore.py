@@ -6,7 +6,7 @@ import torch
 
 import dpmem.methods.galore as galore_module
 from dpmem.methods import GaLore, GaLoreDPNaive, Noise
-from test_grape import Mixer, batch, grape_cfg, loss_fn
+from helpers import Mixer, grape_cfg, mixer_batch, mixer_loss
 
 
 def test_naive_dp_galore_svd_sees_only_the_privatised_gradient(monkeypatch):
@@ -16,7 +16,7 @@ def test_naive_dp_galore_svd_sees_only_the_privatised_gradient(monkeypatch):
     method = GaLoreDPNaive(model, grape_cfg(rank=2, refresh=2, name="galore-dp-naive"), 1e-3,
                            Noise(1.0, 1.0, 6.0, torch.Generator().manual_seed(0)))
     privatised, svd_inputs = [], []
-    real_privatize, real_svd = method.privatize.__call__, galore_module.svd_projection
+    real_privatize, real_svd = method.privatize.gradient, galore_module.svd_projection
 
     def spy_privatize(*args, **kwargs):
         grads, loss = real_privatize(*args, **kwargs)
@@ -27,10 +27,10 @@ def test_naive_dp_galore_svd_sees_only_the_privatised_gradient(monkeypatch):
         svd_inputs.append(g.clone())
         return real_svd(g, side, rank)
 
-    method.privatize = spy_privatize
+    method.privatize.gradient = spy_privatize
     monkeypatch.setattr(galore_module, "svd_projection", spy_svd)
     for _ in range(3):
-        method.step([batch()], loss_fn)
+        method.step([mixer_batch()], mixer_loss)
     # SVDs at steps 1 (first) and 2 (t mod F = 0), one per projected layer, none at step 3
     assert len(svd_inputs) == 2 * len(method.sides)
     expected = [privatised[t][p] for t in (0, 1) for p in method.sides]
@@ -38,7 +38,7 @@ def test_naive_dp_galore_svd_sees_only_the_privatised_gradient(monkeypatch):
     # and the privatised gradient is not the clean one: noise of std sigma*C/(q n) was added
     reference = Mixer()
     reference.load_state_dict(initial)
-    loss_fn(reference, batch()).sum().backward()
+    mixer_loss(reference, mixer_batch()).sum().backward()
     name = {p: n for n, p in model.named_parameters()}[next(iter(method.sides))]
     clean = dict(reference.named_parameters())[name].grad / 6.0
     assert (svd_inputs[0] - clean).abs().max() > 0.05
@@ -51,11 +51,11 @@ def test_galore_step_follows_algorithms_2_and_4():
     cfg = grape_cfg(rank=2, refresh=5, name="galore")
     lr = 0.01
     method = GaLore(model, cfg, lr)
-    b = batch()
-    method.step([b], loss_fn)
+    b = mixer_batch()
+    method.step([b], mixer_loss)
     reference = Mixer()
     reference.load_state_dict(before)
-    loss_fn(reference, b).mean().backward()
+    mixer_loss(reference, b).mean().backward()
     alpha = lr * math.sqrt(1 - 0.999) / (1 - 0.9)
     names = {p: n for n, p in model.named_parameters()}
     ref = dict(reference.named_parameters())

@@ -7,54 +7,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, GaLoreDPNaive, Grape, Noise, method_config
 from dpmem.persample import PerSampleGradients, Projection, reducers
-
-
-
-def grape_cfg(rank=2, refresh=2, projected=None, C=1.0, name="grape"):
-    """The config of grape (or of galore, galore-dp-naive, dp-adam: each with the options it has)."""
-    options = {} if name == "dp-adam" else {"rank": rank, "refresh": refresh, "projected": projected}
-    if name != "galore":
-        options["max_grad_norm"] = C
-    return method_config(name, **options)
-
-
-class Mixer(nn.Module):
-    """Linear and Conv1D layers that are wide and tall (both projection sides), a LayerNorm and a head."""
-
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(5, 9)  # out > in: columns projected
-        self.down = nn.Linear(9, 4)  # out < in: rows projected
-        self.conv_wide = Conv1D(7, 4)  # weight (4, 7): rows projected
-        self.conv_tall = Conv1D(3, 7)  # weight (7, 3): columns projected
-        self.norm = nn.LayerNorm(3)
-        self.classifier = nn.Linear(3, 2)
-
-    def forward(self, x):
-        h = self.down(self.up(x).tanh()).tanh()
-        h = self.conv_tall(self.conv_wide(h).tanh())
-        return self.classifier(self.norm(h).mean(1))
-
-
-def batch(size=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {"x": torch.randn(size, 4, 5, generator=g) * torch.linspace(0.2, 3, size).view(-1, 1, 1),
-            "y": torch.randint(0, 2, (size,), generator=g)}
-
-
-def loss_fn(model, b):
-    return F.cross_entropy(model(b["x"]), b["y"], reduction="none")
+from helpers import Mixer, grape_cfg, mixer_batch, mixer_loss
 
 
 def full_per_sample(model, b):
     psg = PerSampleGradients(model)
     with psg.capture(len(b["y"])) as grads:
-        loss_fn(model, b).sum().backward()
+        mixer_loss(model, b).sum().backward()
     psg.close()
     model.zero_grad(set_to_none=True)
     return grads
@@ -63,13 +26,13 @@ def full_per_sample(model, b):
 @pytest.mark.parametrize("layer,side", [("up", 1), ("down", 0), ("conv_wide", 0), ("conv_tall", 1)])
 def test_projected_per_sample_gradients_equal_projected_explicit_ones(layer, side):
     torch.manual_seed(0)
-    model, b = Mixer().double(), {k: (v.double() if v.is_floating_point() else v) for k, v in batch().items()}
+    model, b = Mixer().double(), {k: (v.double() if v.is_floating_point() else v) for k, v in mixer_batch().items()}
     weight = getattr(model, layer).weight
     full = full_per_sample(model, b)[weight]
     P = torch.randn(weight.shape[side], 3, dtype=torch.float64)
     psg = PerSampleGradients(model)
     with psg.capture(6, {weight: reducers.projected(lambda: Projection(P, side))}) as kept:
-        loss_fn(model, b).sum().backward()
+        mixer_loss(model, b).sum().backward()
     want = torch.einsum("mr,bmn->brn", P, full) if side == 0 else full @ P
     got = kept[weight]
     assert got.shape == want.shape
@@ -92,7 +55,7 @@ def test_projected_sides_are_the_smaller_dimension():
 
 def test_one_step_equals_algorithms_1_and_2():
     torch.manual_seed(0)
-    model, b = Mixer(), batch()
+    model, b = Mixer(), mixer_batch()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     sigma, C, expected, lr = 0.6, 0.5, 8.0, 0.01
     method = Grape(model, grape_cfg(C=C), lr, Noise(sigma, C, expected, torch.Generator().manual_seed(7)), seed=3)
@@ -110,7 +73,7 @@ def test_one_step_equals_algorithms_1_and_2():
     norms = torch.stack([g.reshape(6, -1).pow(2).sum(1) for g in per.values()]).sum(0).sqrt()
     factors = torch.clamp(C / (norms + 1e-6), max=1.0)
     gen = torch.Generator().manual_seed(7)
-    method.step([b], loss_fn)
+    method.step([b], mixer_loss)
     for p in method.params:  # noise drawn in the method's parameter order, in the projected shapes
         noisy = (torch.einsum("b,b...->...", factors, per[p]) + sigma * C * torch.randn(per[p].shape[1:],
                                                                                          generator=gen)) / expected
@@ -136,7 +99,7 @@ def test_projector_is_the_same_in_backward_and_update_and_refreshes_every_f_step
 
     method.projection = recording
     for _ in range(7):
-        method.step([batch()], loss_fn)
+        method.step([mixer_batch()], mixer_loss)
     weight = model.down.weight
     by_step = {}
     for t, p, P in seen:
@@ -182,6 +145,6 @@ def test_per_sample_buffers_are_b_times_r_times_max_dimension():
     psg = method.privatize.persample
     project = {p: reducers.projected(lambda p=p: method.projection(p, 1)) for p in method.sides}
     with psg.capture(6, project) as kept:
-        loss_fn(model, batch()).sum().backward()
+        mixer_loss(model, mixer_batch()).sum().backward()
     for p in method.sides:
         assert kept[p].numel() == 6 * rank * max(p.shape)  # never 6·out·in

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpmem.methods import Noise
+from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.persample import PerSampleGradients, Projection
 
@@ -72,7 +73,7 @@ def hook_count(model: nn.Module) -> int:
 def privatized(privatize, model, b, project=None):
     shapes = {p: (project[p].project(p.detach()).shape if project and p in project else p.shape)
               for p in privatize.params}
-    summed, _ = privatize([b], loss_fn, shapes, {p: (lambda P=P: P) for p, P in (project or {}).items()})
+    summed, _ = privatize.gradient([b], loss_fn, shapes, {p: (lambda P=P: P) for p, P in (project or {}).items()})
     return summed
 
 
@@ -81,8 +82,8 @@ def test_the_issue_two_live_privatizers_do_not_zero_each_other():
     torch.manual_seed(0)
     model, b = Net().double(), batch()
     want = loop_clipped_sum(model, b)
-    first = Privatizer(model, no_noise(), clipping="materialize")
-    second = Privatizer(model, no_noise(), clipping="ghost")
+    first = Privatizer(model, no_noise(), ClippingPlan.of("materialize"))
+    second = Privatizer(model, no_noise(), ClippingPlan.of("ghost"))
     for privatize in (first, second, first, second):  # the second round runs after both coverage checks
         got = privatized(privatize, model, b)
         for p in want:
@@ -98,7 +99,7 @@ def test_materialize_ghost_and_grape_one_after_another_each_closed():
     before = hook_count(model)
     project = {model.up.weight: projection(model.up.weight)}
     for clipping, proj in (("materialize", None), ("ghost", None), ("materialize", project)):
-        with Privatizer(model, no_noise(), clipping=clipping) as privatize:
+        with Privatizer(model, no_noise(), ClippingPlan.of(clipping)) as privatize:
             assert hook_count(model) > before
             want = loop_clipped_sum(model, b, proj)
             for _ in range(2):  # with and without the first step's coverage check
@@ -111,7 +112,7 @@ def test_materialize_ghost_and_grape_one_after_another_each_closed():
 def test_hooks_go_when_the_owner_is_garbage_collected():
     model = Net().double()
     before = hook_count(model)
-    privatize = Privatizer(model, no_noise(), clipping="ghost")
+    privatize = Privatizer(model, no_noise(), ClippingPlan.of("ghost"))
     psg = PerSampleGradients(model)
     assert hook_count(model) > before
     del privatize, psg
@@ -156,7 +157,7 @@ def test_after_the_coverage_check_no_batch_weight_gradient_is_formed_and_the_sum
     want = loop_clipped_sum(model, b)
     accumulated = []
     model.up.weight.register_post_accumulate_grad_hook(lambda p: accumulated.append(1))
-    with Privatizer(model, no_noise(), clipping="materialize") as privatize:
+    with Privatizer(model, no_noise(), ClippingPlan.of("materialize")) as privatize:
         for step in range(2):
             got = privatized(privatize, model, b)
             for p in want:

@@ -15,7 +15,7 @@ from dpmem.methods import Noise, build_method, method_class, method_config
 from dpmem.models import build_model
 from dpmem.models.lora import apply_lora
 from dpmem.persample import PerSampleGradients, reducers
-from test_persample import assert_close, engine_grads, loop_grads
+from helpers import assert_close, engine_grads, loop_grads
 
 
 

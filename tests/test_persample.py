@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.pytorch_utils import Conv1D
 
 from dpmem.persample import PerSampleGradients
-from dpmem.persample.factored import Factored
+from helpers import assert_close, engine_grads, loop_grads
 from tiny_models import tiny_opt, tiny_roberta, tiny_vit
 
 
@@ -21,39 +21,6 @@ def float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
-
-
-def engine_grads(model, loss_fn, batch):
-    psg = PerSampleGradients(model)
-    with psg.capture(batch_size=next(iter(batch.values())).shape[0]) as grads:
-        loss_fn(model, batch).sum().backward()
-    names = {p: n for n, p in model.named_parameters()}
-    out = {names[p]: g.to_dense() if isinstance(g, Factored) else g for p, g in grads.items()}
-    psg.close()
-    model.zero_grad(set_to_none=True)
-    return out
-
-
-def loop_grads(model, loss_fn, batch, size):
-    """The oracle: one forward/backward per sample, batch of one."""
-    per = {}
-    for i in range(size):
-        model.zero_grad(set_to_none=True)
-        one = {k: v[i:i + 1] for k, v in batch.items()}
-        loss_fn(model, one).sum().backward()
-        for n, p in model.named_parameters():
-            if p.requires_grad:
-                per.setdefault(n, []).append(p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-    model.zero_grad(set_to_none=True)
-    return {n: torch.stack(gs) for n, gs in per.items()}
-
-
-def assert_close(got, want):
-    assert set(got) == set(want), set(got) ^ set(want)
-    for n in want:
-        # a floor for gradients that vanish analytically (attention key biases): float64 noise is ~1e-17
-        err = (got[n] - want[n]).norm() / want[n].norm().clamp_min(1e-9)
-        assert err <= 1e-5, f"{n}: relative error {err:.2e}"
 
 
 class Wrap(nn.Module):

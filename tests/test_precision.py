@@ -9,40 +9,13 @@ from torch import nn
 
 from dpmem.cli import CONF_DIR
 from dpmem.engine.trainer import run_training
-from dpmem.methods import Noise, build_method, method_config
-from dpmem.methods.privatize import Privatizer
-from dpmem.persample import PerSampleGradients, verify_coverage, weighted_sum
-from dpmem.precision import Compute, RunPrecision, exact_float32, tolerance, unit_roundoff
+from dpmem.methods.coverage import verify_coverage
+from dpmem.persample import PerSampleGradients, weighted_sum
+from dpmem.precision import Compute, exact_float32, tolerance, unit_roundoff
+from helpers import PRIVATE, released
 from tiny_models import tiny_roberta, tiny_vit
 
-PRIVATE = [("dp-adam", {"clipping": c}) for c in ("materialize", "bk", "ghost", "mixed", "fgc")] + [
-    ("grape", {"rank": 4}), ("galore-dp-naive", {"rank": 4}),
-    ("dp-sgd-rc", {"k": 8}), ("dp-sgd-rc", {"k": 8, "bookkeeping": True})]
 TWO_PASS = ("ghost", "mixed", "fgc")
-
-
-def released(make, name, options, precision, max_grad_norm, samples=None):
-    """What the method's Privatizer releases (noise off, so the clipped mean) for one step on the whole batch, or
-    for each of `samples` alone."""
-    torch.manual_seed(0)
-    model, loss, batch = make()
-    cfg = method_config(name, max_grad_norm=max_grad_norm, **options)
-    method = build_method(cfg, model, 0.01, Noise(0.0, max_grad_norm, 1.0, torch.Generator().manual_seed(3)))
-    outputs, call = [], Privatizer.__call__
-
-    def spy(self, *args, **kwargs):
-        grads, loss_sum = call(self, *args, **kwargs)
-        outputs.append(torch.cat([g.flatten() for g in grads.values()]))
-        return grads, loss_sum
-    Privatizer.__call__ = spy
-    try:
-        forward = RunPrecision(precision, torch.device("cpu")).forward(loss)
-        for part in ([batch] if samples is None else [{k: v[i:i + 1] for k, v in batch.items()} for i in samples]):
-            method.step([part], forward)
-    finally:
-        Privatizer.__call__ = call
-    assert all(o.dtype == torch.float32 for o in outputs)
-    return outputs
 
 
 @pytest.mark.parametrize("make", [tiny_roberta, tiny_vit], ids=["roberta-mlm-tied", "vit"])

@@ -11,6 +11,7 @@ from dpmem.cli import CONF_DIR
 from dpmem.engine.folder import FolderRefused
 from dpmem.engine.trainer import Run, run_training
 from dpmem.methods import METHODS
+from helpers import dies_at
 
 SMALL = ["model.arch.hidden_size=16", "model.arch.num_hidden_layers=1", "model.arch.num_attention_heads=2",
          "model.arch.intermediate_size=32", "model.arch.patch_size=4"]
@@ -26,20 +27,6 @@ def config(method, *overrides):
         return compose("config", overrides=[f"method={method}", "train.steps=6", "train.batch_size=32",
                                             "logging.progress=false", "logging.every=1", "logging.memory_steps=0",
                                             *PRIVACY, *own, *SMALL, *overrides])
-
-
-def dies_at(monkeypatch, cls, step: int):
-    """`cls.step` raises at its `step`-th call from now on ("the machine went away"); returns the real step, to put
-    back with monkeypatch.setattr(cls, "step", real)."""
-    calls, real_step = [], cls.step
-
-    def dies(self, micro, loss_fn):
-        calls.append(1)
-        if len(calls) == step:
-            raise RuntimeError("the machine went away")
-        return real_step(self, micro, loss_fn)
-    monkeypatch.setattr(cls, "step", dies)
-    return real_step
 
 
 @pytest.mark.parametrize("method", ["adam", "dp-adam", "grape", "galore-dp-naive", "dpzero", "dp-sgd-rc"])

@@ -5,8 +5,6 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from dpmem.cli import CONF_DIR
 from dpmem.data import build_data, example_batch
@@ -15,7 +13,7 @@ from dpmem.methods import DPAdam, Noise, build_method, method_config
 from dpmem.models import build_model
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, reducers, weighted_sum
 from dpmem.persample.factored import Factored
-
+from helpers import LargestTensor
 
 
 def test_factored_rows_match_their_dense_form():
@@ -127,21 +125,6 @@ def test_projected_embeddings_equal_dense_gradients_times_p_with_tied_head():
         got = got.to_dense() if isinstance(got, Factored) else got
         want = dense_oracle(model, b)[model.emb.weight] @ P
         torch.testing.assert_close(got, want)
-
-
-class LargestTensor(TorchDispatchMode):
-    """The most elements any op's output has while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.numel = max(self.numel, t.numel())
-        return out
 
 
 TIED_CASES = [("dp-adam", {}), ("dp-adam", {"clipping": "bk"}), ("dp-adam", {"clipping": "ghost"}), ("dp-adam", {"clipping": "mixed"}),

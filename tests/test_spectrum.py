@@ -13,7 +13,7 @@ from dpmem.cli import CONF_DIR, compose_points, main
 from dpmem.config import ConfigError
 from dpmem.engine.trainer import Run
 from dpmem.methods.base import Noise
-from dpmem.methods.privatize import add_noise
+from dpmem.methods.privatize import add_noise, scale
 from dpmem.methods.subspace import data_identity, privacy_of, save_subspace
 from dpmem.spectrum import run_spectrum
 from dpmem.spectrum.layer import measure, settings
@@ -88,7 +88,8 @@ def test_noise_of_known_sigma_raises_the_tail_as_random_matrix_theory_says():
     clean = top_singular_values(s / B, m)
     assert float(clean[3]) < 1e-10  # no tail without noise
     p = torch.nn.Parameter(torch.zeros(m, n))
-    noisy = add_noise({p: s.float().clone()}, Noise(sigma, C, B, torch.Generator().manual_seed(0)))[p]
+    noise = Noise(sigma, C, B, torch.Generator().manual_seed(0))
+    noisy = scale(add_noise({p: s.float().clone()}, noise), noise)[p]
     values = top_singular_values(noisy, m)
     tau = sigma * C / B
     tail = values[3:]
@@ -176,13 +177,13 @@ def test_recorded_gradient_is_the_clipped_mean_that_sgd_steps_on(tmp_path):
     """dp-sgd without noise (privacy=none) steps θ ← θ − lr·ḡ: the recorded row is −Δθ/lr."""
     cfg = config("method=dp-sgd", "privacy=none", "train.steps=1", "train.lr=0.5", "spectrum.chunk=4",
                  "spectrum.k=3", *TINY)
-    run = Run(cfg, tmp_path)
-    run.prepare()
-    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
     from dpmem.spectrum.trajectory import GradientRecorder
-    named = list(run.model.named_parameters())
-    recorder = GradientRecorder(tmp_path / "gradients", named, chunk=4, source={})
-    run.method.privatize.observe = recorder
+    recorder = GradientRecorder(tmp_path / "gradients", None, chunk=4, source={})
+    run = Run(cfg, tmp_path, observers=(recorder,))
+    model = run.prepare().model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    named = list(model.named_parameters())
+    assert [n for n, _ in recorder.named] == [n for n, _ in named]
     run.execute()
     recorder.flush()
     row = torch.load(tmp_path / "gradients" / "chunk_00000.pt")[0]

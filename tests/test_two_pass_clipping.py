@@ -7,52 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from dpmem.metering import LiveTensorCounter
-from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive, Noise, method_config
+from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive, Noise
 from dpmem.persample import PerSampleGradients
 from dpmem.persample.factored import Factored
 from dpmem.persample.norms import ghost_is_cheaper, hutchinson, squared_norms
-from tiny_models import tiny_roberta, tiny_vit
+from helpers import B, Layers, layers_batch, layers_case, layers_loss, method_cfg, roberta_case, run_steps, vit_case
 
 
-B = 5
-
-
-class Layers(nn.Module):
-    """A 2-D Linear, a 3-D Linear, Conv1D, Conv2d, an Embedding with repeats and padding, and a tied LM head."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(12, 6, padding_idx=0)
-        self.conv = nn.Conv2d(1, 3, 3, padding=1)
-        self.flat = nn.Linear(3 * 16, 6)
-        self.tokens = nn.Linear(6, 6)
-        self.gpt = Conv1D(6, 6)
-        self.head = nn.Linear(6, 12, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, x, ids):
-        image = self.flat(self.conv(x).tanh().flatten(1))  # (B, 6): a 2-D input
-        h = self.tokens(self.emb(ids)).tanh() + image.unsqueeze(1)  # (B, T, 6): a 3-D input
-        return self.head(self.gpt(h).tanh())
-
-
-def batch(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 5, (B, 7), generator=g)
-    ids[0, 5:] = 0  # padding
-    return {"x": torch.randn(B, 1, 4, 4, generator=g, dtype=torch.float64) * torch.linspace(0.2, 4, B).view(-1, 1, 1, 1),
-            "ids": ids, "y": torch.randint(0, 12, (B, 7), generator=g)}
-
-
-def loss_fn(model, b):
-    logits = model(b["x"], b["ids"])
-    return F.cross_entropy(logits.transpose(1, 2), b["y"], reduction="none").sum(1)
-
-
-def loop_squared_norms(model, b, loss=loss_fn):
+def loop_squared_norms(model, b, loss=layers_loss):
     """The oracle: one backward per sample, the exact squared norm of each parameter's gradient."""
     out = {p: [] for p in model.parameters()}
     n = len(next(iter(b.values())))
@@ -68,7 +32,7 @@ def loop_squared_norms(model, b, loss=loss_fn):
 @pytest.mark.parametrize("rule", ["fgc", "ghost", "mixed"])
 def test_exact_rules_equal_the_per_sample_loop(rule):
     torch.manual_seed(0)
-    model, b = Layers().double(), batch()
+    model, b = Layers().double(), layers_batch()
     want = loop_squared_norms(model, b)
     got, kinds = {}, {}
     psg = PerSampleGradients(model)
@@ -80,7 +44,7 @@ def test_exact_rules_equal_the_per_sample_loop(rule):
         return reduce
 
     with psg.capture(B, {p: record(p) for p in psg.parameters}) as kept:
-        loss_fn(model, b).sum().backward()
+        layers_loss(model, b).sum().backward()
     assert kinds[model.emb.weight] is Factored  # embedding + tied head: one factored gradient of two uses
     assert all(kinds[m.weight] is Factored for m in (model.conv, model.flat, model.tokens, model.gpt))
     assert set(got) == set(want)
@@ -128,7 +92,7 @@ def test_hutchpp_has_lower_variance_on_a_low_rank_case():
 
 def test_estimators_on_ids_and_tied_terms_are_unbiased():
     torch.manual_seed(0)
-    model, b = Layers().double(), batch()
+    model, b = Layers().double(), layers_batch()
     psg = PerSampleGradients(model)
     tied = {}
 
@@ -139,7 +103,7 @@ def test_estimators_on_ids_and_tied_terms_are_unbiased():
         return reduce
 
     with psg.capture(B, {p: keep(p) for p in psg.parameters}):
-        loss_fn(model, b).sum().backward()
+        layers_loss(model, b).sum().backward()
     g = tied[model.emb.weight]
     assert len(g.terms) == 2 and g.terms[0][0].dim() + g.terms[1][0].dim() == 5  # ids (2-D) and dense (3-D)
     exact = loop_squared_norms(model, b)[model.emb.weight]
@@ -148,39 +112,6 @@ def test_estimators_on_ids_and_tied_terms_are_unbiased():
         draws = torch.stack([hutchinson(g, 2, gen, plus_plus) for _ in range(2000)])  # k < rank 6
         se = draws.std(0) / math.sqrt(len(draws))
         assert ((draws.mean(0) - exact).abs() < 3 * se).all()
-
-
-def method_cfg(name="dp-adam", optimizer="adam", clipping="materialize", k=32):
-    if name == "galore-dp-naive":
-        return method_config(name, max_grad_norm=0.5, clipping=clipping, rank=4, refresh=10)
-    if name == "dp-sgd-rc":
-        return method_config(name, max_grad_norm=0.5, optimizer=optimizer, k=k)
-    return method_config(name, max_grad_norm=0.5, optimizer=optimizer, clipping=clipping)
-
-
-def roberta_case():
-    model, loss, b = tiny_roberta()
-    return model.double(), loss, b
-
-
-def layers_case():
-    return Layers().double(), loss_fn, batch()
-
-
-def vit_case():
-    model, loss, b = tiny_vit(attn="eager")
-    return model.double(), loss, {k: v.double() if v.is_floating_point() else v for k, v in b.items()}
-
-
-def run_steps(make, cls, cfg, steps=2, chunks=2, sigma=1.0):
-    torch.manual_seed(0)
-    model, loss, b = make()
-    method = cls(model, cfg, lr=0.05, noise=Noise(sigma, 0.5, 3.0, torch.Generator().manual_seed(7)))
-    n = len(next(iter(b.values())))
-    micro = [{k: v[i::chunks] for k, v in b.items()} for i in range(min(chunks, n))]
-    for _ in range(steps):
-        method.step(micro, loss)
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 @pytest.mark.parametrize("make", [layers_case, roberta_case, vit_case], ids=["layers", "roberta", "vit"])

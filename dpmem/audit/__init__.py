@@ -21,16 +21,6 @@ from dpmem.engine.trainer import Run
 from dpmem.methods import method_class
 
 
-def attach(method, canaries: GradientCanaries) -> None:
-    """Gradient canaries join the method's privatised quantity: the Privatizer's clipped sums, or DPZero's scalars."""
-    if method.privatize is not None:
-        method.privatize.canaries = canaries
-    elif hasattr(method, "canaries"):
-        method.canaries = canaries
-    else:
-        raise ConfigError("method.name", f"{type(method).__name__} has no privatised quantity to plant canaries in")
-
-
 def run_audit(cfg, out: Path) -> tuple[dict, str]:
     """Train `cfg` with canaries into out/run, write out/audit.json, audit.md and the scores figure."""
     a, name = cfg.audit, cfg.method.name
@@ -48,25 +38,26 @@ def run_audit(cfg, out: Path) -> tuple[dict, str]:
                           "into a fresh audit.dir")
     kind = enum_value(a.kind)
     start = time.perf_counter()
+    # gradient canaries join the method's privatised quantity (the Privatizer's clipped sums, DPZero's scalars);
+    # input canaries its training set
     inputs = InputCanaries(a.canaries, a.seed) if kind == "input" else None
+    canaries = inputs or GradientCanaries(a.canaries, a.norm * cfg.method.max_grad_norm, a.seed)
     (out / "run").mkdir(parents=True, exist_ok=True)
-    run = Run(cfg, out / "run", data_hook=inputs.plant if inputs else None)
-    run.prepare()
-    if inputs is None:
-        canaries = GradientCanaries(a.canaries, run.ledger.sample_rate, a.norm * cfg.method.max_grad_norm, a.seed)
-        attach(run.method, canaries)
+    run = Run(cfg, out / "run", data_hook=inputs.plant if inputs else None,
+              observers=() if inputs else (canaries,))
+    parts = run.prepare()
     summary = run.execute()
     if summary["status"] != "ok":
         raise RuntimeError(f"the audited run ended {summary['status']}: {summary['error']}")
     if inputs is not None:
-        inputs.score(run)
-        canaries = inputs
-    bound = audit_bound(canaries.scores.numpy(), canaries.included.numpy(), delta=run.ledger.delta, beta=a.beta)
+        inputs.score(parts, batch=max(1, cfg.train.physical_batch_size or cfg.train.batch_size))
+    ledger = parts.ledger
+    bound = audit_bound(canaries.scores.numpy(), canaries.included.numpy(), delta=ledger.delta, beta=a.beta)
     record = {"method": name, "clipping": summary["clipping"], "model": cfg.model.name, "data": cfg.data.name,
-              "kind": kind, "epsilon_claimed": summary["epsilon_spent"], "delta": run.ledger.delta,
-              "sigma": summary["sigma"], "steps": summary["steps_done"], "sample_rate": run.ledger.sample_rate,
+              "kind": kind, "epsilon_claimed": summary["epsilon_spent"], "delta": ledger.delta,
+              "sigma": summary["sigma"], "steps": summary["steps_done"], "sample_rate": ledger.sample_rate,
               **bound, "confidence": 1 - a.beta, "seconds": time.perf_counter() - start,
-              "scores": canaries.scores.tolist(), "in": canaries.included.tolist(), "run_dir": str(run.run_dir)}
+              "scores": canaries.scores.tolist(), "in": canaries.included.tolist(), "run_dir": str(out / "run")}
     (out / "audit.json").write_text(json.dumps(json_ready(record), indent=1) + "\n")
     text = table([record])
     (out / "audit.md").write_text(text)

@@ -26,13 +26,16 @@ from __future__ import annotations
 import torch
 
 from dpmem.config import ConfigError
+from dpmem.methods.privatize import Observer
 
 
-class GradientCanaries:
-    def __init__(self, m: int, sample_rate: float, norm: float, seed: int):
+class GradientCanaries(Observer):
+    """The Privatizer's observer (planted in the clipped sums, scored on the release), or DPZero's (its scalars)."""
+
+    def __init__(self, m: int, norm: float, seed: int):
         if m < 2:
             raise ValueError(f"audit.canaries={m}: need at least 2")
-        self.m, self.sample_rate, self.norm = m, sample_rate, norm
+        self.m, self.norm = m, norm
         self.gen = torch.Generator().manual_seed(seed)
         self.included = torch.rand(m, generator=self.gen) < 0.5  # the secret bits
         self.scores = torch.zeros(m, dtype=torch.float64)
@@ -67,19 +70,27 @@ class GradientCanaries:
                 seen.setdefault(j, None)
         return torch.tensor(list(seen)[:self.m])
 
-    def sample(self) -> torch.Tensor:
-        """This step's Poisson sample of the included canaries (rate q, as for real examples)."""
-        return self.included & (torch.rand(self.m, generator=self.gen) < self.sample_rate)
+    def sample(self, rate: float) -> torch.Tensor:
+        """This step's Poisson sample of the included canaries (the run's rate q, as for real examples)."""
+        return self.included & (torch.rand(self.m, generator=self.gen) < rate)
 
     # -- first-order methods: planted into the clipped sums, scored on the released gradient ---------------------
-    def plant(self, summed: dict, clipped_sum) -> None:
+    def on_clipped(self, privatizer, summed: dict) -> dict:
+        self.plant(summed, privatizer.clipped_sum_of, privatizer.noise.sample_rate)
+        return summed
+
+    def on_noised(self, privatizer, released: dict) -> dict:
+        self.record(released)
+        return released
+
+    def plant(self, summed: dict, clipped_sum, rate: float) -> None:
         """Add the sampled canaries to `summed`, clipped and summed by `clipped_sum` (the Privatizer's own code for
         real samples: norm rule, clip factors, weighted sum) from their per-sample gradients, one Dirac each."""
         if self.where is None:
             small = sum(s.numel() for s in summed.values()) <= 10**8  # the mask is a byte per coordinate, on the host
             zero = torch.cat([(s == 0).reshape(-1).cpu() for s in summed.values()]) if small else None
             self.place({key: s.shape for key, s in summed.items()}, zero)
-        sampled = self.sample()
+        sampled = self.sample(rate)
         for key, (ids, flat) in self.where.items():
             hit = flat[sampled[ids]]
             if len(hit):  # each canary lives in one key: its norm there is its whole norm
@@ -151,12 +162,13 @@ class InputCanaries:
         return data
 
     @torch.no_grad()
-    def score(self, run) -> None:
-        run.model.eval()
-        batch = max(1, run.cfg.train.physical_batch_size or run.cfg.train.batch_size)
+    def score(self, parts, batch: int) -> None:
+        """Minus the trained model's loss on each canary (with its wrong label), `batch` at a time."""
+        parts.model.eval()
         losses = []
         for start in range(0, self.m, batch):
-            mb = {k: v.to(run.device) for k, v in run.data.batch(self.examples, slice(start, start + batch)).items()}
-            with run.autocast():
-                losses.append(run.data.per_sample_loss(run.model, mb).double().cpu())
+            part = parts.data.batch(self.examples, slice(start, start + batch))
+            mb = {k: v.to(parts.device) for k, v in part.items()}
+            with parts.autocast():
+                losses.append(parts.per_sample_loss(parts.model, mb).double().cpu())
         self.scores = -torch.cat(losses)

@@ -3,67 +3,10 @@ that scores the model on the evaluation split."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
-
 import torch
 
 from dpmem.config import ConfigError
-
-
-@dataclass
-class DataBundle:
-    train: dict[str, torch.Tensor]  # columns, first dimension = examples
-    test: dict[str, torch.Tensor]  # the evaluated split (data.eval_split)
-    num_classes: int  # 0 for generation tasks
-    input_shape: tuple[int, ...]  # of one example's model input
-    per_sample_loss: Callable  # (model, batch) -> losses of shape (B,)
-    predict: Callable  # (model, batch) -> predicted labels, for the accuracy metric
-    metric_name: str = "accuracy"
-    # (model, device, batch_size, autocast) -> the metric on `test`, or a dict of metrics (metric_name's among them);
-    # None = accuracy of `predict` on test["labels"]
-    score: Optional[Callable] = None
-    # right-padded token columns: a batch drops the padding all its examples share (same losses, less compute)
-    trim_padding: bool = False
-    problem: Optional[dict] = None  # what a model built for this data set takes from it (data=median: A, alpha)
-
-    @property
-    def higher_is_better(self) -> bool:
-        return not is_loss(self.metric_name)
-
-    @property
-    def n_train(self) -> int:
-        return len(next(iter(self.train.values())))
-
-    def batch(self, columns: dict[str, torch.Tensor], index) -> dict[str, torch.Tensor]:
-        """The examples `index` (a tensor of indices or a slice) of `columns` (train or test)."""
-        out = take(columns, index)
-        mask = out.get("attention_mask")
-        if self.trim_padding and mask is not None and len(mask):
-            width = int(mask.sum(1).max())
-            out = {k: v[:, :width] if v.dim() == 2 and v.shape[1] == mask.shape[1] else v for k, v in out.items()}
-        return out
-
-
-def is_loss(metric_name) -> bool:
-    """The metric's direction and form, by its name: a loss (data=median's excess losses) is better lower and is
-    shown as it is; the others (accuracy, F1, EM, ROUGE-1) are fractions, better higher, shown in %."""
-    return str(metric_name).endswith("loss")
-
-
-def check_class_numbers(where: str, labels, other_way: str = "") -> None:
-    """Integer labels number the classes 0..C-1, with no more classes than examples: a label far out of range would
-    size the model's head (C = the largest label + 1). Raises ConfigError naming `where`."""
-    low, high = int(labels.min()), int(labels.max())
-    if low < 0 or high >= len(labels):
-        raise ConfigError("data.path", f"{where}: labels run from {low} to {high}"
-                          + (" (negative labels are no class)" if low < 0 else "")
-                          + f", which would make {high + 1} classes for {len(labels)} examples; number the classes "
-                          f"0..C-1{other_way}")
-
-
-def take(columns: dict[str, torch.Tensor], index) -> dict[str, torch.Tensor]:
-    return {k: v[index] for k, v in columns.items()}
+from dpmem.data.bundle import DataBundle, check_class_numbers, is_loss, take  # noqa: F401  (the package's API)
 
 
 def build_data(cfg, model_cfg) -> DataBundle:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from sklearn.model_selection import train_test_split
 
-from dpmem.data import DataBundle
+from dpmem.data.bundle import DataBundle
 
 
 def image_bundle(x_train, y_train, x_test=None, y_test=None, *, test_fraction: float, split_seed: int,

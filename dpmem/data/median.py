@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from dpmem.config import ConfigError
-from dpmem.data import DataBundle
+from dpmem.data.bundle import DataBundle
 
 METRICS = ("const", "sqr", "linear")
 TOLERANCE = 1e-13  # the fixed point's step in β at which min F is taken as found

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from dpmem.config import ConfigError
-from dpmem.data import check_class_numbers
+from dpmem.data.bundle import check_class_numbers
 from dpmem.data.images import image_bundle
 
 

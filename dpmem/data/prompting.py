@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from dpmem.config import ConfigError
-from dpmem.data import DataBundle, text
+from dpmem.data import text
+from dpmem.data.bundle import DataBundle
 from dpmem.data.metrics import mean_text_metric
 from dpmem.sources import offline as downloads_off
 from dpmem.sources import resolve_source

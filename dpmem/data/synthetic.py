@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from dpmem.config import ConfigError
-from dpmem.data import DataBundle
+from dpmem.data.bundle import DataBundle
 from dpmem.data import images, text
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from dpmem.config import ConfigError
-from dpmem.data import check_class_numbers
+from dpmem.data.bundle import check_class_numbers
 from dpmem.sources import offline as downloads_off
 
 PAIR_MLM = "{premise:drop_last}?{mask}, {hypothesis:lower_first}"  # LM-BFF's *sent-_0*?*mask*,*+sentl_1*

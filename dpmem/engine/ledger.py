@@ -12,10 +12,16 @@ import torch
 from torch import nn
 
 from dpmem import distributed
-from dpmem.config import ConfigError, enum_value, resolve_accountant, resolve_delta
-from dpmem.methods import Noise
+from dpmem.config import ConfigError, enum_value, resolve_delta
+from dpmem.methods import Noise, method_class
 from dpmem.methods.rc import max_layer_dimension, rc_dimension
 from dpmem.privacy import UnreachableTarget, calibrate_sigma, epsilon_spent
+
+
+def resolve_accountant(cfg) -> str:
+    """privacy.accountant, or for auto the one the method names (pld; rc for randomized clipping)."""
+    accountant = enum_value(cfg.privacy.accountant)
+    return method_class(cfg.method.name).accountant if accountant == "auto" else accountant
 
 
 class PrivacyLedger:
@@ -78,7 +84,7 @@ class PrivacyLedger:
             "sample_rate": self.sample_rate, "sampling": sampling,
             "accountant": self.accountant["accountant"] if self.accounted else None,
             "neighbouring": self.accountant["neighbouring"] if self.accounted else None,
-            "clipping": method.norm_rule(m) if self.private else None, "rc_accountant": rc,
+            "clipping": plan.name if (plan := method.clipping(m)) is not None else None, "rc_accountant": rc,
         }
 
     def sampler_seed(self, seed: int | None, train_seed: int) -> int:
@@ -96,7 +102,8 @@ class PrivacyLedger:
         if device.type != "meta":
             gen = torch.Generator(device=device)
             gen.manual_seed(seed if seed is not None else _os_seed())
-        return Noise(self.sigma, max_grad_norm, expected_batch_size=self.expected_batch_size, generator=gen)
+        return Noise(self.sigma, max_grad_norm, expected_batch_size=self.expected_batch_size, generator=gen,
+                     sample_rate=self.sample_rate)
 
     def mark_leak(self, why: str) -> None:
         self.leak = why

@@ -15,6 +15,7 @@ import re
 import time
 
 import torch
+from omegaconf import OmegaConf
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
@@ -23,8 +24,9 @@ from dpmem import sharding
 from dpmem.config import ConfigError, enum_value
 from dpmem.data import build_data, example_batch
 from dpmem.metering import CUDA_BLOCK, LiveTensorCounter, labelled_forward
-from dpmem.methods import Noise, build_method, method_class
-from dpmem.models import build_model, checkpoint_activations
+from dpmem.engine.assemble import assemble
+from dpmem.methods import method_class
+from dpmem.models import build_model
 
 # GPU memory is quoted in binary units whatever the suffix (a "24GB" card and an "80GB" H100 hold 24 and 80 GiB)
 UNITS = {"b": 1, "kb": 2**10, "mb": 2**20, "gb": 2**30, "tb": 2**40,
@@ -126,7 +128,7 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     world = mem.world_size
     device = torch.device(device or enum_value(mem.device))
     if world > 1:
-        sharding.check_method(method_class(m.name), m)
+        method_class(m.name).check_fsdp(m)
         if device.type != "meta":
             raise ConfigError("memory.device", "a plan over memory.world_size ranks is simulated (meta); to measure "
                               "one, run torchrun --nproc_per_node=N -m dpmem train train.fsdp=true")
@@ -139,27 +141,20 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     torch.manual_seed(t.seed)
     data = build_data(cfg.data, cfg.model)
     with torch.device("meta" if world > 1 else device):
-        model = build_model(cfg.model, data, weights=False).train()
+        model = build_model(cfg.model, data, weights=False)
     target = enum_value(mem.target)
-    if t.activation_checkpointing:
-        checkpoint_activations(model, lambda: AttentionKernels(target))
+    # the stand-in noise's expected batch size is the planned one; fake tensors have no values to compare
+    cfg = OmegaConf.merge(cfg, {"train": {"batch_size": batch}},
+                          {"method": {"check_coverage": False}} if world > 1 and "check_coverage" in m else {})
     ranks = sharding.simulated_ranks(world) if world > 1 else contextlib.nullcontext()
     with ranks as mesh:
-        per_sample_loss = data.per_sample_loss
         if mesh is not None:
-            root = sharding.shard_model(model.to_empty(device=device), mesh)  # fake tensors, uninitialised
-            per_sample_loss = root.calling(per_sample_loss)
-            if "check_coverage" in m:
-                m = m.copy()
-                m.check_coverage = False  # fake tensors have no values to compare
-        noise = None
-        if method_class(m.name).private:  # sigma and the generator change values, not memory
-            gen = None if device.type == "meta" or mesh is not None else torch.Generator(device=device).manual_seed(0)
-            noise = Noise(1.0, m.max_grad_norm, float(batch), gen)
-        method = build_method(m, model, t.lr, noise, seed=t.seed)
+            model = model.to_empty(device=device)  # fake tensors, uninitialised
+        parts = assemble(cfg, device, data, model, mesh=mesh, recompute=lambda: AttentionKernels(target))
+        method = parts.method
         sizes = [physical] * (per_rank // physical) + ([per_rank % physical] if per_rank % physical else [])
         micro = [example_batch(data, size, device) for size in sizes]
-        loss_fn = labelled_forward(per_sample_loss)
+        loss_fn = labelled_forward(parts.per_sample_loss)
         block = CUDA_BLOCK if target == "cuda" else 1
         with AttentionKernels(target), UnknownValues() as unknown:
             method.step(micro, loss_fn)

@@ -20,15 +20,15 @@ from tqdm import tqdm
 from dpmem import distributed, precision, sharding
 from dpmem.config import ConfigError, enum_value
 from dpmem.data import DataBundle, build_data
+from dpmem.engine import checkpoint
+from dpmem.engine.assemble import Parts, assemble
 from dpmem.engine.folder import claim, fingerprint, write_config
 from dpmem.engine.summary import (append_metrics, append_privacy, json_ready, most_spent, privacy_records,
                                   summary_table, versions, write_summary)
 from dpmem.engine.tracking import NoTracker, open_tracker
-from dpmem.engine.ledger import PrivacyLedger
 from dpmem.engine.meter import Meter
-from dpmem.methods import build_method, method_class
-from dpmem.methods.subspace import privacy_of
-from dpmem.models import build_model, checkpoint_activations
+from dpmem.methods import method_class
+from dpmem.methods.subspace import SubspaceProjection, privacy_of
 from dpmem.privacy.sampling import make_batches
 
 
@@ -92,20 +92,21 @@ class Run:
     Under torchrun every rank runs one `Run` on its part of each logical batch (`dpmem.distributed`); rank 0 alone
     writes the run folder (summary, metrics, checkpoints) and evaluates."""
 
-    def __init__(self, cfg, run_dir: Path, data_hook=None, checkpoint: dict | None = None):
+    def __init__(self, cfg, run_dir: Path, data_hook=None, checkpoint: dict | None = None, observers=()):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.checkpoint = checkpoint  # the state to resume from (dpmem.engine.folder.claim checked it)
         self.data_hook = data_hook  # changes the data set before anything is sized from it (dpmem audit's canaries)
+        self.observers = observers  # see the private step (dpmem audit's canaries, dpmem spectrum's recorder)
         self.summary: dict = {}
         self.exception: BaseException | None = None  # a training failure or a signal, re-raised by run_training
         self._eps_steps = 0  # the step count epsilon_spent was last computed for
         self.main = distributed.is_main()
-        self.root: sharding.Root | None = None  # under FSDP, what the model's functions are called through
         # rank 0 evaluates alone, unless FSDP's sharded forward needs every rank (all evaluate; rank 0 records)
         self.evaluates = self.main or cfg.train.fsdp
 
     # -- set-up (configuration errors surface here, before anything is trained) ----------------------------
-    def prepare(self) -> None:
+    def prepare(self) -> Parts:
+        """Build the run's parts (dpmem.engine.assemble) and its summary; returns the parts."""
         cfg = self.cfg
         t, p, m = cfg.train, cfg.privacy, cfg.method
         self.device = resolve_device(enum_value(t.device))
@@ -113,36 +114,35 @@ class Run:
         if why is not None:
             raise ConfigError("train.precision", why)
         self.precision = precision.RunPrecision(enum_value(t.precision), self.device)
-        self.autocast = self.precision.autocast  # a forward pass's context (evaluation, dpmem audit, dpmem spectrum)
         torch.manual_seed(t.seed)
-        self.data = build_data(cfg.data, cfg.model)
+        data = build_data(cfg.data, cfg.model)
         if self.data_hook is not None:
-            self.data = self.data_hook(self.data)
-        n = self.data.n_train
+            data = self.data_hook(data)
+        n = data.n_train
         if t.batch_size > n:
             raise ConfigError("train.batch_size", f"{t.batch_size} is larger than the training set ({n})")
         self.steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * n / t.batch_size))
         method = method_class(m.name)
         sampling = enum_value(t.sampling)
         self.sampling = ("poisson" if method.private else "shuffle") if sampling == "auto" else sampling
-        self.model = build_model(cfg.model, self.data).to(self.device)
-        if distributed.world_size() > 1:  # the same initial weights on every rank, but each its own dropout masks
-            torch.manual_seed(t.seed + 1_000_003 * distributed.rank())
-        if t.activation_checkpointing:
-            checkpoint_activations(self.model)
         if t.fsdp:
-            self._check_fsdp(method)
-            self.root = sharding.shard_model(self.model, sharding.mesh(self.device.type))
-        self.model.train()
-        self.ledger = PrivacyLedger(cfg, method, self.model, n, self.steps, self.sampling)
-        noise = self.ledger.noise(m.max_grad_norm, p.noise_seed, self.device) if method.private else None
-        self.method = build_method(m, self.model, t.lr, noise, seed=t.seed)
-        if t.activation_checkpointing and method.bookkeeping(m):
+            method.check_fsdp(m)
+        if t.fsdp and distributed.world_size() == 1:
+            raise ConfigError("train.fsdp", "shards over the ranks of a torchrun launch; run torchrun "
+                              "--nproc_per_node=N -m dpmem train ... with N > 1, or train.fsdp=false")
+        self.parts = parts = assemble(cfg, self.device, data, steps=self.steps, sampling=self.sampling,
+                                      mesh=sharding.mesh(self.device.type) if t.fsdp else None,
+                                      observers=self.observers)
+        parts.autocast = self.precision.autocast
+        self.data, self.model, self.method, self.ledger = parts.data, parts.model, parts.method, parts.ledger
+        plan = method.clipping(m)
+        if t.activation_checkpointing and plan is not None and plan.bookkeeping:
             print("dpmem: warning: book-keeping (method.clipping=bk, method.bookkeeping=true) keeps every layer's "
                   "input and output gradient until the norms are known, which activation checkpointing cannot "
                   "drop; two passes (method.clipping=ghost or mixed; dp-sgd-rc without bookkeeping) are the "
                   "low-memory choice with it", file=sys.stderr)
-        subspace = self.method.privatize.subspace if method.privatised_gradient else None
+        observers = self.method.privatize.observers if self.method.privatize is not None else ()
+        subspace = next((o for o in observers if isinstance(o, SubspaceProjection)), None)
         if subspace is not None:
             ok, why = privacy_of(subspace.source, cfg.data)
             if not ok:
@@ -164,12 +164,7 @@ class Run:
         if subspace is not None:
             self.summary["subspace"] = {"path": m.subspace.path, "k": subspace.k, "where": subspace.where,
                                         "private": ok, "why": why}
-
-    def _check_fsdp(self, method) -> None:
-        sharding.check_method(method, self.cfg.method)
-        if distributed.world_size() == 1:
-            raise ConfigError("train.fsdp", "shards over the ranks of a torchrun launch; run torchrun "
-                              "--nproc_per_node=N -m dpmem train ... with N > 1, or train.fsdp=false")
+        return parts
 
     def _write_summary(self) -> None:
         if self.main:
@@ -189,8 +184,8 @@ class Run:
             with self.precision:
                 self._train()
             self.summary["status"] = "ok"
-            if self.main:  # a finished run resumes nothing
-                (self.run_dir / "checkpoint.pt").unlink(missing_ok=True)
+            if self.main:
+                checkpoint.remove(self.run_dir)
         except (Exception, KeyboardInterrupt, Terminated) as e:  # the summary records it; the caller decides the exit
             # code. A signal from here on (torchrun's SIGTERM after a collective already failed) must not cut the
             # summary short
@@ -319,47 +314,21 @@ class Run:
             meter.close()
             s.update(meter.fields())
 
-    # -- checkpoints ----------------------------------------------------------------------------------------
+    # -- checkpoints (dpmem.engine.checkpoint) -------------------------------------------------------------
     def _checkpoint(self, step: int) -> None:
-        """Weights, method state (optimiser, projections, noise and direction generators), the global RNG (dropout),
-        the sampler's seed and the summary so far, written atomically. It holds the noise generator's state and the
-        sampler's seed: keep it as private as the data. Under torchrun rank 0 writes it, with every rank's RNG
-        state (the ranks' dropout masks differ); under FSDP every rank takes part in gathering the sharded tensors
-        whole, and the file is the same."""
-        rngs = distributed.gathered({"torch_rng": torch.get_rng_state(),
-                                     "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None})
-        fsdp = self.cfg.train.fsdp
-        model = sharding.model_state(self.model) if fsdp else None
-        method = self.method.state_dict() if fsdp or self.main else None
-        if not self.main:
-            return
-        state = {"step": step, "config": fingerprint(self.cfg), "world_size": len(rngs),
-                 "model": model if fsdp else self.model.state_dict(), "method": method, "rngs": rngs,
-                 "sampler_seed": self.sampler_seed,
-                 "summary": {k: self.summary[k] for k in RESUMED}}
-        tmp = self.run_dir / "checkpoint.pt.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, self.run_dir / "checkpoint.pt")
+        checkpoint.save(self.run_dir, step, self.cfg, self.parts, self.sampler_seed,
+                        {k: self.summary[k] for k in RESUMED})
 
     def _resume(self) -> int:
         """The steps done by the earlier run whose checkpoint this run resumes, their state restored. ε spent is
         recomputed for those steps: the accountant sees each step once, and the steps lost after the checkpoint are
         drawn again with the same batches and noise, so they release nothing new."""
-        state, fsdp = self.checkpoint, self.cfg.train.fsdp  # under FSDP each rank takes its shards from it
+        state = self.checkpoint
         self.checkpoint = None  # not kept beside the model it was loaded into
-        if fsdp:
-            sharding.load_model_state(self.model, state["model"])
-        else:
-            self.model.load_state_dict(state["model"])
-        self.method.load_state_dict(state["method"])
+        step = checkpoint.restore(state, self.cfg, self.parts)
         # the batches continue as the lost run drew them (a checkpoint of an older dpmem: the run seed's)
         self.sampler_seed = state.get("sampler_seed", self.cfg.train.seed)
         self.sampler_gen.manual_seed(self.sampler_seed)
-        rng = state["rngs"][distributed.rank()]
-        torch.set_rng_state(rng["torch_rng"])
-        if rng["cuda_rng"] is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda_rng"])
-        step = state["step"]
         self.summary.update(state["summary"], resumed_from_step=step)
         if self.main:
             print(f"dpmem: resuming {self.run_dir} from its checkpoint at step {step}", file=sys.stderr)
@@ -386,9 +355,7 @@ class Run:
         """The method's update for 0-based `step` at its scheduled learning rate: (lr, summed per-sample loss)."""
         lr = lr_at(step, self.steps, self.cfg.train)
         self.method.set_lr(lr)
-        loss_fn = self.data.per_sample_loss
-        loss_fn = self.precision.forward(loss_fn if self.root is None else self.root.calling(loss_fn))
-        return lr, self.method.step(micro, loss_fn)
+        return lr, self.method.step(micro, self.precision.forward(self.parts.per_sample_loss))
 
     def microbatches(self, index: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """A logical batch (training-set indices) as physical micro-batches on the device. Under FSDP every rank
@@ -425,8 +392,8 @@ class Run:
         """The data set's metrics ({metric_name: value}, and any others its task scores); the best so far of the
         metric, in its direction, and the last evaluation's others (summary's `metrics`) go in the summary."""
         with self.meter.paused():
-            value = evaluate(self.model, self.data, self.device, self.cfg.train.eval_batch_size, self.autocast,
-                             self.root)
+            value = evaluate(self.model, self.data, self.device, self.cfg.train.eval_batch_size,
+                             self.precision.autocast, self.parts.root)
         values = value if isinstance(value, dict) else {self.data.metric_name: value}
         if len(values) > 1:
             self.summary["metrics"] = values

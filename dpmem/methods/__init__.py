@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from omegaconf import OmegaConf
 
-from dpmem.config import ConfigError
+from dpmem.config import ConfigError, validate_groups
 from dpmem.methods.adam import Adam
 from dpmem.methods.base import Method, Noise
 from dpmem.methods.dp_adam import DPAdam
 from dpmem.methods.dpzero import DPZero, MeZO
 from dpmem.methods.galore import GaLore, GaLoreDPNaive
 from dpmem.methods.grape import Grape
+from dpmem.methods.privatize import Observer
 from dpmem.methods.rc import DPSGDRC
 from dpmem.methods.subspace import SubspaceProjection
 
@@ -24,18 +27,31 @@ def method_class(name: str) -> type[Method]:
     return METHODS[name]
 
 
+def validate(cfg) -> None:
+    """Every check of a run config that its types cannot express: each group's (dpmem.config.validate_groups),
+    then what the method's class requires of the whole config (Method.check). Raises ConfigError."""
+    cls = method_class(cfg.method.name)  # an unknown method is reported first
+    validate_groups(cfg)
+    cls.check(cfg)
+
+
 def method_config(name: str, **options):
     """The config of method `name` with its schema's defaults, e.g. method_config("grape", rank=4) in Python."""
     return OmegaConf.merge(OmegaConf.structured(method_class(name).config), {"name": name, **options})
 
 
-def build_method(cfg, model, lr: float, noise: Noise | None, seed: int = 0) -> Method:
+def build_method(cfg, model, lr: float, noise: Noise | None, seed: int = 0,
+                 observers: Sequence[Observer] = ()) -> Method:
+    """The method of `cfg`; `observers` see its private step (dpmem.methods.privatize.Observer). Subspace re-training's
+    projection (method.subspace.path) is the innermost one: they see the clipped sums before it projects them, and
+    the release after."""
     cls = method_class(cfg.name)
-    method = cls(model, cfg, lr, noise=noise, seed=seed)
+    if observers and not cls.private:
+        raise ConfigError("method.name", f"{cfg.name} is not private: it has no privatised quantity to observe")
     if cls.privatised_gradient and cfg.subspace.path is not None:
-        method.privatize.subspace = SubspaceProjection(cfg.subspace, model, method.privatize.params)
-    return method
+        observers = (*observers, SubspaceProjection(cfg.subspace, model))
+    return cls(model, cfg, lr, noise=noise, seed=seed, observers=observers)
 
 
-__all__ = ["build_method", "method_class", "method_config", "Method", "Noise", "METHODS", "Adam", "DPAdam", "MeZO",
-           "DPZero", "Grape", "GaLore", "GaLoreDPNaive", "DPSGDRC"]
+__all__ = ["build_method", "method_class", "method_config", "validate", "Method", "Noise", "METHODS", "Adam",
+           "DPAdam", "MeZO", "DPZero", "Grape", "GaLore", "GaLoreDPNaive", "DPSGDRC"]

@@ -12,14 +12,12 @@ from dpmem.methods.base import Method, batch_size, make_optimizer
 class Adam(Method):
     config = OptimizerConfig
 
-    def __init__(self, model, cfg, lr, noise=None, seed=0):
+    def __init__(self, model, cfg, lr, noise=None, seed=0, observers=()):
         super().__init__(model, cfg, lr)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, cfg, lr)
 
-    @classmethod
-    def shardable(cls, cfg) -> bool:
-        return True
+    shardable = True  # FSDP reduce-scatters autograd's batch gradient
 
     def step(self, microbatches, loss_fn):
         # the logical batch over all ranks (FSDP's padding micro-batches weigh 0)

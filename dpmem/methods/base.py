@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -10,7 +11,8 @@ import torch
 from torch import nn
 
 from dpmem import distributed, sharding
-from dpmem.config import MethodConfig, enum_value
+from dpmem.config import Accountant, ConfigError, MethodConfig, Neighbouring, Sampling, enum_value
+from dpmem.methods.clipping import ClippingPlan
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]  # per-sample losses, shape (B,)
@@ -24,6 +26,7 @@ class Noise:
     max_grad_norm: float
     expected_batch_size: float
     generator: torch.Generator | None  # None on the meta device
+    sample_rate: float | None = None  # q, the rate at which a record joins a step (dpmem audit's canaries join at it)
 
 
 def make_optimizer(params: Sequence[nn.Parameter], cfg, lr: float) -> torch.optim.Optimizer:
@@ -43,6 +46,13 @@ def batch_size(batch: Batch) -> int:
     return len(next(iter(batch.values())))
 
 
+def check_positive(method_cfg, *keys: str) -> None:
+    """Options counted in whole units (probes, rank, steps): each at least 1. Raises ConfigError."""
+    for key in keys:
+        if method_cfg[key] <= 0:
+            raise ConfigError(f"method.{key}", f"{method_cfg[key]} must be a positive integer")
+
+
 class Method:
     """One logical step from its physical micro-batches. Returns the summed per-sample loss (a tensor, so the
     step never syncs with the host)."""
@@ -53,23 +63,66 @@ class Method:
     privatised_gradient = False  # forms the full-dimensional privatised gradient (subspace re-training, spectrum)
     privatize = None  # first-order private methods: their dpmem.methods.privatize.Privatizer
 
-    @classmethod
-    def shardable(cls, cfg) -> bool:
-        """Whether its steps run with FSDP's sharded parameters (train.fsdp; see dpmem.sharding)."""
-        return False
+    # a method without per-sample clipping: whether FSDP can run its step (autograd's batch gradient, sharded)
+    shardable = False
 
     @classmethod
-    def bookkeeping(cls, cfg) -> bool:
-        """Clipping by book-keeping: one backward pass that keeps every layer's input and output gradient until the
-        per-sample norms are known (activation checkpointing cannot drop them; FSDP cannot shard them)."""
-        return cls.norm_rule(cfg) == "bk"
+    def check(cls, cfg) -> None:
+        """What the whole run config must satisfy for this method, beyond each group's own checks
+        (dpmem.config.validate_groups): finite options; for a private method, a clipping threshold, and sampling
+        and an accountant that account for it. A method with options of its own extends it. Raises ConfigError."""
+        t, p, m = cfg.train, cfg.privacy, cfg.method
+        for key, value in m.items():  # a NaN or infinite option trains garbage that looks fine: none is allowed
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"method.{key}", f"{value} must be a finite number")
+        if not cls.private:
+            return
+        if not m.max_grad_norm > 0:
+            # for dpzero C bounds the per-sample scalar (L⁺ − L⁻)/2λ, not a gradient norm
+            raise ConfigError("method.max_grad_norm", f"{m.max_grad_norm} must be > 0 for a private method")
+        if p.epsilon is None:  # privacy=none: it clips, nothing is accounted
+            return
+        if t.sampling == Sampling.shuffle:
+            raise ConfigError("train.sampling", "shuffle has no privacy accountant; allowed for private "
+                              "training: poisson (default), fixed (with privacy.accountant=rdp, "
+                              "privacy.neighbouring=replace_one)")
+        if t.sampling == Sampling.fixed and (
+                p.accountant != Accountant.rdp or p.neighbouring != Neighbouring.replace_one):
+            raise ConfigError("train.sampling", "fixed-size sampling is accounted only by privacy.accountant=rdp "
+                              "with privacy.neighbouring=replace_one")
+        if (t.sampling in (Sampling.poisson, Sampling.auto)
+                and p.accountant == Accountant.rdp and p.neighbouring == Neighbouring.replace_one):
+            raise ConfigError("privacy.accountant", "rdp accounts Poisson sampling only under add_remove; "
+                              "allowed with replace_one: pld")
+        randomized = cls.accountant == "rc"  # the accountant privacy.accountant=auto picks for it
+        if randomized and p.accountant in (Accountant.pld, Accountant.rdp):
+            raise ConfigError("privacy.accountant", f"{m.name} clips with estimated norms, which pld and rdp do not "
+                              "account for (epsilon would be understated); allowed: rc, auto")
+        if not randomized and p.accountant == Accountant.rc:
+            raise ConfigError("privacy.accountant", f"rc accounts randomized clipping (dp-sgd-rc), not {m.name}; "
+                              "allowed: auto, pld, rdp")
+        if randomized and p.neighbouring != Neighbouring.add_remove:
+            raise ConfigError("privacy.neighbouring", f"the rc accountant of {m.name} is for add_remove only; "
+                              "allowed: add_remove")
 
     @classmethod
-    def norm_rule(cls, cfg) -> str | None:
-        """How per-sample norms are formed (materialize, bk, fgc, ghost, mixed, hutch, hutchpp), for the summary."""
+    def clipping(cls, cfg) -> ClippingPlan | None:
+        """How its per-sample clipping forms the clipped sums (dpmem.methods.clipping); None: it clips none."""
         return None
 
-    def __init__(self, model: nn.Module, cfg, lr: float, noise: Noise | None = None, seed: int = 0):
+    @classmethod
+    def check_fsdp(cls, cfg) -> None:
+        """Refuse train.fsdp when the step needs whole parameters or gradients (see dpmem.sharding)."""
+        plan = cls.clipping(cfg)
+        if (plan.shardable if plan is not None else cls.shardable) and not (
+                cls.privatised_gradient and cfg.subspace.path is not None):
+            return
+        raise ConfigError("train.fsdp", f"method={cfg.name} ({plan.name if plan else 'its step'}) needs whole "
+                          "parameters or gradients; with FSDP: adam, grape, and two-pass clipping (dp-adam / dp-sgd "
+                          "with method.clipping=fgc, ghost or mixed; dp-sgd-rc without method.bookkeeping)")
+
+    def __init__(self, model: nn.Module, cfg, lr: float, noise: Noise | None = None, seed: int = 0, observers=()):
+        """`observers` see the private step (`dpmem.methods.privatize.Observer`; built by `build_method`)."""
         self.model, self.cfg, self.lr, self.noise = model, cfg, lr, noise
         self.optimizer: torch.optim.Optimizer | None = None  # methods with their own update leave it None
         self.noise_reseeded: str | None = None  # why a resumed run's noise generator could not take its saved state

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dpmem.config import DPAdamConfig, enum_value
 from dpmem.methods.base import Method, Noise, make_optimizer
+from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 
 
@@ -15,28 +16,18 @@ class DPAdam(Method):
     private = True
     privatised_gradient = True
 
-    def __init__(self, model, cfg, lr, noise: Noise, seed: int = 0):
+    def __init__(self, model, cfg, lr, noise: Noise, seed: int = 0, observers=()):
         super().__init__(model, cfg, lr, noise, seed)
-        self.privatize = Privatizer(model, noise, cfg.check_coverage, self.norm_rule(cfg),
-                                    **self.norm_options(cfg))
+        self.privatize = Privatizer(model, noise, self.clipping(cfg), cfg.check_coverage, observers)
         self.params = self.privatize.params
         self.optimizer = make_optimizer(self.params, cfg, lr)
 
     @classmethod
-    def shardable(cls, cfg) -> bool:  # two passes: autograd forms the clipped sum, which FSDP reduce-scatters
-        return cls.norm_rule(cfg) != "materialize" and not cls.bookkeeping(cfg)
-
-    @classmethod
-    def norm_rule(cls, cfg) -> str:
-        return enum_value(cfg.clipping)
-
-    @classmethod
-    def norm_options(cls, cfg) -> dict:
-        """The Privatizer's options of the norm rule besides its name."""
-        return {}
+    def clipping(cls, cfg) -> ClippingPlan:
+        return ClippingPlan.of(enum_value(cfg.clipping))
 
     def step(self, microbatches, loss_fn):
-        grads, loss_sum = self.privatize(microbatches, loss_fn, {p: p.shape for p in self.params})
+        grads, loss_sum = self.privatize.gradient(microbatches, loss_fn, {p: p.shape for p in self.params})
         for p in self.params:
             p.grad = grads[p]
         self.optimizer.step()

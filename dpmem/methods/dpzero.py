@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from dpmem import distributed
-from dpmem.config import DPZeroConfig, ZerothOrderConfig, enum_value
+from dpmem.config import ConfigError, DPZeroConfig, ZerothOrderConfig, enum_value
 from dpmem.methods.base import Method, Noise, batch_size
 
 
@@ -25,14 +25,23 @@ class ZerothOrder(Method):
 
     config = ZerothOrderConfig
 
-    def __init__(self, model, cfg, lr, noise: Noise | None = None, seed: int = 0):
+    @classmethod
+    def check(cls, cfg) -> None:
+        super().check(cfg)
+        if not cfg.method.zo_eps > 0:  # the perturbation size lambda
+            raise ConfigError("method.zo_eps", f"{cfg.method.zo_eps} must be > 0")
+
+    def __init__(self, model, cfg, lr, noise: Noise | None = None, seed: int = 0, observers=()):
         super().__init__(model, cfg, lr, noise, seed)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.eps, self.direction = cfg.zo_eps, enum_value(cfg.direction)
         self.device = self.params[0].device
         self.seeds = torch.Generator().manual_seed(seed)  # direction seeds, reproducible from the run seed
         self.dim = sum(p.numel() for p in self.params)
-        self.canaries = None  # dpmem.audit.canaries.GradientCanaries (DPZero), for dpmem audit
+        # dpmem audit's GradientCanaries (DPZero): scalars along the step's direction, clipped with the real ones
+        if len(observers) > 1:
+            raise ValueError(f"{cfg.name} takes one observer, dpmem audit's canaries; given {len(observers)}")
+        self.canaries = observers[0] if observers else None
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "direction_rng": self.seeds.get_state()}
@@ -96,7 +105,7 @@ class ZerothOrder(Method):
             g = self.aggregate(estimates)
         else:  # a canary's scalar is its gradient along this step's direction, clipped with the real ones
             along = self.canaries.directional(self._directions(seed))
-            planted = along[self.canaries.sample()].to(estimates.device, estimates.dtype)
+            planted = along[self.canaries.sample(self.noise.sample_rate)].to(estimates.device, estimates.dtype)
             g = self.aggregate(torch.cat([estimates, planted]))
             C = self.noise.max_grad_norm
             self.canaries.record_scalar(float(g), along.clamp(-C, C), C)

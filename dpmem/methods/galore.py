@@ -14,7 +14,8 @@ import torch
 
 from dpmem import distributed
 from dpmem.config import GaLoreDPNaiveConfig, ProjectedConfig, enum_value
-from dpmem.methods.base import Method, Noise, batch_size
+from dpmem.methods.base import Method, Noise, batch_size, check_positive
+from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
 from dpmem.persample import Projection
@@ -30,16 +31,21 @@ def svd_projection(g: torch.Tensor, side: int, rank: int) -> Projection:
 class GaLore(Method):
     config = ProjectedConfig
 
-    def __init__(self, model, cfg, lr, noise: Noise | None = None, seed: int = 0):
+    @classmethod
+    def check(cls, cfg) -> None:
+        super().check(cfg)
+        check_positive(cfg.method, "rank", "refresh")  # the projections' rank r, refreshed every F steps
+
+    def __init__(self, model, cfg, lr, noise: Noise | None = None, seed: int = 0, observers=()):
         super().__init__(model, cfg, lr, noise, seed)
         self.rank, self.refresh, self.t = cfg.rank, cfg.refresh, 0
-        self.params = self._parameters(model, noise, cfg)
+        self.params = self._parameters(model, noise, cfg, observers)
         self.sides = choose_projected(model, cfg.projected, cfg.rank)
         self.projections: dict[torch.nn.Parameter, Projection] = {}  # stored: r·Σm, as in the paper's Table 2
         shapes = {p: projected_shape(p, self.sides.get(p), self.rank) for p in self.params}
         self.adam = ProjectedAdam(self.params, shapes, cfg.betas, cfg.eps, cfg.weight_decay)
 
-    def _parameters(self, model, noise, cfg) -> list[torch.nn.Parameter]:
+    def _parameters(self, model, noise, cfg, observers) -> list[torch.nn.Parameter]:
         return [p for p in model.parameters() if p.requires_grad]
 
     def gradient(self, microbatches, loss_fn) -> tuple[dict | None, torch.Tensor]:
@@ -93,12 +99,12 @@ class GaLoreDPNaive(GaLore):
     privatised_gradient = True
 
     @classmethod
-    def norm_rule(cls, cfg) -> str:
-        return enum_value(cfg.clipping)
+    def clipping(cls, cfg) -> ClippingPlan:
+        return ClippingPlan.of(enum_value(cfg.clipping))
 
-    def _parameters(self, model, noise, cfg):
-        self.privatize = Privatizer(model, noise, cfg.check_coverage, self.norm_rule(cfg))
+    def _parameters(self, model, noise, cfg, observers):
+        self.privatize = Privatizer(model, noise, self.clipping(cfg), cfg.check_coverage, observers)
         return self.privatize.params
 
     def gradient(self, microbatches, loss_fn):
-        return self.privatize(microbatches, loss_fn, {p: p.shape for p in self.params})
+        return self.privatize.gradient(microbatches, loss_fn, {p: p.shape for p in self.params})

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from dpmem.config import GrapeConfig
-from dpmem.methods.base import Method, Noise
+from dpmem.methods.base import Method, Noise, check_positive
+from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
 from dpmem.persample import Projection
@@ -30,16 +31,18 @@ class Grape(Method):
     private = True  # its clipped sums live in the projected space: no full privatised gradient
 
     @classmethod
-    def shardable(cls, cfg) -> bool:  # its clipped sums are small projections, all-reduced whole
-        return True
+    def check(cls, cfg) -> None:
+        super().check(cfg)
+        check_positive(cfg.method, "rank", "refresh")  # the projections' rank r, refreshed every F steps
 
     @classmethod
-    def norm_rule(cls, cfg) -> str:
-        return "materialize"  # the projected per-sample gradients are small: they are materialised
+    def clipping(cls, cfg) -> ClippingPlan:
+        # the projected per-sample gradients are small: materialised, and all-reduced whole under FSDP
+        return ClippingPlan.of("materialize", projected=True)
 
-    def __init__(self, model, cfg, lr, noise: Noise, seed: int = 0):
+    def __init__(self, model, cfg, lr, noise: Noise, seed: int = 0, observers=()):
         super().__init__(model, cfg, lr, noise, seed)
-        self.privatize = Privatizer(model, noise, cfg.check_coverage)
+        self.privatize = Privatizer(model, noise, self.clipping(cfg), cfg.check_coverage, observers)
         self.params = self.privatize.params
         self.rank, self.refresh, self.seed, self.t = cfg.rank, cfg.refresh, seed, 0
         # parameter -> projected side (0 rows, 1 columns)
@@ -69,7 +72,7 @@ class Grape(Method):
 
     def step(self, microbatches, loss_fn):
         self.t = t = self.t + 1
-        grads, loss_sum = self.privatize(microbatches, loss_fn, self.shapes,
+        grads, loss_sum = self.privatize.gradient(microbatches, loss_fn, self.shapes,
                                          {p: (lambda p=p: self.projection(p, t)) for p in self.sides})
         # one layer's P at a time, regenerated for the update
         self.adam.step(grads, self.lr, t, lambda p: self.projection(p, t) if p in self.sides else None)

@@ -2,26 +2,15 @@
 
     G̃ = ( Σᵢ min(1, C/‖gᵢ‖)·gᵢ + N(0, σ²C² I) ) / (q·n)
 
-where gᵢ is sample i's gradient over all trainable parameters (projected ones as DP-GRAPE projects them).
-Clipped sums accumulate over physical micro-batches; the noise is drawn once per logical step.
-
-`clipping` says how Σᵢ min(1, C/‖gᵢ‖)·gᵢ is formed:
-- materialize: one backward pass keeps every parameter's per-sample gradients, then norms and the weighted sum;
-- bk (book-keeping, Bu et al. ICML 2023): one backward pass keeps each linear-like layer's factors (its input A
-  and output gradient G; dense per-sample gradients of the rest), exact norms from them (T×T Gram matrices or
-  the layer's per-sample products, whichever is smaller), then the clipped sum (c ⊙ G)ᵀA per layer;
-- fgc | ghost | mixed | hutch | hutchpp: two passes (Opacus' fast gradient clipping). The first backward keeps
-  only per-sample squared norms, one layer at a time (`dpmem.persample.norms` says how each rule gets them);
-  the second back-propagates Σᵢ min(1, C/‖gᵢ‖)·Lᵢ through the same graph, so autograd itself sums the clipped
-  gradients into `.grad`. With an estimator (DP-SGD-RC) ‖gᵢ‖ is the square root of the summed estimates.
-  `bookkeeping=True` takes an estimator's norms in bk's one pass instead: the same clip factors, hence the same
-  mechanism, with the clipped sums formed from the kept factors.
+where gᵢ is sample i's gradient over all trainable parameters (projected ones as DP-GRAPE projects them), in
+named stages as Opacus names them: clip and accumulate (over physical micro-batches; `dpmem.methods.clipping` says
+how), sum over ranks, add noise (drawn once per logical step), scale by 1/(q·n).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -29,13 +18,33 @@ from torch import nn
 from dpmem import distributed, sharding
 from dpmem.metering import memory_label
 from dpmem.methods.base import Noise, batch_size
-from dpmem.persample import (PerSampleGradients, Projection, clip_factors, reducers, verify_coverage, weighted_sum,
-                             weighted_sum_of)
+from dpmem.methods.clipping import ClippingPlan
+from dpmem.methods.coverage import verify_coverage
+from dpmem.persample import PerSampleGradients, Projection, clip_factors, reducers, weighted_sum, weighted_sum_of
 from dpmem.persample.hooks import remove_handles, weakly
-from dpmem.persample.norms import ESTIMATORS, RULES
 from dpmem.precision import exact_float32
 
-CLIPPINGS = ("materialize", "bk") + RULES
+
+class Observer:
+    """Sees, and may replace, a private step's quantities; given to the method (and its Privatizer) when it is made.
+    `on_clipped` gets the clipped sums of the whole logical batch (over every rank) before the noise, `on_noised`
+    the privatised gradient. Observers are called in their list's order before the noise and in the reverse order
+    after it, so the first one sees the rawest sums and the final release. A tensor they keep must be copied: the
+    noise is then added in place."""
+
+    def attach(self, privatizer: "Privatizer") -> None:
+        """Called once, when the privatizer is made (its model and parameters are known then)."""
+
+    def on_clipped(self, privatizer: "Privatizer", summed: dict) -> dict:
+        return summed
+
+    def on_noised(self, privatizer: "Privatizer", released: dict) -> dict:
+        return released
+
+
+class PrivateGradient(NamedTuple):
+    gradient: dict  # parameter -> its privatised gradient (shaped as asked: a projection for DP-GRAPE)
+    loss_sum: torch.Tensor  # the summed per-sample loss of the logical batch (on the device: no host sync)
 
 
 class Privatizer:
@@ -46,17 +55,9 @@ class Privatizer:
     its own call, so several privatizers on one model, or a plain `loss.backward()` beside one, do not interfere.
     """
 
-    def __init__(self, model: nn.Module, noise: Noise, check_coverage: bool = True, clipping: str = "materialize",
-                 k: int = 32, bookkeeping: bool = False):
-        if clipping not in CLIPPINGS:
-            raise ValueError(f"clipping {clipping!r}: allowed {', '.join(CLIPPINGS)}")
-        if bookkeeping and clipping not in ESTIMATORS:
-            raise ValueError(f"bookkeeping with an estimator ({', '.join(ESTIMATORS)}), not {clipping!r}; "
-                             "exact norms have clipping='bk'")
-        self.model, self.noise, self.clipping, self.k = model, noise, clipping, k
-        # one backward pass (materialize, book-keeping): the rule that norms the kept per-sample gradients (exact for
-        # dense ones, ghost for an embedding's, mixed for factors, or an estimator); None: two passes
-        self._one_pass_norms = {"materialize": "ghost", "bk": "mixed"}.get(clipping, clipping if bookkeeping else None)
+    def __init__(self, model: nn.Module, noise: Noise, plan: ClippingPlan = ClippingPlan.of("materialize"),
+                 check_coverage: bool = True, observers: Sequence[Observer] = ()):
+        self.model, self.noise, self.plan, self.observers = model, noise, plan, tuple(observers)
         self.persample = PerSampleGradients(model)
         self.params = self.persample.parameters
         self.device = self.params[0].device
@@ -69,18 +70,13 @@ class Privatizer:
         #   changes them, and the noise generator draws the same on all ranks;
         # - under FSDP, each rank's generator of the step's noise on its shards (seeded by the step's seed and rank).
         self.step_seeds = self._probe_draws = None
-        if noise.generator is not None and (clipping in ESTIMATORS or self.sharded):
+        if noise.generator is not None and (plan.estimated or self.sharded):
             seed = int(torch.randint(2**62, (1,), generator=noise.generator, device=noise.generator.device))
             self.step_seeds = torch.Generator().manual_seed(seed)
-        if self.step_seeds is not None and clipping in ESTIMATORS:
+        if self.step_seeds is not None and plan.estimated:
             self._probe_draws = torch.Generator(device=noise.generator.device)
         self._keep_grads = False  # the second pass of two-pass clipping accumulates into .grad
-        self._stepping = False  # inside __call__: the only time its hooks act
-        # Called with the clipped sums (before noise) and the expected batch size that turns them into a mean.
-        # The tensors are the ones the noise is then added to in place: an observer that keeps them must copy.
-        self.observe: Callable[[dict[nn.Parameter, torch.Tensor], float], None] | None = None
-        self.subspace = None  # dpmem.methods.subspace.SubspaceProjection, for subspace re-training
-        self.canaries = None  # dpmem.audit.canaries.GradientCanaries, for dpmem audit
+        self._stepping = False  # inside clip_and_accumulate: the only time its hooks act
         # autograd's batch gradient is a by-product of the backward pass: drop each as soon as it is made
         drop = weakly(self._drop_grad)
         self._handles = [p.register_post_accumulate_grad_hook(drop) for p in self.params]
@@ -92,6 +88,8 @@ class Privatizer:
             watch = weakly(self._watch_stand_ins)
             self._handles += [m.register_forward_pre_hook(watch) for m in model.modules()
                               if any(p.requires_grad for p in m.parameters(recurse=False))]
+        for observer in self.observers:
+            observer.attach(self)
 
     def _watch_stand_ins(self, module: nn.Module, args) -> None:
         for q in module.parameters(recurse=False):
@@ -114,56 +112,60 @@ class Privatizer:
         if self._stepping and not self._check_coverage and not self._keep_grads:
             p.grad = None
 
-    def __call__(self, microbatches, loss_fn, shapes: dict[nn.Parameter, torch.Size],
-                 projections: dict[nn.Parameter, Callable[[], Projection]] | None = None
-                 ) -> tuple[dict[nn.Parameter, torch.Tensor], torch.Tensor]:
-        """The privatised gradient (of shape `shapes[p]` per parameter) and the summed per-sample loss.
+    def gradient(self, microbatches, loss_fn, shapes: dict[nn.Parameter, torch.Size],
+                 projections: dict[nn.Parameter, Callable[[], Projection]] | None = None) -> PrivateGradient:
+        """One logical step's privatised gradient (of shape `shapes[p]` per parameter) and summed per-sample loss.
         `projections` (DP-GRAPE, one pass only) makes a parameter's projection when its layer's gradient arrives;
         its per-sample gradients, clipped sum and noise are then projected ones."""
-        if projections and self._one_pass_norms is None:
-            raise ValueError(f"projected per-sample gradients need one-pass clipping, not {self.clipping!r}")
+        summed, loss_sum = self.clip_and_accumulate(microbatches, loss_fn, shapes, projections)
+        with exact_float32(self.device):
+            summed = self.sum_over_ranks(summed)
+            for observer in self.observers:
+                summed = observer.on_clipped(self, summed)
+            released = self.scale(self.add_noise(summed))
+            for observer in reversed(self.observers):
+                released = observer.on_noised(self, released)
+        return PrivateGradient(released, loss_sum)
+
+    def clip_and_accumulate(self, microbatches, loss_fn, shapes, projections=None):
+        """(Σᵢ min(1, C/‖gᵢ‖)·gᵢ per parameter over this rank's micro-batches, their summed per-sample loss), as
+        the clipping plan says."""
+        if projections and self.plan.passes != 1:
+            raise ValueError(f"projected per-sample gradients need one-pass clipping, not {self.plan.name!r}")
         self._stepping = True
         try:
-            if self._one_pass_norms is not None:
-                summed, loss_sum = self._one_pass(microbatches, loss_fn, shapes, projections or {})
-            else:
-                summed, loss_sum = self._two_pass(microbatches, loss_fn)
+            if self.plan.passes == 1:
+                return self._one_pass(microbatches, loss_fn, shapes, projections or {})
+            return self._two_pass(microbatches, loss_fn)
         finally:
             self._stepping = False
-        with exact_float32(self.device):
-            return self._noised(summed), loss_sum
 
-    def _noised(self, summed: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
-        # the clipped sums of the whole logical batch, on every rank (FSDP's shards are reduced already)
+    def sum_over_ranks(self, summed: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        """The clipped sums of the whole logical batch, on every rank (FSDP's shards are reduced already)."""
         distributed.sum_(s for s in summed.values() if not sharding.is_sharded(s))
-        if self.observe is not None:  # e.g. dpmem spectrum's recorder of the non-noised clipped mean
-            self.observe(summed, self.noise.expected_batch_size)
-        if self.canaries is not None:  # planted gradients, clipped as the real ones are, summed before the noise
-            self.canaries.plant(summed, self._clipped_sum)
-        if self.subspace is not None and self.subspace.where == "clipped":
-            summed = self.subspace(summed)
-        summed = add_noise(summed, self.noise, self._shard_noise() if self.sharded else None)
-        if self.subspace is not None and self.subspace.where == "privatised":
-            summed = self.subspace(summed)
-        if self.canaries is not None:
-            self.canaries.record(summed)
         return summed
 
-    def _clipped_sum(self, grads: dict) -> dict:
+    def add_noise(self, summed: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        return add_noise(summed, self.noise, self._shard_noise() if self.sharded else None)
+
+    def scale(self, summed: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        return scale(summed, self.noise)
+
+    def clipped_sum_of(self, grads: dict) -> dict:
         """Σᵢ min(1, C/‖gᵢ‖)·gᵢ of per-sample gradients given outside a backward pass (dpmem audit's canaries:
-        `Factored` or dense rows, keyed like the clipped sums), through the real samples' code: the method's norm
+        `Factored` or dense rows, keyed like the clipped sums), through the real samples' code: the plan's norm
         rule and reducer, the clip factors, the weighted sum. A fault there shows in the audit."""
-        reduce = self._reducer() if self._one_pass_norms is not None else reducers.with_kept(
-            reducers.norms(self.clipping, self.k, self._probe_draws))
+        reduce = self._reducer() if self.plan.passes == 1 else reducers.normed(
+            self.plan.norms, self.plan.k, self._probe_draws)
         reduced = {key: reduce(g) for key, g in grads.items()}
-        factors = clip_factors(sum(squares for squares, _ in reduced.values()).sqrt(), self.noise.max_grad_norm)
-        return {key: weighted_sum_of(kept, factors) for key, (_, kept) in reduced.items()}
+        factors = clip_factors(sum(r.squares for r in reduced.values()).sqrt(), self.noise.max_grad_norm)
+        return {key: weighted_sum_of(r.grads, factors) for key, r in reduced.items()}
 
     def _reducer(self):
-        """One-pass clipping's reducer: squared norms by the method's rule, and the per-sample gradients kept for
-        the clipped sum (dense for materialize, factors for book-keeping)."""
-        dense = self.clipping == "materialize"
-        return reducers.normed(self._one_pass_norms, self.k, self._probe_draws,
+        """One-pass clipping's reducer: squared norms by the plan's rule, and the per-sample gradients kept for
+        the clipped sum (dense, or a layer's factors for book-keeping)."""
+        dense = self.plan.keeps == "gradients"
+        return reducers.normed(self.plan.norms, self.plan.k, self._probe_draws,
                                **({"then": reducers.materialize} if dense else {}))
 
     def _step_seed(self) -> int:
@@ -198,8 +200,8 @@ class Privatizer:
                 losses.sum().backward()
             with exact_float32(self.device):
                 # squared norms, made as each layer's gradient arrived, and its per-sample gradients
-                norms = sum(squares for squares, _ in kept.values()).sqrt()
-                grads = {p: g for p, (_, g) in kept.items()}
+                norms = sum(r.squares for r in kept.values()).sqrt()
+                grads = {p: r.grads for p, r in kept.items()}
                 del kept
                 if self._check_coverage:
                     self._check_coverage = False
@@ -218,7 +220,7 @@ class Privatizer:
     def _two_pass(self, microbatches, loss_fn):
         summed = {}  # the first micro-batch's .grad tensors themselves (`_accumulate`)
         loss_sum = torch.zeros((), device=self.device)
-        norm = reducers.norms(self.clipping, self.k, self._probe_draws)
+        norm = reducers.norms(self.plan.norms, self.plan.k, self._probe_draws)
         for mb in self._with_step_probes(microbatches):
             check = self._check_coverage
             reduce = dict.fromkeys(self.params, reducers.with_sum(norm) if check else norm)
@@ -228,9 +230,9 @@ class Privatizer:
             with exact_float32(self.device):
                 if check:
                     self._check_coverage = False
-                    verify_coverage(self.model, self.params, {p: total for p, (_, total) in kept.items()},
+                    verify_coverage(self.model, self.params, {p: r.total for p, r in kept.items()},
                                     compute=self.persample.compute)
-                    kept = {p: squares for p, (squares, _) in kept.items()}
+                    kept = {p: r.value for p, r in kept.items()}
                 factors = clip_factors(sum(kept.values()).sqrt(), self.noise.max_grad_norm) * sharding.weight(mb)
             self._keep_grads = True
             try:  # second pass: autograd forms Σᵢ fᵢ gᵢ in .grad, in the model's own precision
@@ -260,17 +262,22 @@ def _accumulate(summed: dict, p: nn.Parameter, part: torch.Tensor) -> None:
     summed[p] = part if p not in summed else summed[p].add_(part)
 
 
-def add_noise(summed: dict[nn.Parameter, torch.Tensor], noise: Noise,
-              own: torch.Generator | None = None) -> dict[nn.Parameter, torch.Tensor]:
-    """The Gaussian mechanism on clipped sums, in place: (Σᵢ clip(gᵢ) + N(0, σ²C² I)) / (q·n).
-
-    A sum every rank holds whole gets the same draw on every rank (the generator has one seed). A sum sharded by
-    FSDP gets, on each rank, a draw for its own shard from `own`, that rank's generator of the step."""
+def add_noise(summed: dict, noise: Noise, own: torch.Generator | None = None) -> dict:
+    """N(0, σ²C² I) added to each clipped sum in place. A sum every rank holds whole gets the same draw on every rank
+    (the generator has one seed); a sum sharded by FSDP gets, on each rank, a draw for its own shard from `own`,
+    that rank's generator of the step."""
     std = noise.sigma * noise.max_grad_norm
-    for p, s in summed.items():
+    if std == 0:  # sigma = 0 only for privacy=none: clipping without noise
+        return summed
+    for s in summed.values():
         part = sharding.local(s)
-        if std > 0:  # sigma = 0 only for privacy=none: clipping without noise
-            generator = own if part is not s and own is not None else noise.generator
-            part += std * torch.randn(part.shape, generator=generator, device=part.device, dtype=part.dtype)
-        part /= noise.expected_batch_size
+        generator = own if part is not s and own is not None else noise.generator
+        part += std * torch.randn(part.shape, generator=generator, device=part.device, dtype=part.dtype)
+    return summed
+
+
+def scale(summed: dict, noise: Noise) -> dict:
+    """Each sum divided in place by the expected batch size q·n (fixed, so the normalisation reveals nothing)."""
+    for s in summed.values():
+        sharding.local(s).div_(noise.expected_batch_size)
     return summed

@@ -18,6 +18,8 @@ import math
 from torch import nn
 
 from dpmem.config import DPSGDRCConfig, enum_value
+from dpmem.methods.base import check_positive
+from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.dp_adam import DPAdam
 from dpmem.persample import factored_weights
 
@@ -27,16 +29,13 @@ class DPSGDRC(DPAdam):
     accountant = "rc"  # the clipped contribution's norm may exceed C: pld and rdp would understate epsilon
 
     @classmethod
-    def norm_rule(cls, cfg) -> str:
-        return enum_value(cfg.estimator)
+    def check(cls, cfg) -> None:
+        super().check(cfg)
+        check_positive(cfg.method, "k")  # probes per estimate
 
     @classmethod
-    def norm_options(cls, cfg) -> dict:
-        return {"k": cfg.k, "bookkeeping": cfg.bookkeeping}  # probes per estimate; one pass or two
-
-    @classmethod
-    def bookkeeping(cls, cfg) -> bool:
-        return cfg.bookkeeping
+    def clipping(cls, cfg) -> ClippingPlan:  # k probes per estimate; one pass (book-keeping) or two
+        return ClippingPlan.of(enum_value(cfg.estimator), cfg.k, bookkeeping=cfg.bookkeeping)
 
 
 def estimated_matrices(model: nn.Module) -> list[nn.Parameter]:

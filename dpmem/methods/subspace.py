@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from dpmem.config import ConfigError, enum_value
+from dpmem.methods.privatize import Observer
 
 WHERE = ("clipped", "privatised")
 
@@ -48,17 +49,18 @@ def privacy_of(source: dict | None, data_cfg) -> tuple[bool, str]:
                    "the private data, so this run is not private (epsilon = inf)")
 
 
-class SubspaceProjection:
-    """g ↦ V_k V_kᵀ g on the concatenation of the trainable parameters' gradients, in the file's order."""
+class SubspaceProjection(Observer):
+    """g ↦ V_k V_kᵀ g on the concatenation of the trainable parameters' gradients, in the file's order: of the
+    clipped sums, or of the privatised gradient (`where`)."""
 
-    def __init__(self, cfg, model: nn.Module, params: list[nn.Parameter]):
+    def __init__(self, cfg, model: nn.Module):
         path = Path(cfg.path).expanduser()
         if not path.is_file():
             raise ConfigError("method.subspace.path", f"{path} is not a file; make one with dpmem spectrum "
                               "mode=trajectory (it writes subspace.pt)")
         stored = torch.load(path, map_location="cpu", weights_only=True)
         named = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        if sorted(stored["names"]) != sorted(named) or len(stored["names"]) != len(params):
+        if sorted(stored["names"]) != sorted(named):
             extra = sorted(set(named) - set(stored["names"])) or sorted(set(stored["names"]) - set(named))
             raise ConfigError("method.subspace.path", f"{path} covers other parameters than this run trains "
                               f"(e.g. {extra[:2]}); train the same ones (model.trainable) as the spectrum run")
@@ -73,6 +75,12 @@ class SubspaceProjection:
         self.order = [named[n] for n in stored["names"]]
         device = self.order[0].device
         self.basis = basis[:, :k].to(device=device, dtype=self.order[0].dtype).contiguous()
+
+    def on_clipped(self, privatizer, summed: dict) -> dict:
+        return self(summed) if self.where == "clipped" else summed
+
+    def on_noised(self, privatizer, released: dict) -> dict:
+        return self(released) if self.where == "privatised" else released
 
     def __call__(self, grads: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         flat = torch.cat([grads[p].reshape(-1) for p in self.order])

@@ -20,6 +20,8 @@ from functools import reduce
 
 import torch
 
+from dpmem.persample.projection import Projection
+
 
 def _is_ids(side: torch.Tensor) -> bool:
     return side.dim() == 2  # (B, T) integer rows; a dense side is (B, T, n)
@@ -145,9 +147,9 @@ class Factored:
         """gᵢ y for y (cols, k) or (B, cols, k): (B, rows, k)."""
         return _total(apply_t(left, apply(right, y), self.rows) for left, right in self.terms)
 
-    def project(self, projection) -> "Factored":
-        """Pᵀgᵢ (side 0) or gᵢP (side 1) of a matrix parameter (a `Projection`), still factored: P applied to
-        one side of each term (to ids, P's rows)."""
+    def project(self, projection: Projection) -> "Factored":
+        """Pᵀgᵢ (side 0) or gᵢP (side 1) of a matrix parameter, still factored: P applied to one side of each
+        term (to ids, P's rows)."""
         P, side = projection.P, projection.side
         if side == 0:
             terms = [(apply(left, P), right) for left, right in self.terms]

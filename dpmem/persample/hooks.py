@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -14,13 +13,11 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from dpmem import distributed, sharding
 from dpmem.metering import memory_label
 from dpmem.precision import Compute, exact_float32, tf32_enabled
 from dpmem.persample import rules  # noqa: F401  (registers the layer rules)
-from dpmem.persample.factored import Factored, weighted_sum_of
+from dpmem.persample.factored import Factored
 from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads
-from dpmem.persample.norms import squared_norms
 from dpmem.persample.reducers import Reducer, materialize
 from dpmem.persample.registry import Rule, rule_for
 
@@ -108,10 +105,10 @@ class PerSampleGradients:
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in claimed]
         if missing:
             raise ValueError(f"no per-sample rule covers {missing[0]}; add a rule or freeze it")
-        # what capture(batch_gradients=False) turns off: an embedding's weight (also tied to a head) keeps
-        # requires_grad, since its ids cannot carry a gradient to its hook; so do the fallback's
-        keep = {p for o in self._owners if o.rule is None or isinstance(o.module, nn.Embedding)
-                for p in o.params.values()}
+        # what capture(batch_gradients=False) turns off: the parameters of float-input rules. One also owned by a
+        # rule whose input is not (an embedding's ids cannot carry a gradient to its hook; a tied head) keeps
+        # requires_grad; so do the fallback's
+        keep = {p for o in self._owners if o.rule is None or not o.rule.float_input for p in o.params.values()}
         self._float_input_params = list(dict.fromkeys(p for o in self._owners for p in o.params.values()
                                                       if p not in keep))
         self._handles: list = []
@@ -308,67 +305,3 @@ def _tied_sum(a, b):
     if not dense.is_contiguous():  # a broadcast view cannot be added into
         return other + dense
     return other.add_to_(dense) if isinstance(other, Factored) else dense.add_(other)
-
-
-def per_sample_norms(grads: dict[nn.Parameter, torch.Tensor | Factored], rule: str = "ghost") -> torch.Tensor:
-    """Flat per-sample L2 norms over all parameters: sqrt(Σ_p ‖g_p,i‖²), shape (B,); factored gradients by an
-    exact `rule` of `dpmem.persample.norms` (ghost, fgc or mixed)."""
-    return torch.stack([squared_norms(g, rule) for g in grads.values()]).sum(0).sqrt()
-
-
-def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """min(1, C/‖gᵢ‖), with the same small guard against 0/0 as Opacus."""
-    return (max_norm / (norms + 1e-6)).clamp(max=1.0)
-
-
-def weighted_sum(grads: dict[nn.Parameter, torch.Tensor | Factored],
-                 weights: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
-    """Σᵢ wᵢ gᵢ per parameter (dense)."""
-    return {p: weighted_sum_of(g, weights) for p, g in grads.items()}
-
-
-def verify_coverage(model: nn.Module, params: list[nn.Parameter], totals: dict[nn.Parameter, torch.Tensor],
-                    transform: Callable[[nn.Parameter, torch.Tensor], torch.Tensor] | None = None,
-                    compute: Compute = Compute()) -> None:
-    """Once, on the first micro-batch, while autograd's batch gradients are still in `.grad`: the per-sample
-    gradients' sums `totals` (Σᵢ gᵢ per parameter) must equal them (after `transform`, e.g. a projection). A
-    parameter also used outside the module that owns it would otherwise be under-clipped. Clears the `.grad`s.
-    Skipped on the meta device.
-
-    The two are compared in float32 to the rounding `compute` allows (the backward's dtype and TF32: the batch
-    gradient comes out of the model's own matmuls, the sums out of full-float32 ones). A difference within a few
-    times that is reported as rounding (a warning); only a larger one blames the module."""
-    pairs = [(p, p.grad, totals.get(p)) for p in params]
-    for p in params:
-        p.grad = None
-    if not params or params[0].device.type == "meta":
-        return
-    if any(sharding.is_sharded(g) for _, g, _ in pairs):  # FSDP: the batch gradient is the sum over the ranks
-        distributed.sum_(t for _, _, t in pairs if t is not None)
-        pairs = [(p, None if g is None else sharding.full(g), t) for p, g, t in pairs]
-    names = {p: n for n, p in model.named_parameters()}
-    # a batch gradient rounds its inputs (TF32) or its output (bf16) once; float32 sums of thousands of terms in
-    # other orders differ by up to 1e-3 elementwise
-    tol = max(4 * compute.unit_roundoff, 1e-3)
-    # gradients that vanish analytically (attention key biases) are compared against the scale of the whole
-    # gradient, not their own
-    scale = max((float(b.abs().max()) for _, b, _ in pairs if b is not None), default=0.0)
-    for p, batch_grad, total in pairs:
-        if batch_grad is None or total is None:
-            continue
-        want = (transform(p, batch_grad) if transform is not None else batch_grad).float()
-        total = total.float()
-        if torch.allclose(total, want, rtol=tol, atol=0.1 * tol * scale):
-            continue
-        gap = float((total - want).norm() / want.norm().clamp_min(0.1 * tol * scale))
-        if gap <= ROUNDING_BAND * tol:
-            print(f"dpmem: warning: the per-sample gradients of {names[p]} sum to its batch gradient to {gap:.1e} "
-                  f"(relative), more than {compute.name} rounding's usual {tol:.1e} but of its size: rounding, not a "
-                  "use outside its module; training goes on", file=sys.stderr)
-            continue
-        raise RuntimeError(f"per-sample gradients of {names[p]} do not sum to its batch gradient (relative "
-                           f"difference {gap:.1e}; {compute.name} rounding explains up to {ROUNDING_BAND * tol:.1e}): "
-                           "it is used outside the module that owns it; add a rule for that module")
-
-
-ROUNDING_BAND = 8  # differences up to this many tolerances are rounding that ran long, not a missing use

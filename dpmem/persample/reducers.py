@@ -7,15 +7,28 @@ then, one layer at a time.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from dpmem.persample.factored import Factored, weighted_sum_of
 from dpmem.persample.norms import squared_norms
-from dpmem.persample.registry import Projection
+from dpmem.persample.projection import Projection
 
 Reducer = Callable[[Any], Any]
+
+
+class Normed(NamedTuple):
+    """What one-pass clipping keeps of a parameter: its squared per-sample norms (B,), and its per-sample gradients
+    (`Factored` or dense) for the clipped sum once every norm is known."""
+    squares: torch.Tensor
+    grads: Any
+
+
+class Summed(NamedTuple):
+    """What a reducer keeps of a parameter, and Σᵢ gᵢ: the coverage check's sum (for autograd's batch gradient)."""
+    value: Any
+    total: torch.Tensor
 
 
 def materialize(g):
@@ -36,20 +49,17 @@ def norms(rule: str, k: int = 32, generator: torch.Generator | None = None) -> R
 
 def normed(rule: str = "mixed", k: int = 32, generator: torch.Generator | None = None,
            then: Reducer = lambda g: g) -> Reducer:
-    """(squared norms, what `then` keeps): one-pass clipping. By default the factors as they are (book-keeping),
-    normed now (exactly, ghost or the per-sample product, whichever is smaller; or a DP-SGD-RC estimate) and kept
-    for the clipped sum (c ⊙ G)ᵀA once every norm is known; with `then=materialize`, dense gradients."""
+    """`Normed`: squared norms and what `then` keeps; one-pass clipping. By default the factors as they are
+    (book-keeping), normed now (exactly, ghost or the per-sample product, whichever is smaller; or a DP-SGD-RC
+    estimate) and kept for the clipped sum (c ⊙ G)ᵀA once every norm is known; with `then=materialize`, dense
+    gradients."""
     def reduce(g):
         kept = then(g)
-        return squared_norms(kept, rule, k, generator), kept
+        return Normed(squared_norms(kept, rule, k, generator), kept)
     return reduce
 
 
-def with_kept(reducer: Reducer) -> Reducer:
-    """(what `reducer` gives, the per-sample gradient itself)."""
-    return lambda g: (reducer(g), g)
-
-
 def with_sum(reducer: Reducer) -> Reducer:
-    """Also Σᵢ gᵢ, for the check that the per-sample gradients add up to autograd's batch gradient."""
-    return lambda g: (reducer(g), weighted_sum_of(g, torch.ones(g.shape[0], device=g.device)))
+    """`Summed`: what `reducer` gives, and Σᵢ gᵢ for the check that the per-sample gradients add up to autograd's
+    batch gradient."""
+    return lambda g: Summed(reducer(g), weighted_sum_of(g, torch.ones(g.shape[0], device=g.device)))

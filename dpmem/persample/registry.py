@@ -18,22 +18,6 @@ Capture = Callable[[nn.Module, tuple, dict, Any, Any], Any]  # (module, args, kw
 Gradients = Callable[[nn.Module, Any, torch.Tensor], dict[str, Any]]  # -> {name: Factored | dense}
 
 
-@dataclass(frozen=True)
-class Projection:
-    """Project a matrix parameter's per-sample gradients (B, rows, cols) on one side with P (dim, r):
-    side 0 gives Pᵀ·grad of shape (B, r, cols), side 1 gives grad·P of shape (B, rows, r)."""
-    P: torch.Tensor
-    side: int
-
-    def project(self, g: torch.Tensor) -> torch.Tensor:
-        """A (rows, cols) matrix to its projected form."""
-        return self.P.T @ g if self.side == 0 else g @ self.P
-
-    def lift(self, u: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
-        """A projected matrix back to (rows, cols), or only the given rows of it (an FSDP shard's)."""
-        return self.P[rows] @ u if self.side == 0 else u[rows] @ self.P.T
-
-
 def capture_first_input(module: nn.Module, args: tuple, kwargs: dict, output: Any, scope: Any) -> torch.Tensor:
     return args[0].detach() if args else next(iter(kwargs.values())).detach()
 
@@ -58,16 +42,19 @@ class Rule:
     factored: Callable[[nn.Module], bool] = never
     # Whether DP-GRAPE may project the weight (its factored gradient, on one side).
     projectable: bool = False
+    # Whether the layer's input is a float tensor through which a gradient can reach the hook; an embedding's ids
+    # cannot carry one, so its weight keeps requires_grad under `capture(batch_gradients=False)`.
+    float_input: bool = True
 
 
 RULES: dict[type, Rule] = {}
 
 
 def register(*types: type, capture: Capture = capture_first_input, scope=None, check=None, factored=never,
-             projectable: bool = False):
+             projectable: bool = False, float_input: bool = True):
     def wrap(gradients: Gradients) -> Gradients:
         for t in types:
-            RULES[t] = Rule(gradients, capture, scope, check, factored, projectable)
+            RULES[t] = Rule(gradients, capture, scope, check, factored, projectable, float_input)
         return gradients
     return wrap
 

@@ -15,7 +15,7 @@ import torch
 from dpmem.config import ConfigError, GrapeConfig
 from dpmem.engine.trainer import Run
 from dpmem.methods.base import Noise, batch_size
-from dpmem.methods.privatize import add_noise
+from dpmem.methods.privatize import add_noise, scale
 from dpmem.methods.projected_adam import choose_projected
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum_of
 from dpmem.spectrum.linalg import power_law_slope, top_singular_values
@@ -73,7 +73,7 @@ def measure(model, microbatches, loss_fn, layers: dict[str, torch.nn.Parameter],
         gen = torch.Generator(device=next(iter(layers.values())).device).manual_seed(seed)
         noise = Noise(sigma=s, max_grad_norm=c if c is not None else 1.0, expected_batch_size=expected_batch_size,
                       generator=gen)
-        private = add_noise({n: g.clone() for n, g in sums[c].items()}, noise)
+        private = scale(add_noise({n: g.clone() for n, g in sums[c].items()}, noise), noise)
         per_layer = {n: top_singular_values(g.reshape(g.shape[0], -1), top) for n, g in private.items()}
         results.append(summarise(c, s, per_layer))
     return results
@@ -97,12 +97,13 @@ def run_layer_mode(cfg, out) -> dict:
     sp, m = cfg.spectrum, cfg.method
     steps = sorted(set(sp.steps))
     run = Run(cfg, out)
-    run.prepare()
+    parts = run.prepare()
+    ledger, model = parts.ledger, parts.model
     if steps[-1] > run.steps:
         raise ConfigError("spectrum.steps", f"{steps[-1]} is beyond the run's {run.steps} steps")
-    chosen = settings(sp, m.max_grad_norm if run.ledger.private else None, run.ledger.sigma)
-    sides = choose_projected(run.model, sp.layers, GrapeConfig.rank)
-    names = {p: n for n, p in run.model.named_parameters()}
+    chosen = settings(sp, m.max_grad_norm if ledger.private else None, ledger.sigma)
+    sides = choose_projected(model, sp.layers, GrapeConfig.rank)
+    names = {p: n for n, p in model.named_parameters()}
     layers = {names[p]: p for p in sides}
     if not layers:
         raise ConfigError("spectrum.layers", f"{cfg.model.name} has no trained matrix with both sides > "
@@ -111,15 +112,15 @@ def run_layer_mode(cfg, out) -> dict:
     for index, micro in run.steps_on_device():
         step = index + 1
         if step in steps:
-            with run.autocast():
-                rows = measure(run.model, micro, run.data.per_sample_loss, layers, chosen,
-                               run.ledger.expected_batch_size, sp.top, sp.seed)
+            with parts.autocast():
+                rows = measure(model, micro, parts.per_sample_loss, layers, chosen,
+                               ledger.expected_batch_size, sp.top, sp.seed)
             measured.append({"step": step, "batch_size": sum(batch_size(mb) for mb in micro), "settings": rows})
         if step == steps[-1]:
             break
         run.train_step(index, micro)
     run.finish("ok", steps_done=steps[-1] - 1)  # the updates between measurements
     return {"mode": "layer", "model": cfg.model.name, "data": cfg.data.name, "method": m.name,
-            "sigma_from_privacy": run.ledger.sigma, "expected_batch_size": run.ledger.expected_batch_size,
+            "sigma_from_privacy": ledger.sigma, "expected_batch_size": ledger.expected_batch_size,
             "top": sp.top,
             "layers": list(layers), "steps": measured}

@@ -21,28 +21,35 @@ from dpmem.config import ConfigError
 from dpmem.engine.summary import summary_table
 from dpmem.engine.trainer import Run
 from dpmem.methods import METHODS, method_class
+from dpmem.methods.privatize import Observer
 from dpmem.methods.subspace import data_identity, save_subspace
 from dpmem.spectrum.linalg import orthogonal_iteration, power_law_slope, residual_norms
 
 
-class GradientRecorder:
+class GradientRecorder(Observer):
     """The privatizer's observer: flattens the recorded parameters' clipped mean gradient, keeps `chunk` rows in
     memory (float32, on the CPU) and writes each full chunk to `folder`/chunk_NNNNN.pt; index.json says what
     the rows are."""
 
-    def __init__(self, folder: Path, named: list[tuple[str, torch.nn.Parameter]], chunk: int, source: dict):
-        self.folder, self.named, self.chunk, self.source = Path(folder), named, chunk, source
-        self.folder.mkdir(parents=True, exist_ok=True)
+    def __init__(self, folder: Path, patterns, chunk: int, source: dict):
+        self.folder, self.patterns, self.chunk, self.source = Path(folder), patterns, chunk, source
+        self.named: list[tuple[str, torch.nn.Parameter]] = []  # the recorded parameters, once attached
         self.rows: list[torch.Tensor] = []
         self.files: list[str] = []
         self.count = 0
 
-    def __call__(self, sums: dict[torch.nn.Parameter, torch.Tensor], batch_size: float) -> None:
+    def attach(self, privatizer) -> None:
+        self.named = recorded_parameters(privatizer.model, self.patterns)
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def on_clipped(self, privatizer, summed: dict) -> dict:
         """One step's clipped sums; the row is their mean over the expected batch size, divided on the CPU copy."""
-        self.rows.append(torch.cat([sums[p].detach().reshape(-1).float().cpu() for _, p in self.named]) / batch_size)
+        batch = privatizer.noise.expected_batch_size
+        self.rows.append(torch.cat([summed[p].detach().reshape(-1).float().cpu() for _, p in self.named]) / batch)
         self.count += 1
         if len(self.rows) == self.chunk:
             self.flush()
+        return summed
 
     def flush(self) -> None:
         if self.rows:
@@ -56,10 +63,10 @@ class GradientRecorder:
         (self.folder / "index.json").write_text(json.dumps(index, indent=1) + "\n")
 
 
-def recorded_parameters(model, privatized: list[torch.nn.Parameter], patterns) -> list[tuple[str, torch.nn.Parameter]]:
-    """The privatised parameters whose names match spectrum.params (all of them when None), in model order."""
-    ids = {id(p) for p in privatized}
-    named = [(n, p) for n, p in model.named_parameters() if id(p) in ids]
+def recorded_parameters(model, patterns) -> list[tuple[str, torch.nn.Parameter]]:
+    """The trained (privatised) parameters whose names match spectrum.params (all of them when None), in model
+    order."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if patterns is not None:
         named = [(n, p) for n, p in named if any(fnmatch.fnmatch(n, pat) for pat in patterns)]
         if not named:
@@ -75,14 +82,11 @@ def record(cfg, out: Path) -> tuple[Run, Path]:
         allowed = ", ".join(n for n, c in METHODS.items() if c.privatised_gradient)
         raise ConfigError("method.name", f"{cfg.method.name} has no full clipped gradient to record; allowed: "
                           f"{allowed}")
-    run = Run(cfg, out)
-    run.prepare()
-    privatize = run.method.privatize
-    named = recorded_parameters(run.model, privatize.params, cfg.spectrum.params)
     folder = out / "gradients"
-    recorder = GradientRecorder(folder, named, cfg.spectrum.chunk,
+    recorder = GradientRecorder(folder, cfg.spectrum.params, cfg.spectrum.chunk,
                                 source={"data": data_identity(cfg.data), "noised": False, "run_dir": str(out)})
-    privatize.observe = recorder
+    run = Run(cfg, out, observers=(recorder,))
+    run.prepare()
     try:
         run.execute()
     finally:

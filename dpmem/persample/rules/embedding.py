@@ -44,7 +44,8 @@ def _check(name: str, module: nn.Embedding) -> None:
                          "and max_norm mix samples or rewrite the weight); turn those options off or freeze it")
 
 
-@register(nn.Embedding, capture=_capture, scope=_scope, check=_check, factored=always, projectable=True)
+@register(nn.Embedding, capture=_capture, scope=_scope, check=_check, factored=always, projectable=True,
+          float_input=False)
 def embedding(module: nn.Embedding, ids, grad_output) -> dict:
     """Row v of sample i's gradient is Σ_t [ids[i,t] = v]·G[i,t]: the factors (ids, G), never (B, vocab, D).
     F.embedding gives the padding row no gradient."""

@@ -1,0 +1,66 @@
+"""The one way a run is put together: model → activation checkpointing → FSDP sharding → noise → method, on the
+data the caller built (its size sets the steps). The trainer, the memory planner and the benchmarks assemble here
+and then drive the parts each its own way; dpmem spectrum and dpmem audit get the parts of their run."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from dpmem import distributed, sharding
+from dpmem.data import DataBundle
+from dpmem.engine.ledger import PrivacyLedger
+from dpmem.methods import Method, Noise, build_method, method_class
+from dpmem.methods.privatize import Observer
+from dpmem.models import build_model, checkpoint_activations
+
+
+@dataclass
+class Parts:
+    data: DataBundle
+    model: nn.Module
+    method: Method
+    device: torch.device
+    ledger: PrivacyLedger | None  # a run's privacy accounting; None where the noise is a stand-in (plans, benchmarks)
+    root: sharding.Root | None = None  # under FSDP, what the task's functions are called through
+    autocast: Callable = field(default=contextlib.nullcontext)  # a forward pass's context (train.precision)
+
+    @property
+    def per_sample_loss(self):
+        return self.data.per_sample_loss if self.root is None else self.root.calling(self.data.per_sample_loss)
+
+
+def assemble(cfg, device: torch.device, data: DataBundle, model: nn.Module | None = None, *,
+             steps: int | None = None, sampling: str | None = None, mesh=None, recompute=None,
+             observers: Sequence[Observer] = ()) -> Parts:
+    """The parts of `cfg` on `device`. `model`: one built already (a plan's, without weights); otherwise the
+    model is built with its weights and moved to `device`. `mesh`: shard it over those ranks (train.fsdp).
+    `recompute`: the context activation checkpointing's recompute runs in (a plan's attention kernels).
+
+    With `steps` and `sampling` the noise is the run's, calibrated by its privacy ledger; without, a stand-in of
+    σ = 1 (σ and the generator change values, not memory or time)."""
+    t, m = cfg.train, cfg.method
+    method = method_class(m.name)  # (train.fsdp's caller has checked method.check_fsdp)
+    if model is None:
+        model = build_model(cfg.model, data).to(device)
+    if distributed.world_size() > 1:  # the same initial weights on every rank, but each its own dropout masks
+        torch.manual_seed(t.seed + 1_000_003 * distributed.rank())
+    if t.activation_checkpointing:
+        checkpoint_activations(model, recompute)
+    root = sharding.shard_model(model, mesh) if mesh is not None else None
+    model.train()
+    ledger = noise = None
+    if steps is not None:
+        ledger = PrivacyLedger(cfg, method, model, data.n_train, steps, sampling)
+        if method.private:
+            noise = ledger.noise(m.max_grad_norm, cfg.privacy.noise_seed, device)
+    elif method.private:
+        # no generator where nothing is drawn: on meta, and on the fake tensors of simulated ranks
+        gen = None if device.type == "meta" or mesh is not None else torch.Generator(device=device).manual_seed(0)
+        noise = Noise(1.0, m.max_grad_norm, float(t.batch_size), gen)
+    return Parts(data, model, build_method(m, model, t.lr, noise, seed=t.seed, observers=observers), device,
+                 ledger, root)

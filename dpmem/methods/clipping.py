@@ -1,0 +1,69 @@
+"""How a private method forms Σᵢ min(1, C/‖gᵢ‖)·gᵢ: one value, built once by the method from its config
+(`Method.clipping`), read by the Privatizer, FSDP's check, the trainer's checkpointing warning and the summary.
+
+- materialize: one backward pass keeps every parameter's dense per-sample gradients, then norms and the weighted sum;
+- bk (book-keeping, Bu et al. ICML 2023): one backward pass keeps each linear-like layer's factors (its input A and
+  output gradient G; dense per-sample gradients of the rest), exact norms from them (T×T Gram matrices or the
+  layer's per-sample products, whichever is smaller), then the clipped sum (c ⊙ G)ᵀA per layer;
+- fgc | ghost | mixed | hutch | hutchpp: two passes (Opacus' fast gradient clipping). The first backward keeps only
+  per-sample squared norms, one layer at a time (`dpmem.persample.norms` says how each rule gets them); the second
+  back-propagates Σᵢ min(1, C/‖gᵢ‖)·Lᵢ through the same graph, so autograd itself sums the clipped gradients.
+  With an estimator (DP-SGD-RC) ‖gᵢ‖ is the square root of the summed estimates; with book-keeping it takes them in
+  bk's one pass instead (the same clip factors, the clipped sums from the kept factors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dpmem.persample.norms import ESTIMATORS, RULES
+
+CHOICES = ("materialize", "bk") + RULES
+KEEPS = ("gradients", "factors", "norms")
+
+
+@dataclass(frozen=True)
+class ClippingPlan:
+    name: str  # what the method's config chose (materialize, bk, fgc, ghost, mixed, hutch, hutchpp): the summary's
+    passes: int  # backward passes per micro-batch: 1 keeps per-sample gradients until the norms are known; 2 does not
+    norms: str  # the dpmem.persample.norms rule that norms what the backward keeps
+    keeps: str  # gradients (dense), factors (book-keeping: each layer's input and output gradient) or norms only
+    k: int = 32  # probes of an estimator
+    projected: bool = False  # DP-GRAPE: the kept per-sample gradients are small projections
+
+    def __post_init__(self):
+        if self.name not in CHOICES:
+            raise ValueError(f"clipping {self.name!r}: allowed {', '.join(CHOICES)}")
+        if self.keeps not in KEEPS or (self.passes == 2) != (self.keeps == "norms"):
+            raise ValueError(f"clipping {self.name!r}: {self.passes} passes cannot keep {self.keeps}")
+        if self.projected and self.passes != 1:
+            raise ValueError(f"projected per-sample gradients need one-pass clipping, not {self.name!r}")
+
+    @classmethod
+    def of(cls, name: str, k: int = 32, bookkeeping: bool = False, projected: bool = False) -> "ClippingPlan":
+        """The plan of a configured choice; `bookkeeping` takes an estimator's norms in bk's one pass."""
+        if bookkeeping and name not in ESTIMATORS:
+            raise ValueError(f"bookkeeping with an estimator ({', '.join(ESTIMATORS)}), not {name!r}; "
+                             "exact norms have clipping='bk'")
+        if name == "materialize":  # dense per-sample gradients: ghost norms them exactly (a sparse embedding's too)
+            return cls(name, 1, "ghost", "gradients", k, projected)
+        if name == "bk":
+            return cls(name, 1, "mixed", "factors", k, projected)
+        if bookkeeping:
+            return cls(name, 1, name, "factors", k, projected)
+        return cls(name, 2, name, "norms", k, projected)
+
+    @property
+    def bookkeeping(self) -> bool:
+        """Each layer's input and output gradient stay until the norms are known: activation checkpointing cannot
+        drop them, FSDP cannot shard them."""
+        return self.keeps == "factors"
+
+    @property
+    def shardable(self) -> bool:
+        """FSDP can run it: autograd forms the clipped sums (two passes), or they are small projections."""
+        return self.passes == 2 or self.projected
+
+    @property
+    def estimated(self) -> bool:
+        return self.norms in ESTIMATORS
