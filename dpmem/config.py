@@ -303,7 +303,9 @@ class TrainConfig:
     warmup_steps: int = 0
     seed: int = 0  # model init and data sampling
     eval_every: int = 0  # evaluate every N logical steps (0 = only at the end)
-    eval_batch_size: int = 256
+    # None = the physical batch size: evaluating a batch keeps far less than a training step on it, so a run sized
+    # by its training peak (dpmem memory) does not run out of memory at its final evaluation
+    eval_batch_size: Optional[int] = None
     sampling: Sampling = Sampling.auto
     device: Device = Device.auto
     precision: Precision = Precision.fp32  # fp32 | tf32 (CUDA) | bf16 (autocast): dpmem.precision
@@ -481,7 +483,7 @@ def check_train(t: Any) -> None:
         raise ConfigError("train.checkpoint_every", f"{t.checkpoint_every} must be >= 0 (0 = no checkpoints)")
     if t.eval_every < 0:
         raise ConfigError("train.eval_every", f"{t.eval_every} must be >= 0 (0 = only at the end)")
-    if t.eval_batch_size <= 0:
+    if t.eval_batch_size is not None and t.eval_batch_size <= 0:
         raise ConfigError("train.eval_batch_size", f"{t.eval_batch_size} must be positive")
     if t.precision == Precision.tf32 and t.device == Device.cpu:
         raise ConfigError("train.precision", "tf32 is a mode of CUDA GPUs' matmuls; allowed on cpu: fp32, bf16")

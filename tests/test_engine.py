@@ -130,3 +130,19 @@ def test_non_finite_hyperparameters_are_refused(override, key):
     with pytest.raises(ConfigError) as refused:
         validate(config("method=dp-adam", override))
     assert refused.value.key == key
+
+
+@pytest.mark.parametrize("overrides, want", [([], 32), (["train.physical_batch_size=8"], 8),
+                                             (["train.physical_batch_size=8", "train.eval_batch_size=100"], 100)])
+def test_evaluation_runs_at_the_physical_batch_size_unless_told(tmp_path, monkeypatch, overrides, want):
+    """Issue 35: a run sized by its training peak must not run out of memory at its final evaluation, so evaluation
+    batches default to the physical batch size (the logical one when there is no physical one)."""
+    import dpmem.engine.trainer as trainer
+    real, seen = trainer.evaluate, []
+
+    def recording(model, data, device, batch_size, *args):
+        seen.append(batch_size)
+        return real(model, data, device, batch_size, *args)
+    monkeypatch.setattr(trainer, "evaluate", recording)
+    run_training(config("method=adam", "train.steps=1", "train.device=cpu", *overrides), tmp_path)
+    assert seen == [want]

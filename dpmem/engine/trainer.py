@@ -392,7 +392,9 @@ class Run:
         """The data set's metrics ({metric_name: value}, and any others its task scores); the best so far of the
         metric, in its direction, and the last evaluation's others (summary's `metrics`) go in the summary."""
         with self.meter.paused():
-            value = evaluate(self.model, self.data, self.device, self.cfg.train.eval_batch_size,
+            t = self.cfg.train
+            value = evaluate(self.model, self.data, self.device,
+                             t.eval_batch_size or t.physical_batch_size or t.batch_size,
                              self.precision.autocast, self.parts.root)
         values = value if isinstance(value, dict) else {self.data.metric_name: value}
         if len(values) > 1:
