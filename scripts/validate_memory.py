@@ -13,6 +13,7 @@ outputs/bench/validate_memory.md.
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -28,6 +29,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=["adam", "dp-adam", "grape", "galore-dp-naive", "dp-sgd-rc",
                                                      "dpzero"])
+    ap.add_argument("--checkpointing", choices=["off", "on", "both"], default="both",
+                    help="train.activation_checkpointing for each method: off, on, or a row of each")
     ap.add_argument("--out", default="outputs/bench/validate_memory.md")
     args, overrides = ap.parse_known_args()
     gpu = torch.cuda.is_available()
@@ -40,12 +43,17 @@ def main() -> None:
         lines += ["No CUDA device here: nothing to compare with torch.cuda.max_memory_allocated/reserved. "
                   "Comparing the meta plan with the same steps on real CPU tensors (exact bytes) instead.", "",
                   "| method | plan on meta MiB | counted on CPU MiB | meta / CPU |", "|---|---|---|---|"]
-    for method in args.methods:
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.checkpointing]
+    for method, checkpointing in ((m, c) for m in args.methods for c in modes):
         with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            cfg = compose("config", overrides=[f"method={method}", *overrides]
-                          + ([] if gpu else ["memory.target=cpu"]))
+            cfg = compose("config", overrides=[f"method={method}", f"train.activation_checkpointing={checkpointing}",
+                                               *overrides] + ([] if gpu else ["memory.target=cpu"]))
         planned = plan(cfg, device="meta")
+        method = method + (" + checkpointing" if checkpointing else "")
         if gpu:
+            # the earlier rows' cached blocks go back to the device, so that this row's reserved figure is its own
+            gc.collect()
+            torch.cuda.empty_cache()
             real = plan(cfg, device="cuda")
             allocated, reserved = real["cuda_max_allocated_bytes"], real["cuda_max_reserved_bytes"]
             lines.append(f"| {method} | {planned['peak_bytes'] / MIB:.1f} | {allocated / MIB:.1f} | "
