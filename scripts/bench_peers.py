@@ -10,11 +10,27 @@ everything the step makes). Every private contestant runs with sigma = 1, C = 1 
 
 Text models train with their embeddings frozen and a classifier head; the ViT with its cls token and position
 embeddings frozen, since Opacus has no per-sample rule for them. The table lands in outputs/bench/peers.md.
+
+`--count-ops` adds the number of aten ops one training step dispatches (a TorchDispatchMode counts every op that
+reaches `__torch_dispatch__`, the backward's and the optimiser's included: forward, backward, clipping, noise,
+optimiser step, zeroing of gradients), counted over one step after the warm-up and outside the timed rounds. It is
+a proxy for the host's work per step (Python and dispatch overhead) that does not depend on the machine's speed;
+the optimiser's implementation does depend on the device (torch's AdamW runs for-each kernels on CUDA, a loop over
+the parameters on CPU), so compare counts taken on the same device.
+
+`--device cuda` puts models and batches on the GPU and runs the contestants one at a time: each is built, warmed
+up, counted, metered (peak = torch.cuda.max_memory_allocated over one step, from a reset after the warm-up, so
+parameters, gradients and optimiser state are in it), timed over `--steps` consecutive steps with
+torch.cuda.synchronize() around each, and freed before the next is built. `--precision tf32` (CUDA only) lets
+float32 matmuls and convolutions run in TF32 for the run; `--precision bf16` runs every contestant's forward under
+torch.autocast(bfloat16) (dpmem's through dpmem.precision.RunPrecision.forward, as `dpmem train` does), its
+backward and optimiser step outside. The CUDA path has not been run on a GPU yet.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from typing import Callable
@@ -23,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpmem.cli import CONF_DIR
 from dpmem.data import build_data
@@ -31,8 +48,10 @@ from dpmem.engine.assemble import assemble
 from dpmem.methods import method_config
 from dpmem.methods.base import optimizer_state
 from dpmem.models import build_model
+from dpmem.precision import RunPrecision, unsupported
 from dpmem.report import write_markdown
 
+ADAMW = "torch AdamW (non-private)"
 LR = 1e-4
 DPMEM = {"dpmem dp-adam (materialize)": ("dp-adam", {"clipping": "materialize"}),
          "dpmem dp-adam (bk)": ("dp-adam", {"clipping": "bk"}),
@@ -53,11 +72,25 @@ class Contestant:
         return self.state()
 
 
-def build(cfg, data, frozen: tuple[str, ...], state: dict) -> torch.nn.Module:
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is active, on every thread the autograd engine runs the backward on
+    (dispatch modes travel with its thread-local state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def build(cfg, data, frozen: tuple[str, ...], state: dict, device=torch.device("cpu")) -> torch.nn.Module:
     torch.manual_seed(0)
     model = build_model(cfg.model, data).train()
     if state:
         model.load_state_dict(state)
+    model.to(device)
     for n, p in model.named_parameters():
         if any(f in n for f in frozen):
             p.requires_grad_(False)
@@ -78,10 +111,12 @@ def trainable(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def backward_and_step(loss: Callable[[], torch.Tensor], opt) -> Callable[[], torch.Tensor]:
-    """A step of a peer whose optimiser does the private part (Opacus) or none (AdamW)."""
+def backward_and_step(loss: Callable[[], torch.Tensor], opt, autocast) -> Callable[[], torch.Tensor]:
+    """A step of a peer whose optimiser does the private part (Opacus) or none (AdamW); its forward (the loss) runs
+    under `autocast()`, the backward and the optimiser step outside it."""
     def step():
-        value = loss()
+        with autocast():
+            value = loss()
         value.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -89,23 +124,23 @@ def backward_and_step(loss: Callable[[], torch.Tensor], opt) -> Callable[[], tor
     return step
 
 
-def adamw(model, batch) -> Contestant:
+def adamw(model, batch, prec: RunPrecision) -> Contestant:
     opt = torch.optim.AdamW(trainable(model), lr=LR)
-    return Contestant(model, backward_and_step(lambda: per_sample_loss(model, batch).sum(), opt),
+    return Contestant(model, backward_and_step(lambda: per_sample_loss(model, batch).sum(), opt, prec.autocast),
                       lambda: optimizer_state(opt))
 
 
-def opacus_hooks(model, batch, size: int) -> Contestant:
+def opacus_hooks(model, batch, size: int, prec: RunPrecision) -> Contestant:
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
     gsm = GradSampleModule(model, loss_reduction="sum")
     opt = DPOptimizer(torch.optim.AdamW(trainable(model), lr=LR),
                       noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=size, loss_reduction="sum")
-    return Contestant(model, backward_and_step(lambda: per_sample_loss(gsm, batch).sum(), opt),
+    return Contestant(model, backward_and_step(lambda: per_sample_loss(gsm, batch).sum(), opt, prec.autocast),
                       lambda: optimizer_state(opt.original_optimizer))
 
 
-def opacus_ghost(model, batch, size: int) -> Contestant:
+def opacus_ghost(model, batch, size: int, prec: RunPrecision) -> Contestant:
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
@@ -116,41 +151,80 @@ def opacus_ghost(model, batch, size: int) -> Contestant:
                                           noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=size,
                                           loss_reduction="sum")
     criterion = DPLossFastGradientClipping(gsm, opt, torch.nn.CrossEntropyLoss(reduction="sum"), "sum")
-    return Contestant(model, backward_and_step(lambda: criterion(logits_of(gsm, batch), batch["labels"]), opt),
+    return Contestant(model, backward_and_step(lambda: criterion(logits_of(gsm, batch), batch["labels"]), opt,
+                                               prec.autocast),
                       lambda: optimizer_state(opt.original_optimizer))
 
 
-def dpmem_method(cfg, data, model, batch, size: int, name: str, options: dict) -> Contestant:
+def dpmem_method(cfg, data, model, batch, size: int, name: str, options: dict, prec: RunPrecision) -> Contestant:
     method_cfg = method_config(name, max_grad_norm=1.0,
                                **({"optimizer": "adamw"} if name in ("dp-adam", "dp-sgd-rc") else {}), **options)
     cfg = OmegaConf.merge(cfg, {"train": {"lr": LR, "batch_size": size}})
     cfg.method = method_cfg
-    method = assemble(cfg, torch.device("cpu"), data, model).method  # stand-in noise: sigma = 1
-    return Contestant(model, lambda: method.step([batch], per_sample_loss), method.state_tensors)
+    method = assemble(cfg, prec.device, data, model).method  # stand-in noise: sigma = 1
+    loss_fn = prec.forward(per_sample_loss)  # the forward under autocast (bf16), as `dpmem train` runs it
+    return Contestant(model, lambda: method.step([batch], loss_fn), method.state_tensors)
 
 
-def make_batch(cfg, data, size: int) -> dict[str, torch.Tensor]:
+def make_batch(cfg, data, size: int, device: torch.device) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     labels = torch.randint(0, data.num_classes, (size,), generator=g)
     if len(data.input_shape) == 3:
         idx = torch.randint(0, len(data.train["labels"]), (size,), generator=g)
-        return {"pixel_values": data.train["pixel_values"][idx], "labels": labels}
-    ids = torch.randint(3, cfg.model.arch.vocab_size, (size, *data.input_shape), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+        batch = {"pixel_values": data.train["pixel_values"][idx], "labels": labels}
+    else:
+        ids = torch.randint(3, cfg.model.arch.vocab_size, (size, *data.input_shape), generator=g)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    return {k: v.to(device) for k, v in batch.items()}
 
 
-def measure(contestants: dict[str, Contestant], size: int, rounds: int) -> dict[str, dict]:
-    out = {}
-    for name, c in contestants.items():  # warm-up (optimiser state, one-off checks), then one metered step
-        c.step()
-        with LiveTensorCounter().track_state(c.model, c) as counter:
+def timed(step: Callable[[], torch.Tensor], cuda: bool) -> float:
+    if cuda:
+        torch.cuda.synchronize()
+    tic = time.perf_counter()
+    float(step())  # waits for the device
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - tic
+
+
+def measure(makers: dict[str, Callable[[], Contestant]], size: int, rounds: int, device: torch.device,
+            count_ops: bool) -> dict[str, dict]:
+    """Each contestant is built and takes a warm-up step (optimiser state, one-off checks), then one step with its
+    ops counted (`count_ops`), then one metered step. On CPU all stay resident and `rounds` interleaved rounds of one
+    step each are timed; on CUDA each is timed over `rounds` consecutive steps and freed before the next is built,
+    so that max_memory_allocated sees one contestant only."""
+    cuda = device.type == "cuda"
+    out, resident = {}, {}
+    for name, make in makers.items():
+        if cuda:
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        c = make()
+        float(c.step())
+        r = out[name] = {"times": []}
+        if count_ops:  # one step, outside the timed ones: the mode's Python call per op slows every op
+            with OpCounter() as ops:
+                loss = c.step()
+            float(loss)
+            r["ops"] = ops.count
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)  # the peak starts at what is allocated now
             float(c.step())
-        out[name] = {"peak": counter.peak, "times": []}
+            torch.cuda.synchronize()
+            r["peak"] = torch.cuda.max_memory_allocated(device)
+            r["times"] = [timed(c.step, True) for _ in range(rounds)]
+            del c
+        else:
+            with LiveTensorCounter().track_state(c.model, c) as counter:
+                float(c.step())
+            r["peak"] = counter.peak
+            resident[name] = c
     for _ in range(rounds):
-        for name, c in contestants.items():
-            tic = time.perf_counter()
-            float(c.step())
-            out[name]["times"].append(time.perf_counter() - tic)
+        for name, c in resident.items():
+            out[name]["times"].append(timed(c.step, False))
     for v in out.values():
         v["rate"] = size / statistics.median(v["times"])
     return out
@@ -161,10 +235,18 @@ def main() -> None:
     ap.add_argument("--model", default="roberta-base")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 32])
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=3, help="interleaved timed rounds (median)")
+    ap.add_argument("--steps", type=int, default=3, help="timed rounds (median)")
     ap.add_argument("--contestants", nargs="+", default=None, help="names as in the table (default: all)")
+    ap.add_argument("--count-ops", action="store_true", help="count the aten ops of one step of each contestant")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default="fp32")
     ap.add_argument("--out", default="outputs/bench/peers.md")
     args, overrides = ap.parse_known_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is available here")
+    device = torch.device(args.device)
+    if why := unsupported(args.precision, device):
+        ap.error(f"--precision {args.precision}: {why}")
     torch.manual_seed(0)
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         text = args.model != "vit-tiny"
@@ -173,29 +255,43 @@ def main() -> None:
         cfg = compose("config", overrides=[f"model={args.model}", *data_over, *overrides])
     data = build_data(cfg.data, cfg.model)
     frozen = ("embeddings.",) if text else ("embeddings.cls_token", "embeddings.position_embeddings")
-    state = build(cfg, data, frozen, {}).state_dict()
-    lines = ["| B | contestant | samples/s | × AdamW | peak live tensors (MiB) | × AdamW |", "|---|---|---|---|---|---|"]
-    for size in args.batch_sizes:
-        batch = make_batch(cfg, data, size)
-        makers = {"torch AdamW (non-private)": lambda m: adamw(m, batch),
-                  "Opacus hooks": lambda m: opacus_hooks(m, batch, size),
-                  "Opacus ghost clipping": lambda m: opacus_ghost(m, batch, size),
-                  **{label: (lambda m, n=n, o=o: dpmem_method(cfg, data, m, batch, size, n, o))
-                     for label, (n, o) in DPMEM.items()}}
-        chosen = args.contestants or list(makers)
-        contestants = {name: makers[name](build(cfg, data, frozen, state)) for name in chosen}
-        results = measure(contestants, size, args.steps)
-        base = results.get("torch AdamW (non-private)")
-        for name, r in results.items():
-            rate = f"{r['rate'] / base['rate']:.2f}" if base else "-"
-            peak = f"{r['peak'] / base['peak']:.2f}" if base else "-"
-            lines.append(f"| {size} | {name} | {r['rate']:.3g} | {rate} | {r['peak'] / 2**20:.0f} | {peak} |")
-        del contestants
-    trainable = sum(p.numel() for p in build(cfg, data, frozen, state).parameters() if p.requires_grad)
+    model = build(cfg, data, frozen, {})
+    state, n_trainable = model.state_dict(), sum(p.numel() for p in trainable(model))
+    del model
+    peak_name = "peak allocated (MiB)" if device.type == "cuda" else "peak live tensors (MiB)"
+    lines = [f"| B | contestant | samples/s | × AdamW | {peak_name} | × AdamW |"
+             + (" aten ops / step | × AdamW |" if args.count_ops else ""),
+             "|---|---|---|---|---|---|" + ("---|---|" if args.count_ops else "")]
+    with RunPrecision(args.precision, device) as prec:  # the TF32 switches for the run
+        for size in args.batch_sizes:
+            batch = make_batch(cfg, data, size, device)
+            peers = {ADAMW: lambda m: adamw(m, batch, prec),
+                     "Opacus hooks": lambda m: opacus_hooks(m, batch, size, prec),
+                     "Opacus ghost clipping": lambda m: opacus_ghost(m, batch, size, prec),
+                     **{label: (lambda m, n=n, o=o: dpmem_method(cfg, data, m, batch, size, n, o, prec))
+                        for label, (n, o) in DPMEM.items()}}
+            makers = {name: (lambda make=peers[name]: make(build(cfg, data, frozen, state, device)))
+                      for name in args.contestants or list(peers)}
+            results = measure(makers, size, args.steps, device, args.count_ops)
+            base = results.get(ADAMW)
+            for name, r in results.items():
+                rate = f"{r['rate'] / base['rate']:.2f}" if base else "-"
+                peak = f"{r['peak'] / base['peak']:.2f}" if base else "-"
+                row = f"| {size} | {name} | {r['rate']:.3g} | {rate} | {r['peak'] / 2**20:.0f} | {peak} |"
+                if args.count_ops:
+                    row += f" {r['ops']} | {r['ops'] / base['ops']:.2f} |" if base else f" {r['ops']} | - |"
+                lines.append(row)
     shape = f"T = {args.seq_len}" if text else "8×8 digits"
-    header = (f"Peers on {args.model} ({trainable / 1e6:.2f}M trainable parameters, {shape}, overrides: "
-              f"{' '.join(overrides) or 'none'}), {torch.get_num_threads()} CPU threads, median of {args.steps} "
-              "interleaved steps after one warm-up; peak = live-tensor counter over one step.\n\n")
+    where = (f"{torch.cuda.get_device_name(device)}, contestants one at a time, median of {args.steps} steps"
+             if device.type == "cuda" else
+             f"CPU, {torch.get_num_threads()} threads, median of {args.steps} interleaved steps")
+    metered = ("peak = torch.cuda.max_memory_allocated over one step" if device.type == "cuda"
+               else "peak = live-tensor counter over one step")
+    ops = ("aten ops counted over one step after the warm-up (outside the timed steps)" if args.count_ops
+           else "aten ops not counted")
+    header = (f"Peers on {args.model} ({n_trainable / 1e6:.2f}M trainable parameters, {shape}, overrides: "
+              f"{' '.join(overrides) or 'none'}), device: {where} after one warm-up; precision {args.precision}; "
+              f"{metered}; {ops}.\n\n")
     write_markdown(args.out, header + "\n".join(lines) + "\n")
 
 

@@ -39,13 +39,19 @@ def test_bench_peers_writes_a_row_per_contestant(tmp_path):
     out = tmp_path / "peers.md"
     chosen = ["torch AdamW (non-private)", "Opacus hooks", "Opacus ghost clipping", "dpmem dp-adam (bk)"]
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "--batch-sizes", "2",
-                        "--seq-len", "8", "--steps", "1", "--contestants", *chosen, "--out", str(out),
+                        "--seq-len", "8", "--steps", "1", "--contestants", *chosen, "--out", str(out), "--count-ops",
                         "model.arch.num_hidden_layers=1"], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr
-    rows = {line.split("|")[2].strip(): line.split("|")[4].strip() for line in out.read_text().splitlines()
-            if line.startswith("| 2 ")}
-    assert list(rows) == chosen and rows["torch AdamW (non-private)"] == "1.00"
+    text = out.read_text()
+    assert "precision fp32" in text and "threads" in text and "aten ops counted" in text
+    rows = {cells[1]: cells[2:] for line in text.splitlines() if line.startswith("| 2 ")
+            for cells in [[c.strip() for c in line.split("|")[1:-1]]]}
+    assert list(rows) == chosen and rows["torch AdamW (non-private)"][1] == "1.00"
+    # aten ops / step and × AdamW: a positive count for every contestant, the private ones' above AdamW's
+    assert all(cells[4].isdigit() and int(cells[4]) > 0 for cells in rows.values())
+    assert rows["torch AdamW (non-private)"][5] == "1.00"
+    assert all(float(cells[5]) > 1 for name, cells in rows.items() if name != "torch AdamW (non-private)")
 
 
 def test_rc_sigma_writes_its_three_tables(tmp_path):
