@@ -134,7 +134,6 @@ class Run:
                                       mesh=sharding.mesh(self.device.type) if t.fsdp else None,
                                       observers=self.observers)
         parts.autocast = self.precision.autocast
-        self.data, self.model, self.method, self.ledger = parts.data, parts.model, parts.method, parts.ledger
         plan = method.clipping(m)
         if t.activation_checkpointing and plan is not None and plan.bookkeeping:
             print("dpmem: warning: book-keeping (method.clipping=bk, method.bookkeeping=true) keeps every layer's "
@@ -165,6 +164,12 @@ class Run:
             self.summary["subspace"] = {"path": m.subspace.path, "k": subspace.k, "where": subspace.where,
                                         "private": ok, "why": why}
         return parts
+
+    # the loop's names for its parts (dpmem.engine.assemble), not copies of them
+    data = property(lambda self: self.parts.data)
+    model = property(lambda self: self.parts.model)
+    method = property(lambda self: self.parts.method)
+    ledger = property(lambda self: self.parts.ledger)
 
     def _write_summary(self) -> None:
         if self.main:
