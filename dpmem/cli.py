@@ -382,9 +382,11 @@ def _memory(argv: list[str]) -> None:
         rows, found = [], None
         if mem.budget is None:
             for label, cfg in zip(labels, cfgs):
-                rows.append({"label": label, **plan(cfg)})
-                print(f"dpmem memory: {label} B={rows[-1]['batch_size']}: peak "
-                      f"{rows[-1]['peak_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
+                rows.append(row := {"label": label, **plan(cfg)})
+                print(f"dpmem memory: {label} B={row['batch_size']}: peak {row['peak_bytes'] / 2**30:.2f} GiB "
+                      f"(training {row['training']['peak_bytes'] / 2**30:.2f}, evaluation at B="
+                      f"{row['evaluation']['batch_size']} {row['evaluation']['peak_bytes'] / 2**30:.2f})",
+                      file=sys.stderr)
         else:
             budget, found = parse_bytes(mem.budget), []
             for label in dict.fromkeys(labels):  # batch sizes are searched, not taken from the overrides

@@ -304,7 +304,8 @@ class TrainConfig:
     seed: int = 0  # model init and data sampling
     eval_every: int = 0  # evaluate every N logical steps (0 = only at the end)
     # None = the physical batch size: evaluating a batch keeps far less than a training step on it, so a run sized
-    # by its training peak (dpmem memory) does not run out of memory at its final evaluation
+    # by its training peak does not run out of memory at its final evaluation (a generation's KV cache can still
+    # outgrow it: dpmem memory plans both, and reports the larger)
     eval_batch_size: Optional[int] = None
     sampling: Sampling = Sampling.auto
     device: Device = Device.auto

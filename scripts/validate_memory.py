@@ -5,15 +5,18 @@
 
 On a GPU each configuration is planned on meta (target cuda) and then run for the same steps on CUDA, and the
 table sets the plan beside torch.cuda.max_memory_allocated and max_memory_reserved (reset after the first,
-unmetered step; the run is `dpmem.engine.planner.plan` on device cuda). Without a GPU it says so and compares the meta plan with the same steps on real CPU tensors
-(live-tensor counter, exact bytes). Trailing key=value arguments are dpmem overrides. Writes
-outputs/bench/validate_memory.md.
+unmetered step; the run is `dpmem.engine.planner.plan` on device cuda). Without a GPU it says so and compares the
+meta plan with the same steps on real CPU tensors (live-tensor counter, exact bytes). Each configuration has a row
+for its training steps and one for its evaluation (at train.eval_batch_size, null = the physical batch size; a
+generation task's data.max_new_tokens generated), each part's peaks measured apart. Trailing key=value arguments
+are dpmem overrides. Writes outputs/bench/validate_memory.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import math
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -21,6 +24,7 @@ from hydra import compose, initialize_config_dir
 from dpmem.cli import CONF_DIR
 from dpmem.engine.planner import plan
 from dpmem.report import write_markdown
+from dpmem.report.memory import evaluated
 
 MIB = 2**20
 
@@ -36,13 +40,14 @@ def main() -> None:
     gpu = torch.cuda.is_available()
     lines = []
     if gpu:
-        lines += [f"GPU: {torch.cuda.get_device_name()}. Plan on meta (target cuda) against CUDA's peaks.", "",
-                  "| method | plan MiB | allocated MiB | plan / allocated | reserved est. MiB | reserved MiB |",
-                  "|---|---|---|---|---|---|"]
+        lines += [f"GPU: {torch.cuda.get_device_name()}. Plan on meta (target cuda) against CUDA's peaks; an "
+                  "evaluation's reserved figure includes the blocks training left cached, as in a run.", "",
+                  "| method | part | plan MiB | allocated MiB | plan / allocated | reserved est. MiB | reserved MiB |",
+                  "|---|---|---|---|---|---|---|"]
     else:
         lines += ["No CUDA device here: nothing to compare with torch.cuda.max_memory_allocated/reserved. "
                   "Comparing the meta plan with the same steps on real CPU tensors (exact bytes) instead.", "",
-                  "| method | plan on meta MiB | counted on CPU MiB | meta / CPU |", "|---|---|---|---|"]
+                  "| method | part | plan on meta MiB | counted on CPU MiB | meta / CPU |", "|---|---|---|---|---|"]
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.checkpointing]
     for method, checkpointing in ((m, c) for m in args.methods for c in modes):
         with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
@@ -54,15 +59,20 @@ def main() -> None:
             # the earlier rows' cached blocks go back to the device, so that this row's reserved figure is its own
             gc.collect()
             torch.cuda.empty_cache()
-            real = plan(cfg, device="cuda")
-            allocated, reserved = real["cuda_max_allocated_bytes"], real["cuda_max_reserved_bytes"]
-            lines.append(f"| {method} | {planned['peak_bytes'] / MIB:.1f} | {allocated / MIB:.1f} | "
-                         f"{planned['peak_bytes'] / allocated:.3f} | {planned['reserved_estimate_bytes'] / MIB:.1f} | "
-                         f"{reserved / MIB:.1f} |")
-        else:
-            counted = plan(cfg, device="cpu")["peak_bytes"]
-            lines.append(f"| {method} | {planned['peak_bytes'] / MIB:.2f} | {counted / MIB:.2f} | "
-                         f"{planned['peak_bytes'] / counted:.3f} |")
+        real = plan(cfg, device="cuda" if gpu else "cpu")
+        for part in ("training", "evaluation"):
+            mine, theirs = planned[part], real[part]
+            name = part if part == "training" else f"evaluation, B {evaluated(mine)}"
+            if gpu:
+                allocated = theirs["cuda_max_allocated_bytes"]
+                estimate = math.ceil(mine["peak_bytes"] * (1 + planned["allocator_overhead"]))
+                lines.append(f"| {method} | {name} | {mine['peak_bytes'] / MIB:.1f} | {allocated / MIB:.1f} | "
+                             f"{mine['peak_bytes'] / allocated:.3f} | {estimate / MIB:.1f} | "
+                             f"{theirs['cuda_max_reserved_bytes'] / MIB:.1f} |")
+            else:
+                counted = theirs["peak_bytes"]
+                lines.append(f"| {method} | {name} | {mine['peak_bytes'] / MIB:.2f} | {counted / MIB:.2f} | "
+                             f"{mine['peak_bytes'] / counted:.3f} |")
     text = "\n".join(lines) + "\n"
     write_markdown(args.out, text)
 

@@ -1,5 +1,6 @@
-"""Memory planning on the meta device: the plan equals what real tensors hold, its breakdown adds up to the peak
-and matches sizes computed from the model, the budget search finds what a scan finds, and the CLI writes it all."""
+"""Memory planning on the meta device: the plan equals what real tensors hold, in training steps and in a real run's
+evaluation (generation included), its breakdown adds up to the peak and matches sizes computed from the model, the
+run's peak is the larger part, the budget search finds what a scan finds, and the CLI writes it all."""
 
 import json
 
@@ -11,9 +12,10 @@ from dpmem.cli import CONF_DIR
 from dpmem.config import ConfigError
 from dpmem.data import build_data
 from dpmem.engine.planner import SEARCH_LIMIT, UnknownValues, largest_batch, parse_bytes, plan
-from dpmem.engine.trainer import run_training
+from dpmem.engine.trainer import Run, run_training
 from dpmem.metering import CATEGORIES, LiveTensorCounter
 from dpmem.models import build_model
+from text_fixtures import make_tokenizer, write_split
 
 
 def config(*overrides):
@@ -60,6 +62,9 @@ def test_the_meta_plan_equals_a_real_cpu_run(overrides):
         assert cpu["peak_bytes"] <= meta["peak_bytes"] <= 1.01 * cpu["peak_bytes"]
         return
     assert meta["peak_bytes"] == cpu["peak_bytes"] and meta["breakdown"] == cpu["breakdown"]
+    for part in ("training", "evaluation"):
+        assert meta[part]["peak_bytes"] == cpu[part]["peak_bytes"] and meta[part]["breakdown"] == cpu[part]["breakdown"]
+        assert sum(meta[part]["breakdown"].values()) == meta[part]["peak_bytes"]
     assert sum(meta["breakdown"].values()) == meta["peak_bytes"]
     assert set(meta["breakdown"]) == set(CATEGORIES)
 
@@ -73,8 +78,124 @@ def test_the_plan_equals_the_trainers_counted_peak(tmp_path, method):
            f"method={method}", "memory.target=cpu", "train.device=cpu"]
     summary = run_training(config(*run), tmp_path)
     assert summary["status"] == "ok" and summary["peak_memory_source"] == "live_tensors"
-    # the trainer also holds the indices it sampled and the batch it took from the data set
-    assert plan(config(*run))["peak_bytes"] == pytest.approx(summary["peak_memory_bytes"], rel=0.01)
+    # the trainer also holds the indices it sampled and the batch it took from the data set; on CPU it counts its
+    # training steps only
+    assert plan(config(*run))["training"]["peak_bytes"] == pytest.approx(summary["peak_memory_bytes"], rel=0.01)
+
+
+# A real run on CPU: a few steps, then its final evaluation
+RUN = ["train.steps=2", "logging.memory_steps=1", "privacy.accountant=rdp", "memory.target=cpu", "train.device=cpu"]
+IMAGES = ["model=vit-tiny", "data=synthetic", "data.image_size=8", "data.channels=1"]  # n_test = 0.2 n_train
+
+
+def real_run(tmp_path, monkeypatch, *overrides) -> tuple[dict, list[int]]:
+    """A `dpmem train` run on CPU, and the live-tensor counter's peak in each evaluation it did (Run._evaluate, as
+    the trainer calls it), beside everything the run holds then: parameters, gradients, the method's state, and
+    the test split. On CPU an evaluation batch is a view of the split, where a GPU run copies it to the device (as
+    the plan counts it): the settings here evaluate the whole split in one batch, so the split is that batch."""
+    peaks, evaluate = [], Run._evaluate
+
+    def counted(self):
+        counter = LiveTensorCounter().track_state(self.model, self.method).track(self.data.test.values(),
+                                                                                 "activations")
+        with counter:
+            values = evaluate(self)
+        peaks.append(counter.peak)
+        return values
+    monkeypatch.setattr(Run, "_evaluate", counted)
+    summary = run_training(config(*RUN, *overrides), tmp_path)
+    assert summary["status"] == "ok" and summary["peak_memory_source"] == "live_tensors", summary["error"]
+    return summary, peaks
+
+
+def assert_planned(planned: dict, counted: int) -> None:
+    """Exactly; where the model asked a meta tensor's truth value, the plan took the answer that keeps more."""
+    if planned["guessed_truth_values"]:
+        assert counted <= planned["peak_bytes"] <= 1.01 * counted, (planned["peak_bytes"], counted)
+    else:
+        assert planned["peak_bytes"] == counted
+
+
+EVALUATIONS = [
+    (*IMAGES, "data.n_train=40", "method=adam"),  # 8 test examples, evaluated at the physical batch size 8
+    (*IMAGES, "data.n_train=20", "method=grape", "train.physical_batch_size=4"),
+    (*IMAGES, "data.n_train=1000", "method=dp-adam", "method.clipping=bk", "train.eval_batch_size=200"),
+    ("model=opt-tiny", "data=synthetic", "data.seq_len=12", "data.n_train=40", "method=grape"),
+    ("model=roberta-tiny", "model.head=mlm", "data=synthetic", "data.seq_len=12", "data.n_train=40", "method=dp-adam",
+     "method.clipping=ghost", "train.activation_checkpointing=true"),
+]
+
+
+@pytest.mark.parametrize("overrides", EVALUATIONS, ids=lambda o: " ".join(o))
+def test_the_evaluation_plan_equals_a_real_runs_counted_evaluation(tmp_path, monkeypatch, overrides):
+    """What the meta plan says the run's evaluation holds at its peak is what the live-tensor counter counts in the
+    trainer's own evaluation, after training, on real CPU tensors."""
+    _, counted = real_run(tmp_path, monkeypatch, *overrides)
+    cfg = config(*RUN, *overrides)
+    planned = plan(cfg)
+    assert len(counted) == 1 and planned["evaluation"]["evaluates"] == "predict"
+    assert planned["evaluation"]["batch_size"] == len(build_data(cfg.data, cfg.model).test["labels"])  # one batch
+    assert_planned({**planned, **planned["evaluation"]}, counted[0])
+
+
+@pytest.fixture(scope="module")
+def squad(tmp_path_factory):
+    """A local SQuAD (3 test questions) and an OPT-style tokenizer."""
+    root = tmp_path_factory.mktemp("squad")
+    rows = [{"id": str(i), "title": "Paris", "context": "Many people live in paris city.",
+             "question": "Where do people live?", "answers": {"text": ["paris city"], "answer_start": [0]}}
+            for i in range(10)]
+    write_split(root / "squad", "train", rows)
+    write_split(root / "squad", "validation", rows[:3])
+    return ["model=opt-tiny", "data=squad", f"data.path={root / 'squad'}",
+            f"model.tokenizer={make_tokenizer(root / 'tok', 'opt')}"]
+
+
+def test_the_generation_plan_equals_a_real_runs_counted_generation(tmp_path, monkeypatch, squad):
+    """A generation task's evaluation is greedy generation with a KV cache (model.generate): planned on meta to its
+    full length, data.max_new_tokens, it holds what a real run's generation counts on CPU. The longer generation
+    peaks higher in the real run, so the peak is in the cache's growth, not the prompt's forward pass. Adam at a
+    tiny learning rate leaves the model random: it never generates eos early, as every row would after learning
+    the one answer."""
+    from transformers.generation.utils import GenerationMixin
+    lengths, generate = [], GenerationMixin.generate
+
+    def recorded(self, *args, **kwargs):
+        out = generate(self, *args, **kwargs)
+        lengths.append(out.shape[1] - kwargs["input_ids"].shape[1])
+        return out
+    monkeypatch.setattr(GenerationMixin, "generate", recorded)
+    peaks = {}
+    for tokens in (8, 64):
+        overrides = [*squad, "method=adam", "privacy=none", "train.lr=1e-9", f"data.max_new_tokens={tokens}"]
+        _, counted = real_run(tmp_path / str(tokens), monkeypatch, *overrides)
+        assert lengths.pop() == tokens and not lengths  # the real run generated all its tokens
+        planned = plan(config(*RUN, *overrides))
+        evaluation = planned["evaluation"]
+        assert (evaluation["evaluates"], evaluation["max_new_tokens"], evaluation["batch_size"]) == ("generate",
+                                                                                                    tokens, 3)
+        assert_planned({**planned, **evaluation}, counted[0])
+        peaks[tokens] = counted[0]
+    assert peaks[64] > peaks[8]
+
+
+@pytest.mark.parametrize("larger,overrides", [
+    ("training", (*IMAGES, "data.n_train=40", "method=dp-adam")),  # evaluated at the physical batch size, 8
+    ("evaluation", (*IMAGES, "data.n_train=1000", "method=dp-adam", "train.eval_batch_size=200")),
+])
+def test_the_runs_peak_is_the_larger_of_training_and_evaluation(tmp_path, monkeypatch, larger, overrides):
+    """Against what a real run counts: its training steps (the trainer's meter) and its evaluation. The headline
+    peak, its breakdown and the reserved estimate are the larger part's."""
+    fixed = ["train.sampling=fixed", "privacy.neighbouring=replace_one"]  # every step has B examples
+    summary, (evaluation,) = real_run(tmp_path, monkeypatch, *fixed, *overrides)
+    training = summary["peak_memory_bytes"]
+    assert (evaluation > training) == (larger == "evaluation")  # the setting is what the test says it is
+    planned = plan(config(*RUN, *fixed, *overrides))
+    assert planned["peak_part"] == larger and planned["breakdown"] == planned[larger]["breakdown"]
+    # the trainer also holds the indices it sampled in its steps (not when it evaluates)
+    assert planned["peak_bytes"] == pytest.approx(max(training, evaluation), rel=0.01)
+    assert planned["peak_bytes"] == max(planned["training"]["peak_bytes"], planned["evaluation"]["peak_bytes"])
+    assert planned["reserved_estimate_bytes"] == pytest.approx(1.1 * planned["peak_bytes"], abs=1)
 
 
 def test_the_counter_follows_storages_resized_in_place():
@@ -134,6 +255,17 @@ def test_the_budget_search_finds_what_a_scan_finds():
     assert batch == 0 and at_one["reserved_estimate_bytes"] == reserved[0]
 
 
+def test_the_budget_search_sizes_the_run_with_its_evaluation():
+    """A budget that a training step at B = 1 fits but the run's evaluation of 300 examples does not: no batch
+    fits the run."""
+    evaluating = config("method=dp-adam", *SMALL_PLAN, "train.eval_batch_size=300")
+    at_one = plan(evaluating, 1, physical_batch_size=1)
+    budget = (at_one["training"]["peak_bytes"] + at_one["evaluation"]["peak_bytes"]) // 2
+    batch, planned = largest_batch(evaluating, budget)
+    assert batch == 0 and planned["peak_part"] == "evaluation"
+    assert largest_batch(config("method=dp-adam", *SMALL_PLAN), budget)[0] >= 1
+
+
 def test_reserved_estimate_adds_the_allocator_fraction():
     p = plan(config("method=adam", "memory.allocator_overhead=0.25"))
     assert p["reserved_estimate_bytes"] == pytest.approx(1.25 * p["peak_bytes"], abs=1)
@@ -161,7 +293,10 @@ def test_dpmem_memory_sweep_writes_table_json_and_figures(tmp_path, cli):
     assert [(p["label"], p["batch_size"]) for p in plans] == [
         ("method=adam", 2), ("method=adam", 4), ("method=dp-adam", 2), ("method=dp-adam", 4)]
     assert all(p["device"] == "meta" and p["steps"] == 2 for p in plans)
-    assert "| method=dp-adam | 4 |" in r.stdout and (tmp_path / "out" / "memory.md").read_text() in r.stdout
+    assert all(p["peak_bytes"] == max(p["training"]["peak_bytes"], p["evaluation"]["peak_bytes"]) for p in plans)
+    assert all(p["evaluation"]["batch_size"] == p["batch_size"] for p in plans)  # the physical batch size
+    assert "| method=dp-adam | 4 | 4 | 4 |" in r.stdout and (tmp_path / "out" / "memory.md").read_text() in r.stdout
+    assert "| eval B | peak MiB | training MiB | evaluation MiB |" in r.stdout
     figures = {p.name for p in (tmp_path / "out").glob("*.png")}
     assert figures == {"memory_vs_batch.png", "memory_method=adam.png", "memory_method=dp-adam.png"}
 

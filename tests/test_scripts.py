@@ -87,9 +87,11 @@ def test_validate_memory_says_when_there_is_no_gpu(tmp_path):
     text = out.read_text()
     assert text.startswith("No CUDA device here")
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| adam ") or line.startswith("| grape ")]
-    # meta == CPU, with and without activation checkpointing
-    assert len(rows) == 4 and all(row[2].strip() == row[3].strip() for row in rows)
-    assert sum("+ checkpointing" in row[1] for row in rows) == 2
+    # meta == CPU, with and without activation checkpointing, for the training steps and the evaluation (at the
+    # physical batch size)
+    assert len(rows) == 8 and all(row[3].strip() == row[4].strip() for row in rows)
+    assert sum("+ checkpointing" in row[1] for row in rows) == 4
+    assert [row[2].strip() for row in rows[:2]] == ["training", "evaluation, B 4"]
 
 
 def test_audit_methods_writes_a_row_per_method_and_epsilon(tmp_path):

@@ -22,6 +22,9 @@ def build_data(cfg, model_cfg) -> DataBundle:
     return loaders[cfg.name](cfg)
 
 
-def example_batch(data: DataBundle, size: int, device) -> dict[str, torch.Tensor]:
-    """A batch of `size` copies of the first training example on `device` (meta: shapes only), for planning."""
-    return {k: v[:1].expand(size, *v.shape[1:]).contiguous().to(device) for k, v in data.train.items()}
+def example_batch(data: DataBundle, size: int, device, columns: dict[str, torch.Tensor] | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """A batch of `size` copies of the first example of `columns` (default: the training split) on `device` (meta:
+    shapes only), for planning."""
+    return {k: v[:1].expand(size, *v.shape[1:]).contiguous().to(device)
+            for k, v in (data.train if columns is None else columns).items()}

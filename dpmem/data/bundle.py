@@ -22,6 +22,9 @@ class DataBundle:
     # (model, device, batch_size, autocast) -> the metric on `test`, or a dict of metrics (metric_name's among them);
     # None = accuracy of `predict` on test["labels"]
     score: Optional[Callable] = None
+    # (model, batch, **generate options) -> generated ids: a generation task's work on one batch of `test`, which
+    # `score` runs per batch (and the memory planner on meta); None for tasks that do not generate
+    generate: Optional[Callable] = None
     # right-padded token columns: a batch drops the padding all its examples share (same losses, less compute)
     trim_padding: bool = False
     problem: Optional[dict] = None  # what a model built for this data set takes from it (data=median: A, alpha)

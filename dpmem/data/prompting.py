@@ -243,15 +243,18 @@ def _generation(cfg, task, enc: Encoder, template: str, train: list[dict], evalu
     answers = [list(map(str, r["answers"])) for r in evaluated]
     loss, _ = text.task("causal", [], generative=True)
 
+    def generate(model, batch, **options):
+        return model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              max_new_tokens=cfg.max_new_tokens, do_sample=False, pad_token_id=enc.pad,
+                              eos_token_id=eos, **options)
+
     @torch.no_grad()
     def score(model, device, batch_size: int, autocast) -> float:
         predictions = []
         for start in range(0, len(evaluated), batch_size):
             batch = {k: v[start:start + batch_size].to(device) for k, v in test_columns.items()}
             with autocast():
-                out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                     max_new_tokens=cfg.max_new_tokens, do_sample=False, pad_token_id=enc.pad,
-                                     eos_token_id=eos)
+                out = generate(model, batch)
             new = out[:, batch["input_ids"].shape[1]:]
             predictions += [t.split("\n")[0].strip() for t in enc.tok.batch_decode(new, skip_special_tokens=True)]
         return mean_text_metric(task.metric, predictions, answers)
@@ -260,4 +263,4 @@ def _generation(cfg, task, enc: Encoder, template: str, train: list[dict], evalu
         raise ConfigError("data.name", "a generation task has no class predictions")
 
     return DataBundle(train_columns, test_columns, 0, tuple(ids.shape[1:]), loss, no_classes,
-                      metric_name=task.metric, score=score, trim_padding=not task.fixed_length)
+                      metric_name=task.metric, score=score, generate=generate, trim_padding=not task.fixed_length)

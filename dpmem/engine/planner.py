@@ -19,12 +19,14 @@ from omegaconf import OmegaConf
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from dpmem import sharding
 from dpmem.config import ConfigError, enum_value
 from dpmem.data import build_data, example_batch
-from dpmem.metering import CUDA_BLOCK, LiveTensorCounter, labelled_forward
-from dpmem.engine.assemble import assemble
+from dpmem.metering import CUDA_BLOCK, LiveTensorCounter, labelled_forward, memory_label
+from dpmem.engine.assemble import Parts, assemble
+from dpmem.engine.trainer import eval_batch_size
 from dpmem.methods import method_class
 from dpmem.models import build_model
 
@@ -80,24 +82,44 @@ class AttentionKernels(TorchFunctionMode):
 
 
 class UnknownValues(TorchFunctionMode):
-    """A meta tensor has a shape but no values. A model that asks for one in its forward (transformers 5.17's
-    `_ignore_causal_mask_sdpa` reads `bool(mask.sum() == mask.numel())`, "is there no padding?") is told no: a
-    truth value on meta is False, the branch that keeps an explicit mask, which costs memory rather than saves it.
-    A number (`.item()` of a non-boolean) has no safe guess: that is an error that names the fallback. `guessed`
-    counts the answers given (the plan reports it)."""
+    """A meta tensor (or a simulated rank's fake tensor) has a shape but no values. A model that asks for one in its
+    forward (transformers 5.17's `_ignore_causal_mask_sdpa` reads `bool(mask.sum() == mask.numel())`, "is there no
+    padding?"; generate asks whether every sequence has finished) is told no: a truth value on meta is False, the
+    branch that keeps an explicit mask (or generates on), which costs memory rather than saves it. A number
+    (`.item()` of a non-boolean) has no safe guess: that is an error that names the fallback. `guessed` counts the
+    answers given (the plan reports it)."""
 
     def __init__(self):
         super().__init__()
         self.guessed = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (torch.Tensor.__bool__, torch.Tensor.item) and args and getattr(args[0], "is_meta", False):
+        valueless = args and (getattr(args[0], "is_meta", False)  # a fake tensor made from a number has its value
+                              or isinstance(args[0], FakeTensor) and args[0].constant is None)
+        if func in (torch.Tensor.__bool__, torch.Tensor.item) and valueless:
             if func is torch.Tensor.__bool__ or args[0].dtype == torch.bool:
                 self.guessed += 1
                 return False
             raise RuntimeError("the model reads a number out of a tensor (.item()) in its forward, which a meta plan "
                                "has no values for; plan on real tensors: memory.device=cpu (or cuda)")
         return func(*args, **(kwargs or {}))
+
+
+class FullLength(StoppingCriteria):
+    """Ends a planned generation when its sequences reach `length` (prompt + data.max_new_tokens), the longest a
+    real one runs, by raising `Reached`: on meta generate's own check "has every sequence finished?" is answered
+    no (UnknownValues), so it would never stop. A real generation stops at the same call, and frees from there."""
+
+    class Reached(Exception):
+        pass
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if input_ids.shape[1] >= self.length:
+            raise FullLength.Reached
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def _sig(mask):
@@ -118,7 +140,8 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     """Run `cfg.memory.steps` steps of cfg's method on one logical batch of `batch_size` (default
     train.batch_size) split into physical micro-batches (default train.physical_batch_size), on `device`
     (default memory.device), metering every step after the first (which creates the optimiser state and runs
-    one-off checks). Returns the peak tensor bytes and its breakdown."""
+    one-off checks); then the run's evaluation (`_evaluation`). Returns the run's peak tensor bytes, the larger of
+    training's and evaluation's, with its breakdown, and each part's."""
     t, m, mem = cfg.train, cfg.method, cfg.memory
     if enum_value(t.precision) == "bf16":  # tf32 rounds inside the matmuls: its tensors are fp32's
         raise ConfigError("train.precision", "memory is planned in float32: autocast has no meta backend, so a bf16 "
@@ -145,7 +168,10 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     target = enum_value(mem.target)
     # the stand-in noise's expected batch size is the planned one; fake tensors have no values to compare
     cfg = OmegaConf.merge(cfg, {"train": {"batch_size": batch}},
+                          {"train": {"physical_batch_size": physical_batch_size}} if physical_batch_size else {},
                           {"method": {"check_coverage": False}} if world > 1 and "check_coverage" in m else {})
+    n_test = len(next(iter(data.test.values()), []))
+    evaluated = min(eval_batch_size(cfg.train), n_test)  # a run's largest evaluation batch
     ranks = sharding.simulated_ranks(world) if world > 1 else contextlib.nullcontext()
     with ranks as mesh:
         if mesh is not None:
@@ -160,17 +186,17 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
             method.step(micro, loss_fn)
             counter = LiveTensorCounter(block).track_state(model, method)
             counter.track((v for mb in micro for v in mb.values()), "activations")  # the inputs
-            if device.type == "cuda":  # a real GPU: its allocator's peaks beside the count (scripts/validate_memory)
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
+            _cuda_peaks(device)  # on a real GPU, its allocator's peaks from here on beside the count (validate_memory)
             with counter:
                 for _ in range(mem.steps - 1):
                     method.step(micro, loss_fn)
-    cuda = {}
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        cuda = {"cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
-                "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+            training = {"peak_bytes": counter.peak, "breakdown": counter.peak_breakdown, **_cuda_peaks(device)}
+            del micro  # a run's micro-batches are gone when it evaluates
+            evaluation = _evaluation(parts, evaluated, cfg.data.max_new_tokens, block)
+            evaluation.update(_cuda_peaks(device))
+    part = "evaluation" if evaluation["peak_bytes"] > training["peak_bytes"] else "training"
+    peak = max(training["peak_bytes"], evaluation["peak_bytes"])
+    cuda = {key: max(training[key], evaluation[key]) for key in training if key.startswith("cuda_")}
     params = list(model.parameters())
     return {
         "method": m.name, "model": cfg.model.name, "data": cfg.data.name, "input_shape": list(data.input_shape),
@@ -179,21 +205,68 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
         "steps": mem.steps,
         "parameters": sum(p.numel() for p in params),
         "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
-        "peak_bytes": counter.peak, "breakdown": counter.peak_breakdown,
+        # the run's peak: training's or evaluation's (peak_part), whichever is larger, and its breakdown
+        "peak_bytes": peak, "breakdown": (training if part == "training" else evaluation)["breakdown"],
+        "peak_part": part, "training": training, "evaluation": evaluation,
         "rounding": f"{block}-byte blocks" if block > 1 else "exact bytes",
         "allocator_overhead": mem.allocator_overhead,
-        "reserved_estimate_bytes": math.ceil(counter.peak * (1 + mem.allocator_overhead)),
-        "guessed_truth_values": unknown.guessed,  # asked of meta tensors in the steps (UnknownValues)
+        "reserved_estimate_bytes": math.ceil(peak * (1 + mem.allocator_overhead)),
+        "guessed_truth_values": unknown.guessed,  # asked of meta tensors in the steps and evaluation (UnknownValues)
         "wall_s": time.perf_counter() - tic, **cuda,
     }
+
+
+def _evaluation(parts: Parts, size: int, max_new_tokens: int, block: int) -> dict:
+    """The run's evaluation (dpmem.engine.trainer.evaluate, at the end and every train.eval_every steps, between
+    steps): a batch of `size` test examples (copies of the first, at the split's full width) on the device and the
+    task's work on it, its generation of `max_new_tokens` or else `predict`, in eval mode under no_grad, beside
+    what the run keeps between steps (parameters, gradients, the method's state). A task that scores itself on the
+    host (data=median) adds nothing to that state."""
+    data, model = parts.data, parts.model
+    call = (lambda fn, batch: fn(model, batch)) if parts.root is None else parts.root
+    evaluates = "generate" if data.generate is not None else "predict" if data.score is None else "host"
+    work = size > 0 and evaluates != "host"
+    # made outside the count (which would see the test split that its copies are sliced from), counted as inputs
+    batch = example_batch(data, size, parts.device, data.test) if work else {}
+    counter = LiveTensorCounter(block).track_state(model, parts.method).track(batch.values(), "activations")
+    model.eval()
+    try:
+        with counter, torch.no_grad(), memory_label("activations"):
+            if work:
+                if evaluates == "predict":
+                    call(data.predict, batch)
+                else:
+                    stop = FullLength(batch["input_ids"].shape[1] + max_new_tokens)
+                    try:
+                        call(functools.partial(data.generate, stopping_criteria=StoppingCriteriaList([stop])), batch)
+                    except FullLength.Reached:
+                        pass
+    finally:
+        model.train()
+    return {"batch_size": size, "evaluates": evaluates,
+            "max_new_tokens": max_new_tokens if evaluates == "generate" else 0,
+            "peak_bytes": counter.peak, "breakdown": counter.peak_breakdown}
+
+
+def _cuda_peaks(device: torch.device) -> dict:
+    """CUDA's allocator peaks since the last call (then reset, so that the next part's are its own); none off CUDA."""
+    if device.type != "cuda":
+        return {}
+    torch.cuda.synchronize(device)
+    peaks = {"cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+             "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+    torch.cuda.reset_peak_memory_stats(device)
+    return peaks
 
 
 SEARCH_LIMIT = 1 << 16  # largest_batch looks no further: a budget that holds this many is said to be capped
 
 
 def largest_batch(cfg, budget: int, limit: int = SEARCH_LIMIT) -> tuple[int, dict | None]:
-    """The largest batch up to `limit`, in one physical batch, whose reserved estimate fits `budget` bytes, and its
-    plan; (0, plan at 1) if not even one example fits. Doubling, then bisection: memory grows with the batch."""
+    """The largest batch up to `limit`, in one physical batch, whose run's reserved estimate (training's or
+    evaluation's, the larger: the run must not run out of memory when it evaluates) fits `budget` bytes, and its
+    plan; (0, plan at 1) if not even one example fits. Doubling, then bisection: memory grows with the batch (and
+    so does evaluation's, at its default batch size, the physical one; a fixed train.eval_batch_size is a floor)."""
     fits = {}
 
     def ok(b):

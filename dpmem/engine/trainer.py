@@ -57,6 +57,11 @@ def lr_at(step: int, total: int, cfg) -> float:
     return cfg.lr
 
 
+def eval_batch_size(t) -> int:
+    """The batch size a run evaluates at (train.eval_batch_size; null = the physical batch size)."""
+    return t.eval_batch_size or t.physical_batch_size or t.batch_size
+
+
 @torch.no_grad()
 def evaluate(model, data: DataBundle, device, batch_size: int, autocast, root=None) -> float | dict[str, float]:
     """The data set's metric on its evaluation split (accuracy of `predict` unless the task scores itself, maybe
@@ -397,9 +402,7 @@ class Run:
         """The data set's metrics ({metric_name: value}, and any others its task scores); the best so far of the
         metric, in its direction, and the last evaluation's others (summary's `metrics`) go in the summary."""
         with self.meter.paused():
-            t = self.cfg.train
-            value = evaluate(self.model, self.data, self.device,
-                             t.eval_batch_size or t.physical_batch_size or t.batch_size,
+            value = evaluate(self.model, self.data, self.device, eval_batch_size(self.cfg.train),
                              self.precision.autocast, self.parts.root)
         values = value if isinstance(value, dict) else {self.data.metric_name: value}
         if len(values) > 1:

@@ -18,25 +18,36 @@ def _size(x: float, scale: int = GIB) -> str:
     return f"{x / scale:.2f}"
 
 
+def evaluated(evaluation: dict) -> str:
+    """The evaluation batch, and the tokens generated for it (tasks that generate)."""
+    tokens = evaluation["max_new_tokens"]
+    return f"{evaluation['batch_size']}" + (f" + {tokens} tokens" if tokens else "")
+
+
 def plans_table(rows: list[dict]) -> str:
     unit, scale = ("GiB", GIB) if max(r["reserved_estimate_bytes"] for r in rows) >= GIB else ("MiB", 2**20)
-    head = (["configuration", "B", "physical B", f"peak {unit}", f"reserved est. {unit}"] + list(CATEGORIES)
-            + ["plan s"])
+    head = (["configuration", "B", "physical B", "eval B", f"peak {unit}", f"training {unit}", f"evaluation {unit}",
+             f"reserved est. {unit}"] + list(CATEGORIES) + ["plan s"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["label"], str(r["batch_size"]), str(r["physical_batch_size"]), _size(r["peak_bytes"], scale),
-                 _size(r["reserved_estimate_bytes"], scale)] + [_size(r["breakdown"][c], scale) for c in CATEGORIES]
+        cells = [r["label"], str(r["batch_size"]), str(r["physical_batch_size"]), evaluated(r["evaluation"]),
+                 _size(r["peak_bytes"], scale), _size(r["training"]["peak_bytes"], scale),
+                 _size(r["evaluation"]["peak_bytes"], scale), _size(r["reserved_estimate_bytes"], scale)]
+        cells += [_size(r["breakdown"][c], scale) for c in CATEGORIES]
         lines.append("| " + " | ".join(cells + [f"{r['wall_s']:.1f}"]) + " |")
     return "\n".join(lines)
 
 
 def budget_table(budget: str, found: list[dict]) -> str:
-    lines = [f"Largest batch (one physical batch) whose reserved estimate fits {budget}:", "",
+    lines = [f"Largest batch (one physical batch) whose run's reserved estimate (training's or evaluation's, the "
+             f"larger) fits {budget}:", "",
              "| configuration | largest B | reserved est. GiB at that B |", "|---|---|---|"]
     for f in found:
         plan = f["plan"]
         reserved = _size(plan["reserved_estimate_bytes"]) if f["largest_batch"] else "does not fit at B = 1: " + \
             _size(plan["reserved_estimate_bytes"])
+        if plan["peak_part"] == "evaluation":  # what a smaller train.eval_batch_size would lower
+            reserved += f" (evaluation's, at eval B {evaluated(plan['evaluation'])})"
         largest = f"≥ {f['largest_batch']} (the search's limit)" if f.get("capped") else str(f["largest_batch"])
         lines.append(f"| {f['label']} | {largest} | {reserved} |")
     return "\n".join(lines)
@@ -46,7 +57,9 @@ def write(out: Path, rows: list[dict], budget: str | None = None, found: list[di
     """memory.json, memory.md and (for batch-size sweeps) PNG figures in `out`; returns the markdown."""
     out.mkdir(parents=True, exist_ok=True)
     rows0 = rows[0] if rows else (found[0]["plan"] if found else {})
-    text = (f"Planned peak memory: {rows0.get('steps')} steps on {rows0.get('device')}, the first unmetered; "
+    text = (f"Planned peak memory of a run: {rows0.get('steps')} training steps on {rows0.get('device')}, the first "
+            "unmetered, and its evaluation (eval B test examples in one batch, under no_grad, beside what training "
+            "keeps; a generation task's tokens generated); peak = the larger of the two, its breakdown that part's; "
             f"tensors counted in {rows0.get('rounding')}; reserved estimate = peak × "
             f"(1 + {rows0.get('allocator_overhead')}); GiB = 2³⁰, MiB = 2²⁰ bytes.\n\n")
     if rows:
