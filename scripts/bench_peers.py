@@ -14,9 +14,9 @@ embeddings frozen, since Opacus has no per-sample rule for them. The table lands
 `--count-ops` adds the number of aten ops one training step dispatches (a TorchDispatchMode counts every op that
 reaches `__torch_dispatch__`, the backward's and the optimiser's included: forward, backward, clipping, noise,
 optimiser step, zeroing of gradients), counted over one step after the warm-up and outside the timed rounds. It is
-a proxy for the host's work per step (Python and dispatch overhead) that does not depend on the machine's speed;
-the optimiser's implementation does depend on the device (torch's AdamW runs for-each kernels on CUDA, a loop over
-the parameters on CPU), so compare counts taken on the same device.
+a proxy for the host's work per step (Python and dispatch overhead) that does not depend on the machine's speed.
+Every contestant's AdamW is torch's for-each implementation (`foreach=True`: its default on CUDA, and what dpmem
+uses on every device), so that a count taken on the CPU is the one CUDA's step dispatches.
 
 `--device cuda` puts models and batches on the GPU and runs the contestants one at a time: each is built, warmed
 up, counted, metered (peak = torch.cuda.max_memory_allocated over one step, from a reset after the warm-up, so
@@ -125,7 +125,7 @@ def backward_and_step(loss: Callable[[], torch.Tensor], opt, autocast) -> Callab
 
 
 def adamw(model, batch, prec: RunPrecision) -> Contestant:
-    opt = torch.optim.AdamW(trainable(model), lr=LR)
+    opt = torch.optim.AdamW(trainable(model), lr=LR, foreach=True)
     return Contestant(model, backward_and_step(lambda: per_sample_loss(model, batch).sum(), opt, prec.autocast),
                       lambda: optimizer_state(opt))
 
@@ -134,7 +134,7 @@ def opacus_hooks(model, batch, size: int, prec: RunPrecision) -> Contestant:
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
     gsm = GradSampleModule(model, loss_reduction="sum")
-    opt = DPOptimizer(torch.optim.AdamW(trainable(model), lr=LR),
+    opt = DPOptimizer(torch.optim.AdamW(trainable(model), lr=LR, foreach=True),
                       noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=size, loss_reduction="sum")
     return Contestant(model, backward_and_step(lambda: per_sample_loss(gsm, batch).sum(), opt, prec.autocast),
                       lambda: optimizer_state(opt.original_optimizer))
@@ -146,8 +146,7 @@ def opacus_ghost(model, batch, size: int, prec: RunPrecision) -> Contestant:
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
     gsm = GradSampleModuleFastGradientClipping(model, loss_reduction="sum", max_grad_norm=1.0,
                                                use_ghost_clipping=True)
-    opt = DPOptimizerFastGradientClipping(torch.optim.AdamW(trainable(model),
-                                                            lr=LR),
+    opt = DPOptimizerFastGradientClipping(torch.optim.AdamW(trainable(model), lr=LR, foreach=True),
                                           noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=size,
                                           loss_reduction="sum")
     criterion = DPLossFastGradientClipping(gsm, opt, torch.nn.CrossEntropyLoss(reduction="sum"), "sum")

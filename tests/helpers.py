@@ -11,7 +11,7 @@ from transformers.pytorch_utils import Conv1D
 
 from dpmem.cli import CONF_DIR
 from dpmem.methods import Noise, build_method, method_config
-from dpmem.methods.privatize import Privatizer
+from dpmem.methods.privatize import NOISE_BUCKET, Privatizer
 from dpmem.persample import PerSampleGradients
 from dpmem.persample.factored import Factored
 from dpmem.precision import RunPrecision
@@ -223,3 +223,12 @@ class LargestTensor(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.numel = max(self.numel, t.numel())
         return out
+
+
+def standard_noise(shapes: list, generator: torch.Generator) -> list[torch.Tensor]:
+    """The standard normal draws a step adds (times σC) to clipped sums of these shapes, in this order, for a model
+    small enough to be one noise run (`dpmem.methods.privatize.add_noise`): one vector, split in order."""
+    sizes = [torch.Size(shape).numel() for shape in shapes]
+    assert sum(sizes) <= NOISE_BUCKET
+    draw = torch.randn(sum(sizes), generator=generator)
+    return [chunk.view(shape) for chunk, shape in zip(draw.split(sizes), shapes)]

@@ -9,8 +9,10 @@ from torch import nn
 
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, Noise, method_config
+from dpmem.methods import privatize
 from dpmem.methods.privatize import Observer, Privatizer
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
+from helpers import standard_noise
 from tiny_models import tiny_vit
 
 
@@ -86,9 +88,8 @@ def test_private_gradient_is_clipped_sum_plus_noise_over_expected_batch():
     summed = {n: p.summed_grad for n, p in reference.named_parameters()}
     gen = torch.Generator().manual_seed(123)
     names = {p: n for n, p in model.named_parameters()}
-    for p in method.params:
+    for p, noise in zip(method.params, standard_noise([p.shape for p in method.params], gen)):
         n = names[p]
-        noise = torch.randn(p.shape, generator=gen)
         want = before[n] - (summed[n] + sigma * C * noise) / expected  # SGD with lr 1
         torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-6)
 
@@ -113,6 +114,28 @@ def test_empty_batch_still_adds_noise():
     method = DPAdam(model, method_cfg("sgd", 1.0), lr=1.0, noise=Noise(1.0, 1.0, 4.0, torch.Generator().manual_seed(0)))
     method.step([], loss_fn)
     assert all(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+
+
+def test_noise_is_drawn_in_runs_of_bounded_size_split_in_order(monkeypatch):
+    """Runs of consecutive sums of one dtype, at most NOISE_BUCKET elements together, a larger sum alone; each run
+    one standard normal vector split into its sums."""
+    monkeypatch.setattr(privatize, "NOISE_BUCKET", 16)
+    shapes = [(3, 4), (5,), (20,), (2,), (2, 2)]
+    summed = {i: torch.zeros(shape, dtype=torch.float64 if i == 4 else torch.float32)
+              for i, shape in enumerate(shapes)}
+    privatize.add_noise(summed, Noise(0.5, 2.0, 4.0, torch.Generator().manual_seed(3)))
+    gen = torch.Generator().manual_seed(3)
+    runs = [[0], [1], [2], [3], [4]]  # 12 + 5 > 16; 20 alone; float32 then float64
+    for run in runs:
+        draw = torch.randn(sum(summed[i].numel() for i in run), generator=gen, dtype=summed[run[0]].dtype)
+        for i, chunk in zip(run, draw.split([summed[i].numel() for i in run])):
+            torch.testing.assert_close(summed[i], 1.0 * chunk.view(shapes[i]), rtol=0, atol=0)
+    summed = {i: torch.zeros(n) for i, n in enumerate([6, 7, 4])}  # 6 + 7 fit, 4 more do not
+    privatize.add_noise(summed, Noise(1.0, 1.0, 4.0, torch.Generator().manual_seed(4)))
+    gen = torch.Generator().manual_seed(4)
+    first = torch.randn(13, generator=gen)
+    assert torch.equal(torch.cat([summed[0], summed[1]]), first)
+    assert torch.equal(summed[2], torch.randn(4, generator=gen))
 
 
 def test_coverage_check_catches_a_parameter_used_outside_its_module():
@@ -198,9 +221,10 @@ def test_observers_see_the_clipped_sums_in_order_and_the_release_in_reverse():
     opt.clip_and_accumulate()
     summed = {n: p.summed_grad for n, p in reference._module.named_parameters()}
     gen = torch.Generator().manual_seed(123)
-    for n, p in model.named_parameters():
+    named = list(model.named_parameters())
+    for (n, p), noise in zip(named, standard_noise([p.shape for _, p in named], gen)):
         torch.testing.assert_close(first.clipped[p], summed[n], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(second.clipped[p], 2 * summed[n], rtol=1e-5, atol=1e-6)
-        want = (2 * summed[n] + sigma * C * torch.randn(p.shape, generator=gen)) / expected
+        want = (2 * summed[n] + sigma * C * noise) / expected
         torch.testing.assert_close(released[p], want, rtol=1e-5, atol=1e-6)
         assert torch.equal(first.released[p], released[p]) and torch.equal(second.released[p], released[p])

@@ -11,7 +11,7 @@ from torch import nn
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, GaLoreDPNaive, Grape, Noise, method_config
 from dpmem.persample import PerSampleGradients, Projection, reducers
-from helpers import Mixer, grape_cfg, mixer_batch, mixer_loss
+from helpers import Mixer, grape_cfg, mixer_batch, mixer_loss, standard_noise
 
 
 def full_per_sample(model, b):
@@ -74,9 +74,9 @@ def test_one_step_equals_algorithms_1_and_2():
     factors = torch.clamp(C / (norms + 1e-6), max=1.0)
     gen = torch.Generator().manual_seed(7)
     method.step([b], mixer_loss)
-    for p in method.params:  # noise drawn in the method's parameter order, in the projected shapes
-        noisy = (torch.einsum("b,b...->...", factors, per[p]) + sigma * C * torch.randn(per[p].shape[1:],
-                                                                                         generator=gen)) / expected
+    # noise drawn in the method's parameter order, in the projected shapes
+    for p, noise in zip(method.params, standard_noise([per[p].shape[1:] for p in method.params], gen)):
+        noisy = (torch.einsum("b,b...->...", factors, per[p]) + sigma * C * noise) / expected
         m, v = 0.1 * noisy, 0.001 * noisy ** 2
         alpha = lr * math.sqrt(1 - 0.999) / (1 - 0.9)
         update = m / (v.sqrt() + 1e-8)

@@ -54,6 +54,24 @@ def test_bench_peers_writes_a_row_per_contestant(tmp_path):
     assert all(float(cells[5]) > 1 for name, cells in rows.items() if name != "torch AdamW (non-private)")
 
 
+def test_the_private_step_dispatches_at_most_a_third_more_ops_than_adamw(tmp_path):
+    """Issue 32's host-work targets on its proxy, dispatched aten ops per step (exact, machine-independent, set by
+    the model's structure and not its width): dp-adam bk ≤ 1.4× and grape ≤ 1.3× AdamW's, on roberta-base's 12
+    blocks (narrowed, which changes no count)."""
+    out = tmp_path / "peers.md"
+    chosen = ["torch AdamW (non-private)", "dpmem dp-adam (bk)", "dpmem grape"]
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "--batch-sizes", "2",
+                        "--seq-len", "8", "--steps", "1", "--contestants", *chosen, "--out", str(out), "--count-ops",
+                        "model.arch.num_hidden_layers=12", "model.arch.hidden_size=32",
+                        "model.arch.intermediate_size=64", "model.arch.num_attention_heads=2"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr
+    ops = {cells[1]: int(cells[6]) for line in out.read_text().splitlines() if line.startswith("| 2 ")
+           for cells in [[c.strip() for c in line.split("|")[1:-1]]]}
+    adamw = ops["torch AdamW (non-private)"]
+    assert ops["dpmem dp-adam (bk)"] <= 1.4 * adamw and ops["dpmem grape"] <= 1.3 * adamw, ops
+
+
 def test_rc_sigma_writes_its_three_tables(tmp_path):
     """σ in the tables is calibrate_sigma's, and the ratio column divides by the DP-SGD σ in the heading."""
     from dpmem.privacy import calibrate_sigma

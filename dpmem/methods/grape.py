@@ -56,7 +56,7 @@ class Grape(Method):
         side = self.sides[p]
         seed = ((self.seed * 1_000_003 + self.layer_index[p]) * 1_000_033 + t // self.refresh) % 2**63
         gen = None if p.device.type == "meta" else torch.Generator(device=p.device).manual_seed(seed)
-        P = torch.randn(p.shape[side], self.rank, generator=gen, device=p.device) / math.sqrt(self.rank)
+        P = torch.normal(0.0, 1 / math.sqrt(self.rank), (p.shape[side], self.rank), generator=gen, device=p.device)
         return Projection(P.to(p.dtype), side)
 
     def state_tensors(self) -> list[torch.Tensor]:

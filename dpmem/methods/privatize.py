@@ -20,9 +20,12 @@ from dpmem.metering import memory_label
 from dpmem.methods.base import Noise, batch_size
 from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.coverage import verify_coverage
-from dpmem.persample import PerSampleGradients, Projection, clip_factors, reducers, weighted_sum, weighted_sum_of
+from dpmem.persample import PerSampleGradients, Projection, clip_factors, reducers, weighted_sum
+from dpmem.persample.clipping import flat_norms, weighted_sums
 from dpmem.persample.hooks import remove_handles, weakly
 from dpmem.precision import exact_float32
+
+NOISE_BUCKET = 2**24  # elements of noise drawn at once (64 MiB in float32)
 
 
 class Observer:
@@ -158,8 +161,8 @@ class Privatizer:
         reduce = self._reducer() if self.plan.passes == 1 else reducers.normed(
             self.plan.norms, self.plan.k, self._probe_draws)
         reduced = {key: reduce(g) for key, g in grads.items()}
-        factors = clip_factors(sum(r.squares for r in reduced.values()).sqrt(), self.noise.max_grad_norm)
-        return {key: weighted_sum_of(r.grads, factors) for key, r in reduced.items()}
+        factors = clip_factors(_norms(reduced), self.noise.max_grad_norm)
+        return weighted_sum({key: r.grads for key, r in reduced.items()}, factors)
 
     def _reducer(self):
         """One-pass clipping's reducer: squared norms by the plan's rule, and the per-sample gradients kept for
@@ -199,8 +202,8 @@ class Privatizer:
                 losses = loss_fn(self.model, mb)
                 losses.sum().backward()
             with exact_float32(self.device):
-                # squared norms, made as each layer's gradient arrived, and its per-sample gradients
-                norms = sum(r.squares for r in kept.values()).sqrt()
+                # squared norms, made as each layer's gradient arrived (the rows' now), and its per-sample gradients
+                norms = _norms(kept)
                 grads = {p: r.grads for p, r in kept.items()}
                 del kept
                 if self._check_coverage:
@@ -210,9 +213,9 @@ class Privatizer:
                                     lambda p, g: projections[p]().project(g) if p in projections else g,
                                     self.persample.compute)
                 factors = clip_factors(norms, self.noise.max_grad_norm) * sharding.weight(mb)
-                for p, g in grads.items():  # one parameter at a time: no second model-sized temporary
-                    with memory_label("gradients"):
-                        _accumulate(summed, p, weighted_sum_of(g, factors))
+                with memory_label("gradients"):
+                    for p, part in weighted_sums(grads, factors):
+                        _accumulate(summed, p, part)
                 del grads
             loss_sum = loss_sum + losses.detach().sum() * sharding.weight(mb)
         return self._completed(summed, shapes), loss_sum
@@ -256,6 +259,12 @@ class Privatizer:
                     for p in self.params}
 
 
+def _norms(kept: dict) -> torch.Tensor:
+    """The flat per-sample norms of one-pass clipping's `Normed` values."""
+    return flat_norms([r.squares for r in kept.values() if r.squares is not None],
+                      [r.grads for r in kept.values() if r.squares is None])
+
+
 def _accumulate(summed: dict, p: nn.Parameter, part: torch.Tensor) -> None:
     """The first micro-batch's part becomes the sum itself (no zeroed model-sized buffer beside it); later ones
     are added in place."""
@@ -265,19 +274,43 @@ def _accumulate(summed: dict, p: nn.Parameter, part: torch.Tensor) -> None:
 def add_noise(summed: dict, noise: Noise, own: torch.Generator | None = None) -> dict:
     """N(0, σ²C² I) added to each clipped sum in place. A sum every rank holds whole gets the same draw on every rank
     (the generator has one seed); a sum sharded by FSDP gets, on each rank, a draw for its own shard from `own`,
-    that rank's generator of the step."""
+    that rank's generator of the step.
+
+    The draw: the sums in order, in runs of at most NOISE_BUCKET elements (a larger sum alone) of one generator,
+    device and dtype; each run gets one standard normal vector of its total size, split into its sums in order.
+    One draw and one for-each add per run, where a draw per sum would cost a kernel per parameter."""
     std = noise.sigma * noise.max_grad_norm
     if std == 0:  # sigma = 0 only for privacy=none: clipping without noise
         return summed
-    for s in summed.values():
-        part = sharding.local(s)
-        generator = own if part is not s and own is not None else noise.generator
-        part += std * torch.randn(part.shape, generator=generator, device=part.device, dtype=part.dtype)
+    parts = [(part, own if part is not s and own is not None else noise.generator)
+             for s, part in ((s, sharding.local(s)) for s in summed.values())]
+    for run in _runs(parts, NOISE_BUCKET):
+        first, generator = run[0]
+        draw = torch.randn(sum(p.numel() for p, _ in run), generator=generator, device=first.device,
+                           dtype=first.dtype)
+        chunks = draw.split([p.numel() for p, _ in run])
+        torch._foreach_add_([p for p, _ in run], [c if p.dim() == 1 else c.view(p.shape)
+                                                  for (p, _), c in zip(run, chunks)], alpha=std)
     return summed
+
+
+def _runs(parts: list[tuple[torch.Tensor, torch.Generator | None]], elements: int):
+    """Consecutive (sum, generator) pairs of one generator, device and dtype and at most `elements` elements
+    together (a larger sum alone)."""
+    run, size = [], 0
+    for part, generator in parts:
+        if run and (size + part.numel() > elements or generator is not run[0][1]
+                    or (part.device, part.dtype) != (run[0][0].device, run[0][0].dtype)):
+            yield run
+            run, size = [], 0
+        run.append((part, generator))
+        size += part.numel()
+    if run:
+        yield run
 
 
 def scale(summed: dict, noise: Noise) -> dict:
     """Each sum divided in place by the expected batch size q·n (fixed, so the normalisation reveals nothing)."""
-    for s in summed.values():
-        sharding.local(s).div_(noise.expected_batch_size)
+    if summed:
+        torch._foreach_div_([sharding.local(s) for s in summed.values()], noise.expected_batch_size)
     return summed

@@ -100,18 +100,27 @@ class ProjectedAdam:
     @torch.no_grad()
     def step(self, grads: dict[nn.Parameter, torch.Tensor], lr: float, t: int,
              projection: Callable[[nn.Parameter], Projection | None]) -> None:
+        """The moments and the unprojected parameters move in for-each ops over all of them (a few kernels per
+        step); each projected update is lifted and applied one layer at a time (one full-size update at a time)."""
         beta1, beta2 = self.betas
         alpha = lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
-        for p in self.params:
-            m, v = self.moments[p]
-            proj, rows = projection(p), sharding.rows(p)  # rows: all of them, or this rank's shard's
-            g = grads[p] if proj is not None else grads[p][rows]
-            m.mul_(beta1).add_(g, alpha=1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            update = m / (v.sqrt() + self.eps)
-            if proj is not None:
-                update = proj.lift(update, rows)
-            target = sharding.local(p)
-            if self.weight_decay:
-                target.mul_(1 - lr * self.weight_decay)
-            target.sub_(alpha * update)
+        ms, vs = (list(moments) for moments in zip(*(self.moments[p] for p in self.params)))
+        gs = [grads[p][sharding.rows(p)] if p in self.row_shards else grads[p] for p in self.params]
+        torch._foreach_mul_(ms, beta1)
+        torch._foreach_add_(ms, gs, alpha=1 - beta1)
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
+        denominators = torch._foreach_sqrt(vs)
+        torch._foreach_add_(denominators, self.eps)
+        targets = [sharding.local(p) for p in self.params]
+        if self.weight_decay:
+            torch._foreach_mul_(targets, 1 - lr * self.weight_decay)
+        plain = []
+        for p, target, m, d in zip(self.params, targets, ms, denominators):
+            proj = projection(p)
+            if proj is None:
+                plain.append((target, m, d))
+            else:  # rows: all of them, or this rank's shard's
+                target.sub_(proj.lift(m / d, sharding.rows(p)), alpha=alpha)
+        if plain:
+            torch._foreach_addcdiv_(*(list(column) for column in zip(*plain)), value=-alpha)

@@ -29,7 +29,14 @@ def _is_ids(side: torch.Tensor) -> bool:
 
 def batch_rows(t: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
     """A layer's input or output gradient as (B, T, n): any middle dims flattened into T."""
-    return t.reshape(batch, -1, t.shape[-1]).to(dtype)
+    if t.dim() != 3 or t.shape[0] != batch:  # every op on the hot path costs host time: none when already so
+        t = t.reshape(batch, -1, t.shape[-1])
+    return t.to(dtype)
+
+
+def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """torch.promote_types(dtype, float32), without dispatching an op."""
+    return dtype if dtype == torch.float64 else torch.float32
 
 
 def apply(side: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -44,7 +51,7 @@ def apply(side: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def apply_t(side: torch.Tensor, y: torch.Tensor, n: int) -> torch.Tensor:
     """sideᵀ y per sample: side (B, T, n) or ids (B, T), y (B, T, k) -> (B, n, k)."""
     if not _is_ids(side):
-        return side.transpose(1, 2) @ y.to(side.dtype)
+        return torch.bmm(side.transpose(1, 2), y.to(side.dtype))
     out = torch.zeros(y.shape[0], n, y.shape[-1], dtype=y.dtype, device=y.device)
     return out.scatter_add_(1, side.unsqueeze(-1).expand(-1, -1, y.shape[-1]), y)
 
@@ -57,7 +64,7 @@ def gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return gram(b, a).transpose(1, 2)
     if _is_ids(b):  # (a one-hotᵀ)[t, t'] = a[t, ids[t']]
         return torch.gather(a, 2, b.unsqueeze(1).expand(-1, a.shape[1], -1))
-    return a @ b.transpose(1, 2)
+    return torch.bmm(a, b.transpose(1, 2))
 
 
 def _total(parts):
@@ -71,7 +78,7 @@ def _scaled(side: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
-    return t if _is_ids(t) else t.to(torch.promote_types(t.dtype, torch.float32))
+    return t if _is_ids(t) else t.to(at_least_float32(t.dtype))
 
 
 @dataclass
@@ -120,23 +127,25 @@ class Factored:
                 part = torch.zeros(self.rows, self.cols, dtype=right.dtype, device=right.device)
                 part.index_add_(0, left.flatten(), _scaled(right, weights).flatten(0, 1))
             elif left.shape[-1] <= right.shape[-1]:
-                part = _scaled(left, weights).flatten(0, 1).T @ right.flatten(0, 1)
+                part = torch.mm(_scaled(left, weights).flatten(0, 1).T, right.flatten(0, 1))
             else:
-                part = left.flatten(0, 1).T @ _scaled(right, weights).flatten(0, 1)
-            out = part if out is None else out + part
-        return out.reshape(self.param_shape)
+                part = torch.mm(left.flatten(0, 1).T, _scaled(right, weights).flatten(0, 1))
+            out = part if out is None else out.add_(part)
+        return out if out.shape == self.param_shape else out.reshape(self.param_shape)
 
     def squared_norms(self) -> torch.Tensor:
         """Exact ‖gᵢ‖² = Σ_{u,v} Σ_{t,t'} (L_u L_vᵀ)_{tt'} (R_u R_vᵀ)_{tt'}, shape (B,): ghost clipping."""
         terms = [(_fp32(left), _fp32(right)) for left, right in self.terms]
-        total = 0
+        total = None
         for u, (lu, ru) in enumerate(terms):
             for v in range(u, len(terms)):
                 lv, rv = terms[v]
                 left, right = gram(lu, lv), gram(ru, rv)
-                dtype = torch.promote_types(left.dtype, right.dtype)  # id Grams are float32
-                cross = torch.einsum("bst,bst->b", left.to(dtype), right.to(dtype))  # no third T×T tensor
-                total = total + (cross if u == v else 2 * cross)
+                if left.dtype != right.dtype:  # id Grams are float32
+                    left, right = left.double(), right.double()
+                cross = left.mul_(right).sum((1, 2))  # in place in the fresh Gram: no third T×T tensor
+                cross = cross if u == v else cross.mul_(2)
+                total = cross if total is None else total.add_(cross)
         return total
 
     def multiply_t(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,4 +192,6 @@ def weighted_sum_of(g: torch.Tensor | Factored, weights: torch.Tensor) -> torch.
     """Σᵢ wᵢ gᵢ of one parameter's per-sample gradients, Factored or dense (B, *shape): a dense tensor."""
     if isinstance(g, Factored):
         return g.weighted_sum(weights)
-    return torch.einsum("b,b...->...", weights.to(g.dtype), g)
+    rows = g if g.dim() == 2 else g.reshape(g.shape[0], -1)  # (B, n): no reshape op when it is already
+    total = torch.mv(rows.T, weights.to(g.dtype))
+    return total if g.dim() == 2 else total.view(g.shape[1:])

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from dpmem.persample.factored import Factored
+from dpmem.persample.factored import Factored, at_least_float32
 
 RULES = ("fgc", "ghost", "mixed", "hutch", "hutchpp")
 ESTIMATORS = ("hutch", "hutchpp")
@@ -28,8 +28,8 @@ ESTIMATORS = ("hutch", "hutchpp")
 
 def exact_squared_norms(g: torch.Tensor) -> torch.Tensor:
     """A fused reduction (no squared copy of g); half-precision gradients are reduced in float32."""
-    wide = torch.promote_types(g.dtype, torch.float32)
-    return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1, dtype=wide).pow(2)
+    rows = g if g.dim() == 2 else g.reshape(g.shape[0], -1)  # (B, n): no reshape op when it is already
+    return torch.linalg.vector_norm(rows, dim=1, dtype=at_least_float32(g.dtype)).pow_(2)
 
 
 def ghost_is_cheaper(g: Factored) -> bool:
@@ -40,8 +40,7 @@ def ghost_is_cheaper(g: Factored) -> bool:
 def _probes(n: int, k: int, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """n×k probes with N(0, 1/k) entries (variance 1/k, as the DP-SGD-RC paper's text, §6.1 and App. B have it,
     not the 1/√k printed in its Algorithm 2), so that E[PPᵀ] = I."""
-    dtype = torch.promote_types(like.dtype, torch.float32)
-    return torch.randn(n, k, generator=generator, device=like.device, dtype=dtype) / math.sqrt(k)
+    return torch.randn(n, k, generator=generator, device=like.device, dtype=at_least_float32(like.dtype)) / math.sqrt(k)
 
 
 def hutchinson(g: Factored, k: int, generator: torch.Generator | None = None, plus_plus: bool = False):
@@ -53,7 +52,7 @@ def hutchinson(g: Factored, k: int, generator: torch.Generator | None = None, pl
     back = g.multiply if left_larger else g.multiply_t
     n = max(g.rows, g.cols)
     like = g.terms[0][1]
-    wide = torch.promote_types(like.dtype, torch.float32)
+    wide = at_least_float32(like.dtype)
     P = _probes(n, k, like, generator)
     sketch = into_small(P).to(wide)
     if not plus_plus:

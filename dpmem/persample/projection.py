@@ -21,4 +21,7 @@ class Projection:
 
     def lift(self, u: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
         """A projected matrix back to (rows, cols), or only the given rows of it (an FSDP shard's)."""
-        return self.P[rows] @ u if self.side == 0 else u[rows] @ self.P.T
+        whole = rows == slice(None)  # no slicing op then
+        if self.side == 0:
+            return (self.P if whole else self.P[rows]) @ u
+        return (u if whole else u[rows]) @ self.P.T

@@ -11,6 +11,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from dpmem.persample.clipping import is_rows
 from dpmem.persample.factored import Factored, weighted_sum_of
 from dpmem.persample.norms import squared_norms
 from dpmem.persample.projection import Projection
@@ -19,9 +20,9 @@ Reducer = Callable[[Any], Any]
 
 
 class Normed(NamedTuple):
-    """What one-pass clipping keeps of a parameter: its squared per-sample norms (B,), and its per-sample gradients
-    (`Factored` or dense) for the clipped sum once every norm is known."""
-    squares: torch.Tensor
+    """What one-pass clipping keeps of a parameter: its squared per-sample norms (B,) (None for rows), and its
+    per-sample gradients (`Factored` or dense) for the clipped sum once every norm is known."""
+    squares: torch.Tensor | None
     grads: Any
 
 
@@ -52,10 +53,10 @@ def normed(rule: str = "mixed", k: int = 32, generator: torch.Generator | None =
     """`Normed`: squared norms and what `then` keeps; one-pass clipping. By default the factors as they are
     (book-keeping), normed now (exactly, ghost or the per-sample product, whichever is smaller; or a DP-SGD-RC
     estimate) and kept for the clipped sum (c ⊙ G)ᵀA once every norm is known; with `then=materialize`, dense
-    gradients."""
+    gradients. A vector parameter's rows get no norm here (None): `clipping.flat_norms` norms them all at once."""
     def reduce(g):
         kept = then(g)
-        return Normed(squared_norms(kept, rule, k, generator), kept)
+        return Normed(None if is_rows(kept) else squared_norms(kept, rule, k, generator), kept)
     return reduce
 
 
