@@ -28,8 +28,8 @@ ESTIMATORS = ("hutch", "hutchpp")
 
 def exact_squared_norms(g: torch.Tensor) -> torch.Tensor:
     """A fused reduction (no squared copy of g); half-precision gradients are reduced in float32."""
-    rows = g if g.dim() == 2 else g.reshape(g.shape[0], -1)  # (B, n): no reshape op when it is already
-    return torch.linalg.vector_norm(rows, dim=1, dtype=at_least_float32(g.dtype)).pow_(2)
+    g = g.unsqueeze(1) if g.dim() == 1 else g  # a scalar parameter's (B,)
+    return torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim())), dtype=at_least_float32(g.dtype)).pow_(2)
 
 
 def ghost_is_cheaper(g: Factored) -> bool:
