@@ -314,6 +314,9 @@ class TrainConfig:
     activation_checkpointing: bool = False
     # under torchrun: shard parameters, gradients and optimiser state over the ranks with FSDP2 (dpmem.sharding)
     fsdp: bool = False
+    # every micro-batch at the physical batch size and the split's full token width: the short one padded with
+    # samples that weigh 0 (the accountant is unchanged), so that the step has one shape (a CUDA graph's need)
+    static_shapes: bool = False
     # faults: checkpoint.pt in the run folder every N steps (0 = never); a run started again in the same folder
     # (the same hydra.run.dir / hydra.sweep.dir) resumes from it, privacy accounting included
     checkpoint_every: int = 0

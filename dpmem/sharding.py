@@ -52,10 +52,6 @@ class Padding(dict):
     """A micro-batch run only so that this rank's FSDP collectives pair with the other ranks': its samples weigh 0."""
 
 
-def weight(batch) -> float:
-    return 0.0 if isinstance(batch, Padding) else 1.0
-
-
 def mesh(device_type: str):
     """All ranks, in one dimension: FSDP's device mesh."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -37,11 +37,12 @@ class DataBundle:
     def n_train(self) -> int:
         return len(next(iter(self.train.values())))
 
-    def batch(self, columns: dict[str, torch.Tensor], index) -> dict[str, torch.Tensor]:
-        """The examples `index` (a tensor of indices or a slice) of `columns` (train or test)."""
+    def batch(self, columns: dict[str, torch.Tensor], index, trim: bool = True) -> dict[str, torch.Tensor]:
+        """The examples `index` (a tensor of indices or a slice) of `columns` (train or test); `trim=False` keeps
+        the split's full width (train.static_shapes: every batch one shape)."""
         out = take(columns, index)
         mask = out.get("attention_mask")
-        if self.trim_padding and mask is not None and len(mask):
+        if trim and self.trim_padding and mask is not None and len(mask):
             width = int(mask.sum(1).max())
             out = {k: v[:, :width] if v.dim() == 2 and v.shape[1] == mask.shape[1] else v for k, v in out.items()}
         return out

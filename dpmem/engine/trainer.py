@@ -28,6 +28,7 @@ from dpmem.engine.summary import (append_metrics, append_privacy, json_ready, mo
 from dpmem.engine.tracking import NoTracker, open_tracker
 from dpmem.engine.meter import Meter
 from dpmem.methods import method_class
+from dpmem.methods.base import Padded
 from dpmem.methods.subspace import SubspaceProjection, privacy_of
 from dpmem.privacy.sampling import make_batches
 
@@ -369,15 +370,23 @@ class Run:
 
     def microbatches(self, index: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """A logical batch (training-set indices) as physical micro-batches on the device. Under FSDP every rank
-        runs as many as the fullest rank: the others add padding ones (one sample, weighing 0)."""
-        physical = self.cfg.train.physical_batch_size or self.cfg.train.batch_size
+        runs as many as the fullest rank: the others add padding ones (weighing 0). Under train.static_shapes every
+        micro-batch has the physical batch size (`Padded`, with its weights): the short one is filled up with
+        copies of its first example that weigh 0. Padding comes after sampling: the accountant's q is unchanged."""
+        t = self.cfg.train
+        physical = t.physical_batch_size or t.batch_size
         chunks = list(index.split(physical)) if len(index) else []
-        padding = distributed.most(len(chunks)) - len(chunks) if self.cfg.train.fsdp else 0
-        return ([self._on_device(chunk) for chunk in chunks]
-                + [sharding.Padding(self._on_device(torch.zeros(1, dtype=torch.long))) for _ in range(padding)])
+        padding = distributed.most(len(chunks)) - len(chunks) if t.fsdp else 0
+        if t.static_shapes:  # every micro-batch a Padded one, full ones too: one code path (and graph) for all
+            micro = [Padded(self._on_device(torch.cat([c, c[:1].expand(physical - len(c))])), len(c)) for c in chunks]
+        else:
+            micro = [self._on_device(chunk) for chunk in chunks]
+        size = physical if t.static_shapes else 1
+        return micro + [sharding.Padding(self._on_device(torch.zeros(size, dtype=torch.long))) for _ in range(padding)]
 
     def _on_device(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device, non_blocking=True) for k, v in self.data.batch(self.data.train, index).items()}
+        batch = self.data.batch(self.data.train, index, trim=not self.cfg.train.static_shapes)
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def batches(self):
         """The logical batches of the run's `steps` steps, as the sampler draws them."""

@@ -6,7 +6,7 @@ import torch
 
 from dpmem import distributed, sharding
 from dpmem.config import OptimizerConfig
-from dpmem.methods.base import Method, batch_size, make_optimizer
+from dpmem.methods.base import Method, make_optimizer, real_size, weights
 
 
 class Adam(Method):
@@ -20,11 +20,11 @@ class Adam(Method):
     shardable = True  # FSDP reduce-scatters autograd's batch gradient
 
     def step(self, microbatches, loss_fn):
-        # the logical batch over all ranks (FSDP's padding micro-batches weigh 0)
-        total = distributed.total(sum(batch_size(mb) for mb in microbatches if sharding.weight(mb)))
+        # the logical batch over all ranks: its real samples (padding ones weigh 0)
+        total = distributed.total(sum(real_size(mb) for mb in microbatches))
         loss_sum = torch.zeros(())
         for mb in microbatches:
-            losses = loss_fn(self.model, mb) * sharding.weight(mb)
+            losses = loss_fn(self.model, mb) * weights(mb)
             (losses.sum() / max(total, 1)).backward()
             loss_sum = loss_sum.to(losses.device) + losses.detach().sum()
         if total:  # FSDP has reduced its shards' gradients already

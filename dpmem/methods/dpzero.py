@@ -17,7 +17,7 @@ import torch
 
 from dpmem import distributed
 from dpmem.config import ConfigError, DPZeroConfig, ZerothOrderConfig, enum_value
-from dpmem.methods.base import Method, Noise, batch_size
+from dpmem.methods.base import Method, Noise, real_size, weights
 
 
 class ZerothOrder(Method):
@@ -73,7 +73,8 @@ class ZerothOrder(Method):
 
     @torch.no_grad()
     def _losses(self, microbatches, loss_fn) -> torch.Tensor:
-        return torch.cat([loss_fn(self.model, mb).float() for mb in microbatches])
+        # a padding sample weighs 0: its estimate and loss are 0, and clipping keeps them 0
+        return torch.cat([loss_fn(self.model, mb).float() * weights(mb) for mb in microbatches])
 
     def per_sample_estimates(self, seed: int, microbatches, loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
         """(gᵢ, mean of L⁺ᵢ and L⁻ᵢ) for the direction of `seed`; the parameters end where they started. Both
@@ -87,9 +88,10 @@ class ZerothOrder(Method):
         self._perturb(seed, self.eps)
         return (plus - minus) / (2 * self.eps), (plus + minus) / 2
 
-    def aggregate(self, estimates: torch.Tensor) -> torch.Tensor:
-        """The mean over the logical batch (under torchrun: of every rank's estimates)."""
-        total = torch.stack([estimates.sum(), torch.tensor(float(len(estimates)), device=estimates.device)])
+    def aggregate(self, estimates: torch.Tensor, count: int) -> torch.Tensor:
+        """The mean over the logical batch (under torchrun: of every rank's estimates); `count` of them are real
+        samples', the rest padding's zeros."""
+        total = torch.stack([estimates.sum(), torch.tensor(float(count), device=estimates.device)])
         distributed.sum_([total])
         return total[0] / total[1]
 
@@ -101,12 +103,13 @@ class ZerothOrder(Method):
         else:
             estimates, mid = self.per_sample_estimates(seed, microbatches, loss_fn)
             loss = mid.sum()
+        count = sum(real_size(mb) for mb in microbatches)
         if self.canaries is None:
-            g = self.aggregate(estimates)
+            g = self.aggregate(estimates, count)
         else:  # a canary's scalar is its gradient along this step's direction, clipped with the real ones
             along = self.canaries.directional(self._directions(seed))
             planted = along[self.canaries.sample(self.noise.sample_rate)].to(estimates.device, estimates.dtype)
-            g = self.aggregate(torch.cat([estimates, planted]))
+            g = self.aggregate(torch.cat([estimates, planted]), count + len(planted))
             C = self.noise.max_grad_norm
             self.canaries.record_scalar(float(g), along.clamp(-C, C), C)
         self._perturb(seed, -self.lr * g)
@@ -115,7 +118,7 @@ class ZerothOrder(Method):
 
 class MeZO(ZerothOrder):
     def step(self, microbatches, loss_fn):
-        if not distributed.total(sum(batch_size(mb) for mb in microbatches)):
+        if not distributed.total(sum(real_size(mb) for mb in microbatches)):
             return torch.zeros((), device=self.device)  # nothing sampled: no estimate, no update
         return super().step(microbatches, loss_fn)
 
@@ -124,7 +127,8 @@ class DPZero(ZerothOrder):
     config = DPZeroConfig
     private = True
 
-    def aggregate(self, estimates: torch.Tensor) -> torch.Tensor:
+    def aggregate(self, estimates: torch.Tensor, count: int | None = None) -> torch.Tensor:
+        # `count` is not needed: the clipped sum is divided by the expected batch size
         C, gen = self.noise.max_grad_norm, self.noise.generator
         total = estimates.clamp(-C, C).sum()
         distributed.sum_([total])  # the clipped sum of the logical batch; every rank adds the same noise draw

@@ -14,7 +14,7 @@ import torch
 
 from dpmem import distributed
 from dpmem.config import GaLoreDPNaiveConfig, ProjectedConfig, enum_value
-from dpmem.methods.base import Method, Noise, batch_size, check_positive
+from dpmem.methods.base import Method, Noise, check_positive, real_size, weights
 from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
@@ -51,12 +51,12 @@ class GaLore(Method):
     def gradient(self, microbatches, loss_fn) -> tuple[dict | None, torch.Tensor]:
         """The batch-mean gradient of an ordinary backward pass (micro-batches accumulate; ranks sum theirs), None
         when the logical batch is empty."""
-        total = distributed.total(sum(batch_size(mb) for mb in microbatches))
+        total = distributed.total(sum(real_size(mb) for mb in microbatches))
         loss_sum = torch.zeros((), device=self.params[0].device)
         if not total:
             return None, loss_sum
         for mb in microbatches:
-            losses = loss_fn(self.model, mb)
+            losses = loss_fn(self.model, mb) * weights(mb)
             (losses.sum() / total).backward()
             loss_sum = loss_sum + losses.detach().sum()
         distributed.reduce_gradients(self.params)

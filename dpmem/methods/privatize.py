@@ -17,7 +17,7 @@ from torch import nn
 
 from dpmem import distributed, sharding
 from dpmem.metering import memory_label
-from dpmem.methods.base import Noise, batch_size
+from dpmem.methods.base import Noise, batch_size, weights
 from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.coverage import verify_coverage
 from dpmem.persample import PerSampleGradients, Projection, clip_factors, reducers, weighted_sum
@@ -212,12 +212,12 @@ class Privatizer:
                     verify_coverage(self.model, self.params, weighted_sum(grads, ones),
                                     lambda p, g: projections[p]().project(g) if p in projections else g,
                                     self.persample.compute)
-                factors = clip_factors(norms, self.noise.max_grad_norm) * sharding.weight(mb)
+                factors = clip_factors(norms, self.noise.max_grad_norm) * weights(mb)
                 with memory_label("gradients"):
                     for p, part in weighted_sums(grads, factors):
                         _accumulate(summed, p, part)
                 del grads
-            loss_sum = loss_sum + losses.detach().sum() * sharding.weight(mb)
+            loss_sum = loss_sum + (losses.detach() * weights(mb)).sum()
         return self._completed(summed, shapes), loss_sum
 
     def _two_pass(self, microbatches, loss_fn):
@@ -236,7 +236,7 @@ class Privatizer:
                     verify_coverage(self.model, self.params, {p: r.total for p, r in kept.items()},
                                     compute=self.persample.compute)
                     kept = {p: r.value for p, r in kept.items()}
-                factors = clip_factors(sum(kept.values()).sqrt(), self.noise.max_grad_norm) * sharding.weight(mb)
+                factors = clip_factors(sum(kept.values()).sqrt(), self.noise.max_grad_norm) * weights(mb)
             self._keep_grads = True
             try:  # second pass: autograd forms Σᵢ fᵢ gᵢ in .grad, in the model's own precision
                 wide = torch.promote_types(losses.dtype, factors.dtype)  # a bf16 loss is weighed in float32
@@ -247,7 +247,7 @@ class Privatizer:
                 if p.grad is not None:
                     _accumulate(summed, p, p.grad)
                     p.grad = None
-            loss_sum = loss_sum + losses.detach().sum() * sharding.weight(mb)
+            loss_sum = loss_sum + (losses.detach() * weights(mb)).sum()
         return self._completed(summed), loss_sum
 
     def _completed(self, summed, shapes=None) -> dict[nn.Parameter, torch.Tensor]:

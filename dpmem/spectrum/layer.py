@@ -14,7 +14,7 @@ import torch
 
 from dpmem.config import ConfigError, GrapeConfig
 from dpmem.engine.trainer import Run
-from dpmem.methods.base import Noise, batch_size
+from dpmem.methods.base import Noise, real_size, weights
 from dpmem.methods.privatize import add_noise, scale
 from dpmem.methods.projected_adam import choose_projected
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum_of
@@ -59,7 +59,7 @@ def measure(model, microbatches, loss_fn, layers: dict[str, torch.nn.Parameter],
                 loss_fn(model, mb).sum().backward()
             norms = per_sample_norms(grads)
             for c in clips:
-                factors = torch.ones_like(norms) if c is None else clip_factors(norms, c)
+                factors = (torch.ones_like(norms) if c is None else clip_factors(norms, c)) * weights(mb)
                 for n, p in layers.items():
                     sums[c][n] += weighted_sum_of(grads[p], factors)
             del grads
@@ -115,7 +115,7 @@ def run_layer_mode(cfg, out) -> dict:
             with parts.autocast():
                 rows = measure(model, micro, parts.per_sample_loss, layers, chosen,
                                ledger.expected_batch_size, sp.top, sp.seed)
-            measured.append({"step": step, "batch_size": sum(batch_size(mb) for mb in micro), "settings": rows})
+            measured.append({"step": step, "batch_size": sum(real_size(mb) for mb in micro), "settings": rows})
         if step == steps[-1]:
             break
         run.train_step(index, micro)
