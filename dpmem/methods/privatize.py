@@ -229,7 +229,10 @@ class Privatizer:
             reduce = dict.fromkeys(self.params, reducers.with_sum(norm) if check else norm)
             with self.persample.capture(batch_size(mb), reduce) as kept:
                 losses = loss_fn(self.model, mb)
-                losses.sum().backward(retain_graph=True)  # first pass: norms only
+                if check or self.sharded:  # the coverage check compares with the batch gradient; FSDP gets its own
+                    losses.sum().backward(retain_graph=True)
+                else:  # first pass: norms only, without the weights' batch products
+                    self.persample.backward_to_hooks(losses.sum(), retain_graph=True)
             with exact_float32(self.device):
                 if check:
                     self._check_coverage = False

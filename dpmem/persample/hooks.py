@@ -111,6 +111,11 @@ class PerSampleGradients:
         keep = {p for o in self._owners if o.rule is None or not o.rule.float_input for p in o.params.values()}
         self._float_input_params = list(dict.fromkeys(p for o in self._owners for p in o.params.values()
                                                       if p not in keep))
+        # a leaf that every rule's output node points to: a backward pass to it alone reaches every hooked layer's
+        # output gradient and computes no parameter's batch gradient (`backward_to_hooks`). The fallback's
+        # outputs carry plain tensor hooks, which such a pass may not reach.
+        self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
+        self.anchored = all(o.rule is not None for o in self._owners)
         self._handles: list = []
         self._close = weakref.finalize(self, remove_handles, self._handles)
         for owner in self._owners:
@@ -171,6 +176,15 @@ class PerSampleGradients:
         self._skipping = bool(skipped)
         return skipped
 
+    def backward_to_hooks(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """`loss.backward()` as far as the hooks need: every hooked layer's output gradient, and no parameter's
+        batch gradient (autograd leaves out their products: two-pass clipping's first pass needs norms only).
+        A plain backward pass where a fallback module owns parameters."""
+        if self.anchored:
+            torch.autograd.backward(loss, inputs=[self._anchor], retain_graph=retain_graph)
+        else:
+            loss.backward(retain_graph=retain_graph)
+
     def close(self) -> None:
         """Remove every hook from the model (idempotent)."""
         self._close()
@@ -228,7 +242,7 @@ class PerSampleGradients:
                 output.register_hook(lambda g: owner.on_grad(saved, g))
             return None
         saved = rule.capture(mod, args, kwargs, output, scope)
-        return _KeepInput.apply(output, saved, owner.on_grad)
+        return _KeepInput.apply(output, saved, owner.on_grad, self._anchor)
 
     def _accumulate(self, owner: _Owner, saved, grad_output: torch.Tensor) -> None:
         if not self._active:  # a second backward through this graph (two-pass clipping) happens outside `capture`
@@ -285,7 +299,7 @@ class _KeepInput(torch.autograd.Function):
     own outputs, so an in-place op on it invalidates nothing they need."""
 
     @staticmethod
-    def forward(ctx, output, saved, on_grad):
+    def forward(ctx, output, saved, on_grad, anchor):
         ctx.save_for_backward(saved)
         ctx.on_grad = on_grad
         return output.detach()
@@ -293,7 +307,7 @@ class _KeepInput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         ctx.on_grad(ctx.saved_tensors[0], grad_output)
-        return grad_output, None, None
+        return grad_output, None, None, None
 
 
 def _tied_sum(a, b):
