@@ -22,6 +22,7 @@ What privacy needs from FSDP, and how it gets it:
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -104,8 +105,14 @@ def shard_model(model: nn.Module, mesh) -> Root:
 
 
 def is_sharded(t) -> bool:
+    return isinstance(t, _dtensor())
+
+
+@functools.cache
+def _dtensor() -> type:
+    """DTensor, imported on first use (asked per parameter per step: the import statement itself costs)."""
     from torch.distributed.tensor import DTensor
-    return isinstance(t, DTensor)
+    return DTensor
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
