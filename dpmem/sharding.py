@@ -16,7 +16,7 @@ What privacy needs from FSDP, and how it gets it:
 - DP-GRAPE's clipped sums are its small projected matrices: they are all-reduced and noised as without FSDP (one
   shared draw), and each rank lifts the update onto the rows it holds.
 - Every rank runs the same number of forward and backward passes (FSDP's collectives pair them up): a rank whose
-  part of a Poisson batch has fewer micro-batches runs padding ones whose samples weigh 0 (`Padding`).
+  part of a Poisson batch has fewer micro-batches runs padding ones whose samples weigh 0 (`Padded`, real = 0).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from dpmem import distributed
+from dpmem.data.bundle import real_size
 
 @contextlib.contextmanager
 def simulated_ranks(world_size: int):
@@ -47,10 +48,6 @@ def simulated_ranks(world_size: int):
             yield ranks
     finally:
         dist.destroy_process_group()
-
-
-class Padding(dict):
-    """A micro-batch run only so that this rank's FSDP collectives pair with the other ranks': its samples weigh 0."""
 
 
 def mesh(device_type: str):
@@ -76,7 +73,7 @@ class Root(nn.Module):
         """`fn(model, batch)` run as this root's forward. A padding batch draws its dropout masks from a copy of the
         random state, so the rank's real batches get the masks they would get without it."""
         def call(model, batch):
-            if not isinstance(batch, Padding):
+            if real_size(batch):
                 return self(fn, batch)
             device = next(iter(batch.values())).device
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from torch.distributed.fsdp import FSDPModule
 
 from dpmem import distributed, sharding
+from dpmem.data.bundle import real_size
 from dpmem.cli import CONF_DIR
 from dpmem.engine.folder import claim
 from dpmem.engine.trainer import Run
@@ -77,7 +78,7 @@ class FSDPWatch:
         def step(micro, loss_fn):
             self.calls = 0
             out = real(micro, loss_fn)
-            self.log.append({"micro": len(micro), "padding": sum(isinstance(m, sharding.Padding) for m in micro),
+            self.log.append({"micro": len(micro), "padding": sum(real_size(m) == 0 for m in micro),
                              "reduce_scatters": self.calls})
             return out
         run.method.step = step

@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 from dpmem.data import DataBundle
 from dpmem.engine.trainer import Run
 from dpmem.methods import Noise, build_method, method_config
-from dpmem.methods.base import Padded, batch_size, real_size, weights
+from dpmem.data.bundle import Padded, real_size, weights
+from dpmem.methods.base import batch_size
 from helpers import PRIVATE, config
 from tiny_models import tiny_vit
 

@@ -67,3 +67,27 @@ def check_class_numbers(where: str, labels, other_way: str = "") -> None:
 
 def take(columns: dict[str, torch.Tensor], index) -> dict[str, torch.Tensor]:
     return {k: v[index] for k, v in columns.items()}
+
+
+class Padded(dict):
+    """A micro-batch of `real` samples followed by padding ones that weigh 0: train.static_shapes' full-size
+    micro-batches, and under FSDP a rank's padding micro-batches (real = 0), run only so that its collectives pair
+    with the other ranks'. A dict of the batch's columns, so a loss function sees nothing else; `weights` (B,) are
+    1 for the real samples, 0 for the padding."""
+
+    def __init__(self, columns: dict[str, torch.Tensor], real: int):
+        super().__init__(columns)
+        self.real = real
+        rows = next(iter(columns.values()))
+        self.weights = (torch.arange(len(rows), device=rows.device) < real).float()
+
+
+def weights(batch: dict[str, torch.Tensor]) -> torch.Tensor | float:
+    """How much each sample of a micro-batch counts in the step (its clip factor, its loss): a `Padded` one's
+    weights, else 1."""
+    return batch.weights if isinstance(batch, Padded) else 1.0
+
+
+def real_size(batch: dict[str, torch.Tensor]) -> int:
+    """The samples of a micro-batch that count (weigh 1), known on the host."""
+    return batch.real if isinstance(batch, Padded) else len(next(iter(batch.values())))

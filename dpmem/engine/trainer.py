@@ -20,6 +20,7 @@ from tqdm import tqdm
 from dpmem import distributed, precision, sharding
 from dpmem.config import ConfigError, enum_value
 from dpmem.data import DataBundle, build_data
+from dpmem.data.bundle import Padded
 from dpmem.engine import checkpoint
 from dpmem.engine.assemble import Parts, assemble
 from dpmem.engine.folder import claim, fingerprint, write_config
@@ -28,7 +29,6 @@ from dpmem.engine.summary import (append_metrics, append_privacy, json_ready, mo
 from dpmem.engine.tracking import NoTracker, open_tracker
 from dpmem.engine.meter import Meter
 from dpmem.methods import method_class
-from dpmem.methods.base import Padded
 from dpmem.methods.subspace import SubspaceProjection, privacy_of
 from dpmem.privacy.sampling import make_batches
 
@@ -382,7 +382,7 @@ class Run:
         else:
             micro = [self._on_device(chunk) for chunk in chunks]
         size = physical if t.static_shapes else 1
-        return micro + [sharding.Padding(self._on_device(torch.zeros(size, dtype=torch.long))) for _ in range(padding)]
+        return micro + [Padded(self._on_device(torch.zeros(size, dtype=torch.long)), 0) for _ in range(padding)]
 
     def _on_device(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
         batch = self.data.batch(self.data.train, index, trim=not self.cfg.train.static_shapes)

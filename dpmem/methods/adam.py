@@ -6,7 +6,8 @@ import torch
 
 from dpmem import distributed, sharding
 from dpmem.config import OptimizerConfig
-from dpmem.methods.base import Method, make_optimizer, real_size, weights
+from dpmem.data.bundle import real_size, weights
+from dpmem.methods.base import Method, make_optimizer
 
 
 class Adam(Method):

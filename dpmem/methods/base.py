@@ -48,33 +48,6 @@ def batch_size(batch: Batch) -> int:
     return len(next(iter(batch.values())))
 
 
-class Padded(dict):
-    """A micro-batch of `real` samples followed by padding ones that weigh 0 (train.static_shapes: every micro-batch
-    has the physical batch size). A dict of the batch's columns, so a loss function sees nothing else; `weights`
-    (B,) are 1 for the real samples, 0 for the padding."""
-
-    def __init__(self, columns: Batch, real: int):
-        super().__init__(columns)
-        self.real = real
-        rows = next(iter(columns.values()))
-        self.weights = (torch.arange(len(rows), device=rows.device) < real).float()
-
-
-def weights(batch: Batch) -> torch.Tensor | float:
-    """How much each sample of a micro-batch counts in the step (its clip factor, its loss): a (B,) tensor for a
-    `Padded` one, 0 for FSDP's padding micro-batches (dpmem.sharding.Padding), else 1."""
-    if isinstance(batch, sharding.Padding):
-        return 0.0
-    return batch.weights if isinstance(batch, Padded) else 1.0
-
-
-def real_size(batch: Batch) -> int:
-    """The samples of a micro-batch that count (weigh 1), known on the host."""
-    if isinstance(batch, sharding.Padding):
-        return 0
-    return batch.real if isinstance(batch, Padded) else batch_size(batch)
-
-
 def check_positive(method_cfg, *keys: str) -> None:
     """Options counted in whole units (probes, rank, steps): each at least 1. Raises ConfigError."""
     for key in keys:

@@ -17,7 +17,8 @@ import torch
 
 from dpmem import distributed
 from dpmem.config import ConfigError, DPZeroConfig, ZerothOrderConfig, enum_value
-from dpmem.methods.base import Method, Noise, real_size, weights
+from dpmem.data.bundle import real_size, weights
+from dpmem.methods.base import Method, Noise
 
 
 class ZerothOrder(Method):

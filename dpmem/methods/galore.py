@@ -14,7 +14,8 @@ import torch
 
 from dpmem import distributed
 from dpmem.config import GaLoreDPNaiveConfig, ProjectedConfig, enum_value
-from dpmem.methods.base import Method, Noise, check_positive, real_size, weights
+from dpmem.data.bundle import real_size, weights
+from dpmem.methods.base import Method, Noise, check_positive
 from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape

@@ -17,7 +17,8 @@ from torch import nn
 
 from dpmem import distributed, sharding
 from dpmem.metering import memory_label
-from dpmem.methods.base import Noise, batch_size, weights
+from dpmem.data.bundle import weights
+from dpmem.methods.base import Noise, batch_size
 from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.coverage import verify_coverage
 from dpmem.persample import PerSampleGradients, Projection, clip_factors, reducers, weighted_sum

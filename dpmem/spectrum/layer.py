@@ -14,7 +14,8 @@ import torch
 
 from dpmem.config import ConfigError, GrapeConfig
 from dpmem.engine.trainer import Run
-from dpmem.methods.base import Noise, real_size, weights
+from dpmem.data.bundle import real_size, weights
+from dpmem.methods.base import Noise
 from dpmem.methods.privatize import add_noise, scale
 from dpmem.methods.projected_adam import choose_projected
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum_of
