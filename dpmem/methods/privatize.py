@@ -240,7 +240,7 @@ class Privatizer:
                     verify_coverage(self.model, self.params, {p: r.total for p, r in kept.items()},
                                     compute=self.persample.compute)
                     kept = {p: r.value for p, r in kept.items()}
-                factors = clip_factors(sum(kept.values()).sqrt(), self.noise.max_grad_norm) * weights(mb)
+                factors = clip_factors(flat_norms(list(kept.values()), []), self.noise.max_grad_norm) * weights(mb)
             self._keep_grads = True
             try:  # second pass: autograd forms Σᵢ fᵢ gᵢ in .grad, in the model's own precision
                 wide = torch.promote_types(losses.dtype, factors.dtype)  # a bf16 loss is weighed in float32
