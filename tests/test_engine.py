@@ -140,9 +140,9 @@ def test_evaluation_runs_at_the_physical_batch_size_unless_told(tmp_path, monkey
     import dpmem.engine.trainer as trainer
     real, seen = trainer.evaluate, []
 
-    def recording(model, data, device, batch_size, *args):
+    def recording(parts, batch_size):
         seen.append(batch_size)
-        return real(model, data, device, batch_size, *args)
+        return real(parts, batch_size)
     monkeypatch.setattr(trainer, "evaluate", recording)
     run_training(config("method=adam", "train.steps=1", "train.device=cpu", *overrides), tmp_path)
     assert seen == [want]

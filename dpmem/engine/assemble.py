@@ -33,6 +33,10 @@ class Parts:
     def per_sample_loss(self):
         return self.data.per_sample_loss if self.root is None else self.root.calling(self.data.per_sample_loss)
 
+    def call(self, fn: Callable, *args):
+        """`fn(model, *args)`, a task's function of the model (under FSDP through the root, as its forward)."""
+        return fn(self.model, *args) if self.root is None else self.root(fn, *args)
+
 
 def assemble(cfg, device: torch.device, data: DataBundle, model: nn.Module | None = None, *,
              steps: int | None = None, sampling: str | None = None, mesh=None, recompute=None,

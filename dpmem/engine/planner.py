@@ -223,7 +223,6 @@ def _evaluation(parts: Parts, size: int, max_new_tokens: int, block: int) -> dic
     what the run keeps between steps (parameters, gradients, the method's state). A task that scores itself on the
     host (data=median) adds nothing to that state."""
     data, model = parts.data, parts.model
-    call = (lambda fn, batch: fn(model, batch)) if parts.root is None else parts.root
     evaluates = "generate" if data.generate is not None else "predict" if data.score is None else "host"
     work = size > 0 and evaluates != "host"
     # made outside the count (which would see the test split that its copies are sliced from), counted as inputs
@@ -234,11 +233,12 @@ def _evaluation(parts: Parts, size: int, max_new_tokens: int, block: int) -> dic
         with counter, torch.no_grad(), memory_label("activations"):
             if work:
                 if evaluates == "predict":
-                    call(data.predict, batch)
+                    parts.call(data.predict, batch)
                 else:
                     stop = FullLength(batch["input_ids"].shape[1] + max_new_tokens)
                     try:
-                        call(functools.partial(data.generate, stopping_criteria=StoppingCriteriaList([stop])), batch)
+                        parts.call(functools.partial(data.generate, stopping_criteria=StoppingCriteriaList([stop])),
+                                   batch)
                     except FullLength.Reached:
                         pass
     finally:

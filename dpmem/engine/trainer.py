@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from dpmem import distributed, precision, sharding
 from dpmem.config import ConfigError, enum_value
-from dpmem.data import DataBundle, build_data
+from dpmem.data import build_data
 from dpmem.data.bundle import Padded
 from dpmem.engine import checkpoint
 from dpmem.engine.assemble import Parts, assemble
@@ -64,23 +64,22 @@ def eval_batch_size(t) -> int:
 
 
 @torch.no_grad()
-def evaluate(model, data: DataBundle, device, batch_size: int, autocast, root=None) -> float | dict[str, float]:
+def evaluate(parts: Parts, batch_size: int) -> float | dict[str, float]:
     """The data set's metric on its evaluation split (accuracy of `predict` unless the task scores itself, maybe
-    with other metrics beside it in a dict). Under FSDP the task's functions run through the `root`
-    (dpmem.sharding.Root)."""
-    model.eval()
-    call = (lambda fn, *args: fn(model, *args)) if root is None else root
+    with other metrics beside it in a dict), the task's functions called through `parts.call`."""
+    data, device, autocast = parts.data, parts.device, parts.autocast
+    parts.model.eval()
     try:
         if data.score is not None:
-            return call(data.score, device, batch_size, autocast)
+            return parts.call(data.score, device, batch_size, autocast)
         correct, n = 0, len(data.test["labels"])
         for start in range(0, n, batch_size):
             batch = {k: v.to(device) for k, v in data.batch(data.test, slice(start, start + batch_size)).items()}
             with autocast():
-                correct += int((call(data.predict, batch) == batch["labels"]).sum())
+                correct += int((parts.call(data.predict, batch) == batch["labels"]).sum())
         return correct / max(n, 1)
     finally:
-        model.train()
+        parts.model.train()
 
 
 class NonFiniteLoss(RuntimeError):
@@ -411,8 +410,7 @@ class Run:
         """The data set's metrics ({metric_name: value}, and any others its task scores); the best so far of the
         metric, in its direction, and the last evaluation's others (summary's `metrics`) go in the summary."""
         with self.meter.paused():
-            value = evaluate(self.model, self.data, self.device, eval_batch_size(self.cfg.train),
-                             self.precision.autocast, self.parts.root)
+            value = evaluate(self.parts, eval_batch_size(self.cfg.train))
         values = value if isinstance(value, dict) else {self.data.metric_name: value}
         if len(values) > 1:
             self.summary["metrics"] = values

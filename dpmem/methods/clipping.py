@@ -26,7 +26,6 @@ KEEPS = ("gradients", "factors", "norms")
 @dataclass(frozen=True)
 class ClippingPlan:
     name: str  # what the method's config chose (materialize, bk, fgc, ghost, mixed, hutch, hutchpp): the summary's
-    passes: int  # backward passes per micro-batch: 1 keeps per-sample gradients until the norms are known; 2 does not
     norms: str  # the dpmem.persample.norms rule that norms what the backward keeps
     keeps: str  # gradients (dense), factors (book-keeping: each layer's input and output gradient) or norms only
     k: int = 32  # probes of an estimator
@@ -35,8 +34,8 @@ class ClippingPlan:
     def __post_init__(self):
         if self.name not in CHOICES:
             raise ValueError(f"clipping {self.name!r}: allowed {', '.join(CHOICES)}")
-        if self.keeps not in KEEPS or (self.passes == 2) != (self.keeps == "norms"):
-            raise ValueError(f"clipping {self.name!r}: {self.passes} passes cannot keep {self.keeps}")
+        if self.keeps not in KEEPS:
+            raise ValueError(f"clipping {self.name!r} cannot keep {self.keeps!r}: allowed {', '.join(KEEPS)}")
         if self.projected and self.passes != 1:
             raise ValueError(f"projected per-sample gradients need one-pass clipping, not {self.name!r}")
 
@@ -47,12 +46,18 @@ class ClippingPlan:
             raise ValueError(f"bookkeeping with an estimator ({', '.join(ESTIMATORS)}), not {name!r}; "
                              "exact norms have clipping='bk'")
         if name == "materialize":  # dense per-sample gradients: ghost norms them exactly (a sparse embedding's too)
-            return cls(name, 1, "ghost", "gradients", k, projected)
+            return cls(name, "ghost", "gradients", k, projected)
         if name == "bk":
-            return cls(name, 1, "mixed", "factors", k, projected)
+            return cls(name, "mixed", "factors", k, projected)
         if bookkeeping:
-            return cls(name, 1, name, "factors", k, projected)
-        return cls(name, 2, name, "norms", k, projected)
+            return cls(name, name, "factors", k, projected)
+        return cls(name, name, "norms", k, projected)
+
+    @property
+    def passes(self) -> int:
+        """Backward passes per micro-batch: 1 keeps per-sample gradients (or factors) until the norms are known; 2
+        keeps norms only, and the second pass forms the clipped sums."""
+        return 2 if self.keeps == "norms" else 1
 
     @property
     def bookkeeping(self) -> bool:

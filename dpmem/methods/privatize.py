@@ -159,15 +159,15 @@ class Privatizer:
         """Σᵢ min(1, C/‖gᵢ‖)·gᵢ of per-sample gradients given outside a backward pass (dpmem audit's canaries:
         `Factored` or dense rows, keyed like the clipped sums), through the real samples' code: the plan's norm
         rule and reducer, the clip factors, the weighted sum. A fault there shows in the audit."""
-        reduce = self._reducer() if self.plan.passes == 1 else reducers.normed(
-            self.plan.norms, self.plan.k, self._probe_draws)
+        reduce = self._reducer()
         reduced = {key: reduce(g) for key, g in grads.items()}
         factors = clip_factors(_norms(reduced), self.noise.max_grad_norm)
         return weighted_sum({key: r.grads for key, r in reduced.items()}, factors)
 
     def _reducer(self):
-        """One-pass clipping's reducer: squared norms by the plan's rule, and the per-sample gradients kept for
-        the clipped sum (dense, or a layer's factors for book-keeping)."""
+        """Squared norms by the plan's rule, and the per-sample gradients kept for the clipped sum (dense for
+        materialize, else as they come: a layer's factors for book-keeping): one-pass clipping's reducer, and the
+        audit's canaries' under any plan (`clipped_sum_of`)."""
         dense = self.plan.keeps == "gradients"
         return reducers.normed(self.plan.norms, self.plan.k, self._probe_draws,
                                **({"then": reducers.materialize} if dense else {}))
