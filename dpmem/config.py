@@ -269,6 +269,12 @@ METHOD_SCHEMAS = {"optimizer": OptimizerConfig, "dp-adam": DPAdamConfig, "dp-sgd
                   "zeroth-order": ZerothOrderConfig, "dpzero": DPZeroConfig}  # method/*.yaml: schema/NAME
 
 
+class LossRelease(Enum):
+    private = "private"  # clipped to [0, loss_bound], noised, composed into epsilon with the gradient (accounting.py)
+    exact = "exact"  # outside epsilon: recorded as train_loss_outside_epsilon, never a search's objective
+    none = "none"  # not computed into any record
+
+
 @dataclass
 class PrivacyConfig:
     epsilon: Optional[float] = None  # None = non-private
@@ -285,6 +291,12 @@ class PrivacyConfig:
     # None = a private run's Poisson sampler is seeded from the OS, so which steps held a record stays secret (what
     # amplification by subsampling assumes); a number makes the batches reproducible, and derivable from the config
     sampler_seed: Optional[int] = None
+    # a private run's training loss (metrics, summary, progress bar, wandb, a search's objective): by default each
+    # step's per-sample losses, clipped to [0, loss_bound], summed and noised with loss_noise times the gradient's
+    # noise multiplier, in the same epsilon (c = 10 costs the gradient 0.5% more noise)
+    train_loss: LossRelease = LossRelease.private
+    loss_bound: float = 5.0
+    loss_noise: float = 10.0
 
 
 class Objective(Enum):
@@ -404,6 +416,13 @@ class CanaryKind(Enum):
     input = "input"  # black-box: mislabelled training examples, scored by the final model's loss on them
 
 
+class CanaryPlant(Enum):
+    """Where gradient canaries join the private step."""
+    auto = "auto"  # batch where the method can (its Privatizer's unprojected sums, one process), else sum
+    batch = "batch"  # as samples of the micro-batches: made by the host weight's layers, normed, clipped, summed
+    sum = "sum"  # added to the clipped sum, normed and clipped by the Privatizer's code (clipped_sum_of)
+
+
 @dataclass
 class AuditConfig:
     """dpmem audit: one training run with m canaries, each in the training set with probability ½, and the
@@ -411,6 +430,8 @@ class AuditConfig:
     kind: CanaryKind = CanaryKind.gradient
     canaries: int = 1000  # m
     norm: float = 10.0  # a gradient canary's norm, in units of method.max_grad_norm (clipping brings it to C)
+    plant: CanaryPlant = CanaryPlant.auto  # where gradient canaries join the step (CanaryPlant)
+    uses: int = 16  # plant=batch: the layer calls that make a canary's gradient (uses of its host weight)
     beta: float = 0.05  # the bound holds with probability 1 - beta
     seed: int = 0  # which canaries are in, where they live
     dir: Optional[str] = None  # output folder; None = outputs/audit/DATE/TIME (a sweep: one sub-folder per point)
@@ -518,6 +539,9 @@ def check_privacy(p: Any) -> None:
         raise ConfigError("privacy.epsilon", f"{p.epsilon} must be a finite number > 0 (or null for non-private)")
     if p.epsilon is not None:
         resolve_delta(p.delta, n=2)  # the form is checked here; '1/n' is resolved once n is known
+    for key in ("loss_bound", "loss_noise"):
+        if not 0 < p[key] < math.inf:
+            raise ConfigError(f"privacy.{key}", f"{p[key]} must be a finite number > 0")
     d = p.rc_dimension
     if d not in ("model", "max_layer") and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
         raise ConfigError("privacy.rc_dimension", f"{d!r}: allowed model, max_layer or a positive integer")

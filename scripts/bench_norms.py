@@ -33,6 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from dpmem.metering import LiveTensorCounter
 from dpmem.persample.factored import Factored
 from dpmem.persample.norms import ESTIMATORS, ghost_is_cheaper, squared_norms
+from dpmem.privacy.randomness import Draws, seed_key
 from dpmem.report import write_markdown
 
 DEFAULT_SHAPES = ["2048x2048", "8192x2048", "2048x512"]
@@ -71,10 +72,10 @@ def measure_memory(p, d, T, B, rule, k=32, device="meta", dtype=torch.float32) -
     """Peak bytes of live tensor storages during one `squared_norms` call, A and G included, and their bytes."""
     device = torch.device(device)
     A, G = make_inputs(B, T, p, d, device, dtype)
-    gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(1)
+    draws = None if device.type == "meta" else Draws(seed_key(1), "probes", device)
     inputs = A.untyped_storage().nbytes() + G.untyped_storage().nbytes()
     with LiveTensorCounter().track([A, G]) as counter:
-        out = squared_norms(Factored.outer(G, A), rule, k=k, generator=gen)
+        out = squared_norms(Factored.outer(G, A), rule, k=k, draws=draws)
     assert out.shape == (B,)
     return {"peak": counter.peak, "inputs": inputs, "extra": counter.peak - inputs}
 
@@ -153,13 +154,13 @@ def time_cells(p, d, T, B, cells, repeats, warmup) -> dict:
     """Seconds per call of each (rule, k) cell on CPU. The cells are timed round-robin (one call of each per
     round) so that load from other processes spreads evenly over them."""
     A, G = make_inputs(B, T, p, d, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(1)
+    draws = Draws(seed_key(1), "probes")
     g = Factored.outer(G, A)
     times = {c: [] for c in cells}
     for i in range(warmup + repeats):
         for rule, k in cells:
             tic = time.perf_counter()
-            squared_norms(g, rule, k=k or 32, generator=gen)
+            squared_norms(g, rule, k=k or 32, draws=draws)
             if i >= warmup:
                 times[(rule, k)].append(time.perf_counter() - tic)
     return times

@@ -15,6 +15,7 @@ from dpmem.methods.privatize import NOISE_BUCKET, Privatizer
 from dpmem.persample import PerSampleGradients
 from dpmem.persample.factored import Factored
 from dpmem.precision import RunPrecision
+from dpmem.privacy.randomness import Draws, seed_key
 from tiny_models import tiny_roberta, tiny_vit
 
 
@@ -79,7 +80,7 @@ def vit_case():
 def run_steps(make, cls, cfg, steps=2, chunks=2, sigma=1.0):
     torch.manual_seed(0)
     model, loss, b = make()
-    method = cls(model, cfg, lr=0.05, noise=Noise(sigma, 0.5, 3.0, torch.Generator().manual_seed(7)))
+    method = cls(model, cfg, lr=0.05, noise=Noise(sigma, 0.5, 3.0, seeded(7)))
     n = len(next(iter(b.values())))
     micro = [{k: v[i::chunks] for k, v in b.items()} for i in range(min(chunks, n))]
     for _ in range(steps):
@@ -170,7 +171,7 @@ def released(make, name, options, precision, max_grad_norm, samples=None):
     torch.manual_seed(0)
     model, loss, batch = make()
     cfg = method_config(name, max_grad_norm=max_grad_norm, **options)
-    method = build_method(cfg, model, 0.01, Noise(0.0, max_grad_norm, 1.0, torch.Generator().manual_seed(3)))
+    method = build_method(cfg, model, 0.01, Noise(0.0, max_grad_norm, 1.0, seeded(3)))
     outputs, call = [], Privatizer.gradient
 
     def spy(self, *args, **kwargs):
@@ -225,10 +226,15 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
-def standard_noise(shapes: list, generator: torch.Generator) -> list[torch.Tensor]:
+def seeded(seed: int) -> Draws:
+    """Noise draws keyed by a seed (a run's privacy.noise_seed), the same for each call: a test replays them."""
+    return Draws(seed_key(seed), "noise")
+
+
+def standard_noise(shapes: list, draws: Draws, dtype=torch.float32) -> list[torch.Tensor]:
     """The standard normal draws a step adds (times σC) to clipped sums of these shapes, in this order, for a model
     small enough to be one noise run (`dpmem.methods.privatize.add_noise`): one vector, split in order."""
     sizes = [torch.Size(shape).numel() for shape in shapes]
     assert sum(sizes) <= NOISE_BUCKET
-    draw = torch.randn(sum(sizes), generator=generator)
+    draw = draws.randn(sum(sizes), dtype=dtype)
     return [chunk.view(shape) for chunk, shape in zip(draw.split(sizes), shapes)]

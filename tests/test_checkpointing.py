@@ -12,6 +12,7 @@ from dpmem.models import checkpoint_activations
 from dpmem.persample import PerSampleGradients
 from dpmem.persample.factored import Factored
 from tiny_models import tiny_llama, tiny_opt, tiny_roberta, tiny_vit
+from helpers import seeded
 
 
 MODELS = {"roberta-mlm": tiny_roberta, "opt": tiny_opt, "llama": tiny_llama, "vit": lambda: tiny_vit("eager")}
@@ -74,7 +75,7 @@ def test_steps_equal_the_run_without_checkpointing(name, method, options):
         model, loss, batch = case(name, checkpointing)
         extra = {"max_grad_norm": 0.5} if method != "adam" else {}
         cfg = method_config(method, **extra, **options)
-        noise = Noise(1.0, 0.5, 3.0, torch.Generator().manual_seed(7)) if method != "adam" else None
+        noise = Noise(1.0, 0.5, 3.0, seeded(7)) if method != "adam" else None
         step = build_method(cfg, model, 0.05, noise, seed=3)
         micro = [{k: v[i::2] for k, v in batch.items()} for i in range(2)]
         for _ in range(2):

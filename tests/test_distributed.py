@@ -48,7 +48,7 @@ METHODS = {  # one job per method family and clipping mode, noise off (privacy=n
                   "privacy.noise_seed=4", *ADAM],  # the seed of the probes
     "galore-dp-naive": ["method=galore-dp-naive", "method.rank=4", "method.refresh=2", *ADAM],
     "grape": ["method=grape", "method.rank=4", "method.refresh=2", "train.physical_batch_size=8", *ADAM],
-    "dpzero": ["method=dpzero", "train.lr=1e-4"],
+    "dpzero": ["method=dpzero", "train.lr=3e-4"],
     "mezo": ["method=mezo", "train.lr=1e-4"],
     # bf16 autocast: each rank's forward rounds its own samples as one process does
     "dp-adam-bk-bf16": ["method=dp-adam", "method.clipping=bk", "train.precision=bf16", *ADAM],

@@ -12,7 +12,7 @@ from dpmem.methods import DPAdam, Noise, method_config
 from dpmem.methods import privatize
 from dpmem.methods.privatize import Observer, Privatizer
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
-from helpers import standard_noise
+from helpers import seeded, standard_noise
 from tiny_models import tiny_vit
 
 
@@ -75,7 +75,7 @@ def test_private_gradient_is_clipped_sum_plus_noise_over_expected_batch():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     sigma, C, expected = 0.7, 5.0, 10.0  # the expected batch size, not the 8 sampled
     method = DPAdam(model, method_cfg("sgd", C), lr=1.0,
-                    noise=Noise(sigma, C, expected, torch.Generator().manual_seed(123)))
+                    noise=Noise(sigma, C, expected, seeded(123)))
     method.step([batch], loss_fn)
     # oracle: Opacus' clipped sum and the same noise draws, in dpmem's parameter order
     reference = Net()
@@ -86,7 +86,7 @@ def test_private_gradient_is_clipped_sum_plus_noise_over_expected_batch():
     F.cross_entropy(gsm(batch["x"], batch["ids"]), batch["y"], reduction="sum").backward()
     opt.clip_and_accumulate()
     summed = {n: p.summed_grad for n, p in reference.named_parameters()}
-    gen = torch.Generator().manual_seed(123)
+    gen = seeded(123)
     names = {p: n for n, p in model.named_parameters()}
     for p, noise in zip(method.params, standard_noise([p.shape for p in method.params], gen)):
         n = names[p]
@@ -111,7 +111,7 @@ def test_empty_batch_still_adds_noise():
     torch.manual_seed(0)
     model = Net()
     before = [p.detach().clone() for p in model.parameters()]
-    method = DPAdam(model, method_cfg("sgd", 1.0), lr=1.0, noise=Noise(1.0, 1.0, 4.0, torch.Generator().manual_seed(0)))
+    method = DPAdam(model, method_cfg("sgd", 1.0), lr=1.0, noise=Noise(1.0, 1.0, 4.0, seeded(0)))
     method.step([], loss_fn)
     assert all(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
 
@@ -123,19 +123,19 @@ def test_noise_is_drawn_in_runs_of_bounded_size_split_in_order(monkeypatch):
     shapes = [(3, 4), (5,), (20,), (2,), (2, 2)]
     summed = {i: torch.zeros(shape, dtype=torch.float64 if i == 4 else torch.float32)
               for i, shape in enumerate(shapes)}
-    privatize.add_noise(summed, Noise(0.5, 2.0, 4.0, torch.Generator().manual_seed(3)))
-    gen = torch.Generator().manual_seed(3)
+    privatize.add_noise(summed, Noise(0.5, 2.0, 4.0, seeded(3)))
+    gen = seeded(3)
     runs = [[0], [1], [2], [3], [4]]  # 12 + 5 > 16; 20 alone; float32 then float64
     for run in runs:
-        draw = torch.randn(sum(summed[i].numel() for i in run), generator=gen, dtype=summed[run[0]].dtype)
+        draw = gen.randn(sum(summed[i].numel() for i in run), dtype=summed[run[0]].dtype)
         for i, chunk in zip(run, draw.split([summed[i].numel() for i in run])):
             torch.testing.assert_close(summed[i], 1.0 * chunk.view(shapes[i]), rtol=0, atol=0)
     summed = {i: torch.zeros(n) for i, n in enumerate([6, 7, 4])}  # 6 + 7 fit, 4 more do not
-    privatize.add_noise(summed, Noise(1.0, 1.0, 4.0, torch.Generator().manual_seed(4)))
-    gen = torch.Generator().manual_seed(4)
-    first = torch.randn(13, generator=gen)
+    privatize.add_noise(summed, Noise(1.0, 1.0, 4.0, seeded(4)))
+    gen = seeded(4)
+    first = gen.randn(13)
     assert torch.equal(torch.cat([summed[0], summed[1]]), first)
-    assert torch.equal(summed[2], torch.randn(4, generator=gen))
+    assert torch.equal(summed[2], gen.randn(4))
 
 
 def test_coverage_check_catches_a_parameter_used_outside_its_module():
@@ -209,7 +209,7 @@ def test_observers_see_the_clipped_sums_in_order_and_the_release_in_reverse():
     sigma, C, expected = 0.7, 5.0, 10.0
     calls = []
     first, second = Recording("first", calls, factor=2.0), Recording("second", calls)
-    with Privatizer(model, Noise(sigma, C, expected, torch.Generator().manual_seed(123)),
+    with Privatizer(model, Noise(sigma, C, expected, seeded(123)),
                     observers=(first, second)) as privatizer:
         released, _ = privatizer.gradient([batch], loss_fn, {p: p.shape for p in privatizer.params})
     assert calls == [("clipped", "first"), ("clipped", "second"), ("noised", "second"), ("noised", "first")]
@@ -220,7 +220,7 @@ def test_observers_see_the_clipped_sums_in_order_and_the_release_in_reverse():
     F.cross_entropy(reference(batch["x"], batch["ids"]), batch["y"], reduction="sum").backward()
     opt.clip_and_accumulate()
     summed = {n: p.summed_grad for n, p in reference._module.named_parameters()}
-    gen = torch.Generator().manual_seed(123)
+    gen = seeded(123)
     named = list(model.named_parameters())
     for (n, p), noise in zip(named, standard_noise([p.shape for _, p in named], gen)):
         torch.testing.assert_close(first.clipped[p], summed[n], rtol=1e-5, atol=1e-6)

@@ -7,6 +7,7 @@ import torch
 
 from dpmem.engine.trainer import Run, lr_at, run_training
 from dpmem.methods.dp_adam import DPAdam
+from dpmem.privacy.randomness import Draws, seed_key
 from dpmem.privacy.sampling import fixed_batches, poisson_batches, shuffled_batches
 from helpers import config
 
@@ -55,7 +56,7 @@ def test_ctrl_c_in_a_weakref_callback_still_stops_the_run(tmp_path, monkeypatch)
 
 
 def test_poisson_sampling_rate_and_independence():
-    gen = torch.Generator().manual_seed(0)
+    gen = Draws(seed_key(0), "batches")
     n, q, steps = 1000, 0.05, 400
     sizes = torch.tensor([len(b) for b in poisson_batches(n, q, steps, gen)], dtype=torch.float)
     # Binomial(n, q): mean nq = 50, std sqrt(nq(1-q)) ~ 6.9; the mean of 400 draws is within 4 s.e.
@@ -64,7 +65,7 @@ def test_poisson_sampling_rate_and_independence():
 
 
 def test_fixed_and_shuffled_batches():
-    gen = torch.Generator().manual_seed(0)
+    gen = Draws(seed_key(0), "batches")
     assert all(len(b) == 7 and len(set(b.tolist())) == 7 for b in fixed_batches(20, 7, 10, gen))
     epoch = list(shuffled_batches(20, 7, 3, gen))
     assert [len(b) for b in epoch] == [7, 7, 6] and sorted(torch.cat(epoch).tolist()) == list(range(20))

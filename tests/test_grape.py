@@ -11,7 +11,7 @@ from torch import nn
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, GaLoreDPNaive, Grape, Noise, method_config
 from dpmem.persample import PerSampleGradients, Projection, reducers
-from helpers import Mixer, grape_cfg, mixer_batch, mixer_loss, standard_noise
+from helpers import Mixer, grape_cfg, mixer_batch, mixer_loss, seeded, standard_noise
 
 
 def full_per_sample(model, b):
@@ -58,7 +58,7 @@ def test_one_step_equals_algorithms_1_and_2():
     model, b = Mixer(), mixer_batch()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     sigma, C, expected, lr = 0.6, 0.5, 8.0, 0.01
-    method = Grape(model, grape_cfg(C=C), lr, Noise(sigma, C, expected, torch.Generator().manual_seed(7)), seed=3)
+    method = Grape(model, grape_cfg(C=C), lr, Noise(sigma, C, expected, seeded(7)), seed=3)
     projections = {p: method.projection(p, 1) for p in method.sides}  # P for t = 1
     # reference: explicit per-sample gradients (independent of the projected rules), projected, clipped flat
     reference = Mixer()
@@ -72,7 +72,7 @@ def test_one_step_equals_algorithms_1_and_2():
         per[p] = torch.stack([projections[p].project(gi) for gi in g]) if p in projections else g
     norms = torch.stack([g.reshape(6, -1).pow(2).sum(1) for g in per.values()]).sum(0).sqrt()
     factors = torch.clamp(C / (norms + 1e-6), max=1.0)
-    gen = torch.Generator().manual_seed(7)
+    gen = seeded(7)
     method.step([b], mixer_loss)
     # noise drawn in the method's parameter order, in the projected shapes
     for p, noise in zip(method.params, standard_noise([per[p].shape[1:] for p in method.params], gen)):
@@ -88,7 +88,7 @@ def test_one_step_equals_algorithms_1_and_2():
 def test_projector_is_the_same_in_backward_and_update_and_refreshes_every_f_steps():
     torch.manual_seed(0)
     model = Mixer()
-    method = Grape(model, grape_cfg(refresh=3), 1e-3, Noise(0.5, 1.0, 6.0, torch.Generator().manual_seed(0)))
+    method = Grape(model, grape_cfg(refresh=3), 1e-3, Noise(0.5, 1.0, 6.0, seeded(0)))
     seen = []
     real = method.projection
 

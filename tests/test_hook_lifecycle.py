@@ -39,7 +39,7 @@ def loss_fn(model, b):
 
 
 def no_noise():
-    return Noise(sigma=0.0, max_grad_norm=C, expected_batch_size=1.0, generator=None)
+    return Noise(sigma=0.0, max_grad_norm=C, expected_batch_size=1.0, draws=None)
 
 
 def projection(p: nn.Parameter) -> Projection:

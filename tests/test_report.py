@@ -1,14 +1,21 @@
 """dpmem report on summaries written here: cells, means and standard errors (against the statistics module), OOM
-cells, the best private result per column, and the runs that are not in the table."""
+cells, the best private result per column, the runs that are not in the table, the folders of an analysis, and the
+ε of choosing among the runs against dp-accounting's composition of every release."""
 
 import csv
 import json
 import math
 import statistics
 
+import dp_accounting
 import pytest
+from dp_accounting import pld
+from omegaconf import OmegaConf
 
 from dpmem.cli import main
+from dpmem.engine.trainer import run_training
+from dpmem.privacy.accounting import PLD_DISCRETIZATION
+from helpers import config
 
 
 def summary(root, name, method, data, eps, seed, status="ok", metric=None, **extra):
@@ -175,7 +182,7 @@ def test_releasing_a_search_composes_every_private_run_on_the_same_data(tmp_path
     main(["report", str(root)])
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("- sst2:"))
     composed = float(line.split("ε = ")[1].split(" ")[0])
-    assert "3 private runs" in line and "each ε ≤ 1.9" in line
+    assert "3 private releases on the same training data (3 runs)" in line and "each ε ≤ 1.9" in line
     assert composed == pytest.approx(direct_epsilon("pld", sigma, q, 3 * steps, delta), rel=5e-3)
     assert "rte:" not in (root / "report" / "report.md").read_text()
     # the same search on data declared public (a proxy) is recorded as such, and composes nothing
@@ -201,3 +208,128 @@ def test_select_top3_reports_the_best_test_score_of_the_three_lowest_training_lo
     assert f"{root / 't1'} (training loss 0.4, 5 runs)" in out
     with pytest.raises(SystemExit):
         main(["report", str(root), "--select", "best"])
+
+
+# -- every release on the same data composed (issue 42, item 3) and analysis folders kept apart (item 4)
+Q, DELTA = 0.05, 1e-5
+
+
+def oracle(releases, delta=DELTA):
+    """dp-accounting's PLD of the releases (σ, q, steps) composed one after another: Poisson-sampled Gaussian steps."""
+    acc = pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+    for sigma, q, steps in releases:
+        acc.compose(dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps))
+    return acc.get_epsilon(delta)
+
+
+def private_run(root, name, sigma, steps, lr=1e-3, seeds=(None, None), ledger=(), **extra):
+    """A dp-adam run folder on sst2 as `dpmem train` leaves it: summary.json, config.yaml (train.seed 0, `lr`, the
+    privacy seeds (noise, sampler)) and `ledger` as its privacy.jsonl."""
+    fields = {"sigma": sigma, "sample_rate": Q, "steps_done": steps, "delta": DELTA, "accountant": "pld",
+              "neighbouring": "add_remove", "sampling": "poisson", "n_train": 1000, "epsilon_spent": 1.9,
+              "device": "cpu", "world_size": 1, **extra}
+    summary(root, name, "dp-adam", "sst2", 2.0, 0, metric=0.8, **fields)
+    (root / name / "config.yaml").write_text(OmegaConf.to_yaml({
+        "method": {"name": "dp-adam"}, "data": {"name": "sst2", "path": None}, "train": {"seed": 0, "lr": lr},
+        "privacy": {"epsilon": 2.0, "noise_seed": seeds[0], "sampler_seed": seeds[1]}}))
+    if ledger:
+        (root / name / "privacy.jsonl").write_text("".join(json.dumps(x) + "\n" for x in ledger))
+
+
+def line(attempt, steps, sigma, event=None, **extra):
+    """A privacy.jsonl line as an older dpmem wrote it (no sampling, dataset size or neighbouring)."""
+    return {"attempt": attempt, **({"event": event} if event else {}), "steps_done": steps, "epsilon": 1.0,
+            "delta": DELTA, "sigma": sigma, "sample_rate": Q, "accountant": "pld", "config": "c0ffee", **extra}
+
+
+def composed_line(out):
+    text = next(x for x in out.splitlines() if x.startswith("- sst2:"))
+    return text, float(text.split("ε = ")[1].split(" ")[0])
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["os-drawn", "both-seeds-fixed"])
+def test_a_repeat_is_a_release_of_its_own_unless_both_privacy_seeds_were_fixed(tmp_path, capsys, seeded):
+    """Two runs of one configuration and train.seed are one sample in the table; their noise and batches came from
+    the OS (two releases), unless privacy.noise_seed and privacy.sampler_seed were both fixed: then the repeat
+    replays the run's draws (one release, of the most steps either took)."""
+    root, seeds = tmp_path / "runs", (5, 7) if seeded else (None, None)
+    private_run(root, "a", 1.1, 40, seeds=seeds)
+    private_run(root, "a-again", 1.1, 30, seeds=seeds, status="failed", error="RuntimeError: boom")
+    private_run(root, "b", 0.9, 20, lr=1e-2, seeds=seeds)
+    main(["report", str(root)])
+    out = capsys.readouterr().out
+    text, composed = composed_line(out)
+    want = [(1.1, Q, 40), (0.9, Q, 20)] + ([] if seeded else [(1.1, Q, 30)])
+    assert composed == pytest.approx(oracle(want), rel=5e-3)
+    assert (f"{len(want)} private releases on the same training data ({len(want)} runs"
+            + ("; 1 repeat with both privacy seeds fixed" if seeded else ")")) in text
+    why = "the same draws: both privacy seeds fixed" if seeded else "its noise and batches drawn afresh"
+    assert f"a-again: the same configuration and seed as {root / 'a'}, counted once in the table ({why}" in out
+    assert read_csv(root / "report" / "report.csv")[("dp-adam (lr=0.001)", "2", "sst2")]["n"] == "1"
+
+
+def test_every_attempt_in_the_ledgers_is_a_release_and_a_resume_continues_its_start(tmp_path, capsys):
+    """An attempt abandoned with train.overwrite=true is in no summary, only in its folder's privacy.jsonl: it
+    counts, with its own σ and steps; a resumed attempt redraws the steps it redoes (one release: its start's, to
+    the most steps); a folder whose summary is lost counts by its ledger; σ is the one accounted per step."""
+    root = tmp_path / "runs"
+    newer = {"sampling": "poisson", "dataset_size": 1000, "neighbouring": "add_remove"}
+    abandoned = [line("t0", 0, 0.8, "start"), line("t0", 10, 0.8), line("t0", 25, 0.8),
+                 line("t0", 25, 0.8, "end", status="interrupted")]
+    shown = [line("t1", 0, 1.1, "start", **newer), line("t1", 40, 1.1, "end", status="ok", **newer)]
+    private_run(root, "a", 1.1, 40, ledger=abandoned + shown)
+    resumed = [line("u0", 0, 1.0, "start", sigma_accounted=0.95), line("u0", 30, 1.0, sigma_accounted=0.95),
+               line("u1", 20, 1.0, "resume", from_step=20, sigma_accounted=0.95),
+               line("u1", 50, 1.0, "end", status="ok", sigma_accounted=0.95)]
+    private_run(root, "b", 1.0, 50, lr=1e-2, ledger=resumed, sigma_accounted=0.95)
+    private_run(root, "c", 1.2, 15, lr=1e-1, ledger=[line("v0", 0, 1.2, "start"), line("v0", 15, 1.2)])
+    (root / "c" / "summary.json").unlink()  # killed mid-write; its config and ledger stay
+    main(["report", str(root)])
+    out = capsys.readouterr().out
+    text, composed = composed_line(out)
+    assert composed == pytest.approx(oracle([(0.8, Q, 25), (1.1, Q, 40), (0.95, Q, 50), (1.2, Q, 15)]), rel=5e-3)
+    assert "4 private releases on the same training data (3 runs + 1 abandoned attempt)" in text
+    assert f"{root / 'c'}: no summary.json; its privacy.jsonl records epsilon 1 spent over 15 steps" in out
+
+
+def test_an_overwritten_run_still_counts_in_the_report(tmp_path, capsys):
+    """Two real runs in one folder, the second with train.overwrite=true: the report composes both, with the σ each
+    accounted per step and the steps each ran."""
+    tiny = ["method=dp-adam", "train.device=cpu", "model.arch.hidden_size=8", "model.arch.num_hidden_layers=1",
+            "model.arch.num_attention_heads=2", "model.arch.intermediate_size=16", "model.arch.patch_size=4"]
+    first = run_training(config(*tiny, "train.steps=2"), tmp_path / "run")
+    second = run_training(config(*tiny, "train.steps=3", "train.overwrite=true"), tmp_path / "run")
+    capsys.readouterr()
+    main(["report", str(tmp_path)])
+    text = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(f"- {second['data']}:"))
+    composed = float(text.split("ε = ")[1].split(" ")[0])
+    assert "2 private releases on the same training data (1 run + 1 abandoned attempt)" in text
+    want = [(s.get("sigma_accounted", s["sigma"]), s["sample_rate"], s["steps_done"]) for s in (first, second)]
+    assert composed == pytest.approx(oracle(want, second["delta"]), rel=5e-3)
+
+
+def test_analysis_folders_are_listed_apart_neither_results_nor_composed(tmp_path, capsys):
+    """A spectrum folder (as dpmem spectrum writes it now, and as an older one did: private, with an ε) and an
+    audit's run (AUDIT/run, audit.json beside it) are no results: listed apart, out of the table and of the
+    composition of the training runs on their data."""
+    root = tmp_path / "runs"
+    private_run(root, "a", 1.1, 40)
+    private_run(root, "b", 0.9, 20, lr=1e-2)
+    private_run(root, "spectrum", 1.1, 40, lr=0.5, analysis="spectrum", private=False, epsilon_spent="inf",
+                not_private_because="gradients/ holds un-noised gradients")
+    private_run(root, "spectrum-old", 1.1, 40, lr=0.6)
+    (root / "spectrum-old" / "spectrum.json").write_text("{}")
+    private_run(root / "audit", "run", 1.1, 40, lr=0.7)
+    (root / "audit" / "run" / "config.yaml").rename(root / "audit" / "config.yaml")  # where dpmem audit puts it
+    (root / "audit" / "audit.json").write_text("{}")
+    main(["report", str(root)])
+    out = capsys.readouterr().out
+    assert set(read_csv(root / "report" / "report.csv")) == {("dp-adam (lr=0.001)", "2", "sst2"),
+                                                             ("dp-adam (lr=0.01)", "2", "sst2")}
+    text, composed = composed_line(out)
+    assert composed == pytest.approx(oracle([(1.1, Q, 40), (0.9, Q, 20)]), rel=5e-3) and "(2 runs)" in text
+    assert "Folders of an analysis, not results (3;" in out and "Not in the table" not in out
+    assert f"{root / 'spectrum'}: dpmem spectrum (dp-adam on sst2), not private: gradients/ holds un-noised" in out
+    assert f"{root / 'spectrum-old'}: dpmem spectrum (dp-adam on sst2), not private: it holds statistics" in out
+    assert f"{root / 'audit' / 'run'}: dpmem audit (dp-adam on sst2), ε 1.9 of its own" in out

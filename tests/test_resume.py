@@ -238,8 +238,11 @@ def test_the_privacy_ledger_keeps_every_released_step_whatever_the_folder_goes_t
     assert [r.get("event") for r in lines] == ["start", None, None, None, None, "end"]
     assert lines[-1]["status"] == "failed" and lines[-1]["steps_done"] == 4
     s = json.loads((run / "summary.json").read_text())
-    for r in lines[1:5]:  # the oracle: dp-accounting's PLD for the run's σ, q, δ and steps
-        assert r["epsilon"] == pytest.approx(direct_epsilon("pld", s["sigma"], s["sample_rate"], r["steps_done"],
+    # the oracle: dp-accounting's PLD for the run's q, δ and steps, and the one Gaussian its gradient (σ) and loss
+    # (loss_sigma) releases make on each batch, of multiplier (1/σ² + 1/loss_sigma²)^(-1/2)
+    joint = (s["sigma"] ** -2 + s["loss_sigma"] ** -2) ** -0.5
+    for r in lines[1:5]:
+        assert r["epsilon"] == pytest.approx(direct_epsilon("pld", joint, s["sample_rate"], r["steps_done"],
                                                              s["delta"]), rel=1e-9)
     written = (run / "privacy.jsonl").read_bytes()
 

@@ -13,7 +13,7 @@ from dpmem.methods import DPAdam, Noise, build_method, method_config
 from dpmem.models import build_model
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, reducers, weighted_sum
 from dpmem.persample.factored import Factored
-from helpers import LargestTensor
+from helpers import LargestTensor, seeded
 
 
 def test_factored_rows_match_their_dense_form():
@@ -151,7 +151,7 @@ def test_a_tied_lm_head_never_makes_a_batch_by_vocab_by_hidden_tensor(model, met
     vocab, hidden = emb.weight.shape
     batch = 4
     step = build_method(method_config(method, max_grad_norm=1.0, **options), net, 0.01,
-                        Noise(1.0, 1.0, float(batch), torch.Generator().manual_seed(0)))
+                        Noise(1.0, 1.0, float(batch), seeded(0)))
     micro = [example_batch(data, batch, "cpu")]
     with LargestTensor() as largest:
         for _ in range(2):  # the coverage check's step, then a plain one

@@ -18,6 +18,7 @@ from dpmem.methods.subspace import data_identity, privacy_of, save_subspace
 from dpmem.spectrum import run_spectrum
 from dpmem.spectrum.layer import measure, settings
 from dpmem.spectrum.linalg import orthogonal_iteration, power_law_slope, residual_norms, top_singular_values
+from helpers import seeded
 
 # a ViT small enough for a full p × p basis (digits are 8×8: four 4×4 patches)
 TINY = ["model.arch.hidden_size=8", "model.arch.num_hidden_layers=1", "model.arch.num_attention_heads=2",
@@ -88,7 +89,7 @@ def test_noise_of_known_sigma_raises_the_tail_as_random_matrix_theory_says():
     clean = top_singular_values(s / B, m)
     assert float(clean[3]) < 1e-10  # no tail without noise
     p = torch.nn.Parameter(torch.zeros(m, n))
-    noise = Noise(sigma, C, B, torch.Generator().manual_seed(0))
+    noise = Noise(sigma, C, B, seeded(0))
     noisy = scale(add_noise({p: s.float().clone()}, noise), noise)[p]
     values = top_singular_values(noisy, m)
     tau = sigma * C / B
@@ -170,7 +171,12 @@ def test_layer_mode_on_digits_clipping_and_noise_flatten_the_spectrum(tmp_path):
     for f in ("spectrum.json", "spectrum.csv", "spectrum.md", "spectrum_step1.png", "spectrum_step3.pdf"):
         assert (tmp_path / f).is_file()
     assert "C = 1, sigma = 2" in text
-    assert json.loads((tmp_path / "summary.json").read_text())["steps_done"] == 2  # trained between steps
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps_done"] == 2  # trained between steps
+    # spectra of gradients outside the run's noise: the folder is an analysis, not private, whatever σ trained it
+    assert summary["analysis"] == "spectrum" and summary["private"] is False and summary["epsilon_spent"] == "inf"
+    assert "unclipped" in summary["not_private_because"] and text.startswith("Not private: spectrum.json holds")
+    assert json.loads((tmp_path / "spectrum.json").read_text())["private"] is False
 
 
 def test_recorded_gradient_is_the_clipped_mean_that_sgd_steps_on(tmp_path):
@@ -210,6 +216,17 @@ def test_trajectory_mode_records_in_chunks_and_its_pca_matches_a_dense_svd(tmp_p
     again = config("spectrum.mode=trajectory", f"spectrum.gradients={tmp_path}", "spectrum.k=2", *TINY)
     result2, _ = run_spectrum(again, tmp_path / "again")
     assert result2["k"] == 2 and result2["rows"] == 11
+    assert result2["private"] is False and "subspace.pt" in result2["not_private_because"]
+    # un-noised gradients on disk: not private from the ledger's first line, and no result of dpmem report's
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["analysis"] == "spectrum" and summary["private"] is False
+    assert "un-noised" in summary["not_private_because"]
+    ledger = [json.loads(x) for x in (tmp_path / "privacy.jsonl").read_text().splitlines()]
+    assert len(ledger) > 2 and {x["epsilon"] for x in ledger} == {"inf"}
+    main(["report", str(tmp_path)])
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "| dp-adam |" not in report
+    assert f"- {tmp_path}: dpmem spectrum (dp-adam on digits), not private: gradients/ holds" in report
 
 
 def _basis_file(path, model, k, source, seed=0):

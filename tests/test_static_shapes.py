@@ -14,7 +14,7 @@ from dpmem.engine.trainer import Run
 from dpmem.methods import Noise, build_method, method_config
 from dpmem.data.bundle import Padded, real_size, weights
 from dpmem.methods.base import batch_size
-from helpers import PRIVATE, config
+from helpers import PRIVATE, config, seeded
 from tiny_models import tiny_vit
 
 N, PHYSICAL = 7, 4  # micro-batches of 4 and 3 samples; under static shapes, 4 and 3 + 1 padding
@@ -50,7 +50,7 @@ def one_step(name, options, micro):
     model, loss, _ = vit_case()
     private = name not in ("adam", "galore", "mezo")
     cfg = method_config(name, **options, **({"max_grad_norm": 0.5} if private else {}))
-    noise = Noise(0.3, 0.5, float(N), torch.Generator().manual_seed(7)) if private else None
+    noise = Noise(0.3, 0.5, float(N), seeded(7)) if private else None
     method = build_method(cfg, model, 0.05, noise)
     loss_sum = method.step(micro, loss)
     method.close()

@@ -13,7 +13,9 @@ from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive, Noise
 from dpmem.persample import PerSampleGradients
 from dpmem.persample.factored import Factored
 from dpmem.persample.norms import ghost_is_cheaper, hutchinson, squared_norms
-from helpers import B, Layers, layers_batch, layers_case, layers_loss, method_cfg, roberta_case, run_steps, vit_case
+from dpmem.privacy.randomness import Draws, seed_key
+from helpers import (B, Layers, layers_batch, layers_case, layers_loss, method_cfg, roberta_case, run_steps, seeded,
+                     vit_case)
 
 
 def loop_squared_norms(model, b, loss=layers_loss):
@@ -75,7 +77,7 @@ def test_estimators_are_unbiased(plus_plus, transpose):
         (left, right), = g.terms
         g = Factored.outer(right, left)
     exact = g.squared_norms()
-    gen = torch.Generator().manual_seed(0)
+    gen = Draws(seed_key(0), "probes")
     draws = torch.stack([hutchinson(g, 4, gen, plus_plus) for _ in range(3000)])
     mean, se = draws.mean(0), draws.std(0) / math.sqrt(len(draws))
     assert ((mean - exact).abs() < 3 * se).all(), (mean, exact, se)
@@ -84,7 +86,7 @@ def test_estimators_are_unbiased(plus_plus, transpose):
 
 def test_hutchpp_has_lower_variance_on_a_low_rank_case():
     g = probe_case(rank_tokens=3)  # rank ≤ 3 < k: Hutch++'s sketch captures the whole range
-    gen = torch.Generator().manual_seed(0)
+    gen = Draws(seed_key(0), "probes")
     hutch = torch.stack([hutchinson(g, 4, gen) for _ in range(500)])
     hutchpp = torch.stack([hutchinson(g, 4, gen, plus_plus=True) for _ in range(500)])
     assert (hutchpp.var(0) < 1e-3 * hutch.var(0)).all()
@@ -107,7 +109,7 @@ def test_estimators_on_ids_and_tied_terms_are_unbiased():
     g = tied[model.emb.weight]
     assert len(g.terms) == 2 and g.terms[0][0].dim() + g.terms[1][0].dim() == 5  # ids (2-D) and dense (3-D)
     exact = loop_squared_norms(model, b)[model.emb.weight]
-    gen = torch.Generator().manual_seed(1)
+    gen = Draws(seed_key(1), "probes")
     for plus_plus in (False, True):
         draws = torch.stack([hutchinson(g, 2, gen, plus_plus) for _ in range(2000)])  # k < rank 6
         se = draws.std(0) / math.sqrt(len(draws))
@@ -130,7 +132,7 @@ def test_the_first_pass_forms_no_batch_gradient_after_the_coverage_check(clippin
     torch.manual_seed(0)
     model, loss, b = roberta_case()
     cls, cfg = (DPAdam, method_cfg(clipping=clipping)) if clipping == "ghost" else (DPSGDRC, method_cfg("dp-sgd-rc"))
-    method = cls(model, cfg, lr=0.05, noise=Noise(1.0, 0.5, 3.0, torch.Generator().manual_seed(7)))
+    method = cls(model, cfg, lr=0.05, noise=Noise(1.0, 0.5, 3.0, seeded(7)))
     params = [p for p in model.parameters() if p.requires_grad]
     accumulated = []
     handles = [p.register_post_accumulate_grad_hook(lambda p: accumulated.append(p)) for p in params]

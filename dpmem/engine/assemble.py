@@ -17,6 +17,7 @@ from dpmem.engine.ledger import PrivacyLedger
 from dpmem.methods import Method, Noise, build_method, method_class
 from dpmem.methods.privatize import Observer
 from dpmem.models import build_model, checkpoint_activations
+from dpmem.privacy.randomness import Draws, seed_key
 
 
 @dataclass
@@ -46,7 +47,7 @@ def assemble(cfg, device: torch.device, data: DataBundle, model: nn.Module | Non
     `recompute`: the context activation checkpointing's recompute runs in (a plan's attention kernels).
 
     With `steps` and `sampling` the noise is the run's, calibrated by its privacy ledger; without, a stand-in of
-    σ = 1 (σ and the generator change values, not memory or time)."""
+    σ = 1 (σ and the draws change values, not memory or time)."""
     t, m = cfg.train, cfg.method
     method = method_class(m.name)  # (train.fsdp's caller has checked method.check_fsdp)
     if model is None:
@@ -63,8 +64,8 @@ def assemble(cfg, device: torch.device, data: DataBundle, model: nn.Module | Non
         if method.private:
             noise = ledger.noise(m.max_grad_norm, cfg.privacy.noise_seed, device)
     elif method.private:
-        # no generator where nothing is drawn: on meta, and on the fake tensors of simulated ranks
-        gen = None if device.type == "meta" or mesh is not None else torch.Generator(device=device).manual_seed(0)
-        noise = Noise(1.0, m.max_grad_norm, float(t.batch_size), gen)
+        # no draws where nothing is drawn: on meta, and on the fake tensors of simulated ranks
+        draws = None if device.type == "meta" or mesh is not None else Draws(seed_key(0), "noise", device)
+        noise = Noise(1.0, m.max_grad_norm, float(t.batch_size), draws)
     return Parts(data, model, build_method(m, model, t.lr, noise, seed=t.seed, observers=observers), device,
                  ledger, root)

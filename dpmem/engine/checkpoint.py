@@ -1,7 +1,8 @@
-"""checkpoint.pt: what a run needs to go on after it dies. Weights, method state (optimiser, projections, noise and
-direction generators), every rank's global RNG (dropout), the sampler's seed and the summary so far, written
-atomically. It holds the noise generator's state and the sampler's seed: keep it as private as the data.
-(`dpmem.engine.folder.claim` decides whether a run folder's checkpoint is resumed.)"""
+"""checkpoint.pt: what a run needs to go on after it dies. Weights, method state (optimiser, projections, the noise's
+key and count, direction generators), every rank's global RNG (dropout), the sampler's key and the summary so far,
+written atomically (through checkpoint.pt.tmp). It holds the secret keys of the noise and the batches: keep it as
+private as the data; a run that ends removes it. (`dpmem.engine.folder.claim` decides whether a run folder's
+checkpoint is resumed.)"""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from dpmem.engine.assemble import Parts
 from dpmem.engine.folder import fingerprint
 
 FILE = "checkpoint.pt"
+TMP = FILE + ".tmp"  # a save cut short leaves it: never resumed, removed when the run ends
 
 
-def save(run_dir: Path, step: int, cfg, parts: Parts, sampler_seed: int, summary: dict) -> None:
+def save(run_dir: Path, step: int, cfg, parts: Parts, sampler_key: bytes, summary: dict) -> None:
     """Under torchrun rank 0 writes it, with every rank's RNG state (the ranks' dropout masks differ); under FSDP
     every rank takes part in gathering the sharded tensors whole, and the file is the same."""
     rngs = distributed.gathered({"torch_rng": torch.get_rng_state(),
@@ -29,8 +31,8 @@ def save(run_dir: Path, step: int, cfg, parts: Parts, sampler_seed: int, summary
         return
     state = {"step": step, "config": fingerprint(cfg), "world_size": len(rngs),
              "model": model if fsdp else parts.model.state_dict(), "method": method, "rngs": rngs,
-             "sampler_seed": sampler_seed, "summary": summary}
-    tmp = Path(run_dir) / (FILE + ".tmp")
+             "sampler_key": sampler_key.hex(), "summary": summary}
+    tmp = Path(run_dir) / TMP
     torch.save(state, tmp)
     os.replace(tmp, Path(run_dir) / FILE)
 
@@ -51,5 +53,6 @@ def restore(state: dict, cfg, parts: Parts) -> int:
 
 
 def remove(run_dir: Path) -> None:
-    """A finished run resumes nothing."""
-    (Path(run_dir) / FILE).unlink(missing_ok=True)
+    """A finished run resumes nothing, and keeps none of the secrets a checkpoint holds (a killed save's .tmp too)."""
+    for name in (FILE, TMP):
+        (Path(run_dir) / name).unlink(missing_ok=True)

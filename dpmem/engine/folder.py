@@ -19,7 +19,7 @@ from dpmem.config import ConfigError
 from dpmem.engine.summary import PRIVACY_LEDGER
 
 # what a run leaves; train.overwrite=true removes them, never privacy.jsonl (append-only: every attempt's ε)
-RECORDS = ("summary.json", "metrics.jsonl", "checkpoint.pt")
+RECORDS = ("summary.json", "metrics.jsonl", "checkpoint.pt", "checkpoint.pt.tmp")
 # train.* settings of how a run is (re)started, not what it computes: a checkpoint resumes whatever these say
 # (dpmem.report.labels.NOT_TRAINING extends them to the report's sense of "the same run")
 NOT_FINGERPRINTED = ("resume", "skip_done", "overwrite", "checkpoint_every", "device")
@@ -96,7 +96,8 @@ def _resumable(cfg, path: Path) -> dict:
     """The checkpoint's state, if it can resume this run (readable, as many processes, the same configuration)."""
     try:
         state = _load(path)
-        missing = [k for k in ("step", "config", "world_size", "model", "method", "rngs", "summary") if k not in state]
+        missing = [k for k in ("step", "config", "world_size", "model", "method", "rngs", "summary", "sampler_key")
+                   if k not in state]
     except Exception as e:  # noqa: BLE001  (a truncated file fails in zipfile, pickle or torch, each its own way)
         raise FolderRefused("train.resume", f"{path} is not a readable checkpoint ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else 'empty'}); move it away and start again with "

@@ -5,7 +5,6 @@ here and "inf" in summary.json and metrics.jsonl (JSON has no infinity; `float("
 from __future__ import annotations
 
 import math
-import secrets
 import sys
 
 import torch
@@ -16,6 +15,8 @@ from dpmem.config import ConfigError, enum_value, resolve_delta
 from dpmem.methods import Noise, method_class
 from dpmem.methods.rc import max_layer_dimension, rc_dimension
 from dpmem.privacy import UnreachableTarget, calibrate_sigma, epsilon_spent
+from dpmem.privacy.accounting import joint_sigma
+from dpmem.privacy.randomness import Draws, key_of, os_key, seed_key
 
 
 def resolve_accountant(cfg) -> str:
@@ -42,8 +43,12 @@ class PrivacyLedger:
             print(f"dpmem: warning: delta = {self.delta:.3g} is at least 1/n = {1 / n:.3g}: at that delta a mechanism "
                   "that publishes one random training record whole is still (epsilon, delta)-DP; the default "
                   "privacy.delta=auto is min(1e-5, 1/n^1.1)", file=sys.stderr)
+        # the training loss: released with the gradient, in ε (loss_noise), outside it, or not at all
+        self.loss_release = enum_value(p.train_loss) if self.accounted else "exact"
+        self.loss_bound = p.loss_bound if self.loss_release == "private" else math.inf
         self.accountant = dict(accountant=resolve_accountant(cfg), neighbouring=enum_value(p.neighbouring),
-                               sampling=sampling, dataset_size=n)
+                               sampling=sampling, dataset_size=n,
+                               loss_noise=p.loss_noise if self.loss_release == "private" else None)
         rc = None
         if self.accountant["accountant"] == "rc":  # the envelope of randomized clipping depends on the model
             try:
@@ -80,6 +85,12 @@ class PrivacyLedger:
             "epsilon_spent": 0.0 if self.accounted else math.inf, "delta": self.delta,
             "delta_times_n": self.delta * n if self.accounted else None,
             "sigma": self.sigma if self.private else None,
+            # the multiplier dp-accounting composes per step: the gradient's and the loss's releases as one
+            "sigma_accounted": (joint_sigma(self.sigma, self.accountant["loss_noise"])
+                                if self.accounted and self.accountant["accountant"] != "rc" else None),
+            "train_loss_release": self.loss_release if self.accounted else None,
+            "loss_bound": p.loss_bound if self.loss_release == "private" else None,
+            "loss_sigma": self.sigma * p.loss_noise if self.loss_release == "private" else None,
             "max_grad_norm": m.max_grad_norm if self.private else None,
             "sample_rate": self.sample_rate, "sampling": sampling,
             "accountant": self.accountant["accountant"] if self.accounted else None,
@@ -87,23 +98,21 @@ class PrivacyLedger:
             "clipping": plan.name if (plan := method.clipping(m)) is not None else None, "rc_accountant": rc,
         }
 
-    def sampler_seed(self, seed: int | None, train_seed: int) -> int:
-        """The seed of the batch sampler: `seed` if given; for an accounted run, drawn from the OS (on rank 0, for
-        every rank), since ε assumes nobody knows which steps held a record; otherwise the run seed (a baseline's
-        batches reproduce)."""
-        if seed is not None:
-            return seed
-        return _os_seed() if self.accounted else train_seed
+    def sampler_key(self, seed: int | None, train_seed: int) -> bytes:
+        """The key of the batch sampler's draws: from `seed` if given; for an accounted run, from the OS (rank 0's,
+        on every rank), since ε assumes nobody knows which steps held a record; otherwise from the run seed (a
+        baseline's batches reproduce)."""
+        if seed is not None or not self.accounted:
+            return seed_key(seed if seed is not None else train_seed)
+        return os_key()
 
     def noise(self, max_grad_norm: float, seed: int | None, device: torch.device) -> Noise:
-        """The Gaussian mechanism of a private method; its generator seeded from the OS unless `seed` is given.
-        Under torchrun every rank gets rank 0's seed: each adds the same draw to the same all-reduced sum."""
-        gen = None
-        if device.type != "meta":
-            gen = torch.Generator(device=device)
-            gen.manual_seed(seed if seed is not None else _os_seed())
-        return Noise(self.sigma, max_grad_norm, expected_batch_size=self.expected_batch_size, generator=gen,
-                     sample_rate=self.sample_rate)
+        """The Gaussian mechanism of a private method; its draws keyed from the OS unless `seed` is given. Under
+        torchrun every rank gets rank 0's key: each adds the same draw to the same all-reduced sum."""
+        draws = None if device.type == "meta" else Draws(key_of(seed), "noise", device)
+        loss_sigma = self.sigma * self.accountant["loss_noise"] if self.loss_release == "private" else 0.0
+        return Noise(self.sigma, max_grad_norm, expected_batch_size=self.expected_batch_size, draws=draws,
+                     sample_rate=self.sample_rate, loss_bound=self.loss_bound, loss_sigma=loss_sigma)
 
     def mark_leak(self, why: str) -> None:
         self.leak = why
@@ -118,7 +127,3 @@ class PrivacyLedger:
             return math.nan
         return max(epsilon_spent(self.sigma, self.delta, self.sample_rate, steps, **self.accountant), self.released)
 
-
-def _os_seed() -> int:
-    """A seed from the OS's entropy, rank 0's on every rank (what is private must not be derivable from the config)."""
-    return distributed.from_main(secrets.randbits(63))

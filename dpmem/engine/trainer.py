@@ -30,6 +30,7 @@ from dpmem.engine.tracking import NoTracker, open_tracker
 from dpmem.engine.meter import Meter
 from dpmem.methods import method_class
 from dpmem.methods.subspace import SubspaceProjection, privacy_of
+from dpmem.privacy.randomness import Draws
 from dpmem.privacy.sampling import make_batches
 
 
@@ -151,13 +152,14 @@ class Run:
             ok, why = privacy_of(subspace.source, cfg.data)
             if not ok:
                 self.ledger.mark_leak(why)
-        self.sampler_seed = self.ledger.sampler_seed(p.sampler_seed, t.seed)  # kept in the checkpoint alone
-        self.sampler_gen = torch.Generator().manual_seed(self.sampler_seed)
+        # the batches' draws: their key is kept in the checkpoint alone
+        self.sampler = Draws(self.ledger.sampler_key(p.sampler_seed, t.seed), "batches")
         self.summary = {
             "status": "running", "method": m.name, "model": cfg.model.name, "data": cfg.data.name,
             "data_public": cfg.data.public,
             "seed": t.seed, "device": str(self.device), "precision": self.precision.name, **self.ledger.fields,
-            "steps": self.steps, "steps_done": 0, "samples_seen": 0, "batch_size": t.batch_size,
+            "steps": self.steps, "steps_done": 0, "batch_size": t.batch_size,
+            **({"samples_seen": None, "samples_expected": 0.0} if self.ledger.accounted else {"samples_seen": 0}),
             "physical_batch_size": t.physical_batch_size or t.batch_size, "n_train": n, "lr": t.lr,
             "world_size": distributed.world_size(), "backend": distributed.backend(), "fsdp": t.fsdp,
             "metric_name": self.data.metric_name, "metric_final": None, "metric_best": None, "train_loss": None,
@@ -165,6 +167,8 @@ class Run:
             "throughput_samples_per_s": None, "wall_time_s": None, "error": None,
             "versions": versions(), "run_dir": str(self.run_dir),
         }
+        if self.ledger.accounted:
+            self.summary["released_outside_epsilon"] = outside_epsilon(cfg, self.ledger)
         if subspace is not None:
             self.summary["subspace"] = {"path": m.subspace.path, "k": subspace.k, "where": subspace.where,
                                         "private": ok, "why": why}
@@ -228,9 +232,11 @@ class Run:
             return
         s = self.summary
         append_privacy(self.run_dir, {
-            "attempt": self._attempt, **fields, "steps_done": s["steps_done"], "samples_seen": s["samples_seen"],
-            "epsilon": s["epsilon_spent"], "delta": s["delta"], "sigma": s["sigma"], "sample_rate": s["sample_rate"],
-            "accountant": s["accountant"], "config": self._config_hash})
+            "attempt": self._attempt, **fields, "steps_done": s["steps_done"],
+            "epsilon": s["epsilon_spent"], "delta": s["delta"], "sigma": s["sigma"],
+            "sigma_accounted": s["sigma_accounted"], "sample_rate": s["sample_rate"],
+            "accountant": s["accountant"], "neighbouring": s["neighbouring"], "sampling": s["sampling"],
+            "dataset_size": s["n_train"], "config": self._config_hash})  # what `dpmem report` composes it from
 
     def _record(self, record: dict) -> None:
         if self.main:
@@ -271,7 +277,9 @@ class Run:
                    desc=f"{cfg.method.name}")
         done = self._resume() if self.checkpoint is not None else 0
         bar.update(done)
-        samples, loss_sum, loss_count = s["samples_seen"], None, 0
+        # the batches' sizes are counts of the private data: an accounted run counts the expected q·n per step
+        expected = self.ledger.expected_batch_size if self.ledger.accounted else None
+        samples, loss_sum, loss_count = s["samples_expected" if expected else "samples_seen"], None, 0
         self.meter = meter = Meter(self.device, self.steps, log_cfg.memory_steps)
         try:
             for step, index in enumerate(self.batches()):
@@ -283,27 +291,32 @@ class Run:
                 lr, loss = self.train_step(step, self.microbatches(distributed.shard(index)))
                 meter.step_ends(step)
                 loss_sum = loss if loss_sum is None else loss_sum + loss
-                loss_count += len(index)
-                samples += len(index)
-                s["steps_done"], s["samples_seen"] = step + 1, samples
+                loss_count += expected or len(index)
+                samples += expected or len(index)
+                s["steps_done"] = step + 1
+                s["samples_expected" if expected else "samples_seen"] = samples
                 last = step + 1 == self.steps
                 record = {}
                 if (step + 1) % log_cfg.every == 0 or last:
-                    distributed.sum_([loss_sum])
-                    mean_loss = float(loss_sum) / max(loss_count, 1)  # the host sync, once every `every` steps
-                    if not math.isfinite(mean_loss):  # garbage from here on, but its ε is spent: the run fails
-                        raise NonFiniteLoss(f"the training loss is {mean_loss} over steps up to {step + 1} (a NaN or "
-                                            "infinite input, or a learning rate that diverges)")
                     s["epsilon_spent"] = self.ledger.epsilon(step + 1)
                     self._eps_steps = step + 1
                     self._spent()
                     s["throughput_samples_per_s"] = meter.throughput(samples)
                     s.update(meter.fields())
-                    s["train_loss"] = mean_loss  # the last logged window's: a sweeper's train_loss objective
-                    record = {"loss": mean_loss, "lr": lr, "epsilon": s["epsilon_spent"],
-                              "samples_per_s": s["throughput_samples_per_s"], "memory_bytes": s["peak_memory_bytes"]}
-                    bar.set_postfix(loss=f"{mean_loss:.3f}", eps=f"{s['epsilon_spent']:.2f}",
-                                    sps=f"{s['throughput_samples_per_s']:.0f}", refresh=False)
+                    record = {"lr": lr, "epsilon": s["epsilon_spent"], "samples_per_s": s["throughput_samples_per_s"],
+                              "memory_bytes": s["peak_memory_bytes"]}
+                    shown = {"eps": f"{s['epsilon_spent']:.2f}", "sps": f"{s['throughput_samples_per_s']:.0f}"}
+                    if self.loss_key is not None:
+                        distributed.sum_([loss_sum])
+                        mean_loss = float(loss_sum) / max(loss_count, 1)  # the host sync, once every `every` steps
+                        self._check_finite(mean_loss, step)
+                        # the last logged window's: a sweeper's train_loss objective
+                        s["train_loss" if self.loss_key == "loss" else f"train_{self.loss_key}"] = mean_loss
+                        record = {self.loss_key: mean_loss, **record}
+                        shown = {self.loss_key.replace("_outside_epsilon", " (not DP)"): f"{mean_loss:.3f}", **shown}
+                    else:
+                        self._check_finite(None, step)
+                    bar.set_postfix(shown, refresh=False)
                     loss_sum, loss_count = None, 0
                 if t.eval_every and (step + 1) % t.eval_every == 0 and not last and self.evaluates:
                     record.update(self._evaluate())
@@ -324,10 +337,34 @@ class Run:
             meter.close()
             s.update(meter.fields())
 
+    @property
+    def loss_key(self) -> str | None:
+        """The training loss's key in the records: loss (a non-private run's, or released privately), or
+        loss_outside_epsilon (an accounted run's, exact: privacy.train_loss=exact); None: not released."""
+        release = self.ledger.loss_release
+        if release == "none":
+            return None
+        return "loss_outside_epsilon" if release == "exact" and self.ledger.accounted else "loss"
+
+    def _check_finite(self, mean_loss: float | None, step: int) -> None:
+        """A NaN or infinite loss (or, where no loss is released, weights: a function of what was released) ends
+        the run, failed, with the ε its steps spent."""
+        if mean_loss is None:
+            norms = torch._foreach_norm([p.detach() for p in self.model.parameters() if p.requires_grad])
+            if torch.stack(norms).isfinite().all():
+                return
+            what = "the weights are not finite"
+        elif math.isfinite(mean_loss):
+            return
+        else:
+            what = f"the training loss is {mean_loss}"
+        raise NonFiniteLoss(f"{what} over steps up to {step + 1} (a NaN or infinite input, or a learning rate that "
+                            "diverges)")
+
     # -- checkpoints (dpmem.engine.checkpoint) -------------------------------------------------------------
     def _checkpoint(self, step: int) -> None:
-        checkpoint.save(self.run_dir, step, self.cfg, self.parts, self.sampler_seed,
-                        {k: self.summary[k] for k in RESUMED})
+        checkpoint.save(self.run_dir, step, self.cfg, self.parts, self.sampler.key,
+                        {k: self.summary[k] for k in RESUMED if k in self.summary})
 
     def _resume(self) -> int:
         """The steps done by the earlier run whose checkpoint this run resumes, their state restored. ε spent is
@@ -336,9 +373,7 @@ class Run:
         state = self.checkpoint
         self.checkpoint = None  # not kept beside the model it was loaded into
         step = checkpoint.restore(state, self.cfg, self.parts)
-        # the batches continue as the lost run drew them (a checkpoint of an older dpmem: the run seed's)
-        self.sampler_seed = state.get("sampler_seed", self.cfg.train.seed)
-        self.sampler_gen.manual_seed(self.sampler_seed)
+        self.sampler = Draws(bytes.fromhex(state["sampler_key"]), "batches")  # the batches the lost run drew
         self.summary.update(state["summary"], resumed_from_step=step)
         if self.main:
             print(f"dpmem: resuming {self.run_dir} from its checkpoint at step {step}", file=sys.stderr)
@@ -390,7 +425,8 @@ class Run:
     def batches(self):
         """The logical batches of the run's `steps` steps, as the sampler draws them."""
         t = self.cfg.train
-        return make_batches(self.sampling, self.data.n_train, t.batch_size, self.steps, self.sampler_gen)
+        self.sampler.count = 0  # step t's batch is draw t
+        return make_batches(self.sampling, self.data.n_train, t.batch_size, self.steps, self.sampler)
 
     # -- the way in for tools that drive the steps themselves (dpmem spectrum's layer mode) -----------------
     def steps_on_device(self):
@@ -420,8 +456,25 @@ class Run:
         return values
 
 
-RESUMED = ("steps_done", "samples_seen", "metric_best", "peak_memory_bytes", "peak_memory_allocated_bytes",
+RESUMED = ("steps_done", "samples_seen", "samples_expected", "metric_best", "peak_memory_bytes", "peak_memory_allocated_bytes",
            "peak_memory_source")  # summary fields a resumed run carries over
+
+
+def outside_epsilon(cfg, ledger) -> dict[str, str]:
+    """What an accounted run's folder (and wandb, and its progress bar) shows that ε does not cover, and why. The
+    rest is covered: the weights and everything computed from them, the noised training loss (privacy.train_loss=
+    private), ε itself (a function of the configuration), the expected sample counts."""
+    out = {"metric_final, metric_best, metrics": "evaluated on the held-out split, which epsilon does not protect "
+                                                 "(it protects the training set)",
+           "wall_time_s, throughput_samples_per_s, samples_per_s": "timings, which depend on the sampled batches' "
+                                                                   "sizes (a side channel)"}
+    if not cfg.train.static_shapes:
+        out["peak_memory_bytes, peak_memory_allocated_bytes, memory_bytes"] = (
+            "peaks, which depend on the largest sampled micro-batch (train.static_shapes=true pads every micro-batch "
+            "to one size: then they do not)")
+    if ledger.loss_release == "exact":
+        out["train_loss_outside_epsilon, loss_outside_epsilon"] = "the exact training loss (privacy.train_loss=exact)"
+    return out
 
 
 def run_training(cfg, run_dir: Path) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import secrets
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -11,8 +10,10 @@ import torch
 from torch import nn
 
 from dpmem import distributed, sharding
-from dpmem.config import Accountant, ConfigError, MethodConfig, Neighbouring, Sampling, enum_value
+from dpmem.config import (Accountant, ConfigError, LossRelease, MethodConfig, Neighbouring, Objective, Sampling,
+                          enum_value)
 from dpmem.methods.clipping import ClippingPlan
+from dpmem.privacy.randomness import Draws, normal, os_key
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]  # per-sample losses, shape (B,)
@@ -21,12 +22,33 @@ LossFn = Callable[[nn.Module, Batch], torch.Tensor]  # per-sample losses, shape 
 @dataclass
 class Noise:
     """The Gaussian mechanism of a private step: std sigma·C on the clipped sum, divided by the expected batch
-    size q·n (fixed, so that the normalisation itself reveals nothing about the sampled batch)."""
+    size q·n (fixed, so that the normalisation itself reveals nothing about the sampled batch); and, where the
+    training loss is released privately (privacy.train_loss=private), std loss_sigma·L on the batch's sum of
+    per-sample losses clipped to [0, L] (dpmem.privacy.accounting composes the two)."""
     sigma: float
     max_grad_norm: float
     expected_batch_size: float
-    generator: torch.Generator | None  # None on the meta device
+    draws: Draws | None  # the noise's secret draws (dpmem.privacy.randomness); None: torch's generator (plans)
     sample_rate: float | None = None  # q, the rate at which a record joins a step (dpmem audit's canaries join at it)
+    loss_bound: float = math.inf  # L; inf: the loss is summed as it is (not released privately)
+    loss_sigma: float = 0.0
+
+    def __post_init__(self):
+        # the loss's draws apart from the gradient's: only rank 0 draws them (`released_loss`)
+        self.loss_draws = (Draws(self.draws.key, "loss", self.draws.device)
+                           if self.draws is not None and self.loss_sigma > 0 else None)
+
+    def clipped_losses(self, losses: torch.Tensor) -> torch.Tensor:
+        """Per-sample losses as the loss sum takes them: clipped to [0, L] when the loss is released privately."""
+        return losses if math.isinf(self.loss_bound) else losses.clamp(0, self.loss_bound)
+
+    def released_loss(self, clipped_sum: torch.Tensor) -> torch.Tensor:
+        """This rank's clipped loss sum as released: with N(0, (loss_sigma·L)²) on rank 0 alone, since the trainer
+        sums the ranks' sums (one draw in all)."""
+        if self.loss_sigma == 0 or not distributed.is_main():
+            return clipped_sum
+        z = normal(self.loss_draws, (), clipped_sum.device, clipped_sum.dtype)
+        return clipped_sum + self.loss_sigma * self.loss_bound * z
 
 
 def make_optimizer(params: Sequence[nn.Parameter], cfg, lr: float) -> torch.optim.Optimizer:
@@ -84,6 +106,10 @@ class Method:
             raise ConfigError("method.max_grad_norm", f"{m.max_grad_norm} must be > 0 for a private method")
         if p.epsilon is None:  # privacy=none: it clips, nothing is accounted
             return
+        if t.objective == Objective.train_loss and p.train_loss != LossRelease.private:
+            raise ConfigError("train.objective", f"train_loss chooses among private runs by their training loss, which "
+                              f"privacy.train_loss={enum_value(p.train_loss)} releases outside epsilon (or not at all); "
+                              "allowed: privacy.train_loss=private (noised, in epsilon), or train.objective=metric")
         if t.sampling == Sampling.shuffle:
             raise ConfigError("train.sampling", "shuffle has no privacy accountant; allowed for private "
                               "training: poisson (default), fixed (with privacy.accountant=rdp, "
@@ -139,17 +165,18 @@ class Method:
         return [] if self.optimizer is None else optimizer_state(self.optimizer)
 
     def state_dict(self) -> dict:
-        """What a checkpoint needs besides the weights: optimiser state and the noise generator's state (so a
+        """What a checkpoint needs besides the weights: optimiser state and the noise's draws (key and count, so a
         resumed run draws the noise the lost steps drew: the same batches give the same release, nothing new)."""
         state = {}
         if self.optimizer is not None:  # under FSDP, gathered whole (every rank takes part; rank 0 gets it)
             state["optimizer"] = (sharding.optimizer_state(self.model, self.optimizer)
                                   if sharding.model_sharded(self.model) else self.optimizer.state_dict())
-        if self.noise is not None and self.noise.generator is not None:
-            state["noise_rng"] = self.noise.generator.get_state()
-            state["noise_device"] = self.noise.generator.device.type
-        if self.privatize is not None and self.privatize.step_seeds is not None:  # probes', FSDP noise's seeds
-            state["step_seeds"] = self.privatize.step_seeds.get_state()
+        if self.noise is not None and self.noise.draws is not None:
+            state["noise"] = {**self.noise.draws.state_dict(), "device": self.noise.draws.device.type}
+        if self.noise is not None and self.noise.loss_draws is not None:
+            state["loss_noise"] = self.noise.loss_draws.state_dict()
+        if self.privatize is not None and self.privatize.steps is not None:  # probes', FSDP noise's step keys
+            state["steps"] = self.privatize.steps.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -158,22 +185,25 @@ class Method:
                 sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
             else:
                 self.optimizer.load_state_dict(state["optimizer"])
-        if "noise_rng" in state:  # a generator's state is a CPU tensor, whatever its device
-            self.restore_noise(state["noise_rng"], state.get("noise_device", self.noise.generator.device.type))
-        seeds = state.get("step_seeds", state.get("probe_rng"))  # (probe_rng: its name in older checkpoints)
-        if seeds is not None:
-            self.privatize.step_seeds.set_state(seeds.cpu())
+        if "noise" in state:
+            self.restore_noise(state["noise"])
+        if "loss_noise" in state and self.noise_reseeded is None:
+            self.noise.loss_draws.load_state_dict(state["loss_noise"])
+        if "steps" in state:
+            self.privatize.steps.load_state_dict(state["steps"])
 
-    def restore_noise(self, rng: torch.Tensor, device_type: str) -> None:
-        """The noise generator's saved state, if it was saved on this kind of device. A CUDA generator's state
-        (Philox) cannot seed a CPU one (Mersenne twister), nor the reverse: then it is seeded afresh from the OS and
+    def restore_noise(self, saved: dict) -> None:
+        """The noise's saved draws, if they were drawn on this kind of device. A CUDA draw and a CPU draw of one key
+        differ (two Philox streams, numpy's PCG64DXSM): on another device the noise is keyed afresh from the OS and
         `noise_reseeded` says so (steps redrawn after the checkpoint get new noise)."""
-        gen = self.noise.generator
-        if device_type == gen.device.type:
-            gen.set_state(rng.cpu())
+        draws = self.noise.draws
+        if saved["device"] == draws.device.type:
+            draws.load_state_dict(saved)
             return
-        gen.manual_seed(distributed.from_main(secrets.randbits(63)))
-        self.noise_reseeded = f"the checkpoint's noise generator was on {device_type}, this run is on {gen.device.type}"
+        draws.key = os_key()
+        if self.noise.loss_draws is not None:
+            self.noise.loss_draws.key = draws.key
+        self.noise_reseeded = f"the checkpoint's noise was drawn on {saved['device']}, this run is on {draws.device.type}"
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr

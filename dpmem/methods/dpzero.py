@@ -19,6 +19,7 @@ from dpmem import distributed
 from dpmem.config import ConfigError, DPZeroConfig, ZerothOrderConfig, enum_value
 from dpmem.data.bundle import real_size, weights
 from dpmem.methods.base import Method, Noise
+from dpmem.privacy.randomness import normal
 
 
 class ZerothOrder(Method):
@@ -103,7 +104,7 @@ class ZerothOrder(Method):
             loss = torch.zeros((), device=self.device)
         else:
             estimates, mid = self.per_sample_estimates(seed, microbatches, loss_fn)
-            loss = mid.sum()
+            loss = (self.noise.clipped_losses(mid) if self.noise is not None else mid).sum()
         count = sum(real_size(mb) for mb in microbatches)
         if self.canaries is None:
             g = self.aggregate(estimates, count)
@@ -114,7 +115,7 @@ class ZerothOrder(Method):
             C = self.noise.max_grad_norm
             self.canaries.record_scalar(float(g), along.clamp(-C, C), C)
         self._perturb(seed, -self.lr * g)
-        return loss
+        return loss if self.noise is None else self.noise.released_loss(loss)
 
 
 class MeZO(ZerothOrder):
@@ -130,9 +131,9 @@ class DPZero(ZerothOrder):
 
     def aggregate(self, estimates: torch.Tensor, count: int | None = None) -> torch.Tensor:
         # `count` is not needed: the clipped sum is divided by the expected batch size
-        C, gen = self.noise.max_grad_norm, self.noise.generator
+        C = self.noise.max_grad_norm
         total = estimates.clamp(-C, C).sum()
         distributed.sum_([total])  # the clipped sum of the logical batch; every rank adds the same noise draw
         if self.noise.sigma > 0:
-            total = total + self.noise.sigma * C * torch.randn((), generator=gen, device=self.device)
+            total = total + self.noise.sigma * C * normal(self.noise.draws, (), self.device, total.dtype)
         return total / self.noise.expected_batch_size

@@ -25,6 +25,7 @@ from dpmem.persample import PerSampleGradients, Projection, clip_factors, reduce
 from dpmem.persample.clipping import flat_norms, weighted_sums
 from dpmem.persample.hooks import remove_handles, weakly
 from dpmem.precision import exact_float32
+from dpmem.privacy.randomness import Draws, normal
 
 NOISE_BUCKET = 2**24  # elements of noise drawn at once (64 MiB in float32)
 
@@ -39,6 +40,11 @@ class Observer:
     def attach(self, privatizer: "Privatizer") -> None:
         """Called once, when the privatizer is made (its model and parameters are known then)."""
 
+    def on_microbatches(self, privatizer: "Privatizer", microbatches, loss_fn):
+        """The step's micro-batches and per-sample loss before any of them runs; returns those to run in their place
+        (dpmem audit's canaries join the micro-batches as samples of their own, through the real samples' path)."""
+        return microbatches, loss_fn
+
     def on_clipped(self, privatizer: "Privatizer", summed: dict) -> dict:
         return summed
 
@@ -48,7 +54,9 @@ class Observer:
 
 class PrivateGradient(NamedTuple):
     gradient: dict  # parameter -> its privatised gradient (shaped as asked: a projection for DP-GRAPE)
-    loss_sum: torch.Tensor  # the summed per-sample loss of the logical batch (on the device: no host sync)
+    # this rank's summed per-sample loss (on the device: no host sync), as the noise releases it: each loss
+    # clipped to [0, L], and noised on rank 0, where the training loss is released privately (`Noise`)
+    loss_sum: torch.Tensor
 
 
 class Privatizer:
@@ -67,18 +75,16 @@ class Privatizer:
         self.device = self.params[0].device
         self._check_coverage = check_coverage
         self.sharded = any(sharding.is_sharded(p) for p in self.params)  # FSDP (dpmem.sharding)
-        # Seeds drawn once per logical step, the same on every rank, from a CPU generator (no host sync per step)
-        # seeded by the noise generator:
+        # Keys drawn once per logical step, the same on every rank, from the noise's secret key (host-side: no sync):
         # - the estimators' probes (dp-sgd-rc), shared by the step's whole batch: every micro-batch, on every rank,
-        #   draws them again from the step's seed, so neither the physical batch size nor the number of ranks
-        #   changes them, and the noise generator draws the same on all ranks;
-        # - under FSDP, each rank's generator of the step's noise on its shards (seeded by the step's seed and rank).
-        self.step_seeds = self._probe_draws = None
-        if noise.generator is not None and (plan.estimated or self.sharded):
-            seed = int(torch.randint(2**62, (1,), generator=noise.generator, device=noise.generator.device))
-            self.step_seeds = torch.Generator().manual_seed(seed)
-        if self.step_seeds is not None and plan.estimated:
-            self._probe_draws = torch.Generator(device=noise.generator.device)
+        #   draws them again from the step's key, so neither the physical batch size nor the number of ranks
+        #   changes them;
+        # - under FSDP, each rank's draws of the step's noise on its shards (keyed by the step's key and rank).
+        self.steps = self._probe_draws = None
+        if noise.draws is not None and (plan.estimated or self.sharded):
+            self.steps = Draws(noise.draws.key, "steps", noise.draws.device)
+        if self.steps is not None and plan.estimated:
+            self._probe_draws = Draws(noise.draws.key, "probes", noise.draws.device)
         self._keep_grads = False  # the second pass of two-pass clipping accumulates into .grad
         self._stepping = False  # inside clip_and_accumulate: the only time its hooks act
         # autograd's batch gradient is a by-product of the backward pass: drop each as soon as it is made
@@ -121,7 +127,10 @@ class Privatizer:
         """One logical step's privatised gradient (of shape `shapes[p]` per parameter) and summed per-sample loss.
         `projections` (DP-GRAPE, one pass only) makes a parameter's projection when its layer's gradient arrives;
         its per-sample gradients, clipped sum and noise are then projected ones."""
+        for observer in self.observers:
+            microbatches, loss_fn = observer.on_microbatches(self, microbatches, loss_fn)
         summed, loss_sum = self.clip_and_accumulate(microbatches, loss_fn, shapes, projections)
+        loss_sum = self.noise.released_loss(loss_sum)
         with exact_float32(self.device):
             summed = self.sum_over_ranks(summed)
             for observer in self.observers:
@@ -172,23 +181,19 @@ class Privatizer:
         return reducers.normed(self.plan.norms, self.plan.k, self._probe_draws,
                                **({"then": reducers.materialize} if dense else {}))
 
-    def _step_seed(self) -> int:
-        return int(torch.randint(2**62, (1,), generator=self.step_seeds))
-
-    def _shard_noise(self) -> torch.Generator | None:
-        """This rank's generator of the step's noise on its FSDP shards (None on meta, where nothing is drawn)."""
-        if self.step_seeds is None:
+    def _shard_noise(self) -> Draws | None:
+        """This rank's draws of the step's noise on its FSDP shards (None on meta, where nothing is drawn)."""
+        if self.steps is None:
             return None
-        seed = (self._step_seed() + 1_000_003 * distributed.rank()) % 2**63
-        return torch.Generator(device=self.noise.generator.device).manual_seed(seed)
+        return self.steps.child(f"shard-noise/{distributed.rank()}")
 
     def _with_step_probes(self, microbatches):
-        """The micro-batches, with dp-sgd-rc's probe generator reset to the step's seed before each: the step's
-        probes, the same for every micro-batch (and rank)."""
-        seed = self._step_seed() if self._probe_draws is not None else None
+        """The micro-batches, with dp-sgd-rc's probe draws keyed anew for the step before each: the step's probes,
+        the same for every micro-batch (and rank)."""
+        key = self.steps.next_key() if self._probe_draws is not None else None
         for mb in microbatches:
-            if seed is not None:
-                self._probe_draws.manual_seed(seed)
+            if key is not None:
+                self._probe_draws.key, self._probe_draws.count = key, 0
             yield mb
 
     def _one_pass(self, microbatches, loss_fn, shapes, projections):
@@ -218,7 +223,7 @@ class Privatizer:
                     for p, part in weighted_sums(grads, factors):
                         _accumulate(summed, p, part)
                 del grads
-            loss_sum = loss_sum + (losses.detach() * weights(mb)).sum()
+            loss_sum = loss_sum + (self.noise.clipped_losses(losses.detach()) * weights(mb)).sum()
         return self._completed(summed, shapes), loss_sum
 
     def _two_pass(self, microbatches, loss_fn):
@@ -251,7 +256,7 @@ class Privatizer:
                 if p.grad is not None:
                     _accumulate(summed, p, p.grad)
                     p.grad = None
-            loss_sum = loss_sum + (losses.detach() * weights(mb)).sum()
+            loss_sum = loss_sum + (self.noise.clipped_losses(losses.detach()) * weights(mb)).sum()
         return self._completed(summed), loss_sum
 
     def _completed(self, summed, shapes=None) -> dict[nn.Parameter, torch.Tensor]:
@@ -275,39 +280,39 @@ def _accumulate(summed: dict, p: nn.Parameter, part: torch.Tensor) -> None:
     summed[p] = part if p not in summed else summed[p].add_(part)
 
 
-def add_noise(summed: dict, noise: Noise, own: torch.Generator | None = None) -> dict:
+def add_noise(summed: dict, noise: Noise, own: Draws | None = None) -> dict:
     """N(0, σ²C² I) added to each clipped sum in place. A sum every rank holds whole gets the same draw on every rank
-    (the generator has one seed); a sum sharded by FSDP gets, on each rank, a draw for its own shard from `own`,
-    that rank's generator of the step.
+    (the draws have one key); a sum sharded by FSDP gets, on each rank, a draw for its own shard from `own`, that
+    rank's draws of the step.
 
-    The draw: the sums in order, in runs of at most NOISE_BUCKET elements (a larger sum alone) of one generator,
-    device and dtype; each run gets one standard normal vector of its total size, split into its sums in order.
-    One draw and one for-each add per run, where a draw per sum would cost a kernel per parameter."""
+    The draw: the sums in order, in runs of at most NOISE_BUCKET elements (a larger sum alone) of one source of
+    draws, device and dtype; each run gets one standard normal vector of its total size (one keyed draw), split
+    into its sums in order. One draw and one for-each add per run, where a draw per sum would cost a kernel per
+    parameter."""
     std = noise.sigma * noise.max_grad_norm
     if std == 0:  # sigma = 0 only for privacy=none: clipping without noise
         return summed
-    parts = [(part, own if part is not s and own is not None else noise.generator)
+    parts = [(part, own if part is not s and own is not None else noise.draws)
              for s, part in ((s, sharding.local(s)) for s in summed.values())]
     for run in _runs(parts, NOISE_BUCKET):
-        first, generator = run[0]
-        draw = torch.randn(sum(p.numel() for p, _ in run), generator=generator, device=first.device,
-                           dtype=first.dtype)
+        first, draws = run[0]
+        draw = normal(draws, (sum(p.numel() for p, _ in run),), first.device, first.dtype)
         chunks = draw.split([p.numel() for p, _ in run])
         torch._foreach_add_([p for p, _ in run], [c if p.dim() == 1 else c.view(p.shape)
                                                   for (p, _), c in zip(run, chunks)], alpha=std)
     return summed
 
 
-def _runs(parts: list[tuple[torch.Tensor, torch.Generator | None]], elements: int):
-    """Consecutive (sum, generator) pairs of one generator, device and dtype and at most `elements` elements
+def _runs(parts: list[tuple[torch.Tensor, Draws | None]], elements: int):
+    """Consecutive (sum, draws) pairs of one source of draws, device and dtype and at most `elements` elements
     together (a larger sum alone)."""
     run, size = [], 0
-    for part, generator in parts:
-        if run and (size + part.numel() > elements or generator is not run[0][1]
+    for part, draws in parts:
+        if run and (size + part.numel() > elements or draws is not run[0][1]
                     or (part.device, part.dtype) != (run[0][0].device, run[0][0].dtype)):
             yield run
             run, size = [], 0
-        run.append((part, generator))
+        run.append((part, draws))
         size += part.numel()
     if run:
         yield run

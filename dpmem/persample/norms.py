@@ -9,9 +9,9 @@ Embedding, tied sums) by the chosen rule:
     hutch    ‖gᵢᵀP‖² with probes P ~ N(0, 1/k) on the larger side (k of them)         unbiased, memory B·k·(T + n)
     hutchpp  Hutch++: exact on the range Q of gᵢgᵢᵀS, Hutchinson on the rest           lower variance
 
-The probes come from the caller's generator: the Privatizer draws them fresh at every logical step, shared by the
-step's whole batch (every micro-batch and rank), from a seed the noise generator gives it (the estimate's
-randomness is part of the mechanism and must be as secret as the noise).
+The probes come from the caller's draws (`dpmem.privacy.randomness`): the Privatizer keys them afresh at every logical
+step, shared by the step's whole batch (every micro-batch and rank), from its secret key (the estimate's randomness is
+part of the mechanism and must be as secret as the noise).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import math
 import torch
 
 from dpmem.persample.factored import Factored, at_least_float32
+from dpmem.privacy.randomness import Draws, normal
 
 RULES = ("fgc", "ghost", "mixed", "hutch", "hutchpp")
 ESTIMATORS = ("hutch", "hutchpp")
@@ -37,13 +38,13 @@ def ghost_is_cheaper(g: Factored) -> bool:
     return 2 * g.tokens ** 2 < g.rows * g.cols
 
 
-def _probes(n: int, k: int, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _probes(n: int, k: int, like: torch.Tensor, draws: Draws | None) -> torch.Tensor:
     """n×k probes with N(0, 1/k) entries (variance 1/k, as the DP-SGD-RC paper's text, §6.1 and App. B have it,
     not the 1/√k printed in its Algorithm 2), so that E[PPᵀ] = I."""
-    return torch.randn(n, k, generator=generator, device=like.device, dtype=at_least_float32(like.dtype)) / math.sqrt(k)
+    return normal(draws, (n, k), like.device, at_least_float32(like.dtype)) / math.sqrt(k)
 
 
-def hutchinson(g: Factored, k: int, generator: torch.Generator | None = None, plus_plus: bool = False):
+def hutchinson(g: Factored, k: int, draws: Draws | None = None, plus_plus: bool = False):
     """Estimates of ‖gᵢ‖²_F = tr(O), O = gᵢgᵢᵀ (or gᵢᵀgᵢ: the Gram matrix of the LARGER side, so that the
     probes' product lands in the smaller one), shape (B,). Products run in the factors' dtype; sums of squares
     and the QR in at least float32."""
@@ -53,11 +54,11 @@ def hutchinson(g: Factored, k: int, generator: torch.Generator | None = None, pl
     n = max(g.rows, g.cols)
     like = g.terms[0][1]
     wide = at_least_float32(like.dtype)
-    P = _probes(n, k, like, generator)
+    P = _probes(n, k, like, draws)
     sketch = into_small(P).to(wide)
     if not plus_plus:
         return sketch.pow(2).sum((1, 2))
-    S = _probes(n, k, like, generator)
+    S = _probes(n, k, like, draws)
     Q = torch.linalg.qr(back(into_small(S)).to(wide))[0]  # (B, n, k): orthonormal basis of O·S
     del S
     head = into_small(Q).to(wide)  # tr(QᵀOQ) = ‖gᵀQ‖²
@@ -65,12 +66,12 @@ def hutchinson(g: Factored, k: int, generator: torch.Generator | None = None, pl
     return head.pow(2).sum((1, 2)) + residual.pow(2).sum((1, 2))
 
 
-def squared_norms(g, rule: str, k: int = 32, generator: torch.Generator | None = None) -> torch.Tensor:
+def squared_norms(g, rule: str, k: int = 32, draws: Draws | None = None) -> torch.Tensor:
     """‖gᵢ‖² (exact, or estimated for factored gradients under an estimator rule), shape (B,)."""
     if not isinstance(g, Factored):
         return exact_squared_norms(g)
     if rule in ESTIMATORS:
-        return hutchinson(g, k, generator, plus_plus=rule == "hutchpp")
+        return hutchinson(g, k, draws, plus_plus=rule == "hutchpp")
     if rule == "ghost" or (rule == "mixed" and ghost_is_cheaper(g)):
         return g.squared_norms()
     if rule in ("fgc", "mixed"):

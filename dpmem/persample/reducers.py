@@ -15,6 +15,7 @@ from dpmem.persample.clipping import is_rows
 from dpmem.persample.factored import Factored, weighted_sum_of
 from dpmem.persample.norms import squared_norms
 from dpmem.persample.projection import Projection
+from dpmem.privacy.randomness import Draws
 
 Reducer = Callable[[Any], Any]
 
@@ -43,12 +44,12 @@ def projected(projection: Callable[[], Projection], then: Reducer = materialize)
     return lambda g: then(g.project(projection()))
 
 
-def norms(rule: str, k: int = 32, generator: torch.Generator | None = None) -> Reducer:
+def norms(rule: str, k: int = 32, draws: Draws | None = None) -> Reducer:
     """Squared per-sample norms (B,) by a rule of `dpmem.persample.norms` (two-pass clipping's first pass)."""
-    return lambda g: squared_norms(g, rule, k, generator)
+    return lambda g: squared_norms(g, rule, k, draws)
 
 
-def normed(rule: str = "mixed", k: int = 32, generator: torch.Generator | None = None,
+def normed(rule: str = "mixed", k: int = 32, draws: Draws | None = None,
            then: Reducer = lambda g: g) -> Reducer:
     """`Normed`: squared norms and what `then` keeps; one-pass clipping. By default the factors as they are
     (book-keeping), normed now (exactly, ghost or the per-sample product, whichever is smaller; or a DP-SGD-RC
@@ -56,7 +57,7 @@ def normed(rule: str = "mixed", k: int = 32, generator: torch.Generator | None =
     gradients. A vector parameter's rows get no norm here (None): `clipping.flat_norms` norms them all at once."""
     def reduce(g):
         kept = then(g)
-        return Normed(None if is_rows(kept) else squared_norms(kept, rule, k, generator), kept)
+        return Normed(None if is_rows(kept) else squared_norms(kept, rule, k, draws), kept)
     return reduce
 
 

@@ -1,6 +1,12 @@
 """Privacy accounting by dp-accounting: epsilon spent for a noise multiplier, and the noise multiplier for a
 target epsilon. One DP event per logical step: a sampled Gaussian mechanism with noise multiplier sigma; with
-accountant "rc" its sensitivity is random (DP-SGD-RC's randomized clipping, dpmem.privacy.rc)."""
+accountant "rc" its sensitivity is random (DP-SGD-RC's randomized clipping, dpmem.privacy.rc).
+
+`loss_noise` (c): each step also releases the batch's training loss, Σᵢ min(max(ℓᵢ, 0), L) + N(0, (c·σ·L)²), on the
+same sampled batch. The pair is one Gaussian mechanism on that batch: a record moves the gradient's sum by at most
+C (noise σC) and the loss sum by at most L (noise cσL), so in units of their noise by √(1/σ² + 1/(cσ)²), which is
+a Gaussian of multiplier σ/√(1 + 1/c²) (`joint_sigma`) and sensitivity 1. Under replace-one the loss moves by at
+most L where the gradient's sum moves by 2C: accounting it as 2L too is conservative."""
 
 from __future__ import annotations
 
@@ -56,6 +62,11 @@ def _event(sigma: float, sample_rate: float, steps: int, sampling: str, dataset_
     return dp_accounting.SelfComposedDpEvent(step, steps)
 
 
+def joint_sigma(sigma: float, loss_noise: float | None) -> float:
+    """The noise multiplier of one Gaussian equivalent to the step's gradient and loss releases together."""
+    return sigma if loss_noise is None else sigma / math.sqrt(1 + loss_noise ** -2)
+
+
 def _check(delta: float, sample_rate: float, steps: int) -> None:
     if not 0 < delta < 1:
         raise ValueError(f"delta={delta} must be in (0, 1)")
@@ -76,8 +87,9 @@ def _check_rc(neighbouring: str, sampling: str, k, d, estimator: str) -> None:
 def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, accountant: str = "pld",
                   neighbouring: str = "add_remove", sampling: str = "poisson",
                   dataset_size: int | None = None, k: int = 32, d: float | None = None,
-                  estimator: str = "hutch") -> float:
-    """Epsilon after `steps` sampled Gaussian steps with noise multiplier `sigma` (inf if sigma is 0).
+                  estimator: str = "hutch", loss_noise: float | None = None) -> float:
+    """Epsilon after `steps` sampled Gaussian steps with noise multiplier `sigma` (inf if sigma is 0), each with
+    the batch's noised loss when `loss_noise` is given (see the module's docstring).
 
     k, d, estimator: rc only: probes, envelope dimension (a positive integer, e.g. the DP-SGD-RC paper's max-min layer
     size, or math.inf, see dpmem.methods.rc.rc_dimension) and norm estimator ("hutch" or "hutchpp") of DP-SGD-RC."""
@@ -89,9 +101,9 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
     if sigma <= 0:
         return math.inf
     if accountant == "rc":
-        return rc.rc_epsilon(sigma, delta, sample_rate, steps, k, d, estimator, PLD_DISCRETIZATION)
+        return rc.rc_epsilon(sigma, delta, sample_rate, steps, k, d, estimator, PLD_DISCRETIZATION, loss_noise)
     acc = _accountant(accountant, neighbouring)
-    event = _event(sigma, sample_rate, steps, sampling, dataset_size)
+    event = _event(joint_sigma(sigma, loss_noise), sample_rate, steps, sampling, dataset_size)
     if not acc.supports(event):
         raise ValueError(f"accountant {accountant} does not support {sampling} sampling under {neighbouring}")
     acc.compose(event)
@@ -140,11 +152,11 @@ def _bracket(eps, epsilon: float, max_sigma: float, unreachable: str) -> tuple[f
 
 
 def _calibrate_rc(epsilon: float, delta: float, sample_rate: float, steps: int, k: int, d: float, estimator: str,
-                  tolerance: float) -> float:
+                  tolerance: float, loss_noise: float | None) -> float:
     """Bisection: rc has no dp-accounting event, and its epsilon is inf (not a number to interpolate) while the
     +inf loss mass of the lower envelope tail exceeds delta."""
     def eps(s: float) -> float:
-        return rc.rc_epsilon(s, delta, sample_rate, steps, k, d, estimator, PLD_DISCRETIZATION)
+        return rc.rc_epsilon(s, delta, sample_rate, steps, k, d, estimator, PLD_DISCRETIZATION, loss_noise)
 
     lo, hi = _bracket(eps, epsilon, RC_MAX_SIGMA, f"epsilon={epsilon} at delta={delta} is unreachable by DP-SGD-RC "
                       f"(k={k}, d={d}, {estimator}) over {steps} steps")
@@ -158,9 +170,10 @@ def _calibrate_rc(epsilon: float, delta: float, sample_rate: float, steps: int, 
 def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "pld",
                     neighbouring: str = "add_remove", sampling: str = "poisson",
                     dataset_size: int | None = None, tolerance: float = 1e-3, k: int = 32, d: float | None = None,
-                    estimator: str = "hutch") -> float:
-    """The smallest noise multiplier whose epsilon after `steps` steps is at most `epsilon` (to `tolerance`; for rc
-    relative above sigma = 1). k, d, estimator: rc only, as in epsilon_spent."""
+                    estimator: str = "hutch", loss_noise: float | None = None) -> float:
+    """The smallest noise multiplier of the gradient whose epsilon after `steps` steps (with the loss releases of
+    `loss_noise`) is at most `epsilon` (to `tolerance`; for rc relative above sigma = 1). k, d, estimator: rc only,
+    as in epsilon_spent."""
     _check(delta, sample_rate, steps)
     if not epsilon > 0:
         raise ValueError(f"epsilon={epsilon} must be > 0")
@@ -168,7 +181,7 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
         raise ValueError(f"steps={steps} must be positive")
     if accountant == "rc":
         _check_rc(neighbouring, sampling, k, d, estimator)
-        return _calibrate_rc(epsilon, delta, sample_rate, steps, k, d, estimator, tolerance)
+        return _calibrate_rc(epsilon, delta, sample_rate, steps, k, d, estimator, tolerance, loss_noise)
 
     def eps(s: float) -> float:
         return epsilon_spent(s, delta, sample_rate, steps, accountant, neighbouring, sampling, dataset_size)
@@ -181,4 +194,4 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
         epsilon, delta,
         bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi),
         discrete=False, tol=tolerance)
-    return float(sigma)
+    return float(sigma) / joint_sigma(1.0, loss_noise)  # the gradient's, for a joint multiplier of `sigma`

@@ -305,8 +305,12 @@ def rc_pld(sigma: float, sample_rate: float, sensitivities: np.ndarray, masses: 
 
 
 def rc_epsilon(sigma: float, delta: float, sample_rate: float, steps: int, k: int, d,
-               estimator: str = "hutch", discretization: float = 1e-3) -> float:
-    """ε after `steps` Poisson-sampled DP-SGD-RC steps (add/remove) with noise multiplier sigma."""
+               estimator: str = "hutch", discretization: float = 1e-3, loss_noise: float | None = None) -> float:
+    """ε after `steps` Poisson-sampled DP-SGD-RC steps (add/remove) with noise multiplier sigma. `loss_noise`: each
+    step also releases the batch's clipped loss sum with a noise multiplier loss_noise·sigma (dpmem.privacy.
+    accounting): a second coordinate of sensitivity 1/loss_noise (in units of sigma) beside the random one."""
     sens, masses, inf_mass = sensitivity_law(k, d, estimator)
+    if loss_noise is not None:
+        sens = np.sqrt(sens ** 2 + loss_noise ** -2)
     pld = rc_pld(sigma, sample_rate, sens, masses, inf_mass, discretization, GRID_SHARE * delta / steps)
     return float(pld.self_compose(steps).get_epsilon_for_delta(delta))

@@ -1,29 +1,38 @@
-"""Samplers that draw the example indices of each logical step, matching what the accountant assumes."""
+"""Samplers that draw the example indices of each logical step, matching what the accountant assumes. Each step's
+(or, for shuffling, each epoch's) indices come from a draw of the sampler's secret key (`dpmem.privacy.randomness`):
+step t's batch depends on the key and t alone."""
 
 from __future__ import annotations
 
 from typing import Iterator
 
+import numpy as np
 import torch
 
+from dpmem.privacy.randomness import Draws
 
-def poisson_batches(n: int, sample_rate: float, steps: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+
+def _indices(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a.astype(np.int64))
+
+
+def poisson_batches(n: int, sample_rate: float, steps: int, draws: Draws) -> Iterator[torch.Tensor]:
     """Each example joins each step independently with probability `sample_rate` (batch sizes vary, may be 0)."""
     for _ in range(steps):
-        yield torch.nonzero(torch.rand(n, generator=generator) < sample_rate).flatten()
+        yield _indices(np.flatnonzero(draws.numpy().random(n) < sample_rate))
 
 
-def fixed_batches(n: int, batch_size: int, steps: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+def fixed_batches(n: int, batch_size: int, steps: int, draws: Draws) -> Iterator[torch.Tensor]:
     """`batch_size` examples drawn uniformly without replacement, independently at every step."""
     for _ in range(steps):
-        yield torch.randperm(n, generator=generator)[:batch_size]
+        yield _indices(draws.numpy().choice(n, batch_size, replace=False))
 
 
-def shuffled_batches(n: int, batch_size: int, steps: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+def shuffled_batches(n: int, batch_size: int, steps: int, draws: Draws) -> Iterator[torch.Tensor]:
     """Epochs of shuffled fixed-size batches (the last one of an epoch may be smaller). Non-private only."""
     done = 0
     while True:
-        perm = torch.randperm(n, generator=generator)
+        perm = _indices(draws.numpy().permutation(n))
         for start in range(0, n, batch_size):
             if done == steps:
                 return
@@ -31,11 +40,11 @@ def shuffled_batches(n: int, batch_size: int, steps: int, generator: torch.Gener
             done += 1
 
 
-def make_batches(kind: str, n: int, batch_size: int, steps: int, generator: torch.Generator):
+def make_batches(kind: str, n: int, batch_size: int, steps: int, draws: Draws):
     if kind == "poisson":
-        return poisson_batches(n, batch_size / n, steps, generator)
+        return poisson_batches(n, batch_size / n, steps, draws)
     if kind == "fixed":
-        return fixed_batches(n, batch_size, steps, generator)
+        return fixed_batches(n, batch_size, steps, draws)
     if kind == "shuffle":
-        return shuffled_batches(n, batch_size, steps, generator)
+        return shuffled_batches(n, batch_size, steps, draws)
     raise ValueError(f"sampling {kind!r}: allowed poisson, fixed, shuffle")

@@ -5,7 +5,9 @@ method.subspace.k), columns are tasks (data sets); a cell is the final metric's 
 in percent (accuracy, F1, EM, ROUGE-1 are fractions in the summaries). A cell whose runs ran out of memory says OOM;
 the best private result of each column is marked (bold in markdown, \\textbf in LaTeX). Runs that did not finish
 ok (failed, interrupted, still running or dead with status running), run folders with no summary and repeats of
-a run (the same configuration and seed) are listed, never silently dropped or counted twice. Written as report.md,
+a run (the same configuration and seed) are listed, never silently dropped or counted twice. Folders of an analysis
+(`dpmem spectrum`, `dpmem audit`) are no results: they are listed apart. Under the table, the ε of releasing a
+result chosen among the runs composes every release on its data (`search_privacy`). Written as report.md,
 report.csv (one line per cell) and report.tex, with the figures of `dpmem.report.figures`."""
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ OK = "ok"
 REQUIRED = ("status", "method", "data")  # what a row needs; every other field a summary may lack (older versions)
 
 
-def collect(paths: list[Path]) -> tuple[list[dict], list[str]]:
-    """Every readable summary under `paths`, and a line (folder: why) for each run folder that has none or an
-    unreadable one: those are listed under the table, and the report goes on."""
+def collect(paths: list[Path]) -> tuple[list[dict], list[dict]]:
+    """Every readable summary under `paths`, and a record {run_dir, why} for each run folder that has none or an
+    unreadable one: those are listed under the table, and the report goes on. Both carry the folder's flattened
+    config.yaml (`config`), its privacy.jsonl lines (`ledger`: what every attempt released, summary or not) and
+    which analysis wrote the folder, if one did (`analysis`)."""
     summaries, missing = [], []
     for root in paths:
         root = Path(root)
@@ -45,23 +49,42 @@ def collect(paths: list[Path]) -> tuple[list[dict], list[str]]:
                 s = json.loads(f.read_text())
                 lacking = [k for k in REQUIRED if k not in s] if isinstance(s, dict) else ["(not a JSON object)"]
             except (ValueError, OSError) as e:
-                missing.append(f"{f.parent}: unreadable summary.json ({type(e).__name__}: {str(e)[:80]})"
-                               + _ledger_note(f.parent))
+                missing.append(_folder(f.parent, {"why": f"unreadable summary.json ({type(e).__name__}: "
+                                                         f"{str(e)[:80]})" + _ledger_note(f.parent)}))
                 continue
             if lacking:
-                missing.append(f"{f.parent}: summary.json lacks {', '.join(lacking)}" + _ledger_note(f.parent))
+                missing.append(_folder(f.parent, {"why": f"summary.json lacks {', '.join(lacking)}"
+                                                         + _ledger_note(f.parent)}))
                 continue
-            s["run_dir"] = str(f.parent)
-            config = f.parent / "config.yaml"
-            s["config"] = _flat(OmegaConf.to_container(OmegaConf.load(config))) if config.exists() else {}
-            summaries.append(s)
+            summaries.append(_folder(f.parent, s))
         folders = {c.parent for c in root.rglob("config.yaml") if c.parent.name != ".hydra"}
         folders |= {c.parent for c in root.rglob(PRIVACY_LEDGER)}
         for folder in sorted(folders):
-            if not (folder / "summary.json").exists():
+            # dpmem audit's own folder holds its config and record; the audited run, in run/, has the summary
+            if not (folder / "summary.json").exists() and not (folder / "audit.json").exists():
                 note = _ledger_note(folder)
-                missing.append(f"{folder}: no summary.json" + (note or " (the run died before it started)"))
+                missing.append(_folder(folder, {"why": "no summary.json"
+                                                       + (note or " (the run died before it started)")}))
     return summaries, missing
+
+
+def _folder(folder: Path, record: dict) -> dict:
+    config = folder / "config.yaml"
+    record.update(run_dir=str(folder), ledger=privacy_records(folder),
+                  config=_flat(OmegaConf.to_container(OmegaConf.load(config))) if config.exists() else {})
+    record["analysis"] = record.get("analysis") or _analysis(folder)
+    return record
+
+
+def _analysis(folder: Path) -> str | None:
+    """The analysis that wrote a folder whose summary does not say so (written by an older dpmem), told by the
+    files it leaves: spectrum.json or recorded gradients (`dpmem spectrum`), audit.json beside the run
+    (`dpmem audit` trains in AUDIT/run)."""
+    if (folder / "spectrum.json").exists() or (folder / "gradients" / "index.json").exists():
+        return "spectrum"
+    if (folder.parent / "audit.json").exists():
+        return "audit"
+    return None
 
 
 def _ledger_note(folder: Path) -> str:
@@ -77,24 +100,41 @@ def _ledger_note(folder: Path) -> str:
 def distinct(summaries: list[dict]) -> tuple[list[dict], list[str]]:
     """One run per configuration and seed, and a line for each run left out: two runs that train the same thing
     are one sample, not two seeds. The privacy options of a run without noise (adam under privacy=eps2 and eps8)
-    train nothing different. An ok run is kept before one that is not."""
+    train nothing different. An ok run is kept before one that is not. The table's sample only: a private repeat
+    whose noise and batches came from the OS is a release of its own (`search_privacy` composes it)."""
     kept: dict[str, dict] = {}
     repeats = []
     for s in sorted(summaries, key=lambda s: (s["status"] != OK, s["run_dir"])):
-        config = s.get("config", {})
-        if "train.seed" not in config:  # without its config.yaml, a run cannot be told to be another's repeat
+        key = _configuration(s)
+        if key is None:  # without its config.yaml, a run cannot be told to be another's repeat
             kept[s["run_dir"]] = s
             continue
-        same = {k: v for k, v in config.items() if not k.startswith(NOT_TRAINING)
-                and not (k.startswith("privacy.") and not s.get("sigma"))}
-        key = json.dumps(same, sort_keys=True, default=str)
         if key in kept:
-            repeats.append(f"{s['run_dir']}: the same configuration and seed as {kept[key]['run_dir']}, counted once"
-                           + (f" ({s['privacy_ignored']})" if s.get("privacy_ignored") else ""))
+            why = s.get("privacy_ignored") or (
+                None if not s.get("sigma") else "the same draws: both privacy seeds fixed" if _replays(s) else
+                "its noise and batches drawn afresh: a release of its own, composed below")
+            repeats.append(f"{s['run_dir']}: the same configuration and seed as {kept[key]['run_dir']}, counted once "
+                           "in the table" + (f" ({why})" if why else ""))
         else:
             kept[key] = s
     chosen = {id(s) for s in kept.values()}
     return [s for s in summaries if id(s) in chosen], repeats
+
+
+def _configuration(s: dict) -> str | None:
+    """What a run trained, as a key (None without its config.yaml): its configuration less how it was started
+    and recorded; a run without noise trains the same under any privacy options."""
+    config = s["config"]
+    if "train.seed" not in config:
+        return None
+    return json.dumps({k: v for k, v in config.items() if not k.startswith(NOT_TRAINING)
+                       and not (k.startswith("privacy.") and not s.get("sigma"))}, sort_keys=True, default=str)
+
+
+def _replays(s: dict) -> bool:
+    """Whether a run's batches and noise are drawn from seeds its configuration fixes (privacy.sampler_seed and
+    privacy.noise_seed both), so that its repeats draw them again; otherwise the OS drew them."""
+    return all(s["config"].get(f"privacy.{seed}") is not None for seed in ("sampler_seed", "noise_seed"))
 
 
 def _flat(tree, prefix: str = "") -> dict:
@@ -184,49 +224,145 @@ def memory_table(summaries: list[dict]) -> list[str]:
     return lines
 
 
-def search_privacy(summaries: list[dict]) -> list[str]:
-    """A line per data set that several accounted runs trained on: choosing and releasing the best of them (a
-    search, a grid, a table) is a release of every one, so its ε is their mechanisms composed (dp-accounting, at
-    the runs' largest δ). Runs count as touching the same data when they share data.name and data.path, whatever
-    examples each drew: the conservative reading."""
+# what an older ledger's lines lack, taken from the folder's summary
+LATER_FIELDS = ("sampling", "dataset_size", "neighbouring")
+
+
+def releases(folder: dict) -> list[dict]:
+    """What a run folder released on its training data, one dict per release: each start in its privacy.jsonl with
+    the resumes after it (a resume redraws the same batches and noise for the steps it redoes), the last one the
+    folder's run and any earlier one an attempt abandoned with train.overwrite=true, which no summary shows; a
+    folder without a ledger (a run without noise, an older dpmem) is its summary's run. Each holds what composing it
+    needs (sigma: the noise multiplier accounted per step; steps: the most any line, or the summary, recorded), its
+    epsilon, whether it was abandoned, and `draws`: what a run replays whose configuration fixes both privacy seeds
+    (its repeats are one release), None where the OS drew them."""
+    s = folder  # a summary, or a folder without one ({run_dir, why, config, ledger})
+    summary = {k: v for k, v in {
+        "steps_done": s.get("steps_done"), "epsilon": s.get("epsilon_spent"), "sigma": s.get("sigma"),
+        "sigma_accounted": s.get("sigma_accounted"), "sample_rate": s.get("sample_rate"),
+        "accountant": s.get("accountant"), "delta": s.get("delta"), "sampling": s.get("sampling"),
+        "dataset_size": s.get("n_train"),
+        "neighbouring": s.get("neighbouring") or s["config"].get("privacy.neighbouring"),
+    }.items() if v is not None}
+    attempts: list[list[dict]] = []
+    for line in s["ledger"]:
+        if (not attempts or line.get("event") == "start"
+                or (line.get("attempt") != attempts[-1][-1].get("attempt") and line.get("event") != "resume")):
+            attempts.append([])
+        attempts[-1].append(line)
+    attempts = attempts or [[]]
+    key = _configuration(s)
+    out = []
+    for i, lines in enumerate(attempts):
+        last = i == len(attempts) - 1
+        lines = lines + [summary] if last else lines  # the summary is the last run's, maybe past its last line
+        known = {k: summary[k] for k in LATER_FIELDS if k in summary}
+        for line in lines:
+            known.update((k, v) for k, v in line.items() if v is not None)
+        spent = [float(line["epsilon"]) for line in lines if line.get("epsilon") is not None]
+        out.append({"sigma": float(known.get("sigma_accounted", known.get("sigma", 0.0))),
+                    "sample_rate": known.get("sample_rate"), "sampling": known.get("sampling", "poisson"),
+                    "steps": max((int(line.get("steps_done") or 0) for line in lines), default=0),
+                    "dataset_size": known.get("dataset_size"), "accountant": known.get("accountant"),
+                    "neighbouring": known.get("neighbouring", "add_remove"), "delta": known.get("delta"),
+                    "epsilon": max(spent, default=math.inf), "abandoned": not last,
+                    "draws": json.dumps([key, s["device"], s.get("world_size")])
+                    if last and key and _replays(s) and s.get("device") else None})
+    return out
+
+
+def _noised(release: dict) -> bool:
+    return bool(release["accountant"]) and release["sigma"] > 0 and math.isfinite(release["epsilon"])
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def search_privacy(folders: list[dict]) -> list[str]:
+    """A line per data set with several private releases: choosing and releasing a result among the runs (a
+    search, a grid, a table) releases every one of them, so its ε is their mechanisms composed (dp-accounting, at
+    the largest δ). Every release counts (`releases`): each run, a repeat whose noise and batches the OS drew,
+    each attempt abandoned with train.overwrite=true, and folders whose summary is lost; a repeat of a run whose
+    configuration fixes both privacy seeds replays its draws and counts once. Runs count as touching the same data
+    when they share data.name and data.path, whatever examples each drew: the conservative reading."""
     from dpmem.privacy import composed_epsilon
     groups = defaultdict(list)
-    for s in summaries:
-        if s.get("steps_done"):
-            groups[(s["data"], s.get("config", {}).get("data.path"))].append(s)
+    for f in folders:
+        data = f.get("data") or f["config"].get("data.name")
+        if data is not None:  # a folder with neither summary nor config is listed with its ledger's ε
+            groups[(data, f["config"].get("data.path"))].append(f)
     lines = []
-    for (data, path), runs in sorted(groups.items(), key=str):
-        accounted = [r for r in runs if r.get("accountant") and r.get("sigma")]
-        if len(accounted) < 2:
+    for (data, path), group in sorted(groups.items(), key=str):
+        made = [r for f in group for r in releases(f) if r["steps"]]
+        noised: dict = {}  # one release per draws; a seeded repeat's extra steps continue the same draws
+        for r in filter(_noised, made):
+            key = r["draws"] or id(r)
+            if key not in noised or r["steps"] > noised[key]["steps"]:
+                noised[key] = r
+        if len(noised) < 2:
             continue
         name = data + (f" ({path})" if path else "")
-        if all(r.get("data_public") for r in runs):
-            lines.append(f"{name}: {len(runs)} runs on data declared public (data.public=true), a proxy: searching "
+        if all(f.get("data_public", f["config"].get("data.public")) for f in group):
+            lines.append(f"{name}: {len(group)} runs on data declared public (data.public=true), a proxy: searching "
                          "there spends nothing of a private data set's budget")
             continue
-        own = max(float(r["epsilon_spent"]) for r in accounted)
-        accountants = {(r["accountant"], r.get("neighbouring")) for r in accounted}
+        accounted = list(noised.values())
+        abandoned = sum(r["abandoned"] for r in accounted)
+        replayed = sum(map(_noised, made)) - len(accounted)
+        loose = len(made) - len(accounted) - replayed
+        head = (f"{name}: {len(accounted)} private releases on the same training data ("
+                + _count(len(accounted) - abandoned, "run") + (f" + {_count(abandoned, 'abandoned attempt')}"
+                                                                 if abandoned else "")
+                + (f"; {_count(replayed, 'repeat')} with both privacy seeds fixed, replaying a run's draws, counted "
+                   "once" if replayed else "")
+                + f"), each ε ≤ {max(r['epsilon'] for r in accounted):.3g}; ")
+        accountants = {(r["accountant"], r["neighbouring"]) for r in accounted}
         delta = max(r["delta"] for r in accounted)
         if len(accountants) > 1 or ("rc", "add_remove") in accountants:
-            lines.append(f"{name}: {len(accounted)} private runs on the same training data, each ε ≤ {own:.3g}; "
-                         "their composition is not computed here (rc, or several accountants)")
+            lines.append(head + "their composition is not computed here (rc, or several accountants)")
             continue
         accountant, neighbouring = accountants.pop()
-        composed = composed_epsilon([{"sigma": r["sigma"], "sample_rate": r["sample_rate"], "steps": r["steps_done"],
-                                      "sampling": r.get("sampling", "poisson"), "dataset_size": r.get("n_train")}
-                                     for r in accounted], delta, accountant, neighbouring or "add_remove")
-        loose = len(runs) - len(accounted)
-        lines.append(f"{name}: {len(accounted)} private runs on the same training data, each ε ≤ {own:.3g}; "
-                     f"releasing the best of them releases all: ε = {composed:.4g} at δ = {delta:.2g} "
-                     f"({accountant}, composed)" + (f"; {loose} more runs without noise release it outright"
-                                                     if loose else ""))
+        try:
+            composed = composed_epsilon(accounted, delta, accountant, neighbouring)
+        except ValueError as e:  # what an older ledger does not record (the data set's size for fixed sampling)
+            lines.append(head + f"their composition is not computed here ({e})")
+            continue
+        lines.append(head + f"releasing a result chosen among them releases all: ε = {composed:.4g} at δ = "
+                     f"{delta:.2g} ({accountant}, composed)" + (f"; {_count(loose, 'more release')} outside any ε "
+                                                                 "(no noise, or a leak)" if loose else ""))
     return lines
 
 
-def unfinished(summaries: list[dict], missing: list[str]) -> list[str]:
+def analyses(folders: list[dict]) -> list[str]:
+    """A line per folder an analysis wrote (`dpmem spectrum`, `dpmem audit`): what covers what it holds. None is a
+    result, and none is composed with the training runs (no result is chosen among them): publishing what one
+    holds is a release of its own."""
+    lines = []
+    for f in folders:
+        what = f"{f['run_dir']}: dpmem {f['analysis']}" + (f" ({f['method']} on {f['data']})" if "method" in f else "")
+        if f["analysis"] == "spectrum" or f.get("private") is False:
+            lines.append(f"{what}, not private: {_not_private_because(f)}")
+        elif f.get("epsilon_spent") is not None:
+            lines.append(f"{what}, ε {float(f['epsilon_spent']):.3g} of its own")
+        else:
+            lines.append(f"{what}: {f['why']}")
+    return lines
+
+
+def _not_private_because(f: dict) -> str:
+    why = f.get("not_private_because")
+    spectrum = Path(f["run_dir"]) / "spectrum.json"
+    if why is None and spectrum.exists():
+        why = json.loads(spectrum.read_text()).get("not_private_because")
+    return why or "it holds statistics of the training data's gradients measured outside the run's noise (a folder " \
+                  "of an older dpmem spectrum)"
+
+
+def unfinished(summaries: list[dict], missing: list[dict]) -> list[str]:
     lines = [f"{s['run_dir']}: {s['status']}" + (f" ({s['error']})" if s.get("error") else "")
              + f", {s.get('steps_done')}/{s.get('steps')} steps" for s in summaries if s["status"] not in (OK, "oom")]
-    lines += missing
+    lines += [f"{m['run_dir']}: {m['why']}" for m in missing]
     return lines
 
 
@@ -284,13 +420,17 @@ def top_three(summaries: list[dict]) -> tuple[list[dict], list[str]]:
     return chosen, lines
 
 
-def write(out: Path, summaries: list[dict], missing: list[str], compare: bool = False,
+def write(out: Path, summaries: list[dict], missing: list[dict], compare: bool = False,
           select: str | None = None) -> str:
-    """report.md, report.csv and report.tex in `out` (with `compare`, the papers' numbers in brackets; with
-    `select="top3"`, one run per method, ε and data set: `top_three`); returns the markdown."""
+    """report.md, report.csv and report.tex in `out` from `collect`'s summaries and folders without one (with
+    `compare`, the papers' numbers in brackets; with `select="top3"`, one run per method, ε and data set:
+    `top_three`); returns the markdown."""
     out.mkdir(parents=True, exist_ok=True)
+    analysed = [f for f in summaries + missing if f["analysis"]]
+    summaries = [s for s in summaries if not s["analysis"]]
+    missing = [m for m in missing if not m["analysis"]]
+    searched = search_privacy(summaries + missing)  # every release counts, whichever run is shown
     summaries, repeats = distinct(summaries)
-    searched = search_privacy(summaries)  # every trial counts, whichever is shown
     chosen = []
     if select == "top3":
         summaries, chosen = top_three(summaries)
@@ -328,6 +468,9 @@ def write(out: Path, summaries: list[dict], missing: list[str], compare: bool = 
     left = unfinished(summaries, missing) + repeats
     if left:
         md += ["", f"Not in the table ({len(left)}):", ""] + [f"- {line}" for line in left]
+    if analysed:
+        md += ["", f"Folders of an analysis, not results ({len(analysed)}; neither in the table nor composed with the "
+               "runs above):", ""] + [f"- {line}" for line in analyses(analysed)]
     with open(out / "report.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["method", "epsilon", "data", "metric", "n", "mean", "se", "oom", "best_private", "cell"])

@@ -14,6 +14,7 @@ def write(out: Path, result: dict) -> str:
     out.mkdir(parents=True, exist_ok=True)
     (out / "spectrum.json").write_text(json.dumps(result, indent=1) + "\n")
     text = _layer(out, result) if result["mode"] == "layer" else _trajectory(out, result)
+    text = f"Not private: {result['not_private_because']}.\n\n" + text
     (out / "spectrum.md").write_text(text)
     return text
 

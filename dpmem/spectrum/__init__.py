@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dpmem.config import ConfigError, enum_value
+from dpmem.spectrum.not_private import NOT_PRIVATE
 
 
 def run_spectrum(cfg, out: Path) -> tuple[dict, str]:
@@ -20,10 +21,12 @@ def run_spectrum(cfg, out: Path) -> tuple[dict, str]:
     from dpmem.spectrum.trajectory import analyse, record
 
     out.mkdir(parents=True, exist_ok=True)
-    if enum_value(cfg.spectrum.mode) == "layer":
+    mode = enum_value(cfg.spectrum.mode)
+    if mode == "layer":
         result = run_layer_mode(cfg, out)
     else:
         if cfg.spectrum.gradients is not None:
+            mode = "reanalysis"
             folder = Path(cfg.spectrum.gradients).expanduser()
             folder = folder / "gradients" if (folder / "gradients").is_dir() else folder
         else:
@@ -36,4 +39,5 @@ def run_spectrum(cfg, out: Path) -> tuple[dict, str]:
                 raise ConfigError("spectrum", f"the recording run ended {run.summary['status']}: "
                                   f"{run.summary.get('error')}")
         result = analyse(folder, cfg.spectrum, out, resolve_device(enum_value(cfg.train.device)))
+    result.update(private=False, not_private_because=NOT_PRIVATE[mode])
     return result, report.write(out, result)

@@ -19,6 +19,8 @@ from dpmem.methods.base import Noise
 from dpmem.methods.privatize import add_noise, scale
 from dpmem.methods.projected_adam import choose_projected
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum_of
+from dpmem.privacy.randomness import Draws, seed_key
+from dpmem.spectrum.not_private import mark_not_private
 from dpmem.spectrum.linalg import power_law_slope, top_singular_values
 
 Setting = tuple[float | None, float]  # (C, sigma); C None = no clipping
@@ -70,10 +72,10 @@ def measure(model, microbatches, loss_fn, layers: dict[str, torch.nn.Parameter],
         persample.close()
     results = []
     for c, s in chosen:
-        # the same z for every setting: a fresh generator with one seed, drawn in the same order
-        gen = torch.Generator(device=next(iter(layers.values())).device).manual_seed(seed)
+        # the same z for every setting: draws keyed by one seed, from the first
+        draws = Draws(seed_key(seed), "noise", next(iter(layers.values())).device)
         noise = Noise(sigma=s, max_grad_norm=c if c is not None else 1.0, expected_batch_size=expected_batch_size,
-                      generator=gen)
+                      draws=draws)
         private = scale(add_noise({n: g.clone() for n, g in sums[c].items()}, noise), noise)
         per_layer = {n: top_singular_values(g.reshape(g.shape[0], -1), top) for n, g in private.items()}
         results.append(summarise(c, s, per_layer))
@@ -99,6 +101,7 @@ def run_layer_mode(cfg, out) -> dict:
     steps = sorted(set(sp.steps))
     run = Run(cfg, out)
     parts = run.prepare()
+    mark_not_private(run, "layer")
     ledger, model = parts.ledger, parts.model
     if steps[-1] > run.steps:
         raise ConfigError("spectrum.steps", f"{steps[-1]} is beyond the run's {run.steps} steps")

@@ -23,6 +23,7 @@ from dpmem.engine.trainer import Run
 from dpmem.methods import METHODS, method_class
 from dpmem.methods.privatize import Observer
 from dpmem.methods.subspace import data_identity, save_subspace
+from dpmem.spectrum.not_private import mark_not_private
 from dpmem.spectrum.linalg import orthogonal_iteration, power_law_slope, residual_norms
 
 
@@ -87,6 +88,7 @@ def record(cfg, out: Path) -> tuple[Run, Path]:
                                 source={"data": data_identity(cfg.data), "noised": False, "run_dir": str(out)})
     run = Run(cfg, out, observers=(recorder,))
     run.prepare()
+    mark_not_private(run, "trajectory")
     try:
         run.execute()
     finally:
