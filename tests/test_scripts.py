@@ -124,3 +124,19 @@ def test_audit_methods_writes_a_row_per_method_and_epsilon(tmp_path):
             or line.startswith("| dpzero ")]
     assert [row[1].strip() for row in rows] == ["grape", "dpzero"] and all(row[4].strip() == "50" for row in rows)
     assert {p.name for p in (tmp_path / "runs").iterdir()} == {"grape_eps2", "dpzero_eps2"}
+
+
+def test_audit_variants_writes_a_row_per_variant(tmp_path):
+    out = tmp_path / "variants.md"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "audit_variants.py"), "--rows", "vit-correct",
+                        "vit-b4", "--canaries", "50", "--dir", str(tmp_path / "runs"), "--out", str(out),
+                        "train.steps=4", "train.batch_size=256", "logging.memory_steps=0",
+                        "model.arch.num_hidden_layers=1"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
+    assert r.returncode == 0, r.stderr
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.read_text().splitlines()
+            if line.startswith("| vit-tiny ")]
+    assert [row[1] for row in rows] == ["correct", "b: noise per micro-batch, k = 4"]
+    assert [row[2] for row in rows] == ["batch", "batch"]  # audit.plant=auto on dp-adam
+    assert float(rows[1][7].split()[0]) < 0.8  # σC/4 on each of 4 or 5 micro-batches of 64: noise ratio about 1/2
+    assert {p.name for p in (tmp_path / "runs").iterdir()} == {"vit-correct", "vit-b4"}

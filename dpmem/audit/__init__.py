@@ -2,7 +2,9 @@
 the scores into an empirical lower bound on epsilon (one-run auditing: Steinke, Nasr, Jagielski, NeurIPS 2023,
 arXiv 2305.08846). A bound above the run's claimed epsilon proves the run is not as private as claimed; a bound
 below it is what a correct method gives (a one-run audit of the Gaussian mechanism reaches about half of the
-true epsilon at m = 10⁵ canaries: tests/test_audit.py)."""
+true epsilon at m = 10⁵ canaries: tests/test_audit.py). Beside the bound, gradient canaries give a noise check
+(`dpmem.audit.bound.noise_check`): noise smaller than the claimed σC, which the bound lacks the power to see
+unless it is much smaller, fails it."""
 
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from dpmem.audit.bound import audit_bound
-from dpmem.audit.canaries import GradientCanaries, InputCanaries
+from dpmem.audit.bound import audit_bound, noise_check
+from dpmem.audit.canaries import BatchCanaries, GradientCanaries, InputCanaries
 from dpmem.config import ConfigError, enum_value
 from dpmem.engine.summary import json_ready
 from dpmem.engine.trainer import Run
@@ -37,11 +39,14 @@ def run_audit(cfg, out: Path) -> tuple[dict, str]:
         raise ConfigError("train.checkpoint_every", "dpmem audit does not resume; run it without checkpoints, "
                           "into a fresh audit.dir")
     kind = enum_value(a.kind)
+    plant = planting(cfg) if kind == "gradient" else None
     start = time.perf_counter()
-    # gradient canaries join the method's privatised quantity (the Privatizer's clipped sums, DPZero's scalars);
-    # input canaries its training set
+    # gradient canaries join the method's micro-batches (plant=batch) or its privatised quantity (the Privatizer's
+    # clipped sums, DPZero's scalars); input canaries its training set
     inputs = InputCanaries(a.canaries, a.seed) if kind == "input" else None
-    canaries = inputs or GradientCanaries(a.canaries, a.norm * cfg.method.max_grad_norm, a.seed)
+    norm = a.norm * cfg.method.max_grad_norm
+    canaries = inputs or (BatchCanaries(a.canaries, norm, a.seed, a.uses) if plant == "batch"
+                          else GradientCanaries(a.canaries, norm, a.seed))
     (out / "run").mkdir(parents=True, exist_ok=True)
     run = Run(cfg, out / "run", data_hook=inputs.plant if inputs else None,
               observers=() if inputs else (canaries,))
@@ -53,10 +58,21 @@ def run_audit(cfg, out: Path) -> tuple[dict, str]:
         inputs.score(parts, batch=max(1, cfg.train.physical_batch_size or cfg.train.batch_size))
     ledger = parts.ledger
     bound = audit_bound(canaries.scores.numpy(), canaries.included.numpy(), delta=ledger.delta, beta=a.beta)
+    noise = noise_check(canaries.noise_squares, canaries.noise_count, canaries.sigma) \
+        if isinstance(canaries, GradientCanaries) else noise_check(0.0, 0, None)
+    flagged = bound["epsilon_lower_bound"] > summary["epsilon_spent"] or noise["noise_flagged"]
+    names: dict[int, str] = {}  # a tied weight by all its names
+    for n, q in parts.model.named_parameters(remove_duplicate=False):
+        names[id(q)] = f"{names[id(q)]} = {n}" if id(q) in names else n
+    placed = getattr(canaries, "where", None) or {}  # gradient canaries: key -> (canary ids, flat indices)
+    where = {names.get(id(key), str(key)): len(ids) for key, (ids, _) in placed.items()}
     record = {"method": name, "clipping": summary["clipping"], "model": cfg.model.name, "data": cfg.data.name,
-              "kind": kind, "epsilon_claimed": summary["epsilon_spent"], "delta": ledger.delta,
+              "kind": kind, "plant": plant, "uses": a.uses if plant == "batch" else None, "canaries_in": where,
+              "untouched": getattr(canaries, "untouched", None),
+              "physical_batch_size": cfg.train.physical_batch_size,
+              "epsilon_claimed": summary["epsilon_spent"], "delta": ledger.delta,
               "sigma": summary["sigma"], "steps": summary["steps_done"], "sample_rate": ledger.sample_rate,
-              **bound, "confidence": 1 - a.beta, "seconds": time.perf_counter() - start,
+              **bound, **noise, "flagged": flagged, "confidence": 1 - a.beta, "seconds": time.perf_counter() - start,
               "scores": canaries.scores.tolist(), "in": canaries.included.tolist(), "run_dir": str(out / "run")}
     (out / "audit.json").write_text(json.dumps(json_ready(record), indent=1) + "\n")
     text = table([record])
@@ -65,14 +81,32 @@ def run_audit(cfg, out: Path) -> tuple[dict, str]:
     return record, text
 
 
+def planting(cfg) -> str:
+    """Where gradient canaries join the step: audit.plant, with auto resolved to batch where the method's Privatizer
+    forms unprojected clipped sums in one process (dp-adam, dp-sgd, galore-dp-naive, dp-sgd-rc), else sum."""
+    plant, able = enum_value(cfg.audit.plant), method_class(cfg.method.name).privatised_gradient
+    if plant == "batch" and not able:
+        raise ConfigError("audit.plant", f"{cfg.method.name} privatises no unprojected clipped sum for canaries to "
+                          "join as samples; use audit.plant=sum (or auto)")
+    if plant == "batch" and cfg.train.fsdp:
+        raise ConfigError("audit.plant", "FSDP's layers cannot be called alone; use audit.plant=sum (or auto)")
+    if cfg.audit.uses < 1:
+        raise ConfigError("audit.uses", f"{cfg.audit.uses}: need at least 1")
+    if plant != "auto":
+        return plant
+    return "batch" if able and not cfg.train.fsdp else "sum"
+
+
 def table(records: list[dict]) -> str:
     confidence = " / ".join(sorted({f"{r['confidence']:.0%}" for r in records}))
-    lines = [f"| method | clipping | canary kind | m | claimed ε | δ | audited ε ≥ ({confidence}) | k | correct / guesses "
-             "| time (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| method | clipping | canaries (plant) | m | claimed ε | δ | audited ε ≥ ({confidence}) | k "
+             "| correct / guesses | noise / claimed (p) | time (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        lines.append(f"| {r['method']} | {r['clipping'] or '—'} | {r['kind']} | {r['canaries']} "
+        kind = f"{r['kind']} ({r['plant']})" if r.get("plant") else r["kind"]
+        noise = "—" if r.get("noise_ratio") is None else f"{r['noise_ratio']:.3f} ({r['noise_p_value']:.2g})"
+        lines.append(f"| {r['method']} | {r['clipping'] or '—'} | {kind} | {r['canaries']} "
                      f"| {r['epsilon_claimed']:.3g} | {r['delta']:.2g} | {r['epsilon_lower_bound']:.3f} | {r['k']} "
-                     f"| {r['correct']} / {r['guesses']} | {r['seconds']:.0f} |")
+                     f"| {r['correct']} / {r['guesses']} | {noise} | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

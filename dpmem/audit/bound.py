@@ -80,3 +80,23 @@ def audit_bound(scores, included, delta: float, beta: float = 0.05, ks: list[int
     return {"epsilon_lower_bound": best["epsilon"], "k": best["k"], "guesses": best["guesses"],
             "correct": best["correct"], "canaries": m, "included": int(included.sum()), "beta": beta,
             "delta": delta, "by_k": rows}
+
+
+NOISE_LEVEL = 1e-6  # the noise check's false alarm rate: it is tight, so at 5 % it would flag 1 correct run in 20
+
+
+def noise_check(squares: float, count: int, sigma: float | None, level: float = NOISE_LEVEL) -> dict:
+    """Whether the release varies as much as the claimed noise: `squares` is the sum of `count` released values
+    y = (clipped sum + noise)·(1/(q·n))·(q·n/C) at coordinates no canary reached (the left-out canaries'), so that
+    y = s + σz with s the real samples' clipped sum there (0 where no real gradient reaches) and z standard normal,
+    fresh each step. Under the claim Σ y² / σ² is stochastically at least χ²(count) (a noncentral χ² is larger, and
+    s, fixed before z is drawn, only shifts it), so its χ² lower tail is a p-value for "the noise is the claimed
+    σC"; below `level`, the run added less noise than it accounts for (per micro-batch, too small a scale, none).
+    At the audits' sizes (10⁴ to 10⁵ values) that is any noise std below about 0.95 σC.
+
+    `noise_ratio` is the measured root mean square over σ: about 1 when correct (more where real gradients reach
+    the canaries' coordinates), 1/√k for noise of std σC/k added to each of k micro-batches."""
+    if not count or not sigma:
+        return {"noise_ratio": None, "noise_p_value": None, "noise_flagged": False}
+    p = float(stats.chi2.cdf(squares / sigma**2, count))
+    return {"noise_ratio": math.sqrt(squares / count) / sigma, "noise_p_value": p, "noise_flagged": p < level}

@@ -1,13 +1,30 @@
 """The canaries of `dpmem audit`. Input canaries (black-box) are mislabelled training examples, scored by the final
 model's loss on them. Gradient canaries: white-box one-run auditing (Steinke, Nasr, Jagielski 2023, §6's gradient-space canaries).
 
-A canary is a per-sample gradient planted directly: a Dirac vector of norm `norm` (a multiple of C, so that the
-method's clipping has work to do) on one coordinate of the quantity the method privatises. Each of the m canaries
-is in the training set with probability ½ (the audit's secret bits); an included canary is Poisson-sampled at the
-run's rate q every step, like a real example, is normed, clipped and summed by the Privatizer's own code for real
-samples (given as one-hot factors, the form a layer's per-sample gradient takes), and added to their clipped sum
-before the noise. Its score is the sum over steps of the released value at its coordinate: the auditor who sees
-every privatised gradient (the threat model DP-SGD's accounting assumes).
+A canary is a per-sample gradient: a Dirac vector of norm `norm` (a multiple of C, so that the method's clipping has
+work to do) on one coordinate of the quantity the method privatises. Each of the m canaries is in the training set
+with probability ½ (the audit's secret bits); an included canary is Poisson-sampled at the run's rate q every
+step, like a real example, and normed, clipped and summed by the Privatizer's own code for real samples. Its score
+is the sum over steps of the released value at its coordinate: the auditor who sees every privatised gradient (the
+threat model DP-SGD's accounting assumes).
+
+Two ways in (`audit.plant`):
+- sum: the canaries' per-sample gradients are handed to the Privatizer's `clipped_sum_of` (given as one-hot
+  factors) and added to the real clipped sum before the noise. They see the norm rule, the clip factors, the
+  weighted sum, the noise and the accounting, but not the path real samples take to them.
+- batch (`BatchCanaries`, the default where the method allows): each sampled canary joins one of the step's
+  micro-batches as a sample of its own, a copy of a real row whose loss is replaced by one whose gradient is the
+  canary: the layers that own its host weight (nn.Linear, nn.Embedding: a tied weight's every owner) are called on
+  one-hot inputs and output gradients, `audit.uses` times, each call contributing norm/uses at the canary's
+  coordinate. So it goes wherever a real sample goes: the layers' hooks and rules, the sum over a weight's uses,
+  the norm of that sum, the clip factors and weighted sums of the micro-batch (one pass or two), the accumulation
+  over micro-batches. A norm taken per use sees 16 uses of norm C·norm/16 each, and lets √16 = 4 times C through.
+  The host weights are chosen at the first step (whose micro-batches no canary joins), from its clipped sums.
+
+Besides the bound, the released values at the coordinates of the canaries left out (no canary, little or no real
+gradient) are compared with the claimed noise: their mean square, in units of C/(q·n), is at least σ² under the
+claim (real gradients there only add to it), so a chi-squared lower tail below 10⁻⁶ shows noise smaller than
+claimed (`dpmem.audit.bound.noise_check`), whatever stage added it.
 
 Where the canary lives is where the mechanism looks:
 - dp-adam, dp-sgd, galore-dp-naive, dp-sgd-rc: a coordinate of a parameter's gradient;
@@ -24,8 +41,12 @@ on a canary's coordinate add background to its score, which weakens the bound bu
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from dpmem import distributed
 from dpmem.config import ConfigError
+from dpmem.data.bundle import Padded
+from dpmem.methods.base import batch_size
 from dpmem.methods.privatize import Observer
 
 
@@ -41,17 +62,26 @@ class GradientCanaries(Observer):
         self.scores = torch.zeros(m, dtype=torch.float64)
         self.where: dict | None = None  # key -> (canary ids, flat indices), placed at the first step
         self.untouched = False  # placed where the first step's real gradients were zero
+        # the released values at the left-out canaries' coordinates, in units of C/(q·n): their count and squares
+        self.sigma, self.noise_count, self.noise_squares = None, 0, 0.0
 
-    def place(self, shapes: dict, untouched: torch.Tensor | None = None) -> None:
-        """m distinct coordinates over all privatised coordinates (keys in their order, flattened): among the
-        `untouched` ones (a flat bool mask) if there are m of them, uniformly otherwise."""
+    def place(self, shapes: dict, untouched: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> None:
+        """m distinct coordinates over all privatised coordinates (keys in their order, flattened) or the `allowed`
+        ones (a flat bool mask): among the `untouched` ones (a flat bool mask) if there are m of them, uniformly
+        otherwise."""
         sizes = torch.tensor([int(torch.Size(s).numel()) for s in shapes.values()])
         total = int(sizes.sum())
-        if total < self.m:
-            raise ValueError(f"{self.m} canaries need as many coordinates; the method privatises {total}")
+        if (total if allowed is None else int(allowed.sum())) < self.m:
+            raise ValueError(f"{self.m} canaries need as many coordinates; the method privatises "
+                             f"{total if allowed is None else int(allowed.sum())} where they can live")
+        if allowed is not None and untouched is not None:
+            untouched = untouched & allowed
         free = untouched.nonzero().flatten() if untouched is not None else None
         self.untouched = free is not None and len(free) >= self.m
         if self.untouched:
+            flat = free[torch.randperm(len(free), generator=self.gen)[:self.m]]
+        elif allowed is not None:
+            free = allowed.nonzero().flatten()
             flat = free[torch.randperm(len(free), generator=self.gen)[:self.m]]
         else:
             flat = torch.randperm(total, generator=self.gen)[:self.m] if total <= 10**7 else self._distinct(total)
@@ -80,7 +110,9 @@ class GradientCanaries(Observer):
         return summed
 
     def on_noised(self, privatizer, released: dict) -> dict:
-        self.record(released)
+        noise = privatizer.noise
+        self.sigma = noise.sigma
+        self.record(released, noise.expected_batch_size / noise.max_grad_norm)
         return released
 
     def plant(self, summed: dict, clipped_sum, rate: float) -> None:
@@ -113,9 +145,16 @@ class GradientCanaries(Observer):
         right[at, 0, flat % cols] = 1.0
         return Factored.outer(left, right, param_shape=like.shape)
 
-    def record(self, released: dict) -> None:
+    def record(self, released: dict, scale: float | None = None) -> None:
+        """Add the step's released values at the canaries' coordinates to their scores; with `scale` (q·n/C), the
+        left-out canaries' squares, in units of C/(q·n), to the noise check's."""
         for key, (ids, flat) in self.where.items():
-            self.scores[ids] += released[key].reshape(-1)[flat.to(released[key].device)].double().cpu()
+            values = released[key].reshape(-1)[flat.to(released[key].device)].double().cpu()
+            self.scores[ids] += values
+            if scale is not None:
+                out = values[~self.included[ids]] * scale
+                self.noise_count += len(out)
+                self.noise_squares += float(out.square().sum())
 
     # -- zeroth-order: seen through the direction --------------------------------------------------------------
     def directional(self, directions) -> torch.Tensor:
@@ -132,6 +171,162 @@ class GradientCanaries(Observer):
 
     def record_scalar(self, released: float, clipped: torch.Tensor, max_grad_norm: float) -> None:
         self.scores += released * clipped / max_grad_norm
+
+
+HOSTS = (nn.Linear, nn.Embedding)  # layers whose weight a canary can be made through (exactly these types)
+
+
+class BatchCanaries(GradientCanaries):
+    """Gradient canaries that join the micro-batches as samples (`audit.plant=batch`): the Privatizer's observer.
+
+    Placed at the first step's clipped sums (which hold no canary) on the weights of nn.Linear and nn.Embedding
+    layers (`hosts`): a weight tied between several of them first, then those with the most coordinates whose real
+    clipped sum was exactly zero, then the largest. From the second step on, the step's Poisson sample of the
+    included canaries joins its micro-batches, spread over them in turn (on rank 0): each canary a row copied from
+    its micro-batch, whose loss is replaced by Σ_u ⟨layer_u(x_u), G_u⟩ over `uses` calls of the host weight's
+    layers (its owners in turn), each with a one-hot input and a one-hot output gradient of norm/uses at the
+    canary's coordinate (for a Linear, two positions whose output gradients cancel in the bias). Its loss is 0; its
+    per-sample gradient is norm·e_(i,j) on the host weight and 0 elsewhere, made by the layers' own hooks."""
+
+    def __init__(self, m: int, norm: float, seed: int, uses: int = 16):
+        super().__init__(m, norm, seed)
+        if uses < 1:
+            raise ConfigError("audit.uses", f"{uses}: need at least 1")
+        self.uses = uses
+        self.owners: dict[nn.Parameter, list[nn.Module]] = {}
+        self.hosts: list[nn.Parameter] = []
+        self.live = False  # canaries joined this step's micro-batches (the first step's place them)
+        self._template: dict | None = None  # a row to copy when a step has no micro-batch
+        self._rows: dict[int, tuple[int, torch.Tensor]] = {}  # id(joined micro-batch) -> (first canary row, ids)
+
+    def attach(self, privatizer) -> None:
+        if privatizer.plan.projected:
+            raise ConfigError("audit.plant", "the method privatises projected gradients (grape): its canaries "
+                              "live in the projection; use audit.plant=sum")
+        if privatizer.sharded:
+            raise ConfigError("audit.plant", "FSDP's layers cannot be called alone; use audit.plant=sum")
+        trainable = {id(p) for p in privatizer.params}
+        owners: dict[int, list[nn.Module]] = {}
+        others: set[int] = set()
+        for module in privatizer.model.modules():
+            for name, q in module.named_parameters(recurse=False):
+                if type(module) in HOSTS and name == "weight":
+                    owners.setdefault(id(q), []).append(module)
+                else:
+                    others.add(id(q))
+        self.owners = {m.weight: mods for mods in owners.values() for m in mods[:1]
+                       if id(m.weight) in trainable and id(m.weight) not in others}
+        if not self.owners:
+            raise ConfigError("audit.plant", "no trainable nn.Linear or nn.Embedding weight to make canaries "
+                              "through; use audit.plant=sum")
+
+    def _allowed(self, p: nn.Parameter) -> torch.Tensor:
+        """The coordinates of host weight `p` a canary can be made at (an embedding's padding row has no gradient)."""
+        mask = torch.ones(p.shape, dtype=torch.bool)
+        for module in self.owners[p]:
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                mask[module.padding_idx] = False
+        return mask.reshape(-1)
+
+    def on_microbatches(self, privatizer, microbatches, loss_fn):
+        micro = list(microbatches)
+        if self._template is None and micro and batch_size(micro[0]):
+            self._template = {k: v[:1].clone() for k, v in micro[0].items()}
+        self.live, self._rows = self.where is not None, {}
+        if not self.live:
+            return micro, loss_fn
+        sampled = self.sample(privatizer.noise.sample_rate).nonzero().flatten()
+        if not len(sampled) or not distributed.is_main():  # one rank holds the canaries, as one holds a sample
+            return micro, loss_fn
+        if not micro:  # an empty logical batch: the canaries make a micro-batch of their own
+            micro = [{k: v[:0].to(privatizer.device) for k, v in self._template.items()}]
+        parts = sampled.tensor_split(len(micro))
+        joined = [self._join(mb, ids, privatizer.device) for mb, ids in zip(micro, parts)]
+
+        def with_canaries(model, batch):
+            losses = loss_fn(model, batch)
+            if id(batch) not in self._rows:
+                return losses
+            start, ids = self._rows[id(batch)]
+            made = self._made(len(losses), start, ids, losses.device)
+            rows = torch.arange(len(losses), device=losses.device) >= start
+            return torch.where(rows, made - made.detach(), losses)  # a canary's loss is 0, its gradient the canary
+        return joined, with_canaries
+
+    def _join(self, mb: dict, ids: torch.Tensor, device) -> dict:
+        if not len(ids):
+            return mb
+        n = batch_size(mb)
+        row = {k: v[:1] for k, v in mb.items()} if n else {k: v.to(device) for k, v in self._template.items()}
+        columns = {k: torch.cat([v, row[k].expand(len(ids), *row[k].shape[1:])]) for k, v in mb.items()}
+        if isinstance(mb, Padded):
+            out = Padded(columns, mb.real)
+            out.weights = torch.cat([mb.weights, torch.ones(len(ids), device=mb.weights.device)])
+        else:
+            out = columns
+        self._rows[id(out)] = (n, ids)
+        return out
+
+    def _made(self, batch: int, start: int, ids: torch.Tensor, device) -> torch.Tensor:
+        """Each row's canary loss: 0 for the real rows, Σ_u ⟨layer_u(x_u), G_u⟩ for the canaries'."""
+        total = torch.zeros(batch, device=device)
+        for h, p in enumerate(self.hosts):
+            mine = (self._host[ids] == h).nonzero().flatten()
+            if not len(mine):
+                continue
+            rows = (start + mine).to(p.device)
+            flat = self._flat[ids[mine]].to(p.device)
+            i, j = flat // p.shape[1], flat % p.shape[1]
+            owners = self.owners[p]
+            for k, module in enumerate(owners):
+                calls = len(range(k, self.uses, len(owners)))  # the uses spread over the owners in turn
+                x, grad = self._use(module, batch, rows, i, j)
+                for _ in range(calls):  # each call a use of its own, with its own output and hook
+                    total = total + (module(x) * grad).sum((1, 2)).to(device)
+        return total
+
+    def _use(self, module: nn.Module, batch: int, rows, i, j) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input and output gradient of a call of `module` whose weight's per-sample gradient is
+        (norm/uses)·e_(i,j) for `rows` and 0 for the others."""
+        w, a = module.weight, self.norm / self.uses
+        if isinstance(module, nn.Embedding):  # weight (vocab, dim): row i looked up, output gradient a·e_j
+            ids = torch.zeros(batch, 1, dtype=torch.long, device=w.device)
+            ids[rows, 0] = i
+            grad = torch.zeros(batch, 1, w.shape[1], dtype=w.dtype, device=w.device)
+            grad[rows, 0, j] = a
+            return ids, grad
+        x = torch.zeros(batch, 2, w.shape[1], dtype=w.dtype, device=w.device)  # weight (out, in): input e_j
+        x[rows, 0, j] = 1
+        grad = torch.zeros(batch, 2, w.shape[0], dtype=w.dtype, device=w.device)
+        grad[rows, 0, i] = a  # output gradient a·e_i at the first position, -a·e_i at the second (input 0):
+        grad[rows, 1, i] = -a  # the weight's gradient a·e_i e_jᵀ, the bias's a·e_i - a·e_i = 0
+        return x, grad
+
+    def on_clipped(self, privatizer, summed: dict) -> dict:
+        if self.where is None:  # the first step's sums, which no canary joined: where the canaries live
+            small = sum(p.numel() for p in self.owners) <= 10**8  # the masks are a byte per coordinate, on the host
+            zero = {p: int(((summed[p] == 0).reshape(-1).cpu() & self._allowed(p)).sum()) if small else 0
+                    for p in self.owners}
+            order = sorted(self.owners, key=lambda p: (-len(self.owners[p]), -zero[p], -p.numel()))
+            hosts, room = [], 0
+            for p in order:
+                hosts.append(p)
+                room += int(self._allowed(p).sum())
+                if room >= self.m:
+                    break
+            allowed = torch.cat([self._allowed(p) for p in hosts])
+            untouched = torch.cat([(summed[p] == 0).reshape(-1).cpu() for p in hosts]) if small else None
+            self.place({p: p.shape for p in hosts}, untouched, allowed)
+            self.hosts = [p for p in hosts if p in self.where]
+            self._host = torch.full((self.m,), -1, dtype=torch.long)
+            self._flat = torch.zeros(self.m, dtype=torch.long)
+            for h, p in enumerate(self.hosts):
+                ids, flat = self.where[p]
+                self._host[ids], self._flat[ids] = h, flat
+        return summed
+
+    def on_noised(self, privatizer, released: dict) -> dict:
+        return super().on_noised(privatizer, released) if self.live else released
 
 
 class InputCanaries:
