@@ -144,8 +144,87 @@ def compose_points(points: list[list[str]]) -> list[DictConfig]:
 
 
 def preflight(overrides: list[str]) -> None:
-    """Check group options and compose every sweep point (up to MAX_PREFLIGHT). Raises ConfigError."""
-    compose_points(sweep_points(overrides)[:MAX_PREFLIGHT])
+    """Check group options and compose every sweep point (up to MAX_PREFLIGHT), and a sweeper's search space;
+    print each warning the points' methods have (once). Raises ConfigError."""
+    from dpmem.methods import method_class
+
+    cfgs = compose_points(sweep_points(overrides)[:MAX_PREFLIGHT])
+    if any(a in ("-m", "--multirun") for a in overrides):
+        check_search_space(overrides)
+    if distributed.is_main():
+        for warning in dict.fromkeys(w for cfg in cfgs for w in method_class(cfg.method.name).warnings(cfg)):
+            print(f"dpmem: warning: {warning}", file=sys.stderr)
+
+
+def check_search_space(overrides: list[str]) -> None:
+    """A sweeper's search space, before the search starts (Optuna and Hydra would refuse it with their own errors
+    once it has): the sweep overrides on the command line and `hydra.sweeper.params` (an experiment's, or given as
+    an override) name keys of the config (or, with a leading +, add one), and a log-scale interval lies above 0.
+    Raises ConfigError naming the key."""
+    plain = [o for o in overrides if o not in ("-m", "--multirun")]
+    hydra_args = [o for o in plain if o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            cfg = compose("config", overrides=sweep_points(overrides)[0] + hydra_args, return_hydra_config=True)
+    except Exception:  # noqa: BLE001  (a setting of Hydra's own: Hydra reports it as it starts)
+        return
+    finally:
+        GlobalHydra.instance().clear()
+    space = {}
+    params = OmegaConf.select(cfg, "hydra.sweeper.params", default=None)
+    if isinstance(params, DictConfig):
+        space.update((str(k), str(v)) for k, v in OmegaConf.to_container(params, resolve=False).items())
+    parser = OverridesParser.create()
+    for o in parser.parse_overrides([o for o in plain if o not in hydra_args]):
+        if o.is_sweep_override():
+            space[o.input_line.split("=", 1)[0]] = o.input_line.split("=", 1)[1]
+    groups = _groups()
+    for key, value in space.items():
+        try:
+            (o,) = parser.parse_overrides([f"{key}={value}"])
+        except Exception as e:  # noqa: BLE001  (hydra's OverrideParseException)
+            raise ConfigError(key, f"{value!r} is not a value or sweep Hydra reads ({_first_line(e)})") from None
+        name = key.lstrip("~")
+        if name.startswith("+") or name in groups or "/" in name:
+            continue  # a key added, or a config group (whose options sweep_points checks on the command line)
+        if _select(cfg, name) is _ABSENT:
+            parent = name.rpartition(".")[0]
+            while parent and not isinstance(_select(cfg, parent), DictConfig):
+                parent = parent.rpartition(".")[0]  # the nearest section that exists lists its keys
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+            leaf = name[len(parent) + 1 if parent else 0:].split(".")[0]
+            allowed = sorted(k for k in node.keys() if k != "hydra")
+            if leaf in allowed:  # a value (method.betas.x)
+                raise ConfigError(name, f"in the search space: {parent + '.' if parent else ''}{leaf} is a value, "
+                                  "not a section with keys")
+            what = f"{node['name']} has no option {leaf!r}" if parent == "method" else "not a key of the config"
+            raise ConfigError(name, f"in the search space: {what}; allowed{' in ' + parent if parent else ''}: "
+                              f"{', '.join(allowed)}")
+        if o.is_interval_sweep():
+            interval = o.value()
+            current = _select(cfg, name)
+            if (isinstance(current, int) and not isinstance(current, bool)
+                    and not (isinstance(interval.start, int) and isinstance(interval.end, int))):
+                raise ConfigError(name, f"{value}: takes whole numbers, and interval() draws real ones; cast it: "
+                                  f"int(interval({interval.start:g}, {interval.end:g}))")
+            if interval.start > interval.end:
+                raise ConfigError(name, f"{value}: the interval's lower bound is above its upper bound")
+            if "log" in interval.tags and interval.start <= 0:
+                raise ConfigError(name, f"{value}: a log-scale interval needs a lower bound > 0 (its logarithm is "
+                                  "drawn uniformly), e.g. "
+                                  f"tag(log, interval({interval.end * 1e-3:g}, {interval.end:g}))")
+
+
+_ABSENT = object()
+
+
+def _select(cfg: DictConfig, key: str):
+    """The node at `key` (a value, or a section), or _ABSENT where there is none."""
+    try:
+        return OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=False)
+    except OmegaConfBaseException:  # e.g. a list indexed by a name
+        return _ABSENT
 
 
 def _first_line(e: Exception) -> str:
@@ -193,7 +272,8 @@ OmegaConf.register_new_resolver("dpmem.direction", _direction, replace=True)
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
 def _train(cfg: DictConfig) -> float:
-    from dpmem.engine.folder import FolderRefused, drop_if_empty
+    from dpmem.engine.folder import FolderRefused, done_summary, drop_if_empty
+    from dpmem.engine.summary import DiskFull
     from dpmem.engine.trainer import Terminated, run_training
     from dpmem.methods import validate
 
@@ -203,11 +283,11 @@ def _train(cfg: DictConfig) -> float:
     # a launcher's job (joblib, submitit) runs in another process: its failure is raised, so that Hydra marks the
     # job failed and the sweep, once its other jobs are done, exits non-zero
     here = not multirun or hc.launcher._target_ == BASIC_LAUNCHER
-    prior = run_dir / "summary.json"
-    done = cfg.train.skip_done and prior.exists() and json.loads(prior.read_text()).get("status") == "ok"
-    if distributed.from_main(done):  # every rank skips, or none
+    done = done_summary(run_dir) if cfg.train.skip_done and distributed.is_main() else None  # unreadable: not done
+    done = distributed.from_main(done)  # every rank skips, or none (with rank 0's summary: the same objective)
+    if done is not None:
         print(f"dpmem: {run_dir} is done (status ok), skipped (train.skip_done)", file=sys.stderr)
-        return objective(cfg, json.loads(prior.read_text()))
+        return objective(cfg, done)
     if multirun:  # a launcher that runs jobs side by side on one machine: one GPU each, not all on GPU 0
         place_job(hc.launcher._target_, hc.job.num, enum_value(cfg.train.device))
     try:
@@ -233,6 +313,9 @@ def _train(cfg: DictConfig) -> float:
     except Terminated:
         raise SystemExit(143) from None  # 128 + SIGTERM, as if the signal had ended the process
     except Exception as e:
+        if isinstance(e, DiskFull) and not multirun and not cfg.debug:  # the summary says failed; one line here
+            print(f"dpmem: error: run {run_dir} failed: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
         if not multirun or cfg.debug or not here:
             raise
         # a sweep goes on past a failed run; its summary.json says why, and the exit code says so at the end
@@ -465,7 +548,7 @@ def _report(argv: list[str]) -> None:
     paths."""
     from dpmem.report import runs
 
-    if not argv or any(a in ("-h", "--help") for a in argv):
+    if any(a in ("-h", "--help") for a in argv):
         print(USAGE, end="")
         return
     compare = "--published" in argv
@@ -482,6 +565,9 @@ def _report(argv: list[str]) -> None:
         if i + 1 >= len(argv):
             raise _error("--out needs a folder")
         out, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
+    if not argv:
+        raise _error("dpmem report needs the run folders to tabulate: dpmem report PATH... (e.g. dpmem report "
+                     "outputs/multirun/DATE)")
     paths = [Path(a) for a in argv]
     try:
         summaries, missing = runs.collect(paths)

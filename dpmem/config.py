@@ -50,11 +50,10 @@ class Schedule(Enum):
     cosine = "cosine"
 
 
-class Device(Enum):
+class Device(Enum):  # where a run trains (meta, shapes without values, is dpmem memory's: memory.device)
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
-    meta = "meta"
 
 
 class Precision(Enum):  # dpmem.precision

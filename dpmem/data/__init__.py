@@ -7,6 +7,7 @@ import torch
 
 from dpmem.config import ConfigError
 from dpmem.data.bundle import DataBundle, check_class_numbers, is_loss, take  # noqa: F401  (the package's API)
+from dpmem.data.bundle import check_classes
 
 
 def build_data(cfg, model_cfg) -> DataBundle:
@@ -19,7 +20,9 @@ def build_data(cfg, model_cfg) -> DataBundle:
                **{name: (lambda c: tasks.load(c, model_cfg)) for name in tasks.TASKS}}
     if cfg.name not in loaders:
         raise ConfigError("data.name", f"{cfg.name!r} is unknown; allowed: {', '.join(loaders)}")
-    return loaders[cfg.name](cfg)
+    data = loaders[cfg.name](cfg)
+    check_classes(data, "data.path" if cfg.path else "data.name", repr(cfg.path) if cfg.path else f"data={cfg.name}")
+    return data
 
 
 def example_batch(data: DataBundle, size: int, device, columns: dict[str, torch.Tensor] | None = None

@@ -65,6 +65,18 @@ def check_class_numbers(where: str, labels, other_way: str = "") -> None:
                           f"0..C-1{other_way}")
 
 
+def check_classes(data: DataBundle, key: str, where: str) -> None:
+    """A classification training set holds at least two classes: with one, every prediction is that class and
+    accuracy is 1.0 whatever was learnt. Raises ConfigError naming `key`."""
+    labels = data.train.get("labels")
+    if (data.num_classes > 0 and labels is not None and labels.dim() == 1 and len(labels)
+            and labels.device.type != "meta"):  # a plan's shapes-only data holds no labels
+        present = torch.unique(labels)
+        if len(present) < 2:
+            raise ConfigError(key, f"{where}: every training label is {int(present[0])}: a classifier needs at "
+                              "least 2 classes (with one, any model scores accuracy 1.0)")
+
+
 def take(columns: dict[str, torch.Tensor], index) -> dict[str, torch.Tensor]:
     return {k: v[index] for k, v in columns.items()}
 

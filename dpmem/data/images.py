@@ -7,7 +7,22 @@ import torch
 import torch.nn.functional as F
 from sklearn.model_selection import train_test_split
 
+from dpmem.config import ConfigError
 from dpmem.data.bundle import DataBundle
+
+
+def value_scale(where: str, arrays: list[np.ndarray]) -> tuple[float, str]:
+    """The range images' values are read in: 0..255 (integers, or floats beyond 1) or 0..1 (floats), and a line
+    that says which was assumed. Values outside both (negative, above 255) are refused. Raises ConfigError."""
+    low = min(float(a.min()) for a in arrays)
+    high = max(float(a.max()) for a in arrays)
+    floats = any(np.issubdtype(a.dtype, np.floating) for a in arrays)
+    if low < 0 or high > 255:
+        raise ConfigError("data.path", f"{where}: image values run from {low:g} to {high:g}; allowed: 0..255 "
+                          "(integers, 255 = white) or 0..1 (floats, 1 = white)")
+    if floats and high <= 1:
+        return 1.0, f"{where}: float images in 0..1 (max {high:g}), read with 1 = white"
+    return 255.0, f"{where}: {'float' if floats else 'integer'} images in 0..255 (max {high:g}), read with 255 = white"
 
 
 def image_bundle(x_train, y_train, x_test=None, y_test=None, *, test_fraction: float, split_seed: int,
@@ -16,8 +31,20 @@ def image_bundle(x_train, y_train, x_test=None, y_test=None, *, test_fraction: f
     largest label + 1). Without a test split, a stratified `test_fraction` is held out with `split_seed`, so the
     split does not change with train.seed."""
     if x_test is None:
-        x_train, x_test, y_train, y_test = train_test_split(
-            x_train, y_train, test_size=test_fraction, random_state=split_seed, stratify=y_train)
+        classes, counts = np.unique(np.asarray(y_train), return_counts=True)
+        if counts.min() < 2:
+            small = ", ".join(f"class {c} has {n} example" for c, n in zip(classes, counts) if n < 2)
+            raise ConfigError("data.path", f"{small}: the held-out split "
+                              f"(data.test_fraction={test_fraction:g}) is stratified and needs 2 of each class; add "
+                              "examples, drop the class, or give x_test and y_test")
+        try:
+            x_train, x_test, y_train, y_test = train_test_split(
+                x_train, y_train, test_size=test_fraction, random_state=split_seed, stratify=y_train)
+        except ValueError as e:  # a split too small to hold every class once
+            raise ConfigError("data.test_fraction", f"{test_fraction:g} of {len(y_train)} examples cannot hold each "
+                              f"of the {len(classes)} classes on both sides of the stratified split "
+                              f"({str(e).splitlines()[0]}); allowed: a fraction that leaves each side at least "
+                              f"{len(classes)} examples, or give x_test and y_test") from None
 
     def images(x):
         x = torch.as_tensor(np.asarray(x), dtype=torch.float32)

@@ -1,13 +1,14 @@
-"""Local image arrays: a .npz file with `x` (N, H, W), (N, C, H, W) or channels-last (N, H, W, C) in 0..255 and
-integer labels `y`, optionally `x_test`/`y_test` (otherwise a stratified split of `x` is held out)."""
+"""Local image arrays: a .npz file with `x` (N, H, W), (N, C, H, W) or channels-last (N, H, W, C) in 0..255 (or floats
+in 0..1) and integer labels `y`, optionally `x_test`/`y_test` (otherwise a stratified split of `x` is held out)."""
 
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from dpmem.config import ConfigError
-from dpmem.data.bundle import check_class_numbers
-from dpmem.data.images import image_bundle
+from dpmem.data.bundle import check_class_numbers, check_classes
+from dpmem.data.images import image_bundle, value_scale
 
 
 def load(cfg):
@@ -34,11 +35,21 @@ def load(cfg):
     for xs, ys in pairs:
         arrays[ys] = _checked(cfg.path, xs, arrays[xs], ys, arrays[ys])
     check_class_numbers(repr(cfg.path), np.concatenate([arrays[ys] for _, ys in pairs]))
+    scales = {xs: value_scale(f"{cfg.path!r} {xs}", [arrays[xs]]) for xs, _ in pairs}
+    if len({scale for scale, _ in scales.values()}) > 1:
+        raise ConfigError("data.path", f"{cfg.path!r}: x and x_test are in different ranges ("
+                          f"{'; '.join(note.split(': ', 1)[1] for _, note in scales.values())}); give both in 0..255 "
+                          "or both in 0..1")
+    scale, note = scales["x"]
     for xs, _ in pairs:
         arrays[xs] = _channels_first(arrays[xs])
     test = (arrays["x_test"], arrays["y_test"]) if "x_test" in arrays else (None, None)
-    return image_bundle(arrays["x"], arrays["y"], *test, test_fraction=cfg.test_fraction,
-                        split_seed=cfg.split_seed, scale=255.0)
+    bundle = image_bundle(arrays["x"], arrays["y"], *test, test_fraction=cfg.test_fraction,
+                          split_seed=cfg.split_seed, scale=scale)
+    check_classes(bundle, "data.path", repr(cfg.path))
+    if arrays["x"].dtype != np.uint8:  # uint8 is 0..255; other types' range is read off their values: said
+        print(f"dpmem: data.path {note.replace(' x: ', ': ', 1)}", file=sys.stderr)
+    return bundle
 
 
 def _checked(path, xs: str, x: np.ndarray, ys: str, y: np.ndarray) -> np.ndarray:
@@ -47,7 +58,7 @@ def _checked(path, xs: str, x: np.ndarray, ys: str, y: np.ndarray) -> np.ndarray
     def bad(what: str) -> ConfigError:
         return ConfigError("data.path", f"{path!r}: {what}")
     if not np.issubdtype(x.dtype, np.number) or x.ndim not in (3, 4):
-        raise bad(f"{xs} must be numeric images (N, H, W), (N, C, H, W) or (N, H, W, C) in 0..255, not {x.dtype} "
+        raise bad(f"{xs} must be numeric images (N, H, W), (N, C, H, W) or (N, H, W, C), not {x.dtype} "
                   f"of shape {x.shape}")
     if len(x) == 0:
         raise bad(f"{xs} holds no images")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import string
 import sys
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -22,8 +23,8 @@ from dpmem.config import ConfigError
 from dpmem.data import text
 from dpmem.data.bundle import DataBundle
 from dpmem.data.metrics import mean_text_metric
+from dpmem.sources import fetching, resolve_source, why_not_loaded
 from dpmem.sources import offline as downloads_off
-from dpmem.sources import resolve_source
 
 MODIFIERS = {"": lambda s: s, "drop_last": lambda s: s[:-1], "lower_first": lambda s: s[:1].lower() + s[1:]}
 
@@ -35,12 +36,14 @@ def load_tokenizer(model_cfg):
         raise ConfigError("model.tokenizer", f"{model_cfg.name} has no tokenizer for text data: set model.tokenizer "
                           "to a hub id or a local folder (e.g. FacebookAI/roberta-large)")
     offline = downloads_off()
+    source = resolve_source(name, "model.tokenizer")
+    unreachable = None if offline or Path(source).exists() else fetching(f"the tokenizer {name}")
     try:
-        return AutoTokenizer.from_pretrained(resolve_source(name, "model.tokenizer"), local_files_only=offline)
+        return AutoTokenizer.from_pretrained(source, local_files_only=offline or unreachable is not None)
     except (OSError, ValueError) as e:
         hint = " (offline: only the local cache is searched)" if offline else ""
         raise ConfigError("model.tokenizer", f"cannot load the tokenizer {name!r}{hint}: "
-                          f"{str(e).splitlines()[0][:160]}; run once with network access or give a local folder") \
+                          f"{why_not_loaded(unreachable, e)}; run once with network access or give a local folder") \
             from None
 
 

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 from dpmem.config import ConfigError
 from dpmem.data.bundle import check_class_numbers
+from dpmem.sources import cache_only, fetching, why_not_loaded
 from dpmem.sources import offline as downloads_off
 
 PAIR_MLM = "{premise:drop_last}?{mask}, {hypothesis:lower_first}"  # LM-BFF's *sent-_0*?*mask*,*+sentl_1*
@@ -130,12 +131,15 @@ def _split(cfg, task: Task, split: str) -> list[dict]:
         if kind is None:
             raise ConfigError("data.path", f"{files[0].name}: allowed formats .jsonl, .json, .csv, .parquet")
         return list(datasets.load_dataset(kind, data_files=str(files[0]), split="train"))
+    unreachable = None if downloads_off() else fetching(f"the data set {'/'.join(task.hub)} (split {split!r})")
     try:
-        return list(datasets.load_dataset(*task.hub, split=split))
+        with cache_only(unreachable is not None):
+            return list(datasets.load_dataset(*task.hub, split=split))
     except Exception as e:  # offline: DatasetNotFoundError / ConnectionError / FileNotFoundError, all one line
         hint = "offline: only the local cache is searched; " if downloads_off() else ""
-        raise ConfigError("data.path", f"cannot load {'/'.join(task.hub)} split {split!r} ({hint}"
-                          f"{type(e).__name__}: {str(e).splitlines()[0][:160]}); run once with network access, "
+        why = why_not_loaded(unreachable, e) if unreachable else f"{type(e).__name__}: {why_not_loaded(None, e)}"
+        raise ConfigError("data.path", f"cannot load {'/'.join(task.hub)} split {split!r} ({hint}{why}); "
+                          "run once with network access, "
                           "or set data.path to a folder with one file per split (e.g. "
                           f"{split}.jsonl) in the hub's columns") from None
 

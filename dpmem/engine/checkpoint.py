@@ -14,6 +14,7 @@ import torch
 from dpmem import distributed, sharding
 from dpmem.engine.assemble import Parts
 from dpmem.engine.folder import fingerprint
+from dpmem.engine.summary import DiskFull, disk_full
 
 FILE = "checkpoint.pt"
 TMP = FILE + ".tmp"  # a save cut short leaves it: never resumed, removed when the run ends
@@ -33,8 +34,26 @@ def save(run_dir: Path, step: int, cfg, parts: Parts, sampler_key: bytes, summar
              "model": model if fsdp else parts.model.state_dict(), "method": method, "rngs": rngs,
              "sampler_key": sampler_key.hex(), "summary": summary}
     tmp = Path(run_dir) / TMP
-    torch.save(state, tmp)
-    os.replace(tmp, Path(run_dir) / FILE)
+    try:  # through a Python file: a full disk is then an OSError with its errno, not the zip writer's RuntimeError
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+        os.replace(tmp, Path(run_dir) / FILE)
+    except BaseException as e:  # a failed (or interrupted) save leaves the last good checkpoint, and no partial one
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, DiskFull) or not disk_full(e):
+            raise
+        raise DiskFull(Path(run_dir) / FILE, _nbytes(state), e.errno) from None
+
+
+def _nbytes(obj) -> int:
+    """About the size of a checkpoint's state on disk: its tensors' bytes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
 
 
 def restore(state: dict, cfg, parts: Parts) -> int:

@@ -3,11 +3,20 @@ what the folder's earlier contents allow: resume from its checkpoint (checked re
 first), start afresh in an empty folder, or, where a finished or failed run's records would be overwritten, refuse
 unless `train.overwrite=true` asks for it (privacy.jsonl, the record of ε spent, is kept even then). Refusals are
 `FolderRefused` (a ConfigError: one line, exit 2; in a sweep, that run fails and the others go on), and nothing
-is touched."""
+is touched.
+
+One writer per folder: a run (rank 0 of a torchrun job) holds `FolderLock`, an flock on the folder's `.lock`, from
+before it looks into the folder until it ends; a second run in the folder is refused, naming the holder. The OS lets
+go of it when the holder dies, so a killed run's `.lock` never blocks its resume."""
 
 from __future__ import annotations
 
+import datetime
+import fcntl
 import json
+import os
+import socket
+import sys
 from pathlib import Path
 
 import torch
@@ -16,13 +25,14 @@ from omegaconf import OmegaConf
 
 from dpmem import distributed
 from dpmem.config import ConfigError
-from dpmem.engine.summary import PRIVACY_LEDGER
+from dpmem.engine.summary import PRIVACY_LEDGER, read_ledger, replace_file
 
 # what a run leaves; train.overwrite=true removes them, never privacy.jsonl (append-only: every attempt's ε)
 RECORDS = ("summary.json", "metrics.jsonl", "checkpoint.pt", "checkpoint.pt.tmp")
 # train.* settings of how a run is (re)started, not what it computes: a checkpoint resumes whatever these say
 # (dpmem.report.labels.NOT_TRAINING extends them to the report's sense of "the same run")
 NOT_FINGERPRINTED = ("resume", "skip_done", "overwrite", "checkpoint_every", "device")
+LOCK = ".lock"  # FolderLock's file: not a record (nothing refuses a folder for it, dpmem report does not list it)
 
 
 class FolderRefused(ConfigError):
@@ -42,14 +52,106 @@ def fingerprint(cfg) -> str:
                       default=str)
 
 
-def claim(cfg, run_dir: Path) -> dict | None:
+class FolderLock:
+    """An exclusive lock on a run folder while a run writes it: flock on its `.lock`, which holds the holder's pid,
+    host and start for the refusal a second run gets. Released by the OS when the holder dies (a stale `.lock` of a
+    killed run is taken over), and by `release` when the run ends, which removes the file (and the folder, if
+    `acquire` made it and nothing else was written)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK
+        self.fd: int | None = None
+        self.made = False
+
+    def acquire(self) -> None:
+        """Take the lock, or raise FolderRefused naming the process that holds it."""
+        run_dir = self.path.parent
+        while True:
+            try:
+                if not run_dir.exists():
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                    self.made = True
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:  # the folder went between mkdir and open (its last holder removed it)
+                continue
+            except OSError as e:  # read-only, full, not a folder: nothing of a run could be written there
+                raise FolderRefused("hydra.run.dir", f"cannot write into {run_dir} ({e.strerror})") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder(fd)
+                os.close(fd)
+                raise FolderRefused("hydra.run.dir", f"{run_dir} is being written by another dpmem run ({holder}): "
+                                    "one run writes a folder at a time; wait for it to end (then this command "
+                                    "resumes or refuses it as usual), or give this run another folder "
+                                    "(hydra.run.dir=...)") from None
+            except OSError as e:  # a file system without locks: the run goes on, unguarded, and says so
+                os.close(fd)
+                print(f"dpmem: warning: cannot lock {self.path} ({e.strerror}): nothing stops another run from "
+                      "writing into this folder at the same time", file=sys.stderr)
+                return
+            # the lock's last holder may have removed the file (and another made it again) since it was opened: the
+            # lock that counts is on the file at the path
+            try:
+                here = os.stat(self.path)
+            except FileNotFoundError:
+                here = None
+            mine = os.fstat(fd)
+            if here is not None and (here.st_ino, here.st_dev) == (mine.st_ino, mine.st_dev):
+                break
+            os.close(fd)
+        self.fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": datetime.datetime
+                                      .now().isoformat(timespec="seconds")}).encode() + b"\n", 0)
+        except OSError:  # who holds it is for the message only (a full disk is met, and said, by the run's writes)
+            pass
+
+    def __enter__(self) -> "FolderLock":  # for a tool that writes a folder without `claim`: with FolderLock(out): ...
+        if distributed.is_main():
+            self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)  # while still held: a run waiting to open it opens a new file
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+        if self.made:
+            try:
+                self.path.parent.rmdir()  # only if empty: a refusal or configuration error left nothing in it
+            except OSError:
+                pass
+
+
+def _holder(fd: int) -> str:
+    """Who holds a lock, as its `.lock` says."""
+    try:
+        held = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {held['pid']} on {held['host']}, since {held['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not yet said which"
+
+
+def claim(cfg, run_dir: Path, lock: FolderLock | None = None) -> dict | None:
     """The checkpoint to resume from, or None to start afresh, once the folder may be written. Raises FolderRefused
-    (nothing written) for a checkpoint that cannot resume this run, and for earlier records that a fresh run would
-    overwrite without `train.overwrite=true`."""
+    (nothing written) for a folder another run holds `lock` on, for a checkpoint that cannot resume this run, and for
+    earlier records that a fresh run would overwrite without `train.overwrite=true`. Rank 0 takes `lock` (if given)
+    before it looks; the caller releases it when the run ends."""
     run_dir = Path(run_dir)
     state, verdict = None, None
     if distributed.is_main():  # rank 0 looks, and every rank waits for what it saw before any rank writes
         try:
+            if lock is not None:
+                lock.acquire()
             state = _look(cfg, run_dir)
             verdict = "resume" if state is not None else "fresh"
         except FolderRefused as e:
@@ -66,7 +168,14 @@ def _look(cfg, run_dir: Path) -> dict | None:
     """`claim`'s decision, on one process: the checkpoint's state, None to start afresh, or FolderRefused."""
     path, t = run_dir / "checkpoint.pt", cfg.train
     if path.exists() and t.resume:
-        return _resumable(cfg, path)
+        state = _resumable(cfg, path)
+        lost = _ledger_lost(cfg, run_dir, state["step"])
+        if lost is None:
+            return state
+        if not t.overwrite:
+            raise FolderRefused("train.resume", f"{lost}, and {path} holds the run at step {state['step']}: the "
+                                "epsilon it spent cannot be known, so it is not resumed; put the ledger back, or "
+                                "train.overwrite=true starts the run over (its records go, the ledger's lines stay)")
     held = _held(run_dir)
     if held is not None and not t.overwrite:
         how = "train.resume=true resumes it, " if path.exists() else ""
@@ -78,6 +187,39 @@ def _look(cfg, run_dir: Path) -> dict | None:
     return None
 
 
+def _ledger_lost(cfg, run_dir: Path, step: int) -> str | None:
+    """Why the folder's privacy.jsonl cannot say what a private run resumed at `step` spent (missing, no readable
+    line), in words; None where it can (or the run writes none: its method is not private)."""
+    from dpmem.methods import method_class
+
+    if not method_class(cfg.method.name).private:
+        return None
+    records, unreadable = read_ledger(run_dir)
+    if records:
+        return None
+    ledger = run_dir / PRIVACY_LEDGER
+    return (f"{ledger} has no readable line ({len(unreadable)} unreadable)" if ledger.exists()
+            else f"{ledger} is missing")
+
+
+def done_summary(run_dir: Path) -> dict | None:
+    """The folder's summary if it says the run finished ok (train.skip_done); None otherwise. An unreadable summary
+    is not taken for done, and said so in one line: the run then goes on as without skip_done (it resumes from a
+    checkpoint, or is refused as a folder whose summary a new run would overwrite)."""
+    path = Path(run_dir) / "summary.json"
+    if not path.exists():
+        return None
+    try:
+        s = json.loads(path.read_text())
+        if not isinstance(s, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, OSError) as e:
+        print(f"dpmem: warning: {path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:80]}): not "
+              "taken as done (train.skip_done)", file=sys.stderr)
+        return None
+    return s if s.get("status") == "ok" else None
+
+
 def _held(run_dir: Path) -> str | None:
     """What earlier run the folder holds, in words (None: nothing a run would overwrite)."""
     summary = run_dir / "summary.json"
@@ -86,7 +228,7 @@ def _held(run_dir: Path) -> str | None:
             s = json.loads(summary.read_text())
             return (f"a run ({s.get('status')}, {s.get('steps_done')} steps, epsilon spent {s.get('epsilon_spent')}) "
                     f"recorded in {summary.name}")
-        except (ValueError, OSError):
+        except (ValueError, OSError, AttributeError):  # (AttributeError: JSON, but not an object)
             return f"an unreadable {summary.name}"
     present = [name for name in (*RECORDS, PRIVACY_LEDGER) if (run_dir / name).exists()]
     return f"an earlier run's {', '.join(present)}" if present else None
@@ -139,13 +281,13 @@ def write_config(cfg, run_dir: Path) -> None:
     """The run's configuration, once the folder is claimed and the run prepared: `config.yaml` resolved, and under
     Hydra its `.hydra/` (config.yaml, hydra.yaml, overrides.yaml, as Hydra writes them)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    replace_file(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())  # whole or as it was
     if HydraConfig.initialized():
         hc = HydraConfig.get()
         (run_dir / ".hydra").mkdir(exist_ok=True)
-        (run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-        (run_dir / ".hydra" / "hydra.yaml").write_text(OmegaConf.to_yaml({"hydra": hc}))
-        (run_dir / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(list(hc.overrides.task)))
+        replace_file(run_dir / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg).encode())
+        replace_file(run_dir / ".hydra" / "hydra.yaml", OmegaConf.to_yaml({"hydra": hc}).encode())
+        replace_file(run_dir / ".hydra" / "overrides.yaml", OmegaConf.to_yaml(list(hc.overrides.task)).encode())
 
 
 def drop_if_empty(run_dir: Path) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 from dpmem import distributed
 from dpmem.config import ConfigError, enum_value, resolve_delta
 from dpmem.methods import Noise, method_class
-from dpmem.methods.rc import max_layer_dimension, rc_dimension
+from dpmem.methods.rc import check_probes, max_layer_dimension, rc_dimension
 from dpmem.privacy import UnreachableTarget, calibrate_sigma, epsilon_spent
 from dpmem.privacy.accounting import joint_sigma
 from dpmem.privacy.randomness import Draws, key_of, os_key, seed_key
@@ -51,6 +51,7 @@ class PrivacyLedger:
                                loss_noise=p.loss_noise if self.loss_release == "private" else None)
         rc = None
         if self.accountant["accountant"] == "rc":  # the envelope of randomized clipping depends on the model
+            check_probes(model, m.k)  # a run's k (a test may build the method with more, to near exact clipping)
             try:
                 d, d_max_layer = rc_dimension(model, p.rc_dimension), max_layer_dimension(model)
             except ValueError as e:

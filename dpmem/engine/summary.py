@@ -1,13 +1,20 @@
 """The run folder's records: metrics.jsonl lines, privacy.jsonl (append-only: ε spent), summary.json (rewritten
-atomically, so a run that dies leaves a readable one) and the short table printed at the end."""
+atomically, so a run that dies leaves a readable one) and the short table printed at the end.
+
+Damage and a full disk: a line is appended on a line of its own (after a newline, where a crash cut the last line
+short), and a write that fails leaves no partial line or file behind (the file is cut back to where it was, a
+temporary file removed). A full disk (ENOSPC) or a spent quota (EDQUOT) is `DiskFull`: one line naming the file and
+how much was being written. Readers of privacy.jsonl skip the lines they cannot read, and say so once."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -42,40 +49,178 @@ def json_ready(value):
     return value
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFull(OSError):
+    """A write into the run folder found the disk full (ENOSPC) or the quota spent (EDQUOT). The file it wrote is
+    left as it was before (no partial line, no temporary file); the run ends failed with this one line."""
+
+    def __init__(self, path: Path, nbytes: int | None = None, code: int = errno.ENOSPC):
+        what = "the disk quota is exceeded" if code == errno.EDQUOT else "the disk is full"
+        size = f" (writing {_size(nbytes)})" if nbytes else ""
+        self.message = (f"{path}: {what}{size}; free some space (or give the run another folder) and start it "
+                        "again: a run with a checkpoint resumes from it")
+        self.nbytes = nbytes
+        super().__init__(code, self.message, str(path))
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):  # a launcher's job process sends it back pickled
+        return DiskFull, (self.filename, self.nbytes, self.errno)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"about {nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def disk_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in DISK_FULL
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """`path` holds `data`, or (a write that fails) what it held before: written to path.tmp, then renamed over it.
+    Raises DiskFull for a full disk."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, DiskFull) or not disk_full(e):
+            raise
+        raise DiskFull(path, len(data), e.errno) from None
+
+
+def append_line(path: Path, record: dict, sync: bool = False) -> None:
+    """One JSON line at the end of `path`, on a line of its own (a newline first where the file's last line was cut
+    short). A write that fails leaves the file as it was. Raises DiskFull for a full disk."""
+    path, data, end = Path(path), (json.dumps(json_ready(record)) + "\n").encode(), None
+    try:
+        with open(path, "a+b", buffering=0) as f:  # unbuffered: what fails, fails here, and nothing is left to flush
+            end = f.seek(0, os.SEEK_END)
+            if end:
+                f.seek(end - 1)
+                if f.read(1) != b"\n":
+                    data = b"\n" + data
+            view = memoryview(data)
+            while view:  # O_APPEND: every write lands at the end
+                view = view[f.write(view):]
+            if sync:
+                os.fsync(f.fileno())
+    except OSError as e:
+        if end is not None:  # no partial line is left for the next append to land on
+            try:
+                os.truncate(path, end)
+            except OSError:
+                pass
+        if isinstance(e, DiskFull) or not disk_full(e):
+            raise
+        raise DiskFull(path, len(data), e.errno) from None
+
+
 def write_summary(run_dir: Path, summary: dict) -> None:
-    tmp = run_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(json_ready(summary), indent=2) + "\n")
-    os.replace(tmp, run_dir / "summary.json")
+    replace_file(Path(run_dir) / "summary.json", (json.dumps(json_ready(summary), indent=2) + "\n").encode())
+
+
+METRICS = "metrics.jsonl"
 
 
 def append_metrics(run_dir: Path, record: dict) -> None:
-    with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(json_ready(record)) + "\n")
+    append_line(Path(run_dir) / METRICS, record)
+
+
+def cut_metrics(run_dir: Path, step: int) -> None:
+    """A resumed run's metrics.jsonl: the readable records up to `step` (the checkpoint's; the steps after it are run
+    and recorded again), the rest dropped; a line that cannot be read (cut short by a crash, damaged) is dropped and
+    said so, in one line."""
+    path = Path(run_dir) / METRICS
+    if not path.exists():
+        return
+    kept, unreadable = [], 0
+    for raw in path.read_bytes().split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+            at = record["step"]
+            if not isinstance(at, int) or isinstance(at, bool):
+                raise ValueError(at)
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+            unreadable += 1
+            continue
+        if at <= step:
+            kept.append(raw.strip() + b"\n")
+    replace_file(path, b"".join(kept))
+    if unreadable:
+        print(f"dpmem: warning: {path}: {unreadable} unreadable line(s) dropped (cut short or damaged); its "
+              f"{len(kept)} readable record(s) up to step {step} are kept and the steps after it recorded again",
+              file=sys.stderr)
 
 
 PRIVACY_LEDGER = "privacy.jsonl"
 
 
 def append_privacy(run_dir: Path, record: dict) -> None:
-    """One line of the run folder's append-only record of ε spent, on disk before the step after it runs. No dpmem
-    command truncates or rewrites it: a run started again in the folder (resumed or overwritten) adds its own."""
-    with open(run_dir / PRIVACY_LEDGER, "a") as f:
-        f.write(json.dumps(json_ready(record)) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """One line of the run folder's append-only record of ε spent, on disk (fsync) before the step after it runs.
+    No dpmem command truncates or rewrites it: a run started again in the folder (resumed or overwritten) adds its
+    own, on a line of its own."""
+    append_line(Path(run_dir) / PRIVACY_LEDGER, record, sync=True)
 
 
-def privacy_records(run_dir: Path) -> list[dict]:
-    """The ledger's lines (a line cut short by a crash is skipped)."""
+def _ledger_line(raw: bytes) -> dict | None:
+    """A line of privacy.jsonl, or None where it cannot be read: not UTF-8 JSON of an object, an ε that is not a
+    number >= 0 (or "inf", as json_ready writes infinity), steps that are not a count."""
+    try:
+        record = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    eps, steps = record.get("epsilon"), record.get("steps_done")
+    if eps is not None and not (eps == "inf" or (isinstance(eps, (int, float)) and not isinstance(eps, bool)
+                                                 and eps >= 0)):  # NaN fails >= 0 too
+        return None
+    if steps is not None and not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0):
+        return None
+    return record
+
+
+def read_ledger(run_dir: Path) -> tuple[list[dict], list[int]]:
+    """privacy.jsonl's readable lines, and the numbers of those it cannot read (none of either: no ledger)."""
     path = Path(run_dir) / PRIVACY_LEDGER
     if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
+        return [], []
+    records, unreadable = [], []
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        if not raw.strip():
             continue
+        record = _ledger_line(raw)
+        if record is None:
+            unreadable.append(number)
+        else:
+            records.append(record)
+    return records, unreadable
+
+
+_warned: set = set()
+
+
+def privacy_records(run_dir: Path, warn: bool = True) -> list[dict]:
+    """The ledger's readable lines. Those it cannot read (a line cut short by a crash, garbage, an ε that is not a
+    number) are skipped, and said so in one warning line (once per ledger and damage)."""
+    records, unreadable = read_ledger(run_dir)
+    path = Path(run_dir) / PRIVACY_LEDGER
+    if unreadable and warn and (str(path), tuple(unreadable)) not in _warned:
+        _warned.add((str(path), tuple(unreadable)))
+        shown = ", ".join(map(str, unreadable[:5])) + (", ..." if len(unreadable) > 5 else "")
+        print(f"dpmem: warning: {path}: {len(unreadable)} unreadable line(s) skipped (line{'s' * (len(unreadable) > 1)}"
+              f" {shown}); epsilon is read from its {len(records)} readable line(s)", file=sys.stderr)
     return records
 
 

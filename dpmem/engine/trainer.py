@@ -23,9 +23,9 @@ from dpmem.data import build_data
 from dpmem.data.bundle import Padded
 from dpmem.engine import checkpoint
 from dpmem.engine.assemble import Parts, assemble
-from dpmem.engine.folder import claim, fingerprint, write_config
-from dpmem.engine.summary import (append_metrics, append_privacy, json_ready, most_spent, privacy_records,
-                                  summary_table, versions, write_summary)
+from dpmem.engine.folder import FolderLock, claim, fingerprint, write_config
+from dpmem.engine.summary import (DiskFull, append_metrics, append_privacy, cut_metrics, json_ready, most_spent,
+                                  privacy_records, summary_table, versions, write_summary)
 from dpmem.engine.tracking import NoTracker, open_tracker
 from dpmem.engine.meter import Meter
 from dpmem.methods import method_class
@@ -189,12 +189,12 @@ class Run:
         start = time.perf_counter()
         self._attempt = datetime.datetime.now().isoformat(timespec="seconds")  # names this attempt's ledger lines
         self._config_hash = hashlib.sha256(fingerprint(self.cfg).encode()).hexdigest()[:12]
-        if self.checkpoint is None:  # a resumed run's folder keeps the earlier summary until it is resumed
-            self._write_summary()
-            self._spent(event="start")
         restore = self._catch_signals()
         self.tracker = open_tracker(self.cfg, self.run_dir) if self.main else NoTracker()
         try:
+            if self.checkpoint is None:  # a resumed run's folder keeps the earlier summary until it is resumed
+                self._write_summary()
+                self._spent(event="start")
             with self.precision:
                 self._train()
             self.summary["status"] = "ok"
@@ -219,8 +219,17 @@ class Run:
             done = self.summary["steps_done"]
             if done != self._eps_steps:
                 self.summary["epsilon_spent"] = self.ledger.epsilon(done)
-            self._spent(event="end", status=self.summary["status"])
-            self._write_summary()
+            # each record written if it can be: a full disk (here, or what failed the run) leaves the earlier lines
+            # and summary whole, and ends the run failed, naming the file
+            for write in (lambda: self._spent(event="end", status=self.summary["status"]), self._write_summary):
+                try:
+                    write()
+                except OSError as e:
+                    if self.exception is None:  # the run ends failed, with what could not be written
+                        self.summary.update(status="failed", error=f"{type(e).__name__}: {e}")
+                        self.exception = e
+                    elif not isinstance(self.exception, DiskFull):  # (a full disk that failed the run says it)
+                        print(f"dpmem: warning: the run's end is not recorded: {e}", file=sys.stderr)
             self.tracker.finish(json_ready(self.summary))
             restore()  # only now: a SIGTERM with the default handler back would end the process unrecorded
         return self.summary
@@ -384,17 +393,30 @@ class Run:
                   "(what they released then, their metrics, is not in epsilon)", file=sys.stderr)
         # what the lost attempts released, by privacy.jsonl since this run's start: the steps redone after the
         # checkpoint redraw the same batches and noise, so ε is the most any attempt reached, not the checkpoint's
-        records = privacy_records(self.run_dir)
-        starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
-        self.ledger.released = most_spent(records[starts[-1]:] if starts else records) or 0.0
+        # (its lines that cannot be read skipped, and said so; dpmem.engine.folder.claim refused a private run whose
+        # ledger is missing or unreadable), and never less than the folder's summary said
+        if self.main:
+            records = privacy_records(self.run_dir)
+            starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
+            self.ledger.released = max(most_spent(records[starts[-1]:] if starts else records) or 0.0,
+                                       self._summarised_epsilon())
         self.summary["epsilon_spent"], self._eps_steps = self.ledger.epsilon(step), step
         self._spent(event="resume", from_step=step)
-        metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists() and self.main:  # records of the lost steps are written again
-            kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= step]
-            metrics.write_text("".join(line + "\n" for line in kept))
+        if self.main:  # records of the lost steps are written again (and lines cut short dropped)
+            cut_metrics(self.run_dir, step)
         self._write_summary()
         return step
+
+    def _summarised_epsilon(self) -> float:
+        """ε the folder's summary (the resumed run's, written after its ledger lines) says was spent: a finite number,
+        or 0 where it says none or cannot be read."""
+        try:
+            eps = json.loads((self.run_dir / "summary.json").read_text()).get("epsilon_spent")
+        except (OSError, ValueError, AttributeError):
+            return 0.0
+        if isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and eps >= 0:
+            return float(eps)
+        return 0.0
 
     def train_step(self, step: int, micro: list[dict[str, torch.Tensor]]) -> tuple[float, torch.Tensor]:
         """The method's update for 0-based `step` at its scheduled learning rate: (lr, summed per-sample loss)."""
@@ -481,14 +503,18 @@ def run_training(cfg, run_dir: Path) -> dict:
     """Claim the folder and prepare (ConfigErrors escape before anything is written), write the config, train,
     summarise."""
     run_dir = Path(run_dir)
-    checkpoint = claim(cfg, run_dir)
-    run = Run(cfg, run_dir, checkpoint=checkpoint)
-    run.prepare()
-    if distributed.is_main():
-        write_config(cfg, run_dir)
-    summary = run.execute()
-    if distributed.is_main():
-        print(summary_table(summary))
-    if run.exception is not None:
-        raise run.exception
-    return summary
+    lock = FolderLock(run_dir)  # rank 0 holds it from before it looks into the folder until the run ends
+    try:
+        checkpoint = claim(cfg, run_dir, lock)
+        run = Run(cfg, run_dir, checkpoint=checkpoint)
+        run.prepare()
+        if distributed.is_main():
+            write_config(cfg, run_dir)
+        summary = run.execute()
+        if distributed.is_main():
+            print(summary_table(summary))
+        if run.exception is not None:
+            raise run.exception
+        return summary
+    finally:
+        lock.release()

@@ -134,6 +134,16 @@ class Method:
                               "allowed: add_remove")
 
     @classmethod
+    def warnings(cls, cfg) -> list[str]:
+        """What the config allows but is most likely a mistake, each one line (`dpmem train` prints them before it
+        runs, and the run goes on)."""
+        t, p = cfg.train, cfg.privacy
+        if cls.private and p.epsilon is not None and t.lr == 0:
+            return [f"train.lr: 0 with {cfg.method.name} spends privacy.epsilon={p.epsilon:g} and changes nothing "
+                    "(the weights never move); set train.lr > 0, or privacy=none"]
+        return []
+
+    @classmethod
     def clipping(cls, cfg) -> ClippingPlan | None:
         """How its per-sample clipping forms the clipped sums (dpmem.methods.clipping); None: it clips none."""
         return None

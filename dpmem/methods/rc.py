@@ -14,10 +14,12 @@ dimension `rc_dimension` gives.
 from __future__ import annotations
 
 import math
+import sys
 
 from torch import nn
 
-from dpmem.config import DPSGDRCConfig, enum_value
+from dpmem import distributed
+from dpmem.config import ConfigError, DPSGDRCConfig, enum_value
 from dpmem.methods.base import check_positive
 from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.dp_adam import DPAdam
@@ -41,6 +43,23 @@ class DPSGDRC(DPAdam):
 def estimated_matrices(model: nn.Module) -> list[nn.Parameter]:
     """The trainable weights whose per-sample squared norms dp-sgd-rc estimates, a tied weight once."""
     return list({id(p): p for p in factored_weights(model).values()}.values())
+
+
+def check_probes(model: nn.Module, k: int) -> None:
+    """method.k within what probes can be worth: an estimate of a p×d matrix's norm with k probes of its larger side n
+    costs B·k·(T + n), and at k ≥ n more than the exact norm (B·p·d, fgc), which plain clipping (method=dp-sgd,
+    accounted without the estimate's randomness) gives. k beyond the larger side of every estimated matrix is
+    refused; up to the default k, which a small model's layers may not reach, it is a warning. Raises ConfigError."""
+    sides = [max(p.shape[0], math.prod(p.shape[1:])) for p in estimated_matrices(model)]
+    if not sides or k <= max(sides):
+        return
+    widest = max(sides)
+    why = (f"{k} probes exceed the larger side of every estimated layer (at most {widest}): there an estimate costs "
+           f"more than the exact norm, which method=dp-sgd (method.clipping=fgc) computes")
+    if k > DPSGDRCConfig.k:
+        raise ConfigError("method.k", f"{why}; allowed: 1..{widest}")
+    if distributed.is_main():
+        print(f"dpmem: warning: method.k: {why}", file=sys.stderr)
 
 
 def max_layer_dimension(model: nn.Module) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+from pathlib import Path
 from typing import Callable, ContextManager
 
 from torch import nn
@@ -14,8 +15,8 @@ from dpmem.config import ConfigError
 from dpmem.data import DataBundle
 from dpmem.metering import memory_label
 from dpmem.models.lora import apply_lora
+from dpmem.sources import fetching, resolve_source, why_not_loaded
 from dpmem.sources import offline as downloads_off
-from dpmem.sources import resolve_source
 
 
 def _vit(cfg, data: DataBundle, weights: bool) -> nn.Module:
@@ -101,11 +102,14 @@ def _arch(cfg) -> dict:
 
 def _from_pretrained(cls, name: str, **kwargs) -> nn.Module:
     offline = downloads_off()
+    source = resolve_source(name, "model.pretrained")  # a local path that does not exist is said so here
+    unreachable = None if offline or Path(source).exists() else fetching(f"the model {name}")
     try:
-        return cls.from_pretrained(resolve_source(name, "model.pretrained"), local_files_only=offline, **kwargs)
+        return cls.from_pretrained(source, local_files_only=offline or unreachable is not None, **kwargs)
     except OSError as e:
         hint = " (offline: only the local cache is searched)" if offline else ""
-        raise ConfigError("model.pretrained", f"cannot load {name!r}{hint}: {str(e).splitlines()[0]}") from None
+        raise ConfigError("model.pretrained", f"cannot load {name!r}{hint}: {why_not_loaded(unreachable, e)}") \
+            from None
 
 
 def _median(cfg, data: DataBundle, weights: bool) -> nn.Module:
