@@ -478,8 +478,8 @@ class Run:
         return values
 
 
-RESUMED = ("steps_done", "samples_seen", "samples_expected", "metric_best", "peak_memory_bytes", "peak_memory_allocated_bytes",
-           "peak_memory_source")  # summary fields a resumed run carries over
+RESUMED = ("steps_done", "samples_seen", "samples_expected", "metric_best", "peak_memory_bytes",
+           "peak_memory_allocated_bytes", "peak_memory_source")  # summary fields a resumed run carries over
 
 
 def outside_epsilon(cfg, ledger) -> dict[str, str]:

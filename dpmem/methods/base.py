@@ -107,9 +107,10 @@ class Method:
         if p.epsilon is None:  # privacy=none: it clips, nothing is accounted
             return
         if t.objective == Objective.train_loss and p.train_loss != LossRelease.private:
-            raise ConfigError("train.objective", f"train_loss chooses among private runs by their training loss, which "
-                              f"privacy.train_loss={enum_value(p.train_loss)} releases outside epsilon (or not at all); "
-                              "allowed: privacy.train_loss=private (noised, in epsilon), or train.objective=metric")
+            raise ConfigError("train.objective", "train_loss chooses among private runs by their training loss, which "
+                              f"privacy.train_loss={enum_value(p.train_loss)} releases outside epsilon (or not at "
+                              "all); allowed: privacy.train_loss=private (noised, in epsilon), or "
+                              "train.objective=metric")
         if t.sampling == Sampling.shuffle:
             raise ConfigError("train.sampling", "shuffle has no privacy accountant; allowed for private "
                               "training: poisson (default), fixed (with privacy.accountant=rdp, "
@@ -213,7 +214,8 @@ class Method:
         draws.key = os_key()
         if self.noise.loss_draws is not None:
             self.noise.loss_draws.key = draws.key
-        self.noise_reseeded = f"the checkpoint's noise was drawn on {saved['device']}, this run is on {draws.device.type}"
+        self.noise_reseeded = (f"the checkpoint's noise was drawn on {saved['device']}, this run is on "
+                               f"{draws.device.type}")
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr
