@@ -272,7 +272,7 @@ OmegaConf.register_new_resolver("dpmem.direction", _direction, replace=True)
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
 def _train(cfg: DictConfig) -> float:
-    from dpmem.engine.folder import FolderRefused, done_summary, drop_if_empty
+    from dpmem.engine.folder import FolderRefused, drop_if_empty, skip_done
     from dpmem.engine.summary import DiskFull
     from dpmem.engine.trainer import Terminated, run_training
     from dpmem.methods import validate
@@ -283,15 +283,16 @@ def _train(cfg: DictConfig) -> float:
     # a launcher's job (joblib, submitit) runs in another process: its failure is raised, so that Hydra marks the
     # job failed and the sweep, once its other jobs are done, exits non-zero
     here = not multirun or hc.launcher._target_ == BASIC_LAUNCHER
-    done = done_summary(run_dir) if cfg.train.skip_done and distributed.is_main() else None  # unreadable: not done
-    done = distributed.from_main(done)  # every rank skips, or none (with rank 0's summary: the same objective)
-    if done is not None:
-        print(f"dpmem: {run_dir} is done (status ok), skipped (train.skip_done)", file=sys.stderr)
-        return objective(cfg, done)
-    if multirun:  # a launcher that runs jobs side by side on one machine: one GPU each, not all on GPU 0
-        place_job(hc.launcher._target_, hc.job.num, enum_value(cfg.train.device))
     try:
         try:
+            # done with this configuration (another one's finished run is refused); unreadable: not done
+            done = skip_done(cfg, run_dir) if cfg.train.skip_done else None
+            if done is not None:
+                print(f"dpmem: {run_dir} is done (status ok, the same configuration), skipped (train.skip_done)",
+                      file=sys.stderr)
+                return objective(cfg, done)
+            if multirun:  # a launcher that runs jobs side by side on one machine: one GPU each, not all on GPU 0
+                place_job(hc.launcher._target_, hc.job.num, enum_value(cfg.train.device))
             validate(cfg)
             summary = run_training(cfg, run_dir)
         except ConfigError:
@@ -424,6 +425,11 @@ def _out_dir(overrides: list[str], alias_key: str, alias: str | None, dated: str
     return Path(name).expanduser().absolute()
 
 
+def _dir_key(overrides: list[str], alias_key: str) -> str:
+    """The key that named a tool's output folder, for its messages: hydra.run.dir if given, else its alias."""
+    return "hydra.run.dir" if _given(overrides, "hydra.run.dir") is not None else alias_key
+
+
 def _is_debug(args: list[str]) -> bool:
     return any(a.lower() in ("debug=true", "debug=1") for a in args)
 
@@ -450,18 +456,21 @@ def _one_line_errors(debug: bool):
 
 def _memory(argv: list[str]) -> None:
     """`dpmem memory`: plan every point of the sweep (comma lists, with or without -m) into one folder."""
+    from dpmem.engine.folder import FolderLock, check_owner, mark
     from dpmem.engine.planner import SEARCH_LIMIT, largest_batch, parse_bytes, plan
     from dpmem.report import memory as report
 
     overrides = _sweep_overrides(argv)
     if overrides is None:
         return
-    with _one_line_errors(_is_debug(overrides)):
+    with _one_line_errors(_is_debug(overrides)), contextlib.ExitStack() as held:
         points = sweep_points(overrides)
         cfgs = compose_points(points)
         labels = _labels(points, cfgs, skip="train.batch_size=")
         mem = cfgs[0].memory
         out = _out_dir(overrides, "memory.dir", mem.dir, "outputs/memory/%Y-%m-%d/%H-%M-%S")
+        held.enter_context(FolderLock(out))  # one writer (at the end released, and a folder it made left empty removed)
+        check_owner(out, "memory", cfgs[0].train.overwrite, _dir_key(overrides, "memory.dir"))
         rows, found = [], None
         if mem.budget is None:
             for label, cfg in zip(labels, cfgs):
@@ -479,8 +488,10 @@ def _memory(argv: list[str]) -> None:
                 found.append({"label": label, "largest_batch": batch, "capped": capped, "plan": {"label": label, **at}})
                 print(f"dpmem memory: {label}: largest batch {batch}" + (
                     " (where the search stops: larger batches fit too)" if capped else ""), file=sys.stderr)
-    print(report.write(out, rows, mem.budget, found), end="")
-    print(f"dpmem memory: wrote {', '.join(sorted(f.name for f in out.iterdir()))} to {out}", file=sys.stderr)
+        mark(out, "memory")
+        print(report.write(out, rows, mem.budget, found), end="")
+    print(f"dpmem memory: wrote {', '.join(sorted(f.name for f in out.iterdir() if not f.name.startswith('.')))} "
+          f"to {out}", file=sys.stderr)
 
 
 def _labels(points: list[tuple[str, ...]], cfgs, skip: str | None = None) -> list[str]:
@@ -492,36 +503,47 @@ def _labels(points: list[tuple[str, ...]], cfgs, skip: str | None = None) -> lis
 
 def _audit(argv: list[str]) -> None:
     """`dpmem audit`: each sweep point trained with canaries into its own folder, and one table of the bounds."""
-    from dpmem.audit import run_audit, table
+    from dpmem.audit import check, run_audit, table
+    from dpmem.engine.folder import FolderLock, check_owner, mark
     from dpmem.report.labels import file_name
 
     overrides = _sweep_overrides(argv)
     if overrides is None:
         return
     records = []
-    with _one_line_errors(_is_debug(overrides)):
+    with _one_line_errors(_is_debug(overrides)), contextlib.ExitStack() as held:
         points = sweep_points(overrides)
         cfgs = compose_points(points)
         labels = _labels(points, cfgs)
+        for cfg in cfgs:  # every point's settings before any folder is written
+            check(cfg)
         out = _out_dir(overrides, "audit.dir", cfgs[0].audit.dir, "outputs/audit/%Y-%m-%d/%H-%M-%S")
-        for label, cfg in zip(labels, cfgs):
-            folder = out if len(cfgs) == 1 else out / file_name(label)
-            folder.mkdir(parents=True, exist_ok=True)
+        held.enter_context(FolderLock(out))  # one writer (at the end released, and a folder it made left empty removed)
+        key = _dir_key(overrides, "audit.dir")
+        check_owner(out, "audit", cfgs[0].train.overwrite, key)
+        folders = [out if len(cfgs) == 1 else out / file_name(label) for label in labels]
+        for folder, cfg in zip(folders, cfgs):  # each point's folder too, before any is written
+            if folder != out:
+                check_owner(folder, "audit", cfg.train.overwrite, key)
+        mark(out, "audit")
+        for label, cfg, folder in zip(labels, cfgs, folders):
+            mark(folder, "audit")
             (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
             record, _ = run_audit(cfg, folder)
             records.append(record)
             print(f"dpmem audit: {label}: claimed epsilon {record['epsilon_claimed']:.3g}, audited epsilon >= "
                   f"{record['epsilon_lower_bound']:.3f} ({record['correct']}/{record['guesses']} guesses right)",
                   file=sys.stderr)
-    text = table(records)
-    if len(records) > 1:
-        (out / "audit.md").write_text(text)
+        text = table(records)
+        if len(records) > 1:
+            (out / "audit.md").write_text(text)
     print(text, end="")
     print(f"dpmem audit: wrote {out}/audit.md", file=sys.stderr)
 
 
 def _spectrum(argv: list[str]) -> None:
     """`dpmem spectrum`: one configuration (the C and sigma lists are swept inside), into one folder."""
+    from dpmem.engine.folder import FolderLock, check_owner, mark
     from dpmem.spectrum import run_spectrum
 
     overrides = _sweep_overrides(argv)
@@ -536,9 +558,11 @@ def _spectrum(argv: list[str]) -> None:
         (cfg,) = compose_points(points)
         mode = cfg.spectrum.mode.value
         out = _out_dir(overrides, "spectrum.dir", cfg.spectrum.dir, f"outputs/spectrum/%Y-%m-%d/%H-%M-%S_{mode}")
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        _, text = run_spectrum(cfg, out)
+        with FolderLock(out):  # one writer (released, and a folder it made left empty removed, at the end)
+            check_owner(out, "spectrum", cfg.train.overwrite, _dir_key(overrides, "spectrum.dir"))
+            mark(out, "spectrum")
+            (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            _, text = run_spectrum(cfg, out)
     print(text, end="")
     print(f"dpmem spectrum: wrote {out}/spectrum.json", file=sys.stderr)
 

@@ -376,4 +376,4 @@ def test_dpmem_audit_cli_writes_one_table_for_a_sweep(tmp_path, cli):
     assert r.returncode == 0, r.stderr  # hydra.run.dir names the folder, as for dpmem train (audit.dir too)
     assert (Path(tmp_path) / "a" / "audit.md").read_text() == r.stdout
     assert "| dp-adam |" in r.stdout and "| dpzero |" in r.stdout
-    assert {p.name for p in (tmp_path / "a").iterdir()} == {"audit.md", "method=dp-adam", "method=dpzero"}
+    assert {p.name for p in (tmp_path / "a").iterdir()} == {".dpmem", "audit.md", "method=dp-adam", "method=dpzero"}

@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from dpmem.cli import CONF_DIR
 from dpmem.engine import checkpoint as checkpoint_module
 from dpmem.engine import summary as summary_module
-from dpmem.engine.folder import LOCK, FolderLock, FolderRefused
+from dpmem.engine.folder import LOCK, MARK, FolderLock, FolderRefused, owner
 from dpmem.engine.summary import DiskFull, append_privacy, read_ledger
 from dpmem.engine.trainer import run_training
 from dpmem.methods import METHODS
@@ -366,3 +366,160 @@ def test_a_disk_that_stays_full_leaves_the_last_summary_whole_in_one_line(tmp_pa
     assert s["status"] == "running" and s["steps_done"] == 2
     assert read_ledger(run)[1] == [] and [r["steps_done"] for r in read_ledger(run)[0]] == [0, 1, 2]
     assert not [f.name for f in run.iterdir() if f.name.endswith(".tmp")] and not (run / LOCK).exists()
+
+
+# -- train.skip_done compares configurations; each verb owns its folders -----------------------------------------
+
+def tree(folder) -> dict:
+    return {str(f.relative_to(folder)): f.read_bytes() for f in folder.rglob("*") if f.is_file()}
+
+
+def said(r) -> list[str]:
+    return [x for x in r.stderr.splitlines() if x.strip()]
+
+
+@pytest.fixture
+def finished(made, tmp_path):
+    """A copy of the oracle's folder: a private run that finished ok (config.yaml, summary, metrics, ledger)."""
+    run = tmp_path / "run"
+    shutil.copytree(made[1].parent / "oracle", run)
+    return run
+
+
+@pytest.mark.parametrize("change", [["train.lr=0.5"], ["method=dp-sgd"]], ids=["lr", "method"])
+def test_skip_done_refuses_a_finished_run_of_another_configuration(finished, cli, change):
+    before = tree(finished)
+    r = cli("train", *OVERRIDES, *change, "train.skip_done=true", f"hydra.run.dir={finished}")
+    lines = said(r)
+    assert r.returncode == 2 and len(lines) == 1 and "skipped" not in r.stderr, r.stderr
+    assert "finished ok with another configuration (" in lines[0], lines[0]
+    assert ("train.lr: " in lines[0] and "-> 0.5" in lines[0]) if change == ["train.lr=0.5"] else "method." in lines[0]
+    assert "hydra.run.dir=" in lines[0] and "train.overwrite=true" in lines[0], lines[0]
+    assert tree(finished) == before
+
+
+def test_skip_done_skips_a_finished_run_of_this_configuration(finished, cli):
+    before = tree(finished)  # what resuming does not compare (train.checkpoint_every, device, ...) may differ
+    r = cli("train", *OVERRIDES, "train.checkpoint_every=3", "train.skip_done=true", f"hydra.run.dir={finished}")
+    assert r.returncode == 0 and "is done (status ok, the same configuration), skipped" in r.stderr, r.stderr
+    assert tree(finished) == before
+
+
+def test_skip_done_without_the_runs_config_is_not_done_in_one_line(finished, cli):
+    (finished / "config.yaml").unlink()
+    before = tree(finished)
+    r = cli("train", *OVERRIDES, "train.skip_done=true", f"hydra.run.dir={finished}")
+    lines = said(r)
+    assert r.returncode == 2 and len(lines) == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "no readable config.yaml" in lines[0] and "not taken as done (train.skip_done)" in lines[0], lines
+    assert "train.overwrite=true replaces it" in lines[1], lines  # then refused as a finished run's folder
+    assert tree(finished) == before
+
+
+@pytest.mark.parametrize("verb", ["audit", "spectrum", "memory"])
+def test_other_verbs_refuse_a_training_run_folder(finished, cli, verb):
+    before = tree(finished)
+    r = cli(verb, f"hydra.run.dir={finished}")
+    lines = said(r)
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert f"{finished} holds a training run: dpmem {verb} writes only into an empty folder or one of its own" \
+        in lines[0] and "train.overwrite=true" in lines[0], lines[0]
+    assert tree(finished) == before  # its config.yaml still the one its summary belongs to
+
+
+@pytest.mark.parametrize("verb", ["train", "audit", "spectrum", "memory"])
+def test_every_verb_refuses_a_folder_of_other_files_the_current_one_too(tmp_path, cli, verb):
+    (tmp_path / "config.yaml").write_text("mine: 1\n")  # a user's own Hydra app
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("mine: 1\n")
+    before = tree(tmp_path)
+    r = cli(verb, *(OVERRIDES if verb == "train" else ()), "hydra.run.dir=.")
+    lines = said(r)
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert f"{tmp_path} is not empty (.hydra, config.yaml) and holds no dpmem run: dpmem {verb} writes only" \
+        in lines[0] and "(hydra.run.dir=...)" in lines[0] and "train.overwrite=true" in lines[0], lines[0]
+    assert tree(tmp_path) == before
+
+
+def test_train_overwrite_writes_into_a_folder_of_other_files(tmp_path, cli):
+    (tmp_path / "config.yaml").write_text("mine: 1\n")
+    r = cli("train", *OVERRIDES, "hydra.run.dir=.", "train.overwrite=true")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "ok"
+    assert "mine" not in (tmp_path / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("holder, verb", [("memory", "train"), ("spectrum", "audit"), ("audit", "memory"),
+                                          ("memory", "spectrum")])
+def test_a_verb_refuses_another_verbs_folder(tmp_path, cli, holder, verb):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / MARK).write_text(f"{holder}\n")
+    (folder / "config.yaml").write_text("x: 1\n")
+    before = tree(folder)
+    r = cli(verb, *(OVERRIDES if verb == "train" else ()), f"hydra.run.dir={folder}")
+    lines = said(r)
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert f"{folder} is a dpmem {holder} folder: dpmem {verb} writes only" in lines[0], lines[0]
+    assert tree(folder) == before
+
+
+def test_owner_tells_each_verbs_folder_by_its_mark_or_its_files(tmp_path):
+    cases = {"lock": ({LOCK: ""}, None), "audit": ({"audit.json": "{}"}, "audit"), "sweep": ({"audit.md": ""}, "audit"),
+             "memory": ({"memory.json": "{}"}, "memory"), "spectrum": ({"spectrum.json": "{}"}, "spectrum"),
+             "analysis": ({"summary.json": '{"status": "ok", "analysis": "spectrum"}'}, "spectrum"),
+             "train": ({"summary.json": '{"status": "ok"}'}, "train"), "ledger": ({"privacy.jsonl": ""}, "train"),
+             "damaged": ({"summary.json": "{cut"}, "train"), "mine": ({"notes.txt": ""}, "other"),
+             "marked": ({MARK: "memory\n", "config.yaml": ""}, "memory"), "empty": ({}, None)}
+    for name, (made, expected) in cases.items():
+        (tmp_path / name).mkdir()
+        for f, text in made.items():
+            (tmp_path / name / f).write_text(text)
+        assert owner(tmp_path / name) == expected, name
+    assert owner(tmp_path / "missing") is None
+
+
+def test_a_verb_writes_again_into_its_own_folder_and_marks_it(tmp_path, cli):
+    args = ("memory", "method=adam", "model.arch.num_hidden_layers=1", "memory.steps=2", f"memory.dir={tmp_path / 'm'}")
+    r = cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "m" / MARK).read_text() == "memory\n" and not (tmp_path / "m" / LOCK).exists()
+    assert ".dpmem" not in r.stderr.splitlines()[-1]  # "wrote memory.json, memory.md to ..."
+    r = cli(*args)
+    assert r.returncode == 0, r.stderr
+    r = cli("train", *OVERRIDES, f"hydra.run.dir={tmp_path / 'm'}")  # and train does not write into it
+    assert r.returncode == 2 and "is a dpmem memory folder" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("verb", ["audit", "spectrum", "memory"])
+def test_other_verbs_take_the_folder_lock(tmp_path, cli, verb):
+    lock = FolderLock(tmp_path / "out")
+    lock.acquire()  # another process's lock, as far as flock goes (another open file description)
+    try:
+        r = cli(verb, f"hydra.run.dir={tmp_path / 'out'}")
+    finally:
+        lock.release()
+    lines = said(r)
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "is being written by another dpmem run (pid" in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()  # nothing written (the lock's folder went with it)
+
+
+@pytest.mark.parametrize("norm", ["-1", "0", "nan", "inf"])
+def test_a_non_positive_or_infinite_audit_norm_is_refused_in_one_line(tmp_path, cli, norm):
+    r = cli("audit", f"audit.norm={norm}", f"audit.dir={tmp_path / 'a'}")
+    lines = said(r)
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "audit.norm" in lines[0] and "must be a finite number > 0" in lines[0], lines[0]
+    assert not (tmp_path / "a").exists()
+
+
+def test_dpmem_report_tells_a_marked_folder_from_a_run_that_died(tmp_path):
+    from dpmem.report import runs
+
+    audit = tmp_path / "a"  # an audit that died before its audit.json: its mark says whose folder it is
+    (audit / "run").mkdir(parents=True)
+    (audit / MARK).write_text("audit\n")
+    (audit / "config.yaml").write_text("method:\n  name: dp-adam\n")
+    summaries, missing = runs.collect([tmp_path])
+    assert summaries == [] and [(m["run_dir"], m["analysis"]) for m in missing] == [(str(audit), "audit")]

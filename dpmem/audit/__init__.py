@@ -25,15 +25,8 @@ from dpmem.methods import method_class
 
 def run_audit(cfg, out: Path) -> tuple[dict, str]:
     """Train `cfg` with canaries into out/run, write out/audit.json, audit.md and the scores figure."""
+    check(cfg)
     a, name = cfg.audit, cfg.method.name
-    if not method_class(name).private:
-        raise ConfigError("method.name", f"{name} is not private: there is no claimed epsilon to audit")
-    if cfg.privacy.epsilon is None:
-        raise ConfigError("privacy", "privacy=none claims no epsilon to audit; choose a budget, e.g. privacy=eps2")
-    if not 0 < a.beta < 1:
-        raise ConfigError("audit.beta", f"{a.beta} must be in (0, 1)")
-    if a.canaries < 2:
-        raise ConfigError("audit.canaries", f"{a.canaries}: need at least 2")
     if cfg.train.checkpoint_every or (out / "run" / "checkpoint.pt").exists():
         # the canaries' scores live in this process: a resumed run would score only the steps after the crash
         raise ConfigError("train.checkpoint_every", "dpmem audit does not resume; run it without checkpoints, "
@@ -79,6 +72,23 @@ def run_audit(cfg, out: Path) -> tuple[dict, str]:
     (out / "audit.md").write_text(text)
     figure(out, record)
     return record, text
+
+
+def check(cfg) -> None:
+    """The audit's own settings, before any folder is written (dpmem audit checks every point first). Raises
+    ConfigError."""
+    a, name = cfg.audit, cfg.method.name
+    if not method_class(name).private:
+        raise ConfigError("method.name", f"{name} is not private: there is no claimed epsilon to audit")
+    if cfg.privacy.epsilon is None:
+        raise ConfigError("privacy", "privacy=none claims no epsilon to audit; choose a budget, e.g. privacy=eps2")
+    if not 0 < a.beta < 1:
+        raise ConfigError("audit.beta", f"{a.beta} must be in (0, 1)")
+    if a.canaries < 2:
+        raise ConfigError("audit.canaries", f"{a.canaries}: need at least 2")
+    if not (math.isfinite(a.norm) and a.norm > 0):  # a canary of norm <= 0 is no canary: it would audit epsilon >= 0
+        raise ConfigError("audit.norm", f"{a.norm}: must be a finite number > 0 (a gradient canary's norm in units "
+                          "of method.max_grad_norm; default 10)")
 
 
 def planting(cfg) -> str:

@@ -7,7 +7,11 @@ is touched.
 
 One writer per folder: a run (rank 0 of a torchrun job) holds `FolderLock`, an flock on the folder's `.lock`, from
 before it looks into the folder until it ends; a second run in the folder is refused, naming the holder. The OS lets
-go of it when the holder dies, so a killed run's `.lock` never blocks its resume."""
+go of it when the holder dies, so a killed run's `.lock` never blocks its resume.
+
+Each verb owns its folders (`owner`, `check_owner`): train, audit, spectrum and memory write only into a folder that
+is missing, empty or their own, unless `train.overwrite=true`; `train.skip_done` skips a folder only for a run that
+finished ok with this configuration (`skip_done`)."""
 
 from __future__ import annotations
 
@@ -33,6 +37,12 @@ RECORDS = ("summary.json", "metrics.jsonl", "checkpoint.pt", "checkpoint.pt.tmp"
 # (dpmem.report.labels.NOT_TRAINING extends them to the report's sense of "the same run")
 NOT_FINGERPRINTED = ("resume", "skip_done", "overwrite", "checkpoint_every", "device")
 LOCK = ".lock"  # FolderLock's file: not a record (nothing refuses a folder for it, dpmem report does not list it)
+# which verb's folder it is, for a folder the training records do not tell: `dpmem audit`, `spectrum` and `memory`
+# write the verb's name into it before anything else (see `owner`)
+MARK = ".dpmem"
+TOOLS = ("train", "audit", "spectrum", "memory")
+TRAINING = ("summary.json", "metrics.jsonl", PRIVACY_LEDGER, "checkpoint.pt", "checkpoint.pt.tmp",
+            "summary.json.tmp")  # what a training run writes first (dpmem train, the run dpmem audit trains)
 
 
 class FolderRefused(ConfigError):
@@ -167,6 +177,11 @@ def claim(cfg, run_dir: Path, lock: FolderLock | None = None) -> dict | None:
 def _look(cfg, run_dir: Path) -> dict | None:
     """`claim`'s decision, on one process: the checkpoint's state, None to start afresh, or FolderRefused."""
     path, t = run_dir / "checkpoint.pt", cfg.train
+    check_owner(run_dir, "train", t.overwrite)  # a user's own files, another verb's folder
+    if owner(run_dir) not in (None, "train"):  # written into anyway (train.overwrite=true): nothing to resume
+        for name in RECORDS:
+            (run_dir / name).unlink(missing_ok=True)
+        return None
     if path.exists() and t.resume:
         state = _resumable(cfg, path)
         lost = _ledger_lost(cfg, run_dir, state["step"])
@@ -218,6 +233,114 @@ def done_summary(run_dir: Path) -> dict | None:
               "taken as done (train.skip_done)", file=sys.stderr)
         return None
     return s if s.get("status") == "ok" else None
+
+
+def owner(folder: Path) -> str | None:
+    """Whose folder `folder` is: None where it is missing or empty (a `.lock` aside), else a verb of TOOLS, or
+    "other" (something that is no dpmem run: a user's own files). Told by `.dpmem` (the verb's name, which audit,
+    spectrum and memory write first), else by what each verb leaves (folders of an older dpmem): audit.json or
+    audit.md (audit), memory.json (memory), spectrum.json, recorded gradients or a summary whose `analysis` says
+    spectrum (spectrum), a training run's records (train)."""
+    folder = Path(folder)
+    try:
+        names = {e.name for e in folder.iterdir()} - {LOCK}
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError:
+        return "other"
+    if not names:
+        return None
+    if MARK in names:
+        try:
+            mark = (folder / MARK).read_text().strip()
+        except OSError:
+            mark = ""
+        if mark in TOOLS:
+            return mark
+    if names & {"audit.json", "audit.md"}:
+        return "audit"
+    if "memory.json" in names:
+        return "memory"
+    if "spectrum.json" in names or (folder / "gradients" / "index.json").exists():
+        return "spectrum"
+    if names & set(TRAINING):
+        try:
+            analysis = json.loads((folder / "summary.json").read_text()).get("analysis")
+        except (OSError, ValueError, AttributeError):
+            analysis = None
+        return analysis if analysis in TOOLS else "train"
+    return "other"
+
+
+def check_owner(folder: Path, tool: str, overwrite: bool, key: str = "hydra.run.dir") -> None:
+    """Raise FolderRefused (nothing written) where `folder` holds anything but `tool`'s own run, unless
+    `overwrite` (train.overwrite=true) asks to write into it anyway."""
+    holder = owner(folder)
+    if holder in (None, tool) or overwrite:
+        return
+    if holder == "other":
+        names = sorted(e.name for e in Path(folder).iterdir() if e.name != LOCK)
+        what = f"is not empty ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}) and holds no dpmem run"
+    else:
+        what = "holds a training run" if holder == "train" else f"is a dpmem {holder} folder"
+    raise FolderRefused(key, f"{folder} {what}: dpmem {tool} writes only into an empty folder or one of its own; "
+                        f"give it another folder ({key}=...), or train.overwrite=true writes into this one")
+
+
+def mark(folder: Path, tool: str) -> None:
+    """Mark `folder` as `tool`'s (see `owner`), before the tool's first write into it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    replace_file(folder / MARK, f"{tool}\n".encode())
+
+
+def _recorded_config(run_dir: Path) -> dict | None:
+    """The configuration the folder's run recorded (its resolved config.yaml; else .hydra/config.yaml), as
+    `_as_recorded` gives it; None where neither can be read."""
+    for path in (run_dir / "config.yaml", run_dir / ".hydra" / "config.yaml"):
+        try:
+            return _as_recorded(OmegaConf.load(path))
+        except Exception:  # noqa: BLE001  (missing, not YAML, an interpolation that no longer resolves)
+            continue
+    return None
+
+
+def _as_recorded(cfg) -> dict:
+    """What `fingerprint` compares, as config.yaml records it (enums by name)."""
+    tree = OmegaConf.to_container(OmegaConf.create(OmegaConf.to_yaml(cfg, resolve=True)), resolve=True)
+    tree.setdefault("train", {})
+    for key in NOT_FINGERPRINTED:
+        tree["train"].pop(key, None)
+    return {k: tree.get(k) for k in ("model", "data", "method", "privacy", "train")}
+
+
+def skip_done(cfg, run_dir: Path) -> dict | None:
+    """train.skip_done: the summary of the folder's run if it finished ok with this configuration (the resolved
+    config minus NOT_FINGERPRINTED, as a resume compares), on every rank; None where it is not done (no summary,
+    unreadable, not ok, another verb's folder, no readable config.yaml: the run goes on as without skip_done, and is
+    resumed or refused there). A run that finished ok with another configuration raises FolderRefused naming what
+    differs."""
+    run_dir = Path(run_dir)
+    verdict = None
+    if distributed.is_main():
+        verdict = done_summary(run_dir) if owner(run_dir) == "train" else None
+        if verdict is not None:
+            recorded = _recorded_config(run_dir)
+            if recorded is None:
+                print(f"dpmem: warning: {run_dir} holds a finished run but no readable config.yaml: which "
+                      "configuration it ran cannot be told, so it is not taken as done (train.skip_done)",
+                      file=sys.stderr)
+                verdict = None
+            else:
+                changed = _changed(recorded, _as_recorded(cfg))
+                if changed:
+                    verdict = ("train.skip_done", f"{run_dir} holds a run that finished ok with another "
+                               f"configuration ({'; '.join(changed[:3])}{'; ...' if len(changed) > 3 else ''}), "
+                               "not this one's result; give this run another folder (hydra.run.dir=...), or "
+                               "train.overwrite=true replaces it")
+    verdict = distributed.from_main(verdict)  # every rank skips, or none (with rank 0's summary: one objective)
+    if isinstance(verdict, tuple):
+        raise FolderRefused(*verdict)
+    return verdict
 
 
 def _held(run_dir: Path) -> str | None:

@@ -79,7 +79,16 @@ def _folder(folder: Path, record: dict) -> dict:
 def _analysis(folder: Path) -> str | None:
     """The analysis that wrote a folder whose summary does not say so (written by an older dpmem), told by the
     files it leaves: spectrum.json or recorded gradients (`dpmem spectrum`), audit.json beside the run
-    (`dpmem audit` trains in AUDIT/run)."""
+    (`dpmem audit` trains in AUDIT/run); or by the mark those verbs write first (dpmem.engine.folder.MARK)."""
+    from dpmem.engine.folder import MARK
+
+    for where in (folder, folder.parent):
+        try:
+            mark = (where / MARK).read_text().strip()
+        except OSError:
+            continue
+        if mark in ("spectrum", "audit", "memory") and (where == folder or (mark == "audit" and folder.name == "run")):
+            return mark
     if (folder / "spectrum.json").exists() or (folder / "gradients" / "index.json").exists():
         return "spectrum"
     if (folder.parent / "audit.json").exists():
