@@ -6,7 +6,7 @@ canaries planted in the clipped sum (audit.plant=sum, the default before) and jo
     python scripts/audit_variants.py --rows vit-correct vit-a   # some of them
     python scripts/audit_variants.py --canaries 5000
 
-The variants, each a substitution into the real code (tests/test_audit.py builds the same ones):
+The variants, each a substitution into the real code (dpmem/audit/variants.py, which tests/test_audit.py uses too):
 - a: clipping skipped on the real samples' path only (one pass: the micro-batch's weighted sum takes weight 1;
   two passes: every norm 0); the Privatizer's `clipped_sum_of`, which clips canaries planted in the sum, unchanged.
 - b: noise of std σC/k added to each of a step's k micro-batches instead of σC once (k = B / physical batch size
@@ -21,62 +21,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 
-import dpmem.methods.privatize as privatize
 from dpmem.audit import run_audit
+from dpmem.audit.variants import noise_per_microbatch, norms_per_use, skip_real_clipping
 from dpmem.cli import compose_points
-from dpmem.methods.privatize import Privatizer
-from dpmem.persample import reducers
-from dpmem.persample.factored import Factored
 from dpmem.privacy import epsilon_spent
 from dpmem.report import write_markdown
 
 ROBERTA = ("model=roberta-tiny", "model.head=mlm", "data=synthetic", "data.seq_len=32")
-
-
-@contextlib.contextmanager
-def skip_real_clipping():
-    """(a) The real samples' clipped sums without clip factors, in one pass and in two."""
-    weighted_sums = privatize.weighted_sums
-    with mock.patch.object(privatize, "weighted_sums", lambda grads, f: weighted_sums(grads, torch.ones_like(f))), \
-            mock.patch.object(reducers, "norms", lambda *args, **kwargs: lambda g: torch.zeros(g.shape[0])):
-        yield
-
-
-@contextlib.contextmanager
-def noise_per_microbatch():
-    """(b) σC/k on each of k micro-batches' clipped sums, nothing once per step."""
-    accumulate = Privatizer.clip_and_accumulate
-
-    def noised(self, microbatches, loss_fn, shapes, projections=None):
-        micro, total, loss_sum = list(microbatches), {}, 0.0
-        for mb in micro:
-            summed, loss = accumulate(self, [mb], loss_fn, shapes, projections)
-            privatize.add_noise(summed, dataclasses.replace(self.noise, sigma=self.noise.sigma / len(micro)))
-            total = summed if not total else {p: total[p] + summed[p] for p in total}
-            loss_sum = loss_sum + loss
-        return total, loss_sum
-    with mock.patch.object(Privatizer, "clip_and_accumulate", noised), \
-            mock.patch.object(Privatizer, "add_noise", lambda self, summed: summed):
-        yield
-
-
-@contextlib.contextmanager
-def norms_per_use():
-    """(c) Σ_u ‖g_u‖² for a weight's uses u, not ‖Σ_u g_u‖² (ghost norms without the cross terms)."""
-    squared_norms = Factored.squared_norms
-
-    def per_use(self):
-        return torch.stack([squared_norms(Factored([t], self.rows, self.cols, self.param_shape))
-                            for t in self.terms]).sum(0)
-    with mock.patch.object(Factored, "squared_norms", per_use):
-        yield
 
 
 # name -> (what, variant, overrides); k = 256 / physical batch size for b

@@ -14,7 +14,7 @@ from scipy import optimize, stats
 from torch import nn
 
 import dpmem.methods.privatize as privatize
-from dpmem.audit import run_audit
+from dpmem.audit import run_audit, variants
 from dpmem.audit.bound import audit_bound, epsilon_lower_bound, noise_check, p_value
 from dpmem.audit.canaries import BatchCanaries, GradientCanaries
 from dpmem.cli import CONF_DIR
@@ -24,7 +24,6 @@ from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.persample import PerSampleGradients
 from dpmem.persample import reducers
-from dpmem.persample.factored import Factored
 from dpmem.privacy import calibrate_sigma
 from helpers import seeded
 
@@ -188,58 +187,31 @@ def test_clipping_skipped_for_real_samples_only_is_caught_by_canaries_in_the_bat
     assert lower_bound(clipping=clipping, plant="batch", chunks=2) > 2.0  # canaries in the batch are not clipped
 
 
-def noise_per_microbatch(monkeypatch):
-    """(b) Noise of std σC/k added to each of a step's k micro-batches (in sum std σC/√k), none once per step."""
-    accumulate = Privatizer.clip_and_accumulate
-
-    def noised(self, microbatches, loss_fn, shapes, projections=None):
-        micro, total, loss_sum = list(microbatches), {}, 0.0
-        for mb in micro:
-            summed, loss = accumulate(self, [mb], loss_fn, shapes, projections)
-            privatize.add_noise(summed, dataclasses.replace(self.noise, sigma=self.noise.sigma / len(micro)))
-            total = summed if not total else {p: total[p] + summed[p] for p in total}
-            loss_sum = loss_sum + loss
-        return total, loss_sum
-    monkeypatch.setattr(Privatizer, "clip_and_accumulate", noised)
-    monkeypatch.setattr(Privatizer, "add_noise", lambda self, summed: summed)
-
-
-def test_noise_per_microbatch_is_caught_by_the_noise_check(monkeypatch):
+def test_noise_per_microbatch_is_caught_by_the_noise_check():
     """k = 4 micro-batches (the issue's case: true ε about 4.7 for a claimed 2) is beyond the one-run bound's power
     at m = 1000 (a bare Gaussian mechanism of that ε audits below 2 too), not beyond the noise check's: the
     released values where no canary is vary by σ/2, not σ."""
     assert not privatizer_audit(plant="batch", chunks=4, uses=1)["noise_flagged"]
-    noise_per_microbatch(monkeypatch)
-    record = privatizer_audit(plant="batch", chunks=4, uses=1)  # a canary's uses do not matter to the noise
+    with variants.noise_per_microbatch():
+        record = privatizer_audit(plant="batch", chunks=4, uses=1)  # a canary's uses do not matter to the noise
     assert record["noise_flagged"] and record["noise_ratio"] == pytest.approx(0.5, abs=0.03)
     assert record["epsilon_lower_bound"] < 2.0  # what the bound alone says: not caught at this k
 
 
-def test_noise_per_microbatch_over_many_microbatches_is_caught_by_the_bound(monkeypatch):
+def test_noise_per_microbatch_over_many_microbatches_is_caught_by_the_bound():
     """k = 32 micro-batches: noise σ/√32 in all; the bound alone passes the claimed ε (at k = 16 it reaches 1.8 to
     2.2 over seeds: the smallest break of this kind that m = 1000 canaries show is about there)."""
-    noise_per_microbatch(monkeypatch)
-    assert lower_bound(plant="batch", chunks=32, uses=1) > 2.0
+    with variants.noise_per_microbatch():
+        assert lower_bound(plant="batch", chunks=32, uses=1) > 2.0
 
 
-def norms_per_use(monkeypatch):
-    """(c) A weight used several times normed per use: ghost clipping's ‖Σ_u g_u‖² taken as Σ_u ‖g_u‖² (the cross
-    terms between uses dropped), so a sample whose uses agree is clipped as if √uses times smaller."""
-    real = Factored.squared_norms
-
-    def per_use(self):
-        return torch.stack([real(Factored([term], self.rows, self.cols, self.param_shape))
-                            for term in self.terms]).sum(0)
-    monkeypatch.setattr(Factored, "squared_norms", per_use)
-
-
-def test_norms_per_use_are_caught_by_canaries_in_the_batch(monkeypatch):
+def test_norms_per_use_are_caught_by_canaries_in_the_batch():
     """The issue's weight shared 16 times (by the real samples too). Each batch canary is 16 uses of its weight:
     normed per use, it passes 4 C where C was claimed. Planted in the sum it is one use, and audits as correct."""
     assert lower_bound(clipping="ghost", plant="batch", positions=16) < 2.0
-    norms_per_use(monkeypatch)
-    assert lower_bound(clipping="ghost", positions=16) < 2.0
-    assert lower_bound(clipping="ghost", plant="batch", positions=16) > 2.0
+    with variants.norms_per_use():
+        assert lower_bound(clipping="ghost", positions=16) < 2.0
+        assert lower_bound(clipping="ghost", plant="batch", positions=16) > 2.0
 
 
 # -- input canaries through a weight used K times (one shared Linear over K positions), two-pass clipping
@@ -347,7 +319,7 @@ def test_input_canaries_are_mislabelled_examples_in_the_training_set(tmp_path):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["n_train"] == summary_n
 
 
-def test_dpmem_audit_catches_a_tied_weight_normed_per_use_on_roberta_mlm(tmp_path, monkeypatch):
+def test_dpmem_audit_catches_a_tied_weight_normed_per_use_on_roberta_mlm(tmp_path):
     """Issue 42 (c) end to end: RoBERTa's word embeddings are its MLM head's weight (two uses a sample). The default
     canaries live there and are 16 uses of it (embedding and head in turn): normed per use, they pass 4 C."""
     roberta = ["model=roberta-tiny", "model.head=mlm", "data=synthetic", "data.seq_len=16", "train.batch_size=512",
@@ -355,8 +327,8 @@ def test_dpmem_audit_catches_a_tied_weight_normed_per_use_on_roberta_mlm(tmp_pat
     correct, _ = run_audit(config(model=roberta), tmp_path / "correct")
     assert list(correct["canaries_in"]) == ["roberta.embeddings.word_embeddings.weight = lm_head.decoder.weight"]
     assert correct["epsilon_lower_bound"] < correct["epsilon_claimed"] and not correct["flagged"]
-    norms_per_use(monkeypatch)
-    broken, _ = run_audit(config(model=roberta), tmp_path / "broken")
+    with variants.norms_per_use():
+        broken, _ = run_audit(config(model=roberta), tmp_path / "broken")
     assert broken["clipping"] == "bk" and broken["epsilon_lower_bound"] > broken["epsilon_claimed"]
 
 
