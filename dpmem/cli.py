@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
 import math
 import sys
 import tempfile

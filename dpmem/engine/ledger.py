@@ -111,9 +111,9 @@ class PrivacyLedger:
         """The Gaussian mechanism of a private method; its draws keyed from the OS unless `seed` is given. Under
         torchrun every rank gets rank 0's key: each adds the same draw to the same all-reduced sum."""
         draws = None if device.type == "meta" else Draws(key_of(seed), "noise", device)
-        loss_sigma = self.sigma * self.accountant["loss_noise"] if self.loss_release == "private" else 0.0
         return Noise(self.sigma, max_grad_norm, expected_batch_size=self.expected_batch_size, draws=draws,
-                     sample_rate=self.sample_rate, loss_bound=self.loss_bound, loss_sigma=loss_sigma)
+                     sample_rate=self.sample_rate, loss_bound=self.loss_bound,
+                     loss_sigma=self.fields["loss_sigma"] or 0.0)
 
     def mark_leak(self, why: str) -> None:
         self.leak = why
