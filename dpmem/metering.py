@@ -32,10 +32,12 @@ class memory_label:
         self.category = category
 
     def __enter__(self) -> None:
-        self.token = _label.set(self.category)
+        if not torch.compiler.is_compiling():  # a compiled step is not metered by labels (nor planned)
+            self.token = _label.set(self.category)
 
     def __exit__(self, *exc) -> None:
-        _label.reset(self.token)
+        if not torch.compiler.is_compiling():
+            _label.reset(self.token)
 
 
 def labelled_forward(loss_fn):

@@ -142,9 +142,10 @@ def test_per_sample_buffers_are_b_times_r_times_max_dimension():
     torch.manual_seed(0)
     model, rank = Mixer(), 2
     method = Grape(model, grape_cfg(rank=rank), 1e-3, Noise(1.0, 1.0, 6.0, None))
-    psg = method.privatize.persample
+    taps = method.privatize.taps
     project = {p: reducers.projected(lambda p=p: method.projection(p, 1)) for p in method.sides}
-    with psg.capture(6, project) as kept:
-        mixer_loss(model, mixer_batch()).sum().backward()
+    with taps.recording(taps.zero()) as tape:
+        losses = mixer_loss(model, mixer_batch())
+    kept, _ = taps.per_sample(tape, losses.sum(), 6, project)
     for p in method.sides:
         assert kept[p].numel() == 6 * rank * max(p.shape)  # never 6·out·in

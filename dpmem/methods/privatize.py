@@ -21,9 +21,11 @@ from dpmem.data.bundle import weights
 from dpmem.methods.base import Noise, batch_size
 from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.coverage import verify_coverage
+from dpmem.models import checkpointed
 from dpmem.persample import PerSampleGradients, Projection, clip_factors, reducers, weighted_sum
 from dpmem.persample.clipping import flat_norms, weighted_sums
 from dpmem.persample.hooks import remove_handles, weakly
+from dpmem.persample.taps import Taps
 from dpmem.precision import exact_float32
 from dpmem.privacy.randomness import Draws, normal
 
@@ -70,11 +72,17 @@ class Privatizer:
     def __init__(self, model: nn.Module, noise: Noise, plan: ClippingPlan = ClippingPlan.of("materialize"),
                  check_coverage: bool = True, observers: Sequence[Observer] = ()):
         self.model, self.noise, self.plan, self.observers = model, noise, plan, tuple(observers)
-        self.persample = PerSampleGradients(model)
-        self.params = self.persample.parameters
+        self.sharded = any(sharding.is_sharded(p) for p in model.parameters() if p.requires_grad)  # FSDP
+        # one-pass clipping captures by taps (values returned to the step: it compiles); what must act inside the
+        # backward pass keeps the callbacks (`dpmem.persample.hooks`): two-pass clipping's per-layer norms,
+        # activation checkpointing's recompute (which saves each layer's input again), FSDP's stand-ins
+        self.taps = None if plan.passes != 1 or self.sharded or checkpointed(model) else Taps(model)
+        self.persample = PerSampleGradients(model) if self.taps is None else None
+        self.params = (self.taps or self.persample).parameters
         self.device = self.params[0].device
         self._check_coverage = check_coverage
-        self.sharded = any(sharding.is_sharded(p) for p in self.params)  # FSDP (dpmem.sharding)
+        self._zero = self.taps.zero() if self.taps is not None else None  # the probes' leaf (`Taps.zero`)
+        self._compiled = None  # (micro-batch, release), compiled by `compile`
         # Keys drawn once per logical step, the same on every rank, from the noise's secret key (host-side: no sync):
         # - the estimators' probes (dp-sgd-rc), shared by the step's whole batch: every micro-batch, on every rank,
         #   draws them again from the step's key, so neither the physical batch size nor the number of ranks
@@ -88,8 +96,9 @@ class Privatizer:
         self._keep_grads = False  # the second pass of two-pass clipping accumulates into .grad
         self._stepping = False  # inside clip_and_accumulate: the only time its hooks act
         # autograd's batch gradient is a by-product of the backward pass: drop each as soon as it is made
+        # (taps form none: their backward runs to the probes alone)
         drop = weakly(self._drop_grad)
-        self._handles = [p.register_post_accumulate_grad_hook(drop) for p in self.params]
+        self._handles = [p.register_post_accumulate_grad_hook(drop) for p in self.params] if self.taps is None else []
         self._close = weakref.finalize(self, remove_handles, self._handles)
         if self.sharded:
             # FSDP: a layer computes with gathered stand-ins of its parameters, and autograd's batch gradient lands
@@ -101,6 +110,15 @@ class Privatizer:
         for observer in self.observers:
             observer.attach(self)
 
+    def compile(self, compiler) -> None:
+        """train.compile: each micro-batch of one-pass clipping (forward, per-sample backward, norms, clip factors,
+        clipped sums) and the noise's release (the noise added, drawn outside and passed in, and the scaling)
+        compiled whole (`dpmem.compiling`). The coverage check's micro-batch stays eager."""
+        if self.taps is None or self.observers:
+            raise ValueError("a compiled private step needs one-pass clipping, no FSDP, no activation checkpointing "
+                             "and no observers (dpmem audit)")
+        self._compiled = (compiler(self.microbatch, "microbatch"), compiler(self._release, "release"))
+
     def _watch_stand_ins(self, module: nn.Module, args) -> None:
         for q in module.parameters(recurse=False):
             if q.requires_grad and not sharding.is_sharded(q) and id(q) not in self._stand_ins:
@@ -110,7 +128,7 @@ class Privatizer:
     def close(self) -> None:
         """Remove every hook it put on the model (idempotent)."""
         self._close()
-        self.persample.close()
+        (self.taps or self.persample).close()
 
     def __enter__(self) -> "Privatizer":
         return self
@@ -131,6 +149,8 @@ class Privatizer:
             microbatches, loss_fn = observer.on_microbatches(self, microbatches, loss_fn)
         summed, loss_sum = self.clip_and_accumulate(microbatches, loss_fn, shapes, projections)
         loss_sum = self.noise.released_loss(loss_sum)
+        if self._compiled is not None:  # the noise drawn here, on the host from its secret key, and passed in
+            return PrivateGradient(self._compiled[1](summed, self.draw_noise(summed)), loss_sum)
         with exact_float32(self.device):
             summed = self.sum_over_ranks(summed)
             for observer in self.observers:
@@ -160,6 +180,14 @@ class Privatizer:
 
     def add_noise(self, summed: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         return add_noise(summed, self.noise, self._shard_noise() if self.sharded else None)
+
+    def draw_noise(self, summed: dict[nn.Parameter, torch.Tensor]) -> list[torch.Tensor]:
+        """The standard normal draws `add_noise` would make (one per run of sums), made now."""
+        return draw_noise(summed, self.noise)
+
+    def _release(self, summed: dict, drawn: list[torch.Tensor]) -> dict:
+        """The compiled step's noise and scaling, with the noise's draws given."""
+        return scale(add_noise(summed, self.noise, drawn=drawn), self.noise)
 
     def scale(self, summed: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         return scale(summed, self.noise)
@@ -197,34 +225,52 @@ class Privatizer:
             yield mb
 
     def _one_pass(self, microbatches, loss_fn, shapes, projections):
-        summed = {}  # made by the first micro-batch's clipped sums, after its backward pass (`_accumulate`)
+        # made by the first micro-batch's clipped sums (`_accumulate`); compiled, zeros first (one graph for all)
+        summed = {} if self._compiled is None else self._completed({}, shapes)
         loss_sum = torch.zeros((), device=self.device)
+        for mb in self._with_step_probes(microbatches):
+            check = self._check_coverage
+            step = self.microbatch if check or self._compiled is None else self._compiled[0]
+            loss_sum = loss_sum + step(mb, loss_fn, projections, summed, self._zero, check)
+            self._check_coverage = False
+        return self._completed(summed, shapes), loss_sum
+
+    def microbatch(self, mb, loss_fn, projections, summed, zero, check=False) -> torch.Tensor:
+        """One micro-batch of one-pass clipping: forward, the per-sample backward to the taps' probes, norms, clip
+        factors, and Σᵢ min(1, C/‖gᵢ‖)·wᵢ·gᵢ added into `summed` (in place; a parameter's first part becomes its
+        sum). Returns the micro-batch's clipped loss sum. Ordinary tensor code: `train.compile` compiles it whole.
+        `projections` (DP-GRAPE): a parameter's `Projection`, or what makes it. `check` (the first micro-batch,
+        eager): compare with autograd's batch gradient (its projections)."""
         keep = self._reducer()  # materialize: dense per-sample gradients; book-keeping: the factors
         reduce = {p: reducers.projected(projections[p], keep) if p in projections else keep for p in self.params}
-        for mb in self._with_step_probes(microbatches):
+        if self.taps is not None:
+            with self.taps.recording(zero) as tape:
+                losses = loss_fn(self.model, mb)
+            kept, batch_grads = self.taps.per_sample(tape, losses.sum(), batch_size(mb), reduce, check)
+            for p, g in batch_grads.items():
+                p.grad = g
+        else:  # activation checkpointing, FSDP (eager): the callbacks reduce each layer in the backward pass
             # autograd's batch gradient is needed only by the coverage check: otherwise the hooks' per-sample
             # gradients are all there is, and the backward skips the weights' batch products
-            with self.persample.capture(batch_size(mb), reduce, batch_gradients=self._check_coverage) as kept:
+            with self.persample.capture(batch_size(mb), reduce, batch_gradients=check) as kept:
                 losses = loss_fn(self.model, mb)
                 losses.sum().backward()
-            with exact_float32(self.device):
-                # squared norms, made as each layer's gradient arrived (the rows' now), and its per-sample gradients
-                norms = _norms(kept)
-                grads = {p: r.grads for p, r in kept.items()}
-                del kept
-                if self._check_coverage:
-                    self._check_coverage = False
-                    ones = torch.ones(batch_size(mb), device=self.device)
-                    verify_coverage(self.model, self.params, weighted_sum(grads, ones),
-                                    lambda p, g: projections[p]().project(g) if p in projections else g,
-                                    self.persample.compute)
-                factors = clip_factors(norms, self.noise.max_grad_norm) * weights(mb)
-                with memory_label("gradients"):
-                    for p, part in weighted_sums(grads, factors):
-                        _accumulate(summed, p, part)
-                del grads
-            loss_sum = loss_sum + (self.noise.clipped_losses(losses.detach()) * weights(mb)).sum()
-        return self._completed(summed, shapes), loss_sum
+        # no_grad: the taps' kept layer inputs are the forward's own tensors (not detached); nothing here is recorded
+        with exact_float32(self.device), torch.no_grad():
+            norms = _norms(kept)  # the squared norms made as each parameter was reduced (the rows' now)
+            grads = {p: r.grads for p, r in kept.items()}
+            del kept
+            if check:
+                ones = torch.ones(batch_size(mb), device=self.device)
+                verify_coverage(self.model, self.params, weighted_sum(grads, ones),
+                                lambda p, g: reducers.projection(projections[p]).project(g) if p in projections else g,
+                                (self.taps or self.persample).compute)
+            factors = clip_factors(norms, self.noise.max_grad_norm) * weights(mb)
+            with memory_label("gradients"):
+                for p, part in weighted_sums(grads, factors):
+                    _accumulate(summed, p, part)
+            del grads
+        return (self.noise.clipped_losses(losses.detach()) * weights(mb)).sum()
 
     def _two_pass(self, microbatches, loss_fn):
         summed = {}  # the first micro-batch's .grad tensors themselves (`_accumulate`)
@@ -280,7 +326,7 @@ def _accumulate(summed: dict, p: nn.Parameter, part: torch.Tensor) -> None:
     summed[p] = part if p not in summed else summed[p].add_(part)
 
 
-def add_noise(summed: dict, noise: Noise, own: Draws | None = None) -> dict:
+def add_noise(summed: dict, noise: Noise, own: Draws | None = None, drawn: list | None = None) -> dict:
     """N(0, σ²C² I) added to each clipped sum in place. A sum every rank holds whole gets the same draw on every rank
     (the draws have one key); a sum sharded by FSDP gets, on each rank, a draw for its own shard from `own`, that
     rank's draws of the step.
@@ -288,19 +334,33 @@ def add_noise(summed: dict, noise: Noise, own: Draws | None = None) -> dict:
     The draw: the sums in order, in runs of at most NOISE_BUCKET elements (a larger sum alone) of one source of
     draws, device and dtype; each run gets one standard normal vector of its total size (one keyed draw), split
     into its sums in order. One draw and one for-each add per run, where a draw per sum would cost a kernel per
-    parameter."""
+    parameter. `drawn`: those draws, made already (`draw_noise`; a compiled step's, made outside its graph)."""
     std = noise.sigma * noise.max_grad_norm
     if std == 0:  # sigma = 0 only for privacy=none: clipping without noise
         return summed
-    parts = [(part, own if part is not s and own is not None else noise.draws)
-             for s, part in ((s, sharding.local(s)) for s in summed.values())]
-    for run in _runs(parts, NOISE_BUCKET):
-        first, draws = run[0]
-        draw = normal(draws, (sum(p.numel() for p, _ in run),), first.device, first.dtype)
+    for i, run in enumerate(_runs(_noise_parts(summed, noise, own), NOISE_BUCKET)):
+        draw = drawn[i] if drawn is not None else _draw(run)
         chunks = draw.split([p.numel() for p, _ in run])
         torch._foreach_add_([p for p, _ in run], [c if p.dim() == 1 else c.view(p.shape)
                                                   for (p, _), c in zip(run, chunks)], alpha=std)
     return summed
+
+
+def draw_noise(summed: dict, noise: Noise, own: Draws | None = None) -> list[torch.Tensor]:
+    """The standard normal draws `add_noise` makes, in its order (none for sigma = 0)."""
+    if noise.sigma * noise.max_grad_norm == 0:
+        return []
+    return [_draw(run) for run in _runs(_noise_parts(summed, noise, own), NOISE_BUCKET)]
+
+
+def _noise_parts(summed: dict, noise: Noise, own: Draws | None) -> list[tuple[torch.Tensor, Draws | None]]:
+    return [(part, own if part is not s and own is not None else noise.draws)
+            for s, part in ((s, sharding.local(s)) for s in summed.values())]
+
+
+def _draw(run: list[tuple[torch.Tensor, Draws | None]]) -> torch.Tensor:
+    first, draws = run[0]
+    return normal(draws, (sum(p.numel() for p, _ in run),), first.device, first.dtype)
 
 
 def _runs(parts: list[tuple[torch.Tensor, Draws | None]], elements: int):

@@ -153,6 +153,13 @@ def checkpoint_activations(model: nn.Module, recompute: Callable[[], ContextMana
     return model
 
 
+def checkpointed(model: nn.Module) -> bool:
+    """Whether `checkpoint_activations` applies to the model (its blocks recompute in the backward pass)."""
+    name = "is_activation_checkpointing" if hasattr(model, "activation_checkpointing_enable") else \
+        "is_gradient_checkpointing"  # transformers >= 5.x renamed it
+    return bool(getattr(model, name, False))
+
+
 class _Recomputing:
     """The context of a checkpoint's recompute; entered once per backward pass through the block (two-pass
     clipping recomputes twice), so each entry opens its own stack."""

@@ -1,12 +1,17 @@
-"""Capture layer inputs in the forward pass and output gradients in the backward pass, and turn each pair into
-per-sample gradients with the rule of the layer's type. Vectorised over the batch; no loop over samples."""
+"""Capture by callbacks: layer inputs in the forward pass, output gradients as the backward pass reaches each layer,
+each pair turned into per-sample gradients with the rule of the layer's type and reduced at once. Vectorised over
+the batch; no loop over samples.
+
+The private step itself captures by `dpmem.persample.taps` (values returned to the step, which compiles). These
+callbacks serve what must act inside the backward pass: two-pass clipping (each layer's norm made and its output
+gradient freed as the backward reaches it), activation checkpointing (the recompute saves the layer's input again
+inside the backward), FSDP (the parameters' gathered stand-ins), and the spectrum analysis."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -15,25 +20,9 @@ from torch import nn
 
 from dpmem.metering import memory_label
 from dpmem.precision import Compute, exact_float32, tf32_enabled
-from dpmem.persample import rules  # noqa: F401  (registers the layer rules)
-from dpmem.persample.factored import Factored
 from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads
 from dpmem.persample.reducers import Reducer, materialize
-from dpmem.persample.registry import Rule, rule_for
-
-# Per-sample gradients mix samples through batch statistics in these layers: there is no per-sample gradient.
-REFUSED = (nn.modules.batchnorm._BatchNorm, nn.RNNBase, nn.MultiheadAttention)
-
-
-@dataclass
-class _Owner:
-    """A module whose direct parameters get per-sample gradients, and how."""
-    name: str
-    module: nn.Module
-    params: dict[str, nn.Parameter]  # attribute name -> parameter (trainable, direct, owned here)
-    rule: Rule | None  # None = generic fallback
-    scopes: list = field(default_factory=list)  # a rule's forward scopes, entered by the pre-hook
-    on_grad: Callable | None = None  # (saved, output gradient) -> per-sample gradients, made once per owner
+from dpmem.persample.owners import Owner, batch_first, find_owners, owned_parameters, tied_sum
 
 
 def weakly(method: Callable) -> Callable:
@@ -77,34 +66,8 @@ class PerSampleGradients:
         self._graph = False  # the last forward pass was inside a capture (see `_acting`)
         self._replaying = False
         self._arrived: dict[nn.Parameter, int] = {}  # backward hooks seen per parameter
-        self._owners: list[_Owner] = []
-        claimed: set[int] = set()
-        param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        modules = list(model.named_modules())  # a shared module is hooked once; its hooks fire per use
-        # Layer rules claim first, so a tied weight owned by a Linear and an Embedding gets both rules.
-        for with_rule in (True, False):
-            for mod_name, module in modules:
-                rule = rule_for(module)
-                if (rule is not None) != with_rule:
-                    continue
-                if rule is None and type(module).forward is nn.Module.forward:
-                    continue  # a container (ParameterDict) has no forward to replay: its parameters stay unclaimed
-                own = {n: p for n, p in module.named_parameters(recurse=False)
-                       if p.requires_grad and (with_rule or id(p) not in claimed)}
-                if not own:
-                    continue
-                if isinstance(module, REFUSED):
-                    name = param_names[id(next(iter(own.values())))]
-                    raise ValueError(f"{name}: {type(module).__name__} has no per-sample gradient (it mixes "
-                                     "samples); replace it (e.g. GroupNorm/LayerNorm) or freeze it")
-                if rule is not None and rule.check is not None:
-                    rule.check(mod_name, module)
-                claimed.update(id(p) for p in own.values())
-                self._owners.append(_Owner(mod_name, module, own, rule))
+        self._owners = find_owners(model)
         self.compute = Compute()  # what the last capture's backward computed in (the coverage check's tolerance)
-        missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in claimed]
-        if missing:
-            raise ValueError(f"no per-sample rule covers {missing[0]}; add a rule or freeze it")
         # what capture(batch_gradients=False) turns off: the parameters of float-input rules. One also owned by a
         # rule whose input is not (an embedding's ids cannot carry a gradient to its hook; a tied head) keeps
         # requires_grad; so do the fallback's
@@ -127,13 +90,7 @@ class PerSampleGradients:
 
     @property
     def parameters(self) -> list[nn.Parameter]:
-        seen, out = set(), []
-        for owner in self._owners:
-            for p in owner.params.values():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+        return owned_parameters(self._owners)
 
     @property
     def _device(self) -> torch.device:
@@ -205,12 +162,13 @@ class PerSampleGradients:
             self._graph = self._active
         return self._graph
 
-    def _pre_hook(self, owner: _Owner, mod, args, kwargs):
+    def _pre_hook(self, owner: Owner, mod, args, kwargs):
         if not self._acting():
             return None
         if owner.rule is not None and owner.rule.scope is not None:
             scope = owner.rule.scope(mod)
-            scope.__enter__()
+            if scope is not None:
+                scope.__enter__()
             owner.scopes.append(scope)
         if (self._skipping and args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()
                 and not args[0].requires_grad and not any(p.requires_grad for p in owner.params.values())):
@@ -218,13 +176,14 @@ class PerSampleGradients:
             return (args[0].detach().requires_grad_(), *args[1:]), kwargs
         return None
 
-    def _post_hook(self, owner: _Owner, mod, args, kwargs, output):
+    def _post_hook(self, owner: Owner, mod, args, kwargs, output):
         if not self._acting():
             return None
         rule, scope = owner.rule, None
         if rule is not None and rule.scope is not None:
             scope = owner.scopes.pop()
-            scope.__exit__(None, None, None)
+            if scope is not None:
+                scope.__exit__(None, None, None)
         if not isinstance(output, torch.Tensor):
             raise ValueError(f"{owner.name}: {type(mod).__name__} returns {type(output).__name__}, not a "
                              "tensor; no per-sample rule covers its parameters "
@@ -241,25 +200,18 @@ class PerSampleGradients:
                 saved = capture_call(mod, args, kwargs, output, None)
                 output.register_hook(lambda g: owner.on_grad(saved, g))
             return None
-        saved = rule.capture(mod, args, kwargs, output, scope)
+        saved = rule.capture(mod, args, kwargs, output, scope).detach()  # kept by the backward, not part of it
         return _KeepInput.apply(output, saved, owner.on_grad, self._anchor)
 
-    def _accumulate(self, owner: _Owner, saved, grad_output: torch.Tensor) -> None:
+    def _accumulate(self, owner: Owner, saved, grad_output: torch.Tensor) -> None:
         if not self._active:  # a second backward through this graph (two-pass clipping) happens outside `capture`
             return
         self.compute = self.compute.lowered(grad_output.dtype)
         with memory_label("per_sample"), exact_float32(grad_output.device):
             self._per_sample(owner, saved, grad_output)
 
-    def _per_sample(self, owner: _Owner, saved, grad_output: torch.Tensor) -> None:
-        batch = self._batch
-        if grad_output.shape[0] != batch and owner.rule is not None:
-            # Layers fed a batch-major flattening (OPT's FFN sees B·T rows): restore the batch dimension.
-            if grad_output.shape[0] % batch:
-                raise RuntimeError(f"{owner.name}: leading dimension {grad_output.shape[0]} is not a multiple "
-                                   f"of the batch size {batch}; inputs must be batch-first")
-            unflat = lambda t: t.reshape(batch, t.shape[0] // batch, *t.shape[1:])  # noqa: E731
-            grad_output, saved = unflat(grad_output), unflat(saved)
+    def _per_sample(self, owner: Owner, saved, grad_output: torch.Tensor) -> None:
+        saved, grad_output = batch_first(owner, saved, grad_output, self._batch)
         if owner.rule is None:
             self._replaying = True  # the replay calls submodules whose hooks must not fire
             try:
@@ -272,7 +224,7 @@ class PerSampleGradients:
             p = owner.params.get(name)
             if p is None:  # a frozen parameter of a rule-covered module
                 continue
-            self._pending[p] = g if p not in self._pending else _tied_sum(self._pending[p], g)
+            self._pending[p] = g if p not in self._pending else tied_sum(self._pending[p], g)
             self._arrived[p] = self._arrived.get(p, 0) + 1
             if self._arrived[p] == self._uses.get(p, 0):  # every use is in: reduce it, free the rest
                 self._reduce(p)
@@ -308,14 +260,3 @@ class _KeepInput(torch.autograd.Function):
     def backward(ctx, grad_output):
         ctx.on_grad(ctx.saved_tensors[0], grad_output)
         return grad_output, None, None, None
-
-
-def _tied_sum(a, b):
-    """Two uses' per-sample gradients of one tied weight: factored + factored stays factored; otherwise the sum
-    is dense, formed in one of the rules' fresh dense tensors in place (a copy would be another B×rows×cols)."""
-    if isinstance(a, Factored) and isinstance(b, Factored):
-        return a + b
-    dense, other = (b, a) if isinstance(a, Factored) else (a, b)
-    if not dense.is_contiguous():  # a broadcast view cannot be added into
-        return other + dense
-    return other.add_to_(dense) if isinstance(other, Factored) else dense.add_(other)

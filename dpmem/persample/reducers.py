@@ -38,10 +38,16 @@ def materialize(g):
     return g.to_dense() if isinstance(g, Factored) and not g.sparse else g
 
 
-def projected(projection: Callable[[], Projection], then: Reducer = materialize) -> Reducer:
+def projection(made: Projection | Callable[[], Projection]) -> Projection:
+    """A projection given, or made now by what makes it."""
+    return made if isinstance(made, Projection) else made()
+
+
+def projected(made: Projection | Callable[[], Projection], then: Reducer = materialize) -> Reducer:
     """DP-GRAPE: P applied to the factors, then `then` (by default the small (B, r, cols) or (B, rows, r) product).
-    The projection is made when the layer's gradient arrives and dropped after it."""
-    return lambda g: then(g.project(projection()))
+    Given as what makes it, the projection is made when the layer's gradient is reduced and dropped after it; a
+    compiled step is given the projection itself."""
+    return lambda g: then(g.project(projection(made)))
 
 
 def norms(rule: str, k: int = 32, draws: Draws | None = None) -> Reducer:

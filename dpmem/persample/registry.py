@@ -19,7 +19,8 @@ Gradients = Callable[[nn.Module, Any, torch.Tensor], dict[str, Any]]  # -> {name
 
 
 def capture_first_input(module: nn.Module, args: tuple, kwargs: dict, output: Any, scope: Any) -> torch.Tensor:
-    return args[0].detach() if args else next(iter(kwargs.values())).detach()
+    """The layer's input as it is (a capture detaches what it keeps, where that matters)."""
+    return args[0] if args else next(iter(kwargs.values()))
 
 
 def always(module: nn.Module) -> bool:

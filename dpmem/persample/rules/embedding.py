@@ -28,11 +28,15 @@ class _RecordIndices(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _scope(module: nn.Embedding) -> _RecordIndices:
-    return _RecordIndices(module.weight)
+def _scope(module: nn.Embedding) -> _RecordIndices | None:
+    """None for a plain nn.Embedding, whose ids are its first argument (no mode to enter: host time, and a
+    compiled step's graph)."""
+    return None if type(module).forward is nn.Embedding.forward else _RecordIndices(module.weight)
 
 
-def _capture(module, args, kwargs, output, scope: _RecordIndices) -> torch.Tensor:
+def _capture(module, args, kwargs, output, scope: _RecordIndices | None) -> torch.Tensor:
+    if scope is None:
+        return args[0] if args else kwargs["input"]
     if scope.indices is None:
         raise RuntimeError(f"{type(module).__name__} did not call F.embedding on its own weight")
     return scope.indices

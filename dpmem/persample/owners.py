@@ -1,0 +1,95 @@
+"""Which module owns each trainable parameter's per-sample gradient, and by which rule: shared by both capture
+mechanisms (`taps`, the step's values; `hooks`, the backward's callbacks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dpmem.persample import rules  # noqa: F401  (registers the layer rules)
+from dpmem.persample.factored import Factored
+from dpmem.persample.registry import Rule, rule_for
+
+# Per-sample gradients mix samples through batch statistics in these layers: there is no per-sample gradient.
+REFUSED = (nn.modules.batchnorm._BatchNorm, nn.RNNBase, nn.MultiheadAttention)
+
+
+@dataclass
+class Owner:
+    """A module whose direct parameters get per-sample gradients, and how."""
+    name: str
+    module: nn.Module
+    params: dict[str, nn.Parameter]  # attribute name -> parameter (trainable, direct, owned here)
+    rule: Rule | None  # None = generic fallback (`dpmem.persample.fallback`)
+    scopes: list = field(default_factory=list)  # a rule's forward scopes, entered by the pre-hook
+    on_grad: Callable | None = None  # (saved, output gradient) -> per-sample gradients (the hooks' callback)
+
+
+def find_owners(model: nn.Module) -> list[Owner]:
+    """Every module that owns trainable parameters, layer rules first (so a tied weight owned by a Linear and an
+    Embedding gets both rules), then the generic fallback for the rest. Raises ValueError for a parameter that
+    nothing covers or a layer that mixes samples."""
+    owners: list[Owner] = []
+    claimed: set[int] = set()
+    param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    modules = list(model.named_modules())  # a shared module is listed once; its capture acts per use
+    for with_rule in (True, False):
+        for mod_name, module in modules:
+            rule = rule_for(module)
+            if (rule is not None) != with_rule:
+                continue
+            if rule is None and type(module).forward is nn.Module.forward:
+                continue  # a container (ParameterDict) has no forward to replay: its parameters stay unclaimed
+            own = {n: p for n, p in module.named_parameters(recurse=False)
+                   if p.requires_grad and (with_rule or id(p) not in claimed)}
+            if not own:
+                continue
+            if isinstance(module, REFUSED):
+                name = param_names[id(next(iter(own.values())))]
+                raise ValueError(f"{name}: {type(module).__name__} has no per-sample gradient (it mixes "
+                                 "samples); replace it (e.g. GroupNorm/LayerNorm) or freeze it")
+            if rule is not None and rule.check is not None:
+                rule.check(mod_name, module)
+            claimed.update(id(p) for p in own.values())
+            owners.append(Owner(mod_name, module, own, rule))
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in claimed]
+    if missing:
+        raise ValueError(f"no per-sample rule covers {missing[0]}; add a rule or freeze it")
+    return owners
+
+
+def owned_parameters(owners: list[Owner]) -> list[nn.Parameter]:
+    """Each owned parameter once, in the owners' order."""
+    seen, out = set(), []
+    for owner in owners:
+        for p in owner.params.values():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def batch_first(owner: Owner, saved, grad_output: torch.Tensor, batch: int):
+    """A layer fed a batch-major flattening (OPT's FFN sees B·T rows): its input and output gradient with the batch
+    dimension restored."""
+    if grad_output.shape[0] == batch or owner.rule is None:
+        return saved, grad_output
+    if grad_output.shape[0] % batch:
+        raise RuntimeError(f"{owner.name}: leading dimension {grad_output.shape[0]} is not a multiple "
+                           f"of the batch size {batch}; inputs must be batch-first")
+    unflat = lambda t: t.reshape(batch, t.shape[0] // batch, *t.shape[1:])  # noqa: E731
+    return unflat(saved), unflat(grad_output)
+
+
+def tied_sum(a, b):
+    """Two uses' per-sample gradients of one tied weight: factored + factored stays factored; otherwise the sum
+    is dense, formed in one of the rules' fresh dense tensors in place (a copy would be another B×rows×cols)."""
+    if isinstance(a, Factored) and isinstance(b, Factored):
+        return a + b
+    dense, other = (b, a) if isinstance(a, Factored) else (a, b)
+    if not dense.is_contiguous():  # a broadcast view cannot be added into
+        return other + dense
+    return other.add_to_(dense) if isinstance(other, Factored) else dense.add_(other)
