@@ -328,6 +328,11 @@ class TrainConfig:
     # every micro-batch at the physical batch size and the split's full token width: the short one padded with
     # samples that weigh 0 (the accountant is unchanged), so that the step has one shape (a CUDA graph's need)
     static_shapes: bool = False
+    # compile each micro-batch's forward, per-sample backward and clipping, and the noise's release, whole
+    # (torch.compile fullgraph; dpmem.compiling); implies static_shapes. On the CPU the compile time (tens of
+    # seconds) outweighs short runs
+    compile: bool = False
+    compile_backend: str = "inductor"  # inductor (CUDA graphs on CUDA) | aot_eager | eager (trace only: tests)
     # faults: checkpoint.pt in the run folder every N steps (0 = never); a run started again in the same folder
     # (the same hydra.run.dir / hydra.sweep.dir) resumes from it, privacy accounting included
     checkpoint_every: int = 0
@@ -509,6 +514,8 @@ def check_train(t: Any) -> None:
         raise ConfigError("train.eval_every", f"{t.eval_every} must be >= 0 (0 = only at the end)")
     if t.eval_batch_size is not None and t.eval_batch_size <= 0:
         raise ConfigError("train.eval_batch_size", f"{t.eval_batch_size} must be positive")
+    if t.compile_backend not in ("inductor", "aot_eager", "eager"):
+        raise ConfigError("train.compile_backend", f"{t.compile_backend!r}: allowed inductor, aot_eager, eager")
     if t.precision == Precision.tf32 and t.device == Device.cpu:
         raise ConfigError("train.precision", "tf32 is a mode of CUDA GPUs' matmuls; allowed on cpu: fp32, bf16")
 

@@ -162,7 +162,9 @@ def dpmem_method(cfg, data, model, batch, size: int, name: str, options: dict, p
     cfg.method = method_cfg
     method = assemble(cfg, prec.device, data, model).method  # stand-in noise: sigma = 1
     loss_fn = prec.forward(per_sample_loss)  # the forward under autocast (bf16), as `dpmem train` runs it
-    return Contestant(model, lambda: method.step([batch], loss_fn), method.state_tensors)
+    contestant = Contestant(model, lambda: method.step([batch], loss_fn), method.state_tensors)
+    contestant.method = method  # scripts/bench_compile.py compiles it
+    return contestant
 
 
 def make_batch(cfg, data, size: int, device: torch.device) -> dict[str, torch.Tensor]:

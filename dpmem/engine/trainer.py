@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from dpmem import distributed, precision, sharding
+from dpmem.compiling import Compiler
 from dpmem.config import ConfigError, enum_value
 from dpmem.data import build_data
 from dpmem.data.bundle import Padded
@@ -109,6 +110,8 @@ class Run:
         self.main = distributed.is_main()
         # rank 0 evaluates alone, unless FSDP's sharded forward needs every rank (all evaluate; rank 0 records)
         self.evaluates = self.main or cfg.train.fsdp
+        self.compiler = None  # train.compile's (dpmem.compiling), made by `prepare`
+        self.static_shapes = cfg.train.static_shapes or cfg.train.compile  # a compiled step has one shape
 
     # -- set-up (configuration errors surface here, before anything is trained) ----------------------------
     def prepare(self) -> Parts:
@@ -140,6 +143,14 @@ class Run:
                                       mesh=sharding.mesh(self.device.type) if t.fsdp else None,
                                       observers=self.observers)
         parts.autocast = self.precision.autocast
+        # one function for the run (a compiled step is traced for the function it is given)
+        self.loss_fn = self.precision.forward(parts.per_sample_loss)
+        if t.compile:
+            if self.observers:
+                raise ConfigError("train.compile", "dpmem audit's canaries and dpmem spectrum observe the step "
+                                  "eagerly; with them: train.compile=false")
+            self.compiler = Compiler(self.device, t.compile_backend)
+            parts.method.compile(self.compiler)
         plan = method.clipping(m)
         if t.activation_checkpointing and plan is not None and plan.bookkeeping:
             print("dpmem: warning: book-keeping (method.clipping=bk, method.bookkeeping=true) keeps every layer's "
@@ -181,6 +192,8 @@ class Run:
     ledger = property(lambda self: self.parts.ledger)
 
     def _write_summary(self) -> None:
+        if self.compiler is not None:  # how the step was captured: graphs, breaks, recompiles, compile seconds
+            self.summary["compiled"] = self.compiler.capture()
         if self.main:
             write_summary(self.run_dir, self.summary)
 
@@ -289,7 +302,8 @@ class Run:
         # the batches' sizes are counts of the private data: an accounted run counts the expected q·n per step
         expected = self.ledger.expected_batch_size if self.ledger.accounted else None
         samples, loss_sum, loss_count = s["samples_expected" if expected else "samples_seen"], None, 0
-        self.meter = meter = Meter(self.device, self.steps, log_cfg.memory_steps)
+        # compiled: no live-tensor counter on the CPU (dynamo refuses a dispatch mode); CUDA's allocator counts
+        self.meter = meter = Meter(self.device, self.steps, 0 if self.compiler is not None else log_cfg.memory_steps)
         try:
             for step, index in enumerate(self.batches()):
                 if step < done:  # drawn again and skipped, so the sampler is where the lost run had it
@@ -422,7 +436,7 @@ class Run:
         """The method's update for 0-based `step` at its scheduled learning rate: (lr, summed per-sample loss)."""
         lr = lr_at(step, self.steps, self.cfg.train)
         self.method.set_lr(lr)
-        return lr, self.method.step(micro, self.precision.forward(self.parts.per_sample_loss))
+        return lr, self.method.step(micro, self.loss_fn)
 
     def microbatches(self, index: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """A logical batch (training-set indices) as physical micro-batches on the device. Under FSDP every rank
@@ -433,15 +447,15 @@ class Run:
         physical = t.physical_batch_size or t.batch_size
         chunks = list(index.split(physical)) if len(index) else []
         padding = distributed.most(len(chunks)) - len(chunks) if t.fsdp else 0
-        if t.static_shapes:  # every micro-batch a Padded one, full ones too: one code path (and graph) for all
+        if self.static_shapes:  # every micro-batch a Padded one, full ones too: one code path (and graph) for all
             micro = [Padded(self._on_device(torch.cat([c, c[:1].expand(physical - len(c))])), len(c)) for c in chunks]
         else:
             micro = [self._on_device(chunk) for chunk in chunks]
-        size = physical if t.static_shapes else 1
+        size = physical if self.static_shapes else 1
         return micro + [Padded(self._on_device(torch.zeros(size, dtype=torch.long)), 0) for _ in range(padding)]
 
     def _on_device(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
-        batch = self.data.batch(self.data.train, index, trim=not self.cfg.train.static_shapes)
+        batch = self.data.batch(self.data.train, index, trim=not self.static_shapes)
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def batches(self):
@@ -490,7 +504,7 @@ def outside_epsilon(cfg, ledger) -> dict[str, str]:
                                                  "(it protects the training set)",
            "wall_time_s, throughput_samples_per_s, samples_per_s": "timings, which depend on the sampled batches' "
                                                                    "sizes (a side channel)"}
-    if not cfg.train.static_shapes:
+    if not (cfg.train.static_shapes or cfg.train.compile):
         out["peak_memory_bytes, peak_memory_allocated_bytes, memory_bytes"] = (
             "peaks, which depend on the largest sampled micro-batch (train.static_shapes=true pads every micro-batch "
             "to one size: then they do not)")

@@ -89,6 +89,7 @@ class Method:
 
     # a method without per-sample clipping: whether FSDP can run its step (autograd's batch gradient, sharded)
     shardable = False
+    compilable = False  # train.compile: it has a compiled step (`compile`)
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -96,6 +97,10 @@ class Method:
         (dpmem.config.validate_groups): finite options; for a private method, a clipping threshold, and sampling
         and an accountant that account for it. A method with options of its own extends it. Raises ConfigError."""
         t, p, m = cfg.train, cfg.privacy, cfg.method
+        if t.get("compile"):
+            why = cls.not_compilable(cfg)
+            if why is not None:
+                raise ConfigError("train.compile", why)
         for key, value in m.items():  # a NaN or infinite option trains garbage that looks fine: none is allowed
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"method.{key}", f"{value} must be a finite number")
@@ -133,6 +138,30 @@ class Method:
         if randomized and p.neighbouring != Neighbouring.add_remove:
             raise ConfigError("privacy.neighbouring", f"the rc accountant of {m.name} is for add_remove only; "
                               "allowed: add_remove")
+
+    @classmethod
+    def not_compilable(cls, cfg) -> str | None:
+        """Why train.compile cannot compile this run's step (None: it can). What must act inside the backward pass
+        (`dpmem.persample.hooks`' callbacks) stays eager."""
+        t, plan = cfg.train, cls.clipping(cfg.method)
+        if not cls.compilable:
+            return (f"{cfg.method.name} has no compiled step; allowed: adam, dp-adam, dp-sgd, dp-sgd-rc, grape, "
+                    "galore-dp-naive, dpzero, mezo (or train.compile=false)")
+        if t.fsdp:
+            return ("FSDP's gathered parameters are met by callbacks in the backward pass, which a graph cannot "
+                    "hold; with train.fsdp: train.compile=false")
+        if t.activation_checkpointing:
+            return ("activation checkpointing's recompute saves each layer's input again inside the backward pass "
+                    "(callbacks); with it: train.compile=false")
+        if plan is not None and plan.passes != 1:
+            return (f"method.clipping={plan.name} forms its clipped sums in a second backward pass through one graph, "
+                    "with per-layer callbacks; compiled: method.clipping=bk or materialize (dp-sgd-rc: "
+                    "method.bookkeeping=true)")
+        return None
+
+    def compile(self, compiler) -> None:
+        """train.compile: the step's functions compiled by `compiler` (`dpmem.compiling.Compiler`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no compiled step")
 
     @classmethod
     def warnings(cls, cfg) -> list[str]:

@@ -22,9 +22,16 @@ class DPAdam(Method):
         self.params = self.privatize.params
         self.optimizer = make_optimizer(self.params, cfg, lr)
 
+    compilable = True
+
     @classmethod
     def clipping(cls, cfg) -> ClippingPlan:
         return ClippingPlan.of(enum_value(cfg.clipping))
+
+    def compile(self, compiler) -> None:
+        """The private step's micro-batches and release compiled; torch's optimiser steps eagerly (its step breaks
+        the graph on purpose, `torch.optim.optimizer._use_grad`: a for-each update of a few kernels)."""
+        self.privatize.compile(compiler)
 
     def step(self, microbatches, loss_fn):
         grads, loss_sum = self.privatize.gradient(microbatches, loss_fn, {p: p.shape for p in self.params})

@@ -73,10 +73,19 @@ class ZerothOrder(Method):
         for p, z in self._directions(seed):
             p.add_(z * alpha)
 
+    compilable = True
+
+    def compile(self, compiler) -> None:
+        """The forward passes compiled (the perturbations, drawn from a generator, stay eager)."""
+        self._forward = compiler(self._forward, "forward")
+
+    def _forward(self, mb, loss_fn) -> torch.Tensor:
+        # a padding sample weighs 0: its estimate and loss are 0, and clipping keeps them 0
+        return loss_fn(self.model, mb).float() * weights(mb)
+
     @torch.no_grad()
     def _losses(self, microbatches, loss_fn) -> torch.Tensor:
-        # a padding sample weighs 0: its estimate and loss are 0, and clipping keeps them 0
-        return torch.cat([loss_fn(self.model, mb).float() * weights(mb) for mb in microbatches])
+        return torch.cat([self._forward(mb, loss_fn) for mb in microbatches])
 
     def per_sample_estimates(self, seed: int, microbatches, loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
         """(gᵢ, mean of L⁺ᵢ and L⁻ᵢ) for the direction of `seed`; the parameters end where they started. Both

@@ -103,9 +103,15 @@ class GaLoreDPNaive(GaLore):
     def clipping(cls, cfg) -> ClippingPlan:
         return ClippingPlan.of(enum_value(cfg.clipping))
 
+    compilable = True
+
     def _parameters(self, model, noise, cfg, observers):
         self.privatize = Privatizer(model, noise, self.clipping(cfg), cfg.check_coverage, observers)
         return self.privatize.params
+
+    def compile(self, compiler) -> None:
+        """The private step's micro-batches and release compiled; the SVD refresh and projected Adam stay eager."""
+        self.privatize.compile(compiler)
 
     def gradient(self, microbatches, loss_fn):
         return self.privatize.gradient(microbatches, loss_fn, {p: p.shape for p in self.params})

@@ -23,7 +23,7 @@ from dpmem.methods.base import Method, Noise, check_positive
 from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
-from dpmem.persample import Projection
+from dpmem.persample import Projection, reducers
 
 
 class Grape(Method):
@@ -51,6 +51,28 @@ class Grape(Method):
         self.shapes = {p: projected_shape(p, self.sides.get(p), self.rank) for p in self.params}
         self.adam = ProjectedAdam(self.params, self.shapes, cfg.betas, cfg.eps, cfg.weight_decay)
 
+    compilable = True
+
+    def compile(self, compiler) -> None:
+        """The private step's micro-batches and release compiled, given this window's projections: kept in one
+        buffer per layer (r·Σm, as GaLore stores them), regenerated on the host when t // F moves on, and passed in,
+        so that no generator is made inside a graph. The projected Adam update stays eager."""
+        self.privatize.compile(compiler)
+        self._window = None  # the t // F whose projections the buffers hold
+        self._kept = {p: Projection(torch.empty(p.shape[side], self.rank, device=p.device, dtype=p.dtype), side)
+                      for p, side in self.sides.items()}
+
+    def _projections(self, t: int) -> dict:
+        """What the step is given: each layer's projection at step t, or what makes it (eager: made when its
+        gradient is reduced, one at a time)."""
+        if not hasattr(self, "_kept"):
+            return {p: (lambda p=p: self.projection(p, t)) for p in self.sides}
+        if self._window != t // self.refresh:
+            self._window = t // self.refresh
+            for p, kept in self._kept.items():
+                kept.P.copy_(self.projection(p, t).P)
+        return self._kept
+
     def projection(self, p: nn.Parameter, t: int) -> Projection:
         """P for parameter p at (1-based) step t: N(0, 1/r), regenerated from (run seed, layer, t // F)."""
         side = self.sides[p]
@@ -72,8 +94,8 @@ class Grape(Method):
 
     def step(self, microbatches, loss_fn):
         self.t = t = self.t + 1
-        grads, loss_sum = self.privatize.gradient(microbatches, loss_fn, self.shapes,
-                                         {p: (lambda p=p: self.projection(p, t)) for p in self.sides})
-        # one layer's P at a time, regenerated for the update
-        self.adam.step(grads, self.lr, t, lambda p: self.projection(p, t) if p in self.sides else None)
+        projections = self._projections(t)
+        grads, loss_sum = self.privatize.gradient(microbatches, loss_fn, self.shapes, projections)
+        # eager: one layer's P at a time, regenerated for the update
+        self.adam.step(grads, self.lr, t, lambda p: reducers.projection(projections[p]) if p in self.sides else None)
         return loss_sum

@@ -27,7 +27,7 @@ from dpmem.persample.clipping import flat_norms, weighted_sums
 from dpmem.persample.hooks import remove_handles, weakly
 from dpmem.persample.taps import Taps
 from dpmem.precision import exact_float32
-from dpmem.privacy.randomness import Draws, normal
+from dpmem.privacy.randomness import Draws, Drawn, Recorded, normal
 
 NOISE_BUCKET = 2**24  # elements of noise drawn at once (64 MiB in float32)
 
@@ -83,6 +83,7 @@ class Privatizer:
         self._check_coverage = check_coverage
         self._zero = self.taps.zero() if self.taps is not None else None  # the probes' leaf (`Taps.zero`)
         self._compiled = None  # (micro-batch, release), compiled by `compile`
+        self._probe_shapes = None  # the (shape, dtype) of each probe draw of a step, in order (compiled dp-sgd-rc)
         # Keys drawn once per logical step, the same on every rank, from the noise's secret key (host-side: no sync):
         # - the estimators' probes (dp-sgd-rc), shared by the step's whole batch: every micro-batch, on every rank,
         #   draws them again from the step's key, so neither the physical batch size nor the number of ranks
@@ -201,12 +202,12 @@ class Privatizer:
         factors = clip_factors(_norms(reduced), self.noise.max_grad_norm)
         return weighted_sum({key: r.grads for key, r in reduced.items()}, factors)
 
-    def _reducer(self):
+    def _reducer(self, probes=None):
         """Squared norms by the plan's rule, and the per-sample gradients kept for the clipped sum (dense for
         materialize, else as they come: a layer's factors for book-keeping): one-pass clipping's reducer, and the
-        audit's canaries' under any plan (`clipped_sum_of`)."""
+        audit's canaries' under any plan (`clipped_sum_of`). `probes`: the estimators' draws, if not the step's."""
         dense = self.plan.keeps == "gradients"
-        return reducers.normed(self.plan.norms, self.plan.k, self._probe_draws,
+        return reducers.normed(self.plan.norms, self.plan.k, probes or self._probe_draws,
                                **({"then": reducers.materialize} if dense else {}))
 
     def _shard_noise(self) -> Draws | None:
@@ -228,20 +229,27 @@ class Privatizer:
         # made by the first micro-batch's clipped sums (`_accumulate`); compiled, zeros first (one graph for all)
         summed = {} if self._compiled is None else self._completed({}, shapes)
         loss_sum = torch.zeros((), device=self.device)
+        estimated = self._probe_draws is not None
         for mb in self._with_step_probes(microbatches):
             check = self._check_coverage
-            step = self.microbatch if check or self._compiled is None else self._compiled[0]
-            loss_sum = loss_sum + step(mb, loss_fn, projections, summed, self._zero, check)
+            if self._compiled is not None and not check and (self._probe_shapes is not None or not estimated):
+                # the estimators' probes drawn here, as the eager step draws them, and passed in
+                probes = Drawn.of(self._probe_draws, self._probe_shapes) if estimated else None
+                loss_sum = loss_sum + self._compiled[0](mb, loss_fn, projections, summed, self._zero, False, probes)
+            else:  # eager; compiled runs learn here which probes the step draws
+                probes = Recorded(self._probe_draws) if estimated else None
+                loss_sum = loss_sum + self.microbatch(mb, loss_fn, projections, summed, self._zero, check, probes)
+                self._probe_shapes = probes.shapes if estimated else None
             self._check_coverage = False
         return self._completed(summed, shapes), loss_sum
 
-    def microbatch(self, mb, loss_fn, projections, summed, zero, check=False) -> torch.Tensor:
+    def microbatch(self, mb, loss_fn, projections, summed, zero, check=False, probes=None) -> torch.Tensor:
         """One micro-batch of one-pass clipping: forward, the per-sample backward to the taps' probes, norms, clip
         factors, and Σᵢ min(1, C/‖gᵢ‖)·wᵢ·gᵢ added into `summed` (in place; a parameter's first part becomes its
         sum). Returns the micro-batch's clipped loss sum. Ordinary tensor code: `train.compile` compiles it whole.
         `projections` (DP-GRAPE): a parameter's `Projection`, or what makes it. `check` (the first micro-batch,
-        eager): compare with autograd's batch gradient (its projections)."""
-        keep = self._reducer()  # materialize: dense per-sample gradients; book-keeping: the factors
+        eager): compare with autograd's batch gradient (its projections). `probes`: the estimators' draws."""
+        keep = self._reducer(probes)  # materialize: dense per-sample gradients; book-keeping: the factors
         reduce = {p: reducers.projected(projections[p], keep) if p in projections else keep for p in self.params}
         if self.taps is not None:
             with self.taps.recording(zero) as tape:

@@ -98,3 +98,34 @@ def normal(draws: Draws | None, shape: tuple, device: torch.device, dtype: torch
     if draws is None:
         return torch.randn(shape, device=device, dtype=dtype)
     return draws.randn(*shape, dtype=dtype)
+
+
+class Recorded:
+    """Draws that note each draw's shape and dtype: the order in which a step draws its probes, so that a compiled
+    step can be given them (`Drawn`)."""
+
+    def __init__(self, draws: Draws):
+        self.draws, self.shapes = draws, []
+
+    def randn(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        self.shapes.append((shape, dtype))
+        return self.draws.randn(*shape, dtype=dtype)
+
+
+class Drawn:
+    """Draws made already (on the host, from the secret key, outside a compiled graph), handed out in order: the
+    graph never holds a key or a generator, and each step is given fresh values."""
+
+    def __init__(self, values: list[torch.Tensor]):
+        self.values, self.count = values, 0
+
+    @classmethod
+    def of(cls, draws: Draws, shapes: list) -> "Drawn":
+        """The draws `draws` makes for these (shape, dtype) in order, made now."""
+        return cls([draws.randn(*shape, dtype=dtype) for shape, dtype in shapes])
+
+    def randn(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        value = self.values[self.count]
+        self.count += 1
+        return value
+

@@ -1,0 +1,72 @@
+"""train.compile: a method's step functions compiled whole (`torch.compile(fullgraph=True)`), and how the step was
+captured (graphs, graph breaks, recompiles, compile seconds) for the run's summary.
+
+fullgraph=True makes any graph break an error, so "one graph" is checked on every call rather than hoped for.
+dynamic=False: train.compile implies train.static_shapes, so every micro-batch has one shape and a new shape is a
+recompile that `capture()` counts. On CUDA, mode="reduce-overhead" replays CUDA graphs; on the CPU, inductor's C++
+kernels (`train.compile_backend=aot_eager` or `eager` trace the same graph without generating code: the tests')."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch._dynamo
+
+BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def _stats() -> tuple[int, int]:
+    """(graphs made, graph breaks met) in this process so far."""
+    counters = torch._dynamo.utils.counters
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def _own_code(fn: Callable) -> Callable:
+    """`fn` called through a function with a code object of its own. Dynamo keeps compiled graphs, and counts
+    recompiles against its limit, per code object: without this, every run in one process (a sweep on Hydra's basic
+    launcher, the tests) would add its graphs to the same `Privatizer.microbatch` until the limit refused one."""
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+    call.__code__ = call.__code__.replace()
+    return call
+
+
+class Compiler:
+    """Compiles functions for one run and records their capture. `compiler(fn, name)` is `fn` compiled; its calls
+    that compile (a graph is made) count their wall time as compile seconds."""
+
+    def __init__(self, device: torch.device, backend: str = "inductor"):
+        if backend not in BACKENDS:
+            raise ValueError(f"compile backend {backend!r}: allowed {', '.join(BACKENDS)}")
+        self.backend = backend
+        self.mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
+        self.functions: dict[str, int] = {}  # name -> graphs made for it
+        self.breaks = 0
+        self.seconds = 0.0
+
+    def __call__(self, fn: Callable, name: str) -> Callable:
+        compiled = torch.compile(_own_code(fn), fullgraph=True, dynamic=False, backend=self.backend, mode=self.mode)
+        self.functions[name] = 0
+
+        def call(*args, **kwargs):
+            before, tic = _stats(), time.perf_counter()
+            # the per-sample backward runs inside the graph (`dpmem.persample.taps`): dynamo traces autograd.grad
+            with torch._dynamo.config.patch(trace_autograd_ops=True):
+                out = compiled(*args, **kwargs)
+            after = _stats()
+            if after[0] > before[0]:  # this call traced (and compiled) a graph
+                self.seconds += time.perf_counter() - tic
+            self.functions[name] += after[0] - before[0]
+            self.breaks += after[1] - before[1]
+            return out
+        return call
+
+    def capture(self) -> dict:
+        """The summary's record of how the step was captured."""
+        graphs = sum(self.functions.values())
+        return {"backend": self.backend, "mode": self.mode or "default", "graphs_per_function": dict(self.functions),
+                "graphs": graphs, "graph_breaks": self.breaks,
+                "recompiles": graphs - sum(1 for n in self.functions.values() if n),  # graphs beyond each first
+                "compile_seconds": round(self.seconds, 2)}
