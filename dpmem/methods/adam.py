@@ -7,7 +7,7 @@ import torch
 from dpmem import distributed, sharding
 from dpmem.config import OptimizerConfig
 from dpmem.data.bundle import real_size, weights
-from dpmem.methods.base import Method, make_optimizer
+from dpmem.methods.base import Method, fuse, make_optimizer
 
 
 class Adam(Method):
@@ -27,6 +27,7 @@ class Adam(Method):
         buffers given); torch's optimiser steps eagerly (its step breaks the graph on purpose)."""
         self._compiled = compiler(self.microbatch, "microbatch")
         self._sums = [torch.zeros_like(p) for p in self.params]
+        fuse(self.optimizer)
 
     def microbatch(self, mb, loss_fn, total: torch.Tensor, sums: list[torch.Tensor]) -> torch.Tensor:
         """The micro-batch's gradient of the batch-mean loss added into `sums`; returns its loss sum."""

@@ -84,6 +84,7 @@ class Privatizer:
         self._zero = self.taps.zero() if self.taps is not None else None  # the probes' leaf (`Taps.zero`)
         self._compiled = None  # (micro-batch, release), compiled by `compile`
         self._probe_shapes = None  # the (shape, dtype) of each probe draw of a step, in order (compiled dp-sgd-rc)
+        self._sums = None  # the compiled step's clipped sums (`_zeroed`)
         # Keys drawn once per logical step, the same on every rank, from the noise's secret key (host-side: no sync):
         # - the estimators' probes (dp-sgd-rc), shared by the step's whole batch: every micro-batch, on every rank,
         #   draws them again from the step's key, so neither the physical batch size nor the number of ranks
@@ -226,8 +227,8 @@ class Privatizer:
             yield mb
 
     def _one_pass(self, microbatches, loss_fn, shapes, projections):
-        # made by the first micro-batch's clipped sums (`_accumulate`); compiled, zeros first (one graph for all)
-        summed = {} if self._compiled is None else self._completed({}, shapes)
+        # made by the first micro-batch's clipped sums (`_accumulate`); compiled, zeroed buffers (one graph for all)
+        summed = {} if self._compiled is None else self._zeroed(shapes)
         loss_sum = torch.zeros((), device=self.device)
         estimated = self._probe_draws is not None
         for mb in self._with_step_probes(microbatches):
@@ -312,6 +313,15 @@ class Privatizer:
                     p.grad = None
             loss_sum = loss_sum + (self.noise.clipped_losses(losses.detach()) * weights(mb)).sum()
         return self._completed(summed), loss_sum
+
+    def _zeroed(self, shapes) -> dict[nn.Parameter, torch.Tensor]:
+        """The compiled step's clipped sums, zeroed: buffers kept from step to step (one for-each zeroing, not a
+        fresh tensor per parameter; the release returns them noised, and they are read before the next step)."""
+        if self._sums is None:
+            self._sums = self._completed({}, shapes)
+        else:
+            torch._foreach_zero_(list(self._sums.values()))
+        return dict(self._sums)
 
     def _completed(self, summed, shapes=None) -> dict[nn.Parameter, torch.Tensor]:
         """Every parameter's clipped sum: zeros (of `shapes[p]`, else of p: a shard under FSDP) for one that no
