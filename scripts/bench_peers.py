@@ -190,11 +190,12 @@ def timed(step: Callable[[], torch.Tensor], cuda: bool) -> float:
 
 
 def measure(makers: dict[str, Callable[[], Contestant]], size: int, rounds: int, device: torch.device,
-            count_ops: bool) -> dict[str, dict]:
-    """Each contestant is built and takes a warm-up step (optimiser state, one-off checks), then one step with its
-    ops counted (`count_ops`), then one metered step. On CPU all stay resident and `rounds` interleaved rounds of one
-    step each are timed; on CUDA each is timed over `rounds` consecutive steps and freed before the next is built,
-    so that max_memory_allocated sees one contestant only."""
+            count_ops: bool, warmup: int = 1, metered: Callable[[str], bool] = lambda name: True) -> dict[str, dict]:
+    """Each contestant is built and takes `warmup` timed warm-up steps (optimiser state, one-off checks, compiling),
+    then one step with its ops counted (`count_ops`), then one metered step (on CPU, for the names `metered` accepts:
+    the live-tensor counter is a dispatch mode, which a compiled step refuses). On CPU all stay resident and `rounds`
+    interleaved rounds of one step each are timed; on CUDA each is timed over `rounds` consecutive steps and freed
+    before the next is built, so that max_memory_allocated sees one contestant only."""
     cuda = device.type == "cuda"
     out, resident = {}, {}
     for name, make in makers.items():
@@ -203,8 +204,7 @@ def measure(makers: dict[str, Callable[[], Contestant]], size: int, rounds: int,
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         c = make()
-        float(c.step())
-        r = out[name] = {"times": []}
+        r = out[name] = {"times": [], "warm": [timed(c.step, cuda) for _ in range(warmup)]}
         if count_ops:  # one step, outside the timed ones: the mode's Python call per op slows every op
             with OpCounter() as ops:
                 loss = c.step()
@@ -219,9 +219,10 @@ def measure(makers: dict[str, Callable[[], Contestant]], size: int, rounds: int,
             r["times"] = [timed(c.step, True) for _ in range(rounds)]
             del c
         else:
-            with LiveTensorCounter().track_state(c.model, c) as counter:
-                float(c.step())
-            r["peak"] = counter.peak
+            if metered(name):
+                with LiveTensorCounter().track_state(c.model, c) as counter:
+                    float(c.step())
+                r["peak"] = counter.peak
             resident[name] = c
     for _ in range(rounds):
         for name, c in resident.items():
