@@ -1,7 +1,8 @@
 """train.compile: the private step (forward, per-sample backward to the taps' probes, norms, clip factors, clipped
 sums) and the noise's release compile as one graph each (fullgraph=True: a break is an error), and a compiled step
-equals the eager one. Most cases trace with the aot_eager backend (the same graph, no code generated: seconds, not
-minutes, on 2 cores); one runs inductor's generated code."""
+equals the eager one. Most cases trace with dynamo's eager backend (the whole graph captured, then run by ATen:
+seconds, not minutes, on 2 cores); the bf16 case with aot_eager (autocast through AOTAutograd); one runs inductor's
+generated code."""
 
 import json
 import math
@@ -31,8 +32,7 @@ def small_mlp():
 
 MODELS = {"roberta-mlm": tiny_roberta, "vit": lambda: tiny_vit("eager"), "opt": tiny_opt, "llama": tiny_llama,
           "lora": roberta_classifier, "mlp": small_mlp}
-OPTIONS = {"dp-adam": {"clipping": "bk"}, "dp-adam-materialize": {"clipping": "materialize"},
-           "dp-sgd": {"clipping": "bk"}, "grape": {"rank": 2},
+OPTIONS = {"dp-adam": {"clipping": "bk"}, "dp-sgd-materialize": {"clipping": "materialize"}, "grape": {"rank": 2},
            "galore-dp-naive": {"rank": 2, "refresh": 1}, "dp-sgd-rc": {"bookkeeping": True, "k": 4},
            "adam": {}, "dpzero": {}, "mezo": {}}
 PRIVATE = {"dp-adam", "dp-sgd", "grape", "galore-dp-naive", "dp-sgd-rc", "dpzero"}
@@ -70,14 +70,13 @@ def three_steps(model_name, name, backend=None):
     return trained, None if compiler is None else compiler.capture()
 
 
-CASES = [(m, "dp-adam") for m in MODELS if m != "mlp"] + [("roberta-mlm", n) for n in OPTIONS if n != "dp-adam"] + [
-    ("llama", "grape"), ("opt", "dpzero")]
+CASES = [(m, "dp-adam") for m in MODELS if m != "mlp"] + [("roberta-mlm", n) for n in OPTIONS if n != "dp-adam"]
 
 
 @pytest.mark.parametrize("model_name,name", CASES)
 def test_the_compiled_step_is_one_graph_per_function_and_equals_the_eager_step(model_name, name):
     want, _ = three_steps(model_name, name)
-    got, capture = three_steps(model_name, name, "aot_eager")
+    got, capture = three_steps(model_name, name, "eager")
     assert capture["graph_breaks"] == 0 and capture["recompiles"] == 0, capture
     assert all(n == 1 for n in capture["graphs_per_function"].values()), capture
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
@@ -103,7 +102,7 @@ def test_the_noise_is_drawn_outside_the_graph_and_fresh_at_every_step():
         return [torch.cat([g.flatten() for g in method.privatize.gradient(micro, loss, {p: p.shape for p in
                                                                                        method.params})[0].values()])
                 for _ in range(2)]
-    eager, compiled = releases(None), releases("aot_eager")
+    eager, compiled = releases(None), releases("eager")
     assert (compiled[0] - compiled[1]).abs().max() > 0.1
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
@@ -115,24 +114,20 @@ def run(tmp_path, name, *overrides, model=("model=vit-tiny", "data.image_size=8"
     return run_training(cfg, tmp_path / name)
 
 
-def test_poisson_batches_with_static_shapes_make_one_graph_and_no_recompile(tmp_path):
-    summary = run(tmp_path, "compiled", "train.compile=true", "train.compile_backend=aot_eager")
-    assert summary["status"] == "ok"
-    capture = json.loads((tmp_path / "compiled" / "summary.json").read_text())["compiled"]
-    assert capture["graphs_per_function"] == {"microbatch": 1, "release": 1}, capture
-    assert capture["graph_breaks"] == 0 and capture["recompiles"] == 0 and capture["compile_seconds"] > 0
-
-
 def test_a_compiled_run_with_dropout_trains_spends_and_reports_as_the_eager_one(tmp_path):
-    """Dropout on: the compiled graph draws its own masks (not the eager run's), so the weights differ; ε, the
-    steps and what the summary reports do not."""
+    """Five steps of Poisson sampling, dropout on: one graph per function, no recompile (static shapes: every
+    batch size is padded to the physical one). The compiled graph draws its own masks (not the eager run's), so the
+    weights differ; ε, the steps and what the summary reports do not."""
     roberta = ("model=roberta-tiny", "data=synthetic", "data.seq_len=8")  # Hugging Face's dropout: 0.1
     eager = run(tmp_path, "eager", "train.static_shapes=true", model=roberta)
-    compiled = run(tmp_path, "compiled", "train.compile=true", "train.compile_backend=aot_eager", model=roberta)
+    compiled = run(tmp_path, "compiled", "train.compile=true", "train.compile_backend=eager", model=roberta)
     assert eager["status"] == compiled["status"] == "ok"
     assert compiled["epsilon_spent"] == eager["epsilon_spent"] and compiled["steps_done"] == eager["steps_done"]
     assert math.isfinite(compiled["train_loss"]) and compiled["metric_final"] is not None
     assert set(eager) <= set(compiled)
+    capture = json.loads((tmp_path / "compiled" / "summary.json").read_text())["compiled"]
+    assert capture["graphs_per_function"] == {"microbatch": 1, "release": 1}, capture
+    assert capture["graph_breaks"] == 0 and capture["recompiles"] == 0 and capture["compile_seconds"] > 0
 
 
 @pytest.mark.parametrize("override,why", [
