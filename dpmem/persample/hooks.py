@@ -22,7 +22,8 @@ from dpmem.metering import memory_label
 from dpmem.precision import Compute, exact_float32, tf32_enabled
 from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads
 from dpmem.persample.reducers import Reducer, materialize
-from dpmem.persample.owners import Owner, batch_first, find_owners, owned_parameters, tied_sum
+from dpmem.persample.owners import (Owner, batch_first, enter_scope, find_owners, leave_scope, owned_parameters,
+                                    tied_sum)
 
 
 def weakly(method: Callable) -> Callable:
@@ -166,10 +167,7 @@ class PerSampleGradients:
         if not self._acting():
             return None
         if owner.rule is not None and owner.rule.scope is not None:
-            scope = owner.rule.scope(mod)
-            if scope is not None:
-                scope.__enter__()
-            owner.scopes.append(scope)
+            enter_scope(owner, mod)
         if (self._skipping and args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()
                 and not args[0].requires_grad and not any(p.requires_grad for p in owner.params.values())):
             # nothing upstream needs a gradient: a grad-requiring view carries this layer's output gradient
@@ -179,15 +177,7 @@ class PerSampleGradients:
     def _post_hook(self, owner: Owner, mod, args, kwargs, output):
         if not self._acting():
             return None
-        rule, scope = owner.rule, None
-        if rule is not None and rule.scope is not None:
-            scope = owner.scopes.pop()
-            if scope is not None:
-                scope.__exit__(None, None, None)
-        if not isinstance(output, torch.Tensor):
-            raise ValueError(f"{owner.name}: {type(mod).__name__} returns {type(output).__name__}, not a "
-                             "tensor; no per-sample rule covers its parameters "
-                             f"{', '.join(owner.params)}; add a rule or freeze them")
+        rule, scope = owner.rule, leave_scope(owner, mod, output)
         if not output.requires_grad:
             return None
         recompute = _in_backward()

@@ -72,6 +72,28 @@ def owned_parameters(owners: list[Owner]) -> list[nn.Parameter]:
     return out
 
 
+def enter_scope(owner: Owner, module: nn.Module) -> None:
+    """Before the layer's forward: its rule's scope entered (None for a layer that needs none) and kept."""
+    scope = owner.rule.scope(module)
+    if scope is not None:
+        scope.__enter__()
+    owner.scopes.append(scope)
+
+
+def leave_scope(owner: Owner, module: nn.Module, output) -> object:
+    """After the layer's forward: its rule's scope left and returned (None without one), and the output checked to
+    be a tensor (a rule reads its gradient)."""
+    scope = None
+    if owner.rule is not None and owner.rule.scope is not None:
+        scope = owner.scopes.pop()
+        if scope is not None:
+            scope.__exit__(None, None, None)
+    if not isinstance(output, torch.Tensor):
+        raise ValueError(f"{owner.name}: {type(module).__name__} returns {type(output).__name__}, not a tensor; no "
+                         f"per-sample rule covers its parameters {', '.join(owner.params)}; add a rule or freeze them")
+    return scope
+
+
 def batch_first(owner: Owner, saved, grad_output: torch.Tensor, batch: int):
     """A layer fed a batch-major flattening (OPT's FFN sees B·T rows): its input and output gradient with the batch
     dimension restored."""

@@ -23,7 +23,8 @@ from torch import nn
 
 from dpmem.metering import memory_label
 from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads
-from dpmem.persample.owners import Owner, batch_first, find_owners, owned_parameters, tied_sum
+from dpmem.persample.owners import (Owner, batch_first, enter_scope, find_owners, leave_scope, owned_parameters,
+                                    tied_sum)
 from dpmem.persample.reducers import Reducer, materialize
 from dpmem.precision import Compute, exact_float32, tf32_enabled
 
@@ -95,24 +96,13 @@ class Taps:
 
     def _enter_scope(self, owner: Owner, mod, args, kwargs):
         if self._tape is not None:
-            scope = owner.rule.scope(mod)
-            if scope is not None:
-                scope.__enter__()
-            owner.scopes.append(scope)
+            enter_scope(owner, mod)
 
     def _tap(self, owner: Owner, mod, args, kwargs, output):
         tape = self._tape
         if tape is None:
             return None
-        rule, scope = owner.rule, None
-        if rule is not None and rule.scope is not None:
-            scope = owner.scopes.pop()
-            if scope is not None:
-                scope.__exit__(None, None, None)
-        if not isinstance(output, torch.Tensor):
-            raise ValueError(f"{owner.name}: {type(mod).__name__} returns {type(output).__name__}, not a "
-                             "tensor; no per-sample rule covers its parameters "
-                             f"{', '.join(owner.params)}; add a rule or freeze them")
+        rule, scope = owner.rule, leave_scope(owner, mod, output)
         if rule is None:
             check_deterministic(owner.name, mod)
             saved = capture_call(mod, args, kwargs, output, None)
