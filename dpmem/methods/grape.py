@@ -50,6 +50,7 @@ class Grape(Method):
         self.layer_index = {p: i for i, p in enumerate(self.sides)}
         self.shapes = {p: projected_shape(p, self.sides.get(p), self.rank) for p in self.params}
         self.adam = ProjectedAdam(self.params, self.shapes, cfg.betas, cfg.eps, cfg.weight_decay)
+        self._kept = None  # compiled: the projections' buffers (`compile`)
 
     compilable = True
 
@@ -65,7 +66,7 @@ class Grape(Method):
     def _projections(self, t: int) -> dict:
         """What the step is given: each layer's projection at step t, or what makes it (eager: made when its
         gradient is reduced, one at a time)."""
-        if not hasattr(self, "_kept"):
+        if self._kept is None:
             return {p: (lambda p=p: self.projection(p, t)) for p in self.sides}
         if self._window != t // self.refresh:
             self._window = t // self.refresh

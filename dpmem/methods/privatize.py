@@ -151,7 +151,9 @@ class Privatizer:
             microbatches, loss_fn = observer.on_microbatches(self, microbatches, loss_fn)
         summed, loss_sum = self.clip_and_accumulate(microbatches, loss_fn, shapes, projections)
         loss_sum = self.noise.released_loss(loss_sum)
-        if self._compiled is not None:  # the noise drawn here, on the host from its secret key, and passed in
+        if self._compiled is not None:
+            # the ranks' sums reduced eagerly (a collective); the noise drawn on the host from its key, passed in
+            summed = self.sum_over_ranks(summed)
             return PrivateGradient(self._compiled[1](summed, self.draw_noise(summed)), loss_sum)
         with exact_float32(self.device):
             summed = self.sum_over_ranks(summed)
