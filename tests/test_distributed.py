@@ -41,6 +41,9 @@ METHODS = {  # one job per method family and clipping mode, noise off (privacy=n
     "galore": ["method=galore", "method.rank=4", "method.refresh=2", *ADAM],
     "dp-adam-bk": ["method=dp-adam", "method.clipping=bk", "train.physical_batch_size=8", *ADAM],
     "dp-adam-materialize": ["method=dp-adam", "method.clipping=materialize", *ADAM],
+    # the compiled step (dynamo's eager backend: the graph traced, run by ATen) sums the ranks' clipped sums
+    "dp-adam-bk-compiled": ["method=dp-adam", "method.clipping=bk", "train.physical_batch_size=8", "train.compile=true",
+                            "train.compile_backend=eager", *ADAM],
     "dp-adam-ghost": ["method=dp-adam", "method.clipping=ghost", "train.physical_batch_size=8", *ADAM],
     "dp-sgd-mixed": ["method=dp-sgd", "method.clipping=mixed"],
     "dp-sgd-fixed": ["method=dp-sgd", "train.sampling=fixed"],  # batches of exactly B, split as Poisson ones are

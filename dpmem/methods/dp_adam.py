@@ -20,6 +20,7 @@ class DPAdam(Method):
         super().__init__(model, cfg, lr, noise, seed)
         self.privatize = Privatizer(model, noise, self.clipping(cfg), cfg.check_coverage, observers)
         self.params = self.privatize.params
+        self.shapes = {p: p.shape for p in self.params}
         self.optimizer = make_optimizer(self.params, cfg, lr)
 
     compilable = True
@@ -36,7 +37,7 @@ class DPAdam(Method):
         fuse(self.optimizer)
 
     def step(self, microbatches, loss_fn):
-        grads, loss_sum = self.privatize.gradient(microbatches, loss_fn, {p: p.shape for p in self.params})
+        grads, loss_sum = self.privatize.gradient(microbatches, loss_fn, self.shapes)
         for p in self.params:
             p.grad = grads[p]
         self.optimizer.step()

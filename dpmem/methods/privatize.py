@@ -82,9 +82,10 @@ class Privatizer:
         self.device = self.params[0].device
         self._check_coverage = check_coverage
         self._zero = self.taps.zero() if self.taps is not None else None  # the probes' leaf (`Taps.zero`)
-        self._compiled = None  # (micro-batch, release), compiled by `compile`
+        self._compiled = None  # the micro-batch, compiled by `compile`
         self._probe_shapes = None  # the (shape, dtype) of each probe draw of a step, in order (compiled dp-sgd-rc)
-        self._sums = None  # the compiled step's clipped sums (`_zeroed`)
+        self._flat = None  # the compiled step's clipped sums, one flat tensor (`_compiled_pass`), until released
+        self._sum_shapes = self._noise_runs = None  # the compiled step's: each sum's shape, the noise's runs' sizes
         # Keys drawn once per logical step, the same on every rank, from the noise's secret key (host-side: no sync):
         # - the estimators' probes (dp-sgd-rc), shared by the step's whole batch: every micro-batch, on every rank,
         #   draws them again from the step's key, so neither the physical batch size nor the number of ranks
@@ -114,12 +115,15 @@ class Privatizer:
 
     def compile(self, compiler) -> None:
         """train.compile: each micro-batch of one-pass clipping (forward, per-sample backward, norms, clip factors,
-        clipped sums) and the noise's release (the noise added, drawn outside and passed in, and the scaling)
-        compiled whole (`dpmem.compiling`). The coverage check's micro-batch stays eager."""
+        clipped sums) compiled whole (`dpmem.compiling`); the release adds the noise, drawn outside, to the flat sum.
+        The first step, with the coverage check, stays eager."""
         if self.taps is None or self.observers:
             raise ValueError("a compiled private step needs one-pass clipping, no FSDP, no activation checkpointing "
                              "and no observers (dpmem audit)")
-        self._compiled = (compiler(self.microbatch, "microbatch"), compiler(self._release, "release"))
+        if len({p.dtype for p in self.params}) > 1:
+            raise ValueError("a compiled private step needs the trainable parameters in one dtype (its clipped sums "
+                             "are one flat buffer)")
+        self._compiled = compiler(self._microbatch_flat, "microbatch")
 
     def _watch_stand_ins(self, module: nn.Module, args) -> None:
         for q in module.parameters(recurse=False):
@@ -151,10 +155,12 @@ class Privatizer:
             microbatches, loss_fn = observer.on_microbatches(self, microbatches, loss_fn)
         summed, loss_sum = self.clip_and_accumulate(microbatches, loss_fn, shapes, projections)
         loss_sum = self.noise.released_loss(loss_sum)
-        if self._compiled is not None:
+        if self._flat is not None:  # a compiled step (a compiled run's first step is eager)
             # the ranks' sums reduced eagerly (a collective); the noise drawn on the host from its key, passed in
-            summed = self.sum_over_ranks(summed)
-            return PrivateGradient(self._compiled[1](summed, self.draw_noise(summed)), loss_sum)
+            flat, self._flat = self._flat, None
+            distributed.sum_([flat])
+            self._release(flat, [normal(self.noise.draws, (n,), flat.device, flat.dtype) for n in self._noise_runs])
+            return PrivateGradient(summed, loss_sum)
         with exact_float32(self.device):
             summed = self.sum_over_ranks(summed)
             for observer in self.observers:
@@ -185,13 +191,15 @@ class Privatizer:
     def add_noise(self, summed: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         return add_noise(summed, self.noise, self._shard_noise() if self.sharded else None)
 
-    def draw_noise(self, summed: dict[nn.Parameter, torch.Tensor]) -> list[torch.Tensor]:
-        """The standard normal draws `add_noise` would make (one per run of sums), made now."""
-        return draw_noise(summed, self.noise)
-
-    def _release(self, summed: dict, drawn: list[torch.Tensor]) -> dict:
-        """The compiled step's noise and scaling, with the noise's draws given."""
-        return scale(add_noise(summed, self.noise, drawn=drawn), self.noise)
+    def _release(self, flat: torch.Tensor, drawn: list[torch.Tensor]) -> None:
+        """The compiled step's noise and scaling of its flat clipped sum (in place), with the noise's draws given:
+        `add_noise`'s runs are consecutive slices of it. Eager: on one flat tensor it is an op per run and one
+        division, and a compiled graph's guarded entry would cost the host more than it saves."""
+        start = 0
+        for draw in drawn:
+            flat[start:start + draw.numel()].add_(draw, alpha=self.noise.sigma * self.noise.max_grad_norm)
+            start += draw.numel()
+        flat.div_(self.noise.expected_batch_size)
 
     def scale(self, summed: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         return scale(summed, self.noise)
@@ -229,22 +237,40 @@ class Privatizer:
             yield mb
 
     def _one_pass(self, microbatches, loss_fn, shapes, projections):
-        # made by the first micro-batch's clipped sums (`_accumulate`); compiled, zeroed buffers (one graph for all)
-        summed = {} if self._compiled is None else self._zeroed(shapes)
-        loss_sum = torch.zeros((), device=self.device)
         estimated = self._probe_draws is not None
+        compiled = self._compiled is not None and (self._probe_shapes is not None or not estimated)
+        if compiled and not self._check_coverage:
+            return self._compiled_pass(microbatches, loss_fn, shapes, projections)
+        summed = {}  # made by the first micro-batch's clipped sums (`_accumulate`)
+        loss_sum = torch.zeros((), device=self.device)
         for mb in self._with_step_probes(microbatches):
-            check = self._check_coverage
-            if self._compiled is not None and not check and (self._probe_shapes is not None or not estimated):
-                # the estimators' probes drawn here, as the eager step draws them, and passed in
-                probes = Drawn.of(self._probe_draws, self._probe_shapes) if estimated else None
-                loss_sum = loss_sum + self._compiled[0](mb, loss_fn, projections, summed, self._zero, False, probes)
-            else:  # eager; compiled runs learn here which probes the step draws
-                probes = Recorded(self._probe_draws) if estimated else None
-                loss_sum = loss_sum + self.microbatch(mb, loss_fn, projections, summed, self._zero, check, probes)
-                self._probe_shapes = probes.shapes if estimated else None
+            probes = Recorded(self._probe_draws) if estimated else None  # a compiled run learns which probes it draws
+            loss_sum = loss_sum + self.microbatch(mb, loss_fn, projections, summed, self._zero, self._check_coverage,
+                                                  probes)
+            self._probe_shapes = probes.shapes if estimated else None
             self._check_coverage = False
         return self._completed(summed, shapes), loss_sum
+
+    def _compiled_pass(self, microbatches, loss_fn, shapes, projections):
+        """One-pass clipping by the compiled micro-batch: every parameter's clipped sum in one flat tensor (the first
+        micro-batch's own, later ones added in place), kept for the release and returned as views."""
+        if self._sum_shapes is None:
+            self._sum_shapes = [torch.Size(shapes[p]) for p in self.params]
+            # the sizes of `add_noise`'s runs over these sums: consecutive slices of the flat tensor
+            parts = [(torch.empty(s, device="meta"), self.noise.draws) for s in self._sum_shapes]
+            self._noise_runs = ([sum(p.numel() for p, _ in run) for run in _runs(parts, NOISE_BUCKET)]
+                                if self.noise.sigma * self.noise.max_grad_norm else [])
+        flat, loss_sum = None, torch.zeros((), device=self.device)
+        for mb in self._with_step_probes(microbatches):
+            # the estimators' probes drawn here, as the eager step draws them, and passed in
+            probes = Drawn.of(self._probe_draws, self._probe_shapes) if self._probe_draws is not None else None
+            part, loss = self._compiled(mb, loss_fn, projections, self._zero, probes)
+            flat = part if flat is None else flat.add_(part)
+            loss_sum = loss_sum + loss
+        if flat is None:
+            flat = torch.zeros(sum(s.numel() for s in self._sum_shapes), device=self.device, dtype=self.params[0].dtype)
+        self._flat = flat
+        return dict(zip(self.params, _views(flat, self._sum_shapes))), loss_sum
 
     def microbatch(self, mb, loss_fn, projections, summed, zero, check=False, probes=None) -> torch.Tensor:
         """One micro-batch of one-pass clipping: forward, the per-sample backward to the taps' probes, norms, clip
@@ -316,14 +342,14 @@ class Privatizer:
             loss_sum = loss_sum + (self.noise.clipped_losses(losses.detach()) * weights(mb)).sum()
         return self._completed(summed), loss_sum
 
-    def _zeroed(self, shapes) -> dict[nn.Parameter, torch.Tensor]:
-        """The compiled step's clipped sums, zeroed: buffers kept from step to step (one for-each zeroing, not a
-        fresh tensor per parameter; the release returns them noised, and they are read before the next step)."""
-        if self._sums is None:
-            self._sums = self._completed({}, shapes)
-        else:
-            torch._foreach_zero_(list(self._sums.values()))
-        return dict(self._sums)
+    def _microbatch_flat(self, mb, loss_fn, projections, zero, probes) -> tuple[torch.Tensor, torch.Tensor]:
+        """`microbatch` with its clipped sums returned as one flat tensor, in the parameters' order (the compiled
+        step's: one output, not one per parameter), and its clipped loss sum."""
+        summed = {}
+        loss = self.microbatch(mb, loss_fn, projections, summed, zero, False, probes)
+        return torch.cat([summed[p].reshape(-1) if p in summed else torch.zeros(s.numel(), device=self.device,
+                                                                                 dtype=self.params[0].dtype)
+                          for p, s in zip(self.params, self._sum_shapes)]), loss
 
     def _completed(self, summed, shapes=None) -> dict[nn.Parameter, torch.Tensor]:
         """Every parameter's clipped sum: zeros (of `shapes[p]`, else of p: a shard under FSDP) for one that no
@@ -332,6 +358,11 @@ class Privatizer:
             return {p: summed[p] if p in summed else
                     torch.zeros_like(p) if shapes is None else torch.zeros(shapes[p], device=p.device, dtype=p.dtype)
                     for p in self.params}
+
+
+def _views(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """Consecutive views of `flat`, of `shapes`."""
+    return [c.view(s) for c, s in zip(flat.split([s.numel() for s in shapes]), shapes)]
 
 
 def _norms(kept: dict) -> torch.Tensor:
@@ -346,7 +377,7 @@ def _accumulate(summed: dict, p: nn.Parameter, part: torch.Tensor) -> None:
     summed[p] = part if p not in summed else summed[p].add_(part)
 
 
-def add_noise(summed: dict, noise: Noise, own: Draws | None = None, drawn: list | None = None) -> dict:
+def add_noise(summed: dict, noise: Noise, own: Draws | None = None) -> dict:
     """N(0, σ²C² I) added to each clipped sum in place. A sum every rank holds whole gets the same draw on every rank
     (the draws have one key); a sum sharded by FSDP gets, on each rank, a draw for its own shard from `own`, that
     rank's draws of the step.
@@ -354,23 +385,15 @@ def add_noise(summed: dict, noise: Noise, own: Draws | None = None, drawn: list 
     The draw: the sums in order, in runs of at most NOISE_BUCKET elements (a larger sum alone) of one source of
     draws, device and dtype; each run gets one standard normal vector of its total size (one keyed draw), split
     into its sums in order. One draw and one for-each add per run, where a draw per sum would cost a kernel per
-    parameter. `drawn`: those draws, made already (`draw_noise`; a compiled step's, made outside its graph)."""
+    parameter. A compiled step's flat sum takes the same draws (`Privatizer._release`)."""
     std = noise.sigma * noise.max_grad_norm
     if std == 0:  # sigma = 0 only for privacy=none: clipping without noise
         return summed
-    for i, run in enumerate(_runs(_noise_parts(summed, noise, own), NOISE_BUCKET)):
-        draw = drawn[i] if drawn is not None else _draw(run)
-        chunks = draw.split([p.numel() for p, _ in run])
+    for run in _runs(_noise_parts(summed, noise, own), NOISE_BUCKET):
+        chunks = _draw(run).split([p.numel() for p, _ in run])
         torch._foreach_add_([p for p, _ in run], [c if p.dim() == 1 else c.view(p.shape)
                                                   for (p, _), c in zip(run, chunks)], alpha=std)
     return summed
-
-
-def draw_noise(summed: dict, noise: Noise, own: Draws | None = None) -> list[torch.Tensor]:
-    """The standard normal draws `add_noise` makes, in its order (none for sigma = 0)."""
-    if noise.sigma * noise.max_grad_norm == 0:
-        return []
-    return [_draw(run) for run in _runs(_noise_parts(summed, noise, own), NOISE_BUCKET)]
 
 
 def _noise_parts(summed: dict, noise: Noise, own: Draws | None) -> list[tuple[torch.Tensor, Draws | None]]:
