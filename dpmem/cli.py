@@ -51,7 +51,20 @@ USAGE = """usage: dpmem train [-m] [key=value ...]
   dpmem audit method=dp-adam,grape privacy=eps2 audit.canaries=1000
                                                    one run each with m canaries: an empirical lower bound on epsilon
   dpmem report outputs/multirun/DATE               the runs' summaries as tables (method x epsilon, tasks)
+
+Documentation (Markdown in the repository's docs/; `mkdocs serve` shows it as a site):
+  docs/getting-started.md   install, a run and its folder, configuration, sweeps, dpmem report
+  docs/scale.md             torchrun, FSDP, Hydra's launchers, SLURM, the Optuna search
+  docs/methods.md           the private step, clipping modes, each method, precision, train.compile
+  docs/memory.md            dpmem memory: planned peaks, budgets, the largest batch that fits
+  docs/privacy.md           accounting, secret seeds, what a run releases, the ledger, dpmem audit
+  docs/sharp-edges.md       DP pitfalls: what dpmem guards against and what it cannot
+  docs/reproductions.md     the papers' experiments (experiment=...), dpmem spectrum
+  docs/api.md               the Python API for a training loop of your own
 """
+# the page each verb's --help points to
+VERB_DOCS = {"train": "docs/getting-started.md", "memory": "docs/memory.md", "spectrum": "docs/reproductions.md",
+             "audit": "docs/privacy.md", "report": "docs/getting-started.md"}
 MAX_PREFLIGHT = 256  # sweep points composed before launch; larger grids are checked per job
 
 register_configs()
@@ -360,7 +373,9 @@ def _train_help(rest: list[str]) -> None:
     validation, which Hydra's help would list) and the config the overrides compose."""
     with _one_line_errors(_is_debug(rest)):
         cfg = compose_points(sweep_points([a for a in rest if a not in ("-h", "--help", "-m", "--multirun")])[:1])[0]
-    lines = [USAGE.splitlines()[0].replace("usage: ", ""), "", "== Configuration groups ==",
+    lines = [USAGE.splitlines()[0].replace("usage: ", ""), "",
+             f"Documented in {VERB_DOCS['train']} (running), docs/methods.md (methods and their options) and "
+             "docs/privacy.md (privacy.*)", "", "== Configuration groups ==",
              "Compose your configuration from those groups (group=option)", ""]
     for group, options in sorted(_groups().items()):
         by_folder: dict[str, list[str]] = {}
@@ -433,11 +448,16 @@ def _is_debug(args: list[str]) -> bool:
     return any(a.lower() in ("debug=true", "debug=1") for a in args)
 
 
-def _sweep_overrides(argv: list[str]) -> list[str] | None:
+def _verb_help(verb: str) -> None:
+    """A verb's --help: the usage, and the page of the documentation about it."""
+    print(USAGE + f"\ndpmem {verb}: {VERB_DOCS[verb]}\n", end="")
+
+
+def _sweep_overrides(argv: list[str], verb: str) -> list[str] | None:
     """The overrides of a verb that sweeps comma lists itself (memory, spectrum, audit: -m is implied), or None
-    after printing the usage for -h/--help."""
+    after printing the verb's help for -h/--help."""
     if any(a in ("-h", "--help") for a in argv):
-        print(USAGE, end="")
+        _verb_help(verb)
         return None
     return [a for a in argv if a not in ("-m", "--multirun")]
 
@@ -459,7 +479,7 @@ def _memory(argv: list[str]) -> None:
     from dpmem.engine.planner import SEARCH_LIMIT, largest_batch, parse_bytes, plan
     from dpmem.report import memory as report
 
-    overrides = _sweep_overrides(argv)
+    overrides = _sweep_overrides(argv, "memory")
     if overrides is None:
         return
     with _one_line_errors(_is_debug(overrides)), contextlib.ExitStack() as held:
@@ -506,7 +526,7 @@ def _audit(argv: list[str]) -> None:
     from dpmem.engine.folder import FolderLock, check_owner, mark
     from dpmem.report.labels import file_name
 
-    overrides = _sweep_overrides(argv)
+    overrides = _sweep_overrides(argv, "audit")
     if overrides is None:
         return
     records = []
@@ -545,7 +565,7 @@ def _spectrum(argv: list[str]) -> None:
     from dpmem.engine.folder import FolderLock, check_owner, mark
     from dpmem.spectrum import run_spectrum
 
-    overrides = _sweep_overrides(argv)
+    overrides = _sweep_overrides(argv, "spectrum")
     if overrides is None:
         return
     overrides = [("spectrum." + a) if a.startswith("mode=") else a for a in overrides]  # mode= for spectrum.mode=
@@ -572,7 +592,7 @@ def _report(argv: list[str]) -> None:
     from dpmem.report import runs
 
     if any(a in ("-h", "--help") for a in argv):
-        print(USAGE, end="")
+        _verb_help("report")
         return
     compare = "--published" in argv
     argv = [a for a in argv if a != "--published"]

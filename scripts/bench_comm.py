@@ -8,7 +8,8 @@ m×n ones.
 It starts itself under torchrun (2 CPU processes); every rank runs one step of a dpmem `Run` on synthetic
 SST-2-shaped data, and rank 0 reads dpmem.distributed.Traffic, which counts the payload of every all-reduce.
 The "expected" column is the sum of the trainable parameters' sizes (projected ones at their projected shape).
-The table lands in outputs/bench/comm.md (and is printed).
+The table lands in docs/benchmarks/comm.md (its page, headed by the command, device, torch version and date; `--out`
+writes elsewhere) and is printed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -84,10 +86,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["roberta-base", "roberta-large"])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--out", default=None, help="the page to write (default: docs/benchmarks/comm.md)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    from dpmem.report import benchmark_page, machine, page_header, write_markdown
+
+    started = time.time()
     if "dp-adam" not in args.methods:
         args.methods = ["dp-adam", *args.methods]  # the ratios' base
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
@@ -97,11 +103,14 @@ def main() -> None:
     found = [line for line in done.stdout.splitlines() if line.startswith("ROWS ")]
     if done.returncode != 0 or not found:
         sys.exit(done.stdout[-3000:] + done.stderr[-3000:])
-    text = table(json.loads(found[0][5:]))
-    out = Path("outputs/bench")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "comm.md").write_text(text)
-    print(text, end="")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # a rank per GPU where there are two
+    where = (f"2 ranks, one {torch.cuda.get_device_name(0)} each (NCCL)" if gpus >= 2
+             else f"2 processes (gloo) on a {machine(threads=1)} each")
+    details = ("One step of each method on synthetic SST-2-shaped data (T = 32, B = 2), under torchrun; every "
+               "all-reduce's payload counted by dpmem.distributed.Traffic, less the logged loss. \"expected\": the "
+               "trainable parameters' size at 4 bytes, projected ones at their projected shape.")
+    header = page_header("Bytes all-reduced per step", where, details, started)
+    write_markdown(args.out or benchmark_page(__file__, "comm"), header + table(json.loads(found[0][5:])))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from dpmem.compiling import Compiler  # noqa: E402
 from dpmem.data import build_data  # noqa: E402
 from dpmem.methods.base import optimizer_state  # noqa: E402
 from dpmem.precision import RunPrecision  # noqa: E402
-from dpmem.report import write_markdown  # noqa: E402
+from dpmem.report import benchmark_page, machine, page_header, write_markdown  # noqa: E402
 
 SHAPES = {"host-bound": dict(layers=12, width=32, batch=2, seq=8),
           "compute-bound": dict(layers=4, width=256, batch=16, seq=64),
@@ -83,8 +83,10 @@ def main() -> None:
     ap.add_argument("--contestants", nargs="+", default=None, help="names as in the table (default: all)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default="fp32")
-    ap.add_argument("--out", default="docs/benchmarks/compile.md")
+    ap.add_argument("--out", default=benchmark_page(__file__, "compile"),
+                    help="the page to write (default: docs/benchmarks/compile.md)")
     args = ap.parse_args()
+    started = time.time()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     sections = []
@@ -121,12 +123,9 @@ def main() -> None:
             took = f"{r['compile']:.1f}" if "compiled" in name else "-"
             lines.append(f"| {name} | {r['rate']:.3g} | {ratio(eager)} | {ratio(compiled)} | {took} | {peak} |")
         sections.append("\n".join(lines))
-    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
-             else f"CPU, {args.threads} thread(s)")
-    header = (f"# Compiled private step (train.compile)\n\nWritten by `python scripts/bench_compile.py "
-              f"{' '.join(sys.argv[1:])}`. Device: {where}; torch {torch.__version__}; "
-              f"{time.strftime('%Y-%m-%d')}; precision {args.precision}; medians of {args.steps} interleaved steps "
-              "after warm-up (CUDA: consecutive, one contestant at a time); inductor (CUDA: CUDA graphs).\n\n")
+    header = page_header("Compiled private step (train.compile)", machine(device, args.threads),
+                         f"Precision {args.precision}; medians of {args.steps} interleaved steps after warm-up (CUDA: "
+                         "consecutive, one contestant at a time); inductor (CUDA: CUDA graphs).", started)
     write_markdown(args.out, header + "\n\n".join(sections) + "\n")
 
 

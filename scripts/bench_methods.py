@@ -11,7 +11,8 @@ fresh random-init model, runs one warm-up step (optimiser state exists afterward
 memory (the exact live-tensor counter on CPU; max_memory_reserved/allocated on CUDA) and times `--steps` steps.
 `--activation-checkpointing both` runs every method with and without it, and gives each checkpointed cell's
 memory and speed as ratios to the same method without.
-Private methods run with sigma = 1, C = 1. The table lands in outputs/bench/ (and is printed).
+Private methods run with sigma = 1, C = 1. The table lands in docs/benchmarks/methods.md (its page, headed by the
+command, device, torch version and date; `--out` writes elsewhere) and is printed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dpmem.metering import LiveTensorCounter
 from dpmem.engine.assemble import assemble
 from dpmem.methods import METHODS
 from dpmem.models import build_model
-from dpmem.report import write_markdown
+from dpmem.report import benchmark_page, machine, page_header, write_markdown
 
 DEFAULT_METHODS = ["adam", "galore", "mezo", "dp-adam", "galore-dp-naive", "grape", "dpzero"]
 
@@ -125,8 +126,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cuda, cpu, or meta (memory only, no weights allocated: for models too big to run here)")
     ap.add_argument("--activation-checkpointing", choices=["off", "on", "both"], default="off")
-    ap.add_argument("--out", default="outputs/bench/methods.md")
+    ap.add_argument("--out", default=benchmark_page(__file__, "methods"),
+                    help="the page to write (default: docs/benchmarks/methods.md)")
     args, overrides = ap.parse_known_args()
+    started = time.time()
     device = torch.device(args.device)
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         model_cfg = compose("config", overrides=[f"model={args.model}", *overrides]).model
@@ -140,9 +143,9 @@ def main() -> None:
     shape = (f"{args.image_size}x{args.image_size} images" if model_cfg.family == "vit"
              else f"sequence length {args.seq_len}")
     timed = "no timing on meta" if device.type == "meta" else f"{args.steps} steps timed"
-    header = (f"Methods on {args.model} ({params / 1e6:.2f}M trainable parameters, {shape}, overrides: "
-              f"{' '.join(overrides) or 'none'}), device {device}, one step metered after one warm-up step, "
-              f"{timed}.\n\n")
+    details = (f"Methods on {args.model} ({params / 1e6:.2f}M trainable parameters, {shape}, overrides: "
+               f"{' '.join(overrides) or 'none'}), one step metered after one warm-up step, {timed}.")
+    header = page_header("Every method side by side", machine(device), details, started)
     text = header + table(rows, [label for label, _, _ in labels], device) + "\n"
     write_markdown(args.out, text)
 

@@ -9,7 +9,8 @@ everything the step makes). Every private contestant runs with sigma = 1, C = 1 
     python scripts/bench_peers.py model.arch.num_hidden_layers=4        # Hydra overrides of the model group
 
 Text models train with their embeddings frozen and a classifier head; the ViT with its cls token and position
-embeddings frozen, since Opacus has no per-sample rule for them. The table lands in outputs/bench/peers.md.
+embeddings frozen, since Opacus has no per-sample rule for them. The table lands in docs/benchmarks/peers.md (its
+page, headed by the command, device, torch version and date; `--out` writes elsewhere).
 
 `--count-ops` adds the number of aten ops one training step dispatches (a TorchDispatchMode counts every op that
 reaches `__torch_dispatch__`, the backward's and the optimiser's included: forward, backward, clipping, noise,
@@ -49,7 +50,7 @@ from dpmem.methods import method_config
 from dpmem.methods.base import optimizer_state
 from dpmem.models import build_model
 from dpmem.precision import RunPrecision, unsupported
-from dpmem.report import write_markdown
+from dpmem.report import benchmark_page, machine, page_header, write_markdown
 
 ADAMW = "torch AdamW (non-private)"
 LR = 1e-4
@@ -242,8 +243,10 @@ def main() -> None:
     ap.add_argument("--count-ops", action="store_true", help="count the aten ops of one step of each contestant")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default="fp32")
-    ap.add_argument("--out", default="outputs/bench/peers.md")
+    ap.add_argument("--out", default=benchmark_page(__file__, "peers"),
+                    help="the page to write (default: docs/benchmarks/peers.md)")
     args, overrides = ap.parse_known_args()
+    started = time.time()
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available here")
     device = torch.device(args.device)
@@ -284,16 +287,16 @@ def main() -> None:
                     row += f" {r['ops']} | {r['ops'] / base['ops']:.2f} |" if base else f" {r['ops']} | - |"
                 lines.append(row)
     shape = f"T = {args.seq_len}" if text else "8×8 digits"
-    where = (f"{torch.cuda.get_device_name(device)}, contestants one at a time, median of {args.steps} steps"
-             if device.type == "cuda" else
-             f"CPU, {torch.get_num_threads()} threads, median of {args.steps} interleaved steps")
+    timing = (f"contestants one at a time, median of {args.steps} steps" if device.type == "cuda"
+              else f"median of {args.steps} interleaved steps")
     metered = ("peak = torch.cuda.max_memory_allocated over one step" if device.type == "cuda"
                else "peak = live-tensor counter over one step")
     ops = ("aten ops counted over one step after the warm-up (outside the timed steps)" if args.count_ops
            else "aten ops not counted")
-    header = (f"Peers on {args.model} ({n_trainable / 1e6:.2f}M trainable parameters, {shape}, overrides: "
-              f"{' '.join(overrides) or 'none'}), device: {where} after one warm-up; precision {args.precision}; "
-              f"{metered}; {ops}.\n\n")
+    details = (f"Peers on {args.model} ({n_trainable / 1e6:.2f}M trainable parameters, {shape}, overrides: "
+               f"{' '.join(overrides) or 'none'}), {timing} after one warm-up; precision {args.precision}; "
+               f"{metered}; {ops}.")
+    header = page_header("dpmem beside its peers", machine(device), details, started)
     write_markdown(args.out, header + "\n".join(lines) + "\n")
 
 

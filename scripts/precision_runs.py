@@ -5,7 +5,8 @@ throughput and peak memory. What a user who switches `train.precision` sees, sid
     python scripts/precision_runs.py model=roberta-tiny train.steps=3 --precisions fp32 bf16   # on the CPU
 
 Trailing key=value arguments are dpmem overrides (after the defaults below). The coverage check is on, as in a
-user's run. Writes outputs/bench/precision_runs.md (and prints it).
+user's run. Writes docs/benchmarks/precision.md (its page, headed by the command, device, torch version and date;
+`--out` writes elsewhere) and prints it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -20,7 +22,7 @@ from hydra import compose, initialize_config_dir
 
 from dpmem.cli import CONF_DIR
 from dpmem.engine.trainer import run_training
-from dpmem.report import write_markdown
+from dpmem.report import benchmark_page, machine, page_header, write_markdown
 
 DEFAULTS = ["model=roberta-base", "data=synthetic", "data.seq_len=128", "train.batch_size=32", "train.steps=12",
             "logging.progress=false", "logging.every=4", "privacy.epsilon=8"]
@@ -35,11 +37,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precisions", nargs="+", default=["fp32", "tf32", "bf16"])
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
-    ap.add_argument("--out", default="outputs/bench/precision_runs.md")
+    ap.add_argument("--out", default=benchmark_page(__file__, "precision"),
+                    help="the page to write (default: docs/benchmarks/precision.md)")
     args, overrides = ap.parse_known_args()
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    lines = [f"Device: {device}; torch {torch.__version__}. Overrides: {' '.join(DEFAULTS + overrides)}.", "",
-             "| method | precision | status | first → last loss | samples/s | peak allocated MiB |",
+    started = time.time()
+    lines = ["| method | precision | status | first → last loss | samples/s | peak allocated MiB |",
              "|---|---|---|---|---|---|"]
     for name in args.methods:
         for precision in args.precisions:
@@ -60,7 +62,11 @@ def main() -> None:
                          f"{s['throughput_samples_per_s']:.0f} | {peak / 2**20:.0f} |")
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    write_markdown(args.out, "\n".join(lines) + "\n")
+    details = (f"Overrides: {' '.join(DEFAULTS + overrides)}. Samples/s include the first steps' warm-up: they say "
+               "that a run goes, not how fast.")
+    header = page_header("Every method in every precision", machine("cuda" if torch.cuda.is_available() else "cpu"),
+                         details, started)
+    write_markdown(args.out, header + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Noise multipliers of DP-SGD-RC against probes k and layer size d, and the envelope threshold x₊, as markdown.
 
-    python scripts/rc_sigma.py          # outputs/rc/sigma.md, sigma_vs_k and sigma_vs_d .png/.pdf (about 4 min)
+    python scripts/rc_sigma.py          # docs/benchmarks/rc-sigma.md, sigma_vs_k and sigma_vs_d .png/.pdf (about 4 min)
 
 The setting is Table 4 (BBC) of DP-SGD-RC (Efficient DP-SGD for LLMs with Randomized Clipping): delta = 1e-5, batch 64,
 10 epochs, Poisson rate q = 64/N, round(10 N/64) steps, with N = 1127, where the DP-SGD (pld) noise multiplier is the
@@ -8,6 +8,8 @@ paper's 4.073. Tables: sigma against k at d = 2048 (eps 0.7, the paper's Fig. 11
 9, its Fig. 12; and d = inf), and x₊ for k = 1..32, d = 2..2048 with (x₊ - 1)·dk (its Fig. 7 reports ≈ 2 everywhere).
 Small k need large sigma: their sensitivity 1/√Y has a heavy lower tail of Y (k = 1: P(Y ≤ y) ~ √y) that only noise can
 cover.
+
+The page is headed by the command, device, torch version and date; the figures are written beside it and shown in it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from pathlib import Path
 
 from dpmem.privacy import UnreachableTarget, calibrate_sigma, x_plus
-from dpmem.report import pyplot, save_figure
+from dpmem.report import benchmark_page, machine, page_header, pyplot, save_figure, write_markdown
 
 N, DELTA, EPOCHS, BATCH = 1127, 1e-5, 10, 64
 Q, STEPS = BATCH / N, round(EPOCHS * N / BATCH)
@@ -113,7 +115,8 @@ def x_plus_table(lines: list[str], ks: list[int], ds: list[int]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("outputs/rc/sigma.md"))
+    parser.add_argument("--out", type=Path, default=benchmark_page(__file__, "rc-sigma"),
+                        help="the page to write, the figures beside it (default: docs/benchmarks/rc-sigma.md)")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--ds", type=int, nargs="+", default=[1, 2, 8, 32, 128, 512, 2048, 8192, 65536])
     parser.add_argument("--epsilons", type=float, nargs="+", default=[2.0, 9.0])
@@ -121,17 +124,19 @@ def main() -> None:
     parser.add_argument("--xplus-ds", type=int, nargs="+", default=[2 ** i for i in range(1, 12)])
     args = parser.parse_args()
     start = time.time()
-    lines = ["# DP-SGD-RC noise multipliers", "",
-             f"Setting: δ = {DELTA:g}, batch {BATCH}, {EPOCHS} epochs, N = {N}, Poisson rate q = {Q:.6f}, "
-             f"{STEPS} steps, add/remove; σ calibrated to tolerance {TOL:g}, relative above σ = 1 (calibrate_sigma, "
-             "accountant rc: revealed random sensitivity, connect-the-dots PLD, lower-edge bins).", ""]
+    lines = []
     by_k = k_table(lines, args.ks)
     by_d = d_table(lines, args.ds, args.epsilons)
     x_plus_table(lines, args.xplus_ks, args.xplus_ds)
-    lines.append(f"Runtime {time.time() - start:.0f} s.")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
     written = figures(args.out, by_k, by_d)
+    k_png, d_png = (p.name for p in written if p.suffix == ".png")  # DP-SGD-RC Figs. 11b and 12
+    lines += [f"![σ against k]({k_png})", "", f"![σ against d]({d_png})", ""]
+    details = (f"Setting: δ = {DELTA:g}, batch {BATCH}, {EPOCHS} epochs, N = {N}, Poisson rate q = {Q:.6f}, "
+               f"{STEPS} steps, add/remove; σ calibrated to tolerance {TOL:g}, relative above σ = 1 "
+               "(calibrate_sigma, accountant rc: revealed random sensitivity, connect-the-dots PLD, lower-edge bins).")
+    header = page_header("DP-SGD-RC noise multipliers", machine(), details, start)
+    write_markdown(args.out, header + "\n".join(lines))
     print(f"wrote {args.out}, {', '.join(p.name for p in written)}")
 
 

@@ -9,7 +9,9 @@ unmetered step; the run is `dpmem.engine.planner.plan` on device cuda). Without 
 meta plan with the same steps on real CPU tensors (live-tensor counter, exact bytes). Each configuration has a row
 for its training steps and one for its evaluation (at train.eval_batch_size, null = the physical batch size; a
 generation task's data.max_new_tokens generated), each part's peaks measured apart. Trailing key=value arguments
-are dpmem overrides. Writes outputs/bench/validate_memory.md.
+are dpmem overrides. Writes docs/benchmarks/validate-memory.md (`--out` writes elsewhere): on a GPU its page is headed
+by the command, the GPU, torch version and date; without one it opens by saying so (the comparison it is for was not
+made), then the same line.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import time
 
 import torch
 from hydra import compose, initialize_config_dir
 
 from dpmem.cli import CONF_DIR
 from dpmem.engine.planner import plan
-from dpmem.report import write_markdown
+from dpmem.report import benchmark_page, machine, page_header, provenance, write_markdown
 from dpmem.report.memory import evaluated
 
 MIB = 2**20
@@ -35,19 +38,17 @@ def main() -> None:
                                                      "dpzero"])
     ap.add_argument("--checkpointing", choices=["off", "on", "both"], default="both",
                     help="train.activation_checkpointing for each method: off, on, or a row of each")
-    ap.add_argument("--out", default="outputs/bench/validate_memory.md")
+    ap.add_argument("--out", default=benchmark_page(__file__, "validate-memory"),
+                    help="the page to write (default: docs/benchmarks/validate-memory.md)")
     args, overrides = ap.parse_known_args()
+    started = time.time()
     gpu = torch.cuda.is_available()
     lines = []
     if gpu:
-        lines += [f"GPU: {torch.cuda.get_device_name()}. Plan on meta (target cuda) against CUDA's peaks; an "
-                  "evaluation's reserved figure includes the blocks training left cached, as in a run.", "",
-                  "| method | part | plan MiB | allocated MiB | plan / allocated | reserved est. MiB | reserved MiB |",
+        lines += ["| method | part | plan MiB | allocated MiB | plan / allocated | reserved est. MiB | reserved MiB |",
                   "|---|---|---|---|---|---|---|"]
     else:
-        lines += ["No CUDA device here: nothing to compare with torch.cuda.max_memory_allocated/reserved. "
-                  "Comparing the meta plan with the same steps on real CPU tensors (exact bytes) instead.", "",
-                  "| method | part | plan on meta MiB | counted on CPU MiB | meta / CPU |", "|---|---|---|---|---|"]
+        lines += ["| method | part | plan on meta MiB | counted on CPU MiB | meta / CPU |", "|---|---|---|---|---|"]
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.checkpointing]
     for method, checkpointing in ((m, c) for m in args.methods for c in modes):
         with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
@@ -73,8 +74,16 @@ def main() -> None:
                 counted = theirs["peak_bytes"]
                 lines.append(f"| {method} | {name} | {mine['peak_bytes'] / MIB:.2f} | {counted / MIB:.2f} | "
                              f"{mine['peak_bytes'] / counted:.3f} |")
-    text = "\n".join(lines) + "\n"
-    write_markdown(args.out, text)
+    setting = f"Overrides: {' '.join(overrides) or 'none'}."
+    if gpu:
+        head = page_header("The memory planner against CUDA", machine("cuda"), "Plan on meta (target cuda) against "
+                           "CUDA's peaks; an evaluation's reserved figure includes the blocks training left cached, as "
+                           f"in a run. {setting}", started)
+    else:
+        head = ("No CUDA device here: nothing to compare with torch.cuda.max_memory_allocated/reserved. Comparing the "
+                "meta plan with the same steps on real CPU tensors (exact bytes) instead.\n\n"
+                f"{provenance(machine(), setting, started)}\n\n")
+    write_markdown(args.out, head + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -263,4 +263,7 @@ class Method:
                 group["lr"] = lr
 
     def step(self, microbatches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
+        """One logical step on `microbatches` (dicts of tensors; an empty list for an empty Poisson batch, which
+        still releases its noise), `loss_fn(model, batch)` giving one loss per sample. Updates the model in place
+        and returns the summed per-sample loss."""
         raise NotImplementedError

@@ -25,6 +25,8 @@ KEEPS = ("gradients", "factors", "norms")
 
 @dataclass(frozen=True)
 class ClippingPlan:
+    """How a private step clips: which norm rule, what the backward keeps until the norms are known, and so how many
+    backward passes a micro-batch takes. Made from a method's `clipping` option by `ClippingPlan.of`."""
     name: str  # what the method's config chose (materialize, bk, fgc, ghost, mixed, hutch, hutchpp): the summary's
     norms: str  # the dpmem.persample.norms rule that norms what the backward keeps
     keeps: str  # gradients (dense), factors (book-keeping: each layer's input and output gradient) or norms only

@@ -55,6 +55,7 @@ class Observer:
 
 
 class PrivateGradient(NamedTuple):
+    """What `Privatizer.gradient` returns: (gradient, loss_sum)."""
     gradient: dict  # parameter -> its privatised gradient (shaped as asked: a projection for DP-GRAPE)
     # this rank's summed per-sample loss (on the device: no host sync), as the noise releases it: each loss
     # clipped to [0, L], and noised on rank 0, where the training loss is released privately (`Noise`)

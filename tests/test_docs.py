@@ -1,0 +1,67 @@
+"""The documentation: the site builds with `mkdocs build --strict` (a broken link or anchor, a page missing from the
+nav, an API object that no longer exists fails it), the Python API's example trains privately, and every page the
+CLI's help names exists and is in the site."""
+
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import dp_accounting
+import pytest
+import yaml
+
+from dpmem.cli import USAGE, VERB_DOCS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def example():
+    spec = importlib.util.spec_from_file_location("private_loop", ROOT / "examples" / "private_loop.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("method", [None, "grape"])
+def test_the_api_example_trains_privately_at_the_epsilon_it_asks(method):
+    """Privatizer with torch's Adam, and a whole dpmem method, on the example's loop: the ε it reports is what
+    dp-accounting's PLD accountant gives for its σ, q and steps (and within the target), and it learns (chance
+    is 0.1)."""
+    steps, q = 60, 64 / 1500
+    out = example().train(steps=steps, method=method, seed=3)
+    accountant = dp_accounting.pld.PLDAccountant()
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(out["sigma"])), steps)
+    assert math.isclose(out["epsilon"], accountant.get_epsilon(1e-5), rel_tol=1e-3)
+    assert 7.9 < out["epsilon"] <= 8.0 * 1.001
+    assert out["accuracy"] > 0.5, out
+
+
+def nav_pages(node) -> list[str]:
+    if isinstance(node, str):
+        return [node]
+    if isinstance(node, dict):
+        return [p for v in node.values() for p in nav_pages(v)]
+    return [p for v in node for p in nav_pages(v)]
+
+
+def test_every_page_the_help_names_exists_and_is_in_the_site():
+    named = set(re.findall(r"docs/[\w/-]+\.md", USAGE)) | set(VERB_DOCS.values())
+    nav = {f"docs/{p}" for p in nav_pages(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])}
+    assert set(VERB_DOCS) == {"train", "memory", "spectrum", "audit", "report"}
+    for page in named:
+        assert (ROOT / page).is_file() and page in nav, page
+
+
+def test_the_site_builds_strictly(tmp_path):
+    pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]'")
+    pytest.importorskip("material", reason="the docs extra: pip install -e '.[docs]'")
+    pytest.importorskip("mkdocstrings", reason="the docs extra: pip install -e '.[docs]'")
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    assert "Privatizer" in api and "epsilon_spent" in api  # mkdocstrings rendered the API's objects
