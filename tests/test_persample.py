@@ -157,8 +157,18 @@ def test_embedding_with_padding_and_tied_head_matches_torch_func():
 
 
 def test_unsupported_parameter_is_an_error_naming_it():
+    model = nn.Sequential(nn.Linear(3, 3), nn.LSTM(3, 3))
+    with pytest.raises(ValueError, match=r"1\.weight_ih_l0.*LSTM"):
+        PerSampleGradients(model)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_batch_norm_is_refused_frozen_or_not(frozen):
+    """In training mode batch norm normalises each sample by the batch's statistics: a frozen one still mixes
+    samples, so no per-sample clipping bounds a sample's influence."""
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
-    with pytest.raises(ValueError, match=r"1\.weight.*BatchNorm1d"):
+    model[1].requires_grad_(not frozen)
+    with pytest.raises(ValueError, match=r"^1: BatchNorm1d mixes samples"):
         PerSampleGradients(model)
 
 

@@ -13,8 +13,8 @@ from dpmem.persample import rules  # noqa: F401  (registers the layer rules)
 from dpmem.persample.factored import Factored
 from dpmem.persample.registry import Rule, rule_for
 
-# Per-sample gradients mix samples through batch statistics in these layers: there is no per-sample gradient.
-REFUSED = (nn.modules.batchnorm._BatchNorm, nn.RNNBase, nn.MultiheadAttention)
+# Layers without a per-sample rule (recurrent, attention with packed projections): refused where trainable.
+REFUSED = (nn.RNNBase, nn.MultiheadAttention)  # (batch norm is refused frozen or not: `find_owners`)
 
 
 @dataclass
@@ -36,6 +36,10 @@ def find_owners(model: nn.Module) -> list[Owner]:
     claimed: set[int] = set()
     param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     modules = list(model.named_modules())  # a shared module is listed once; its capture acts per use
+    for mod_name, module in modules:  # frozen or not: in training mode it normalises by the batch's statistics
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            raise ValueError(f"{mod_name}: {type(module).__name__} mixes samples (it normalises by the batch's "
+                             "statistics in training mode, frozen or not); replace it (e.g. GroupNorm/LayerNorm)")
     for with_rule in (True, False):
         for mod_name, module in modules:
             rule = rule_for(module)
@@ -49,8 +53,8 @@ def find_owners(model: nn.Module) -> list[Owner]:
                 continue
             if isinstance(module, REFUSED):
                 name = param_names[id(next(iter(own.values())))]
-                raise ValueError(f"{name}: {type(module).__name__} has no per-sample gradient (it mixes "
-                                 "samples); replace it (e.g. GroupNorm/LayerNorm) or freeze it")
+                raise ValueError(f"{name}: {type(module).__name__} has no per-sample rule; replace it or "
+                                 "freeze it")
             if rule is not None and rule.check is not None:
                 rule.check(mod_name, module)
             claimed.update(id(p) for p in own.values())
