@@ -340,7 +340,7 @@ class TrainConfig:
     skip_done: bool = False  # a run whose folder holds its finished run (status ok, this configuration) is skipped
     overwrite: bool = False  # a fresh run may replace the records of an earlier one in its folder
     # what `dpmem train` returns to a sweeper (hydra/sweeper=optuna): the final evaluation metric, or the last
-    # logged training loss (DP-SGD-RC's search); a run that did not finish ok returns NaN, a failed trial
+    # logged training loss (DP-SGD-RC's search); a run that did not finish ok returns the worst value
     objective: Objective = Objective.metric
 
 

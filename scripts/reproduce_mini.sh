@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU-sized reproduction (experiment=mini/...): ViT-tiny on scikit-learn's digits, about 20 minutes on 2 cores.
+# The CPU-sized reproduction (experiment=mini/...): ViT-tiny on scikit-learn's digits, 11 to 20 minutes on 2 cores.
 #   scripts/reproduce_mini.sh [OUT]        (default outputs/mini; a second call skips the runs already done)
 # Then open OUT/report/*/report.md and the figures beside them.
 set -euo pipefail
