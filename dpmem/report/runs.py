@@ -472,8 +472,8 @@ def write(out: Path, summaries: list[dict], missing: list[dict], compare: bool =
         md += ["", "Each cell is one run: the best final metric of the three with the lowest final training loss "
                "(--select top3):", ""] + [f"- {line}" for line in chosen]
     if searched:
-        md += ["", "The privacy of releasing a result chosen among these runs (docs/privacy.md, "Searching on private data"):", ""] + \
-            [f"- {line}" for line in searched]
+        md += ["", "The privacy of releasing a result chosen among these runs (docs/privacy.md, Searching on "
+               "private data):", ""] + [f"- {line}" for line in searched]
     left = unfinished(summaries, missing) + repeats
     if left:
         md += ["", f"Not in the table ({len(left)}):", ""] + [f"- {line}" for line in left]
