@@ -1,5 +1,6 @@
 """Turn records (memory plans, run summaries, benchmarks) into tables and figures."""
 
+import functools
 import shlex
 import subprocess
 import sys
@@ -19,7 +20,9 @@ def write_markdown(path, text: str) -> None:
 
 def benchmark_page(script: str, name: str) -> Path:
     """docs/benchmarks/NAME.md of the checkout that holds `script` (a file under scripts/, its `__file__`): where a
-    measuring script writes its page by default, from whatever folder it is run."""
+    measuring script writes its page by default, from whatever folder it is run. Notes the checkout's commit now,
+    as the script starts: the code it measures (an edit made while it runs is not in the page's "local changes")."""
+    _commit(Path(script).resolve().parent)
     return Path(script).resolve().parents[1] / "docs" / "benchmarks" / f"{name}.md"
 
 
@@ -73,6 +76,7 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
+@functools.cache  # the first answer is kept: what the script started with (`benchmark_page`)
 def _commit(folder: Path) -> str | None:
     """The checkout's short commit, "+ local changes" when dpmem/ or scripts/ differ from it; None outside git."""
     def git(*args):
