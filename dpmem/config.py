@@ -328,9 +328,9 @@ class TrainConfig:
     # every micro-batch at the physical batch size and the split's full token width: the short one padded with
     # samples that weigh 0 (the accountant is unchanged), so that the step has one shape (a CUDA graph's need)
     static_shapes: bool = False
-    # compile each micro-batch's forward, per-sample backward and clipping, and the noise's release, whole
-    # (torch.compile fullgraph; dpmem.compiling); implies static_shapes. On the CPU the compile time (tens of
-    # seconds) outweighs short runs
+    # compile each micro-batch's forward, per-sample backward and clipping whole (torch.compile fullgraph;
+    # dpmem.compiling; the noise is added outside the graph); implies static_shapes. On the CPU the compile time
+    # (tens of seconds) outweighs short runs
     compile: bool = False
     compile_backend: str = "inductor"  # inductor (CUDA graphs on CUDA) | aot_eager | eager (trace only: tests)
     # faults: checkpoint.pt in the run folder every N steps (0 = never); a run started again in the same folder

@@ -158,8 +158,9 @@ class Method:
             return ("FSDP's gathered parameters are met by callbacks in the backward pass, which a graph cannot "
                     "hold; with train.fsdp: train.compile=false")
         if enum_value(t.precision) == "tf32":
-            return ("the eager step switches TF32 off around the private arithmetic (norms, clip factors, clipped sums), "
-                    "a process-wide switch that one graph cannot flip; with train.compile: train.precision=fp32 or bf16")
+            return ("the eager step switches TF32 off around the private arithmetic (norms, clip factors, clipped "
+                    "sums), a process-wide switch that one graph cannot flip; with train.compile: "
+                    "train.precision=fp32 or bf16")
         if t.activation_checkpointing:
             return ("activation checkpointing's recompute saves each layer's input again inside the backward pass "
                     "(callbacks); with it: train.compile=false")

@@ -30,9 +30,9 @@ class DPAdam(Method):
         return ClippingPlan.of(enum_value(cfg.clipping))
 
     def compile(self, compiler) -> None:
-        """The private step's micro-batches and release compiled. torch's optimiser steps eagerly (its step breaks
-        the graph on purpose, `torch.optim.optimizer._use_grad`), in its fused implementation: one kernel for all
-        parameters where the for-each one dispatches about ten."""
+        """The private step's micro-batches compiled (`Privatizer.compile`). torch's optimiser steps eagerly (its
+        step breaks the graph on purpose, `torch.optim.optimizer._use_grad`), in its fused implementation: one
+        kernel for all parameters where the for-each one dispatches about ten."""
         self.privatize.compile(compiler)
         fuse(self.optimizer)
 

@@ -110,7 +110,8 @@ class GaLoreDPNaive(GaLore):
         return self.privatize.params
 
     def compile(self, compiler) -> None:
-        """The private step's micro-batches and release compiled; the SVD refresh and projected Adam stay eager."""
+        """The private step's micro-batches compiled (`Privatizer.compile`); the SVD refresh and projected Adam stay
+        eager."""
         self.privatize.compile(compiler)
 
     def gradient(self, microbatches, loss_fn):

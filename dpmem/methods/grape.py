@@ -55,9 +55,9 @@ class Grape(Method):
     compilable = True
 
     def compile(self, compiler) -> None:
-        """The private step's micro-batches and release compiled, given this window's projections: kept in one
-        buffer per layer (r·Σm, as GaLore stores them), regenerated on the host when t // F moves on, and passed in,
-        so that no generator is made inside a graph. The projected Adam update stays eager."""
+        """The private step's micro-batches compiled (`Privatizer.compile`), given this window's projections: kept
+        in one buffer per layer (r·Σm, as GaLore stores them), regenerated on the host when t // F moves on, and
+        passed in, so that no generator is made inside a graph. The projected Adam update stays eager."""
         self.privatize.compile(compiler)
         self._window = None  # the t // F whose projections the buffers hold
         self._kept = {p: Projection(torch.empty(p.shape[side], self.rank, device=p.device, dtype=p.dtype), side)

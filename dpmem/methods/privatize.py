@@ -257,10 +257,6 @@ class Privatizer:
         micro-batch's own, later ones added in place), kept for the release and returned as views."""
         if self._sum_shapes is None:
             self._sum_shapes = [torch.Size(shapes[p]) for p in self.params]
-            # the sizes of `add_noise`'s runs over these sums: consecutive slices of the flat tensor
-            parts = [(torch.empty(s, device="meta"), self.noise.draws) for s in self._sum_shapes]
-            self._noise_runs = ([sum(p.numel() for p, _ in run) for run in _runs(parts, NOISE_BUCKET)]
-                                if self.noise.sigma * self.noise.max_grad_norm else [])
         flat, loss_sum = None, torch.zeros((), device=self.device)
         for mb in self._with_step_probes(microbatches):
             # the estimators' probes drawn here, as the eager step draws them, and passed in
@@ -271,7 +267,12 @@ class Privatizer:
         if flat is None:
             flat = torch.zeros(sum(s.numel() for s in self._sum_shapes), device=self.device, dtype=self.params[0].dtype)
         self._flat = flat
-        return dict(zip(self.params, _views(flat, self._sum_shapes))), loss_sum
+        summed = dict(zip(self.params, _views(flat, self._sum_shapes)))
+        if self._noise_runs is None:  # the sizes of `add_noise`'s runs over these sums: consecutive slices of flat
+            self._noise_runs = ([sum(p.numel() for p, _ in run) for run in
+                                 _runs(_noise_parts(summed, self.noise, None), NOISE_BUCKET)]
+                                if self.noise.sigma * self.noise.max_grad_norm else [])
+        return summed, loss_sum
 
     def microbatch(self, mb, loss_fn, projections, summed, zero, check=False, probes=None) -> torch.Tensor:
         """One micro-batch of one-pass clipping: forward, the per-sample backward to the taps' probes, norms, clip
