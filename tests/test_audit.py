@@ -289,9 +289,10 @@ RANK = {m: ["method.rank=4"] for m in ("grape", "galore-dp-naive")}  # below the
 
 def config(*overrides, model=TINY):
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        # the noise and the batches are pinned: an audit's bound is a random variable, and a test must not be one
         return compose("config", overrides=["logging.progress=false", "logging.memory_steps=0", "privacy=eps2",
-                                            "train.steps=10", "train.batch_size=700", "audit.canaries=500", *model,
-                                            *overrides])
+                                            "privacy.noise_seed=1", "privacy.sampler_seed=1", "train.steps=10",
+                                            "train.batch_size=700", "audit.canaries=500", *model, *overrides])
 
 
 @pytest.mark.parametrize("method", ["dp-adam", "grape", "galore-dp-naive", "dp-sgd-rc", "dpzero"])
@@ -321,9 +322,10 @@ def test_input_canaries_are_mislabelled_examples_in_the_training_set(tmp_path):
 
 def test_dpmem_audit_catches_a_tied_weight_normed_per_use_on_roberta_mlm(tmp_path):
     """Issue 42 (c) end to end: RoBERTa's word embeddings are its MLM head's weight (two uses a sample). The default
-    canaries live there and are 16 uses of it (embedding and head in turn): normed per use, they pass 4 C."""
+    canaries live there and are 16 uses of it (embedding and head in turn): normed per use, they pass 4 C. With 1000
+    canaries the broken bound fell below the claim in one CI run (1.95 < 2); 2000 put it at 2.40–2.78 over six seeds."""
     roberta = ["model=roberta-tiny", "model.head=mlm", "data=synthetic", "data.seq_len=16", "train.batch_size=512",
-               "audit.canaries=1000", "method=dp-adam"]
+               "audit.canaries=2000", "method=dp-adam"]
     correct, _ = run_audit(config(model=roberta), tmp_path / "correct")
     assert list(correct["canaries_in"]) == ["roberta.embeddings.word_embeddings.weight = lm_head.decoder.weight"]
     assert correct["epsilon_lower_bound"] < correct["epsilon_claimed"] and not correct["flagged"]
