@@ -133,8 +133,10 @@ class LiveTensorCounter(TorchDispatchMode):
     def _new_peak(self) -> None:
         self.peak = self.current
         breakdown = dict(self.by_category)
-        # storages, not gradients: FSDP's gradient shards can be views of one reduce-scatter buffer
-        grads = {id(sharding.local(p.grad).untyped_storage()) for p in self._params if p.grad is not None}
+        # storages, not gradients: FSDP's gradient shards can be views of one reduce-scatter buffer. Read without
+        # torch-function modes: a plan's modes would see every `.grad` read, at every new peak (half a plan's time)
+        with torch._C.DisableTorchFunction():
+            grads = {id(sharding.local(p.grad).untyped_storage()) for p in self._params if p.grad is not None}
         for key in grads:
             entry = self._live.get(key)
             if entry is not None and entry[2] != "gradients":

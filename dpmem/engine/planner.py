@@ -94,9 +94,11 @@ class UnknownValues(TorchFunctionMode):
         self.guessed = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not torch.Tensor.__bool__ and func is not torch.Tensor.item:  # every other call, first and fast
+            return func(*args, **(kwargs or {}))
         valueless = args and (getattr(args[0], "is_meta", False)  # a fake tensor made from a number has its value
                               or isinstance(args[0], FakeTensor) and args[0].constant is None)
-        if func in (torch.Tensor.__bool__, torch.Tensor.item) and valueless:
+        if valueless:
             if func is torch.Tensor.__bool__ or args[0].dtype == torch.bool:
                 self.guessed += 1
                 return False
