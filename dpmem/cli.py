@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import os
 import sys
 import tempfile
 from datetime import datetime
@@ -32,6 +33,7 @@ from dpmem.engine.placement import cuda_device_count, place_job
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")  # inside the package: works from any install
 USAGE = """usage: dpmem train [-m] [key=value ...]
        dpmem memory [key=value ...]
+       dpmem plan [key=value ...]
        dpmem spectrum mode=layer|trajectory [key=value ...]
        dpmem audit [key=value ...]
        dpmem report PATH... [--out DIR] [--published] [--select top3]
@@ -45,6 +47,8 @@ USAGE = """usage: dpmem train [-m] [key=value ...]
                                                    plan peak memory on the meta device (no weights)
   dpmem memory model=vit-base data=synthetic method=dp-adam,grape memory.budget=24GB
                                                    the largest batch that fits, per method
+  dpmem plan model=roberta-large data=synthetic train.batch_size=1024 memory.budget=24GB plan.device=l4
+                                                   the fastest configuration that fits a GPU (estimated)
   dpmem spectrum mode=layer spectrum.clip=[null,1.0] spectrum.sigma=[0,0.5,2.0]
                                                    singular values of each layer's (clipped, noised) gradient
   dpmem spectrum mode=trajectory method=dp-adam    PCA of a private run's clipped gradients, and subspace.pt
@@ -57,14 +61,15 @@ Documentation (Markdown in the repository's docs/; `mkdocs serve` shows it as a 
   docs/scale.md             torchrun, FSDP, Hydra's launchers, SLURM, the Optuna search
   docs/methods.md           the private step, clipping modes, each method, precision, train.compile
   docs/memory.md            dpmem memory: planned peaks, budgets, the largest batch that fits
+  docs/plan.md              dpmem plan: choosing a configuration for a GPU
   docs/privacy.md           accounting, secret seeds, what a run releases, the ledger, dpmem audit
   docs/sharp-edges.md       DP pitfalls: what dpmem guards against and what it cannot
   docs/reproductions.md     the papers' experiments (experiment=...), dpmem spectrum
   docs/api.md               the Python API for a training loop of your own
 """
 # the page each verb's --help points to
-VERB_DOCS = {"train": "docs/getting-started.md", "memory": "docs/memory.md", "spectrum": "docs/reproductions.md",
-             "audit": "docs/privacy.md", "report": "docs/getting-started.md"}
+VERB_DOCS = {"train": "docs/getting-started.md", "memory": "docs/memory.md", "plan": "docs/plan.md",
+             "spectrum": "docs/reproductions.md", "audit": "docs/privacy.md", "report": "docs/getting-started.md"}
 MAX_PREFLIGHT = 256  # sweep points composed before launch; larger grids are checked per job
 
 register_configs()
@@ -352,6 +357,8 @@ def main(argv: list[str] | None = None) -> None:
         raise _error(f"dpmem {verb} runs in one process; only dpmem train runs under torchrun")
     if verb == "memory":
         return _memory(rest)
+    if verb == "plan":
+        return _plan(rest)
     if verb == "spectrum":
         return _spectrum(rest)
     if verb == "report":
@@ -359,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     if verb == "audit":
         return _audit(rest)
     if verb != "train":
-        raise _error(f"unknown command {verb!r}; allowed: train, memory, spectrum, audit, report")
+        raise _error(f"unknown command {verb!r}; allowed: train, memory, plan, spectrum, audit, report")
     distributed.init_from_env()
     try:
         _train_main(rest)
@@ -511,6 +518,55 @@ def _memory(argv: list[str]) -> None:
         print(report.write(out, rows, mem.budget, found), end="")
     print(f"dpmem memory: wrote {', '.join(sorted(f.name for f in out.iterdir() if not f.name.startswith('.')))} "
           f"to {out}", file=sys.stderr)
+
+
+def _plan(argv: list[str]) -> None:
+    """`dpmem plan`: the candidates of one setting, planned, timed and ranked into one folder."""
+    from dpmem.engine.chooser import choose
+    from dpmem.engine.folder import FolderLock, check_owner, mark
+    from dpmem.engine.planner import parse_bytes
+    from dpmem.engine.roofline import device as plan_device
+    from dpmem.report import plan as report
+
+    overrides = _sweep_overrides(argv, "plan")
+    if overrides is None:
+        return
+    with _one_line_errors(_is_debug(overrides)), contextlib.ExitStack() as held:
+        if len(sweep_points(overrides)) > 1:
+            raise ConfigError("override", "dpmem plan plans one setting (no comma lists): the configurations it "
+                              "compares are plan.candidates × plan.checkpointing × plan.precisions")
+        cfg = compose_points([overrides])[0]
+        pc = cfg.plan
+        device = plan_device(enum_value(pc.device))
+        budget = parse_bytes(cfg.memory.budget) if cfg.memory.budget is not None else (
+            int(device.memory_gib * 2**30) if device.name != "cpu" else _host_memory())
+        if enum_value(cfg.memory.device) != "meta" or cfg.memory.world_size != 1:
+            raise ConfigError("memory.device" if enum_value(cfg.memory.device) != "meta" else "memory.world_size",
+                              "dpmem plan plans one GPU on meta (memory.device=meta, memory.world_size=1); the GPU "
+                              "it plans for is plan.device")
+        out = _out_dir(overrides, "plan.dir", pc.dir, "outputs/plan/%Y-%m-%d/%H-%M-%S")
+        held.enter_context(FolderLock(out))
+        check_owner(out, "plan", cfg.train.overwrite, _dir_key(overrides, "plan.dir"))
+        # the GPU's plan counts CUDA's allocation blocks and kernels; the cpu's exact bytes and the CPU's kernels
+        target = ["memory.target=cpu"] if device.name == "cpu" else ["memory.target=cuda"]
+        result = choose(lambda extra: compose_points([[*overrides, *target, *extra]])[0], overrides, budget, device)
+        fitting = [r for r in result["rows"] if r["fits"]]
+        if not fitting:
+            smallest = min(result["rows"], key=lambda r: r["reserved_estimate_bytes"], default=None)
+            raise ConfigError("memory.budget", f"nothing fits {budget / 2**30:.3g} GiB" + (
+                f": the smallest peak is {smallest['peak_bytes'] / 2**30:.2f} GiB (reserved estimate "
+                f"{smallest['reserved_estimate_bytes'] / 2**30:.2f}), {smallest['configuration']} at physical "
+                "batch 1" if smallest else
+                ": every candidate was refused (see plan.candidates)"))
+        mark(out, "plan")
+        print(report.write(out, result, overrides, pc.top), end="")
+    print(f"dpmem plan: wrote {', '.join(sorted(f.name for f in out.iterdir() if not f.name.startswith('.')))} "
+          f"to {out}", file=sys.stderr)
+
+
+def _host_memory() -> int:
+    """This host's RAM in bytes (the budget of a plan for plan.device=cpu when memory.budget is not given)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _labels(points: list[tuple[str, ...]], cfgs, skip: str | None = None) -> list[str]:

@@ -394,6 +394,31 @@ class MemoryConfig:
     dir: Optional[str] = None  # output folder; None = outputs/memory/DATE/TIME
 
 
+class PlanFor(Enum):
+    """The device a `dpmem plan` is for (dpmem.engine.roofline.DEVICES: peaks and bandwidths with their sources)."""
+    h100 = "h100"
+    h200 = "h200"
+    a100 = "a100"
+    l4 = "l4"
+    cpu = "cpu"  # this host, measured when the plan starts
+
+
+@dataclass
+class PlanConfig:
+    """dpmem plan: the fastest configuration that fits memory.budget on plan.device, from planned peaks (meta) and
+    roofline step times counted in the same steps."""
+    device: PlanFor = PlanFor.h100
+    # each candidate: overrides of one configuration; each is planned with and without activation checkpointing
+    candidates: list[str] = field(default_factory=lambda: [
+        "method=dp-adam method.clipping=bk", "method=dp-adam method.clipping=ghost",
+        "method=dp-adam method.clipping=mixed", "method=dp-adam method.clipping=materialize", "method=grape",
+        "method=galore-dp-naive method.clipping=bk", "method=dp-sgd-rc method.bookkeeping=true", "method=dpzero"])
+    checkpointing: list[bool] = field(default_factory=lambda: [False, True])
+    precisions: list[Precision] = field(default_factory=lambda: [Precision.fp32, Precision.tf32])  # the cpu: fp32
+    top: int = 3  # the commands of the best few
+    dir: Optional[str] = None  # output folder; None = outputs/plan/DATE/TIME
+
+
 @dataclass
 class SpectrumConfig:
     """dpmem spectrum: singular values of gradients, and what clipping and noise do to them."""
@@ -450,6 +475,7 @@ class Config:
     train: TrainConfig = MISSING
     logging: LoggingConfig = MISSING
     memory: MemoryConfig = MISSING
+    plan: PlanConfig = MISSING
     spectrum: SpectrumConfig = MISSING
     audit: AuditConfig = MISSING
     debug: bool = False  # show tracebacks for configuration errors

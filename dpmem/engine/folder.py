@@ -9,7 +9,7 @@ One writer per folder: a run (rank 0 of a torchrun job) holds `FolderLock`, an f
 before it looks into the folder until it ends; a second run in the folder is refused, naming the holder. The OS lets
 go of it when the holder dies, so a killed run's `.lock` never blocks its resume.
 
-Each verb owns its folders (`owner`, `check_owner`): train, audit, spectrum and memory write only into a folder that
+Each verb owns its folders (`owner`, `check_owner`): train, audit, spectrum, memory and plan write only into a folder that
 is missing, empty or their own, unless `train.overwrite=true`; `train.skip_done` skips a folder only for a run that
 finished ok with this configuration (`skip_done`)."""
 
@@ -40,7 +40,7 @@ LOCK = ".lock"  # FolderLock's file: not a record (nothing refuses a folder for 
 # which verb's folder it is, for a folder the training records do not tell: `dpmem audit`, `spectrum` and `memory`
 # write the verb's name into it before anything else (see `owner`)
 MARK = ".dpmem"
-TOOLS = ("train", "audit", "spectrum", "memory")
+TOOLS = ("train", "audit", "spectrum", "memory", "plan")
 TRAINING = ("summary.json", "metrics.jsonl", PRIVACY_LEDGER, "checkpoint.pt", "checkpoint.pt.tmp",
             "summary.json.tmp")  # what a training run writes first (dpmem train, the run dpmem audit trains)
 
@@ -261,6 +261,8 @@ def owner(folder: Path) -> str | None:
         return "audit"
     if "memory.json" in names:
         return "memory"
+    if "plan.json" in names:
+        return "plan"
     if "spectrum.json" in names or (folder / "gradients" / "index.json").exists():
         return "spectrum"
     if names & set(TRAINING):

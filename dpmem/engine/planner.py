@@ -13,6 +13,7 @@ import functools
 import math
 import re
 import time
+from typing import Callable
 
 import torch
 from omegaconf import OmegaConf
@@ -26,7 +27,8 @@ from dpmem.config import ConfigError, enum_value
 from dpmem.data import build_data, example_batch
 from dpmem.metering import CUDA_BLOCK, LiveTensorCounter, labelled_forward, memory_label
 from dpmem.engine.assemble import Parts, assemble
-from dpmem.engine.trainer import eval_batch_size
+from dpmem.engine.roofline import OpCounter
+from dpmem.engine.trainer import eval_batch_size, run_length
 from dpmem.methods import method_class
 from dpmem.models import build_model
 
@@ -137,13 +139,20 @@ def _cpu_flash(q_shape, k_shape, dtype, mask, dropout, causal, gqa) -> bool:
     return choice == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value
 
 
-def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = None, device: str | None = None
-         ) -> dict:
+def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = None, device: str | None = None,
+         *, first_micro_batches: int | None = None, roofline: Callable[[], OpCounter] | None = None,
+         account: bool = False) -> dict:
     """Run `cfg.memory.steps` steps of cfg's method on one logical batch of `batch_size` (default
     train.batch_size) split into physical micro-batches (default train.physical_batch_size), on `device`
     (default memory.device), metering every step after the first (which creates the optimiser state and runs
     one-off checks); then the run's evaluation (`_evaluation`). Returns the run's peak tensor bytes, the larger of
-    training's and evaluation's, with its breakdown, and each part's."""
+    training's and evaluation's, with its breakdown, and each part's.
+
+    `first_micro_batches=k`: each step runs only its first k micro-batches, with every micro-batch's inputs on the
+    device as a run has them; from the second micro-batch on, a step's peak repeats, so k = 2 plans a logical batch
+    of any size at the cost of two micro-batches. `roofline`: the last two steps (at least 3 are run) are counted
+    by a fresh counter each, with one micro-batch and with two (`dpmem.engine.roofline.step_seconds`). `account`:
+    the plan carries σ (calibrated as the run would) and ε."""
     t, m, mem = cfg.train, cfg.method, cfg.memory
     if enum_value(t.precision) == "bf16":  # tf32 rounds inside the matmuls: its tensors are fp32's
         raise ConfigError("train.precision", "memory is planned in float32: autocast has no meta backend, so a bf16 "
@@ -165,6 +174,8 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     tic = time.perf_counter()
     torch.manual_seed(t.seed)
     data = build_data(cfg.data, cfg.model)
+    # the run's noise and its ledger (σ calibrated for its steps) where asked; else a stand-in, as σ changes no memory
+    length = dict(zip(("steps", "sampling"), run_length(cfg, data.n_train))) if account and world == 1 else {}
     with torch.device("meta" if world > 1 else device):
         model = build_model(cfg.model, data, weights=False)
     target = enum_value(mem.target)
@@ -178,22 +189,28 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     with ranks as mesh:
         if mesh is not None:
             model = model.to_empty(device=device)  # fake tensors, uninitialised
-        parts = assemble(cfg, device, data, model, mesh=mesh, recompute=lambda: AttentionKernels(target))
+        parts = assemble(cfg, device, data, model, mesh=mesh, recompute=lambda: AttentionKernels(target), **length)
         method = parts.method
         sizes = [physical] * (per_rank // physical) + ([per_rank % physical] if per_rank % physical else [])
         micro = [example_batch(data, size, device) for size in sizes]
         loss_fn = labelled_forward(parts.per_sample_loss)
         block = CUDA_BLOCK if target == "cuda" else 1
+        run = micro[:first_micro_batches or len(micro)]
+        metered = [(run, None)] * (mem.steps - 1)  # each metered step's micro-batches, and its op counter
+        if roofline:
+            metered = [(run, None)] * (max(mem.steps, 3) - 3) + [(run[:1], roofline()), (run[:2], roofline())]
+        counted, steps = [ops for _, ops in metered if ops is not None], len(metered) + 1
         with AttentionKernels(target), UnknownValues() as unknown:
-            method.step(micro, loss_fn)
+            method.step(run[:1] if roofline else run, loss_fn)  # (creates the state: unmetered)
             counter = LiveTensorCounter(block).track_state(model, method)
             counter.track((v for mb in micro for v in mb.values()), "activations")  # the inputs
             _cuda_peaks(device)  # on a real GPU, its allocator's peaks from here on beside the count (validate_memory)
             with counter:
-                for _ in range(mem.steps - 1):
-                    method.step(micro, loss_fn)
+                for step, ops in metered:
+                    with ops if ops is not None else contextlib.nullcontext():
+                        method.step(step, loss_fn)
             training = {"peak_bytes": counter.peak, "breakdown": counter.peak_breakdown, **_cuda_peaks(device)}
-            del micro  # a run's micro-batches are gone when it evaluates
+            del micro, run, metered  # a run's micro-batches are gone when it evaluates
             evaluation = _evaluation(parts, evaluated, cfg.data.max_new_tokens, block)
             evaluation.update(_cuda_peaks(device))
     part = "evaluation" if evaluation["peak_bytes"] > training["peak_bytes"] else "training"
@@ -204,7 +221,7 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
         "method": m.name, "model": cfg.model.name, "data": cfg.data.name, "input_shape": list(data.input_shape),
         "batch_size": batch, "physical_batch_size": physical, "device": "meta" if world > 1 else device.type,
         "target": target, "world_size": world, "per_rank_batch_size": per_rank,
-        "steps": mem.steps,
+        "steps": steps,
         "parameters": sum(p.numel() for p in params),
         "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
         # the run's peak: training's or evaluation's (peak_part), whichever is larger, and its breakdown
@@ -214,6 +231,9 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
         "allocator_overhead": mem.allocator_overhead,
         "reserved_estimate_bytes": math.ceil(peak * (1 + mem.allocator_overhead)),
         "guessed_truth_values": unknown.guessed,  # asked of meta tensors in the steps and evaluation (UnknownValues)
+        "micro_batches": len(sizes), "micro_batches_run": min(len(sizes), first_micro_batches or len(sizes)),
+        "roofline": [ops.summary() for ops in counted] if counted else None,
+        "privacy": parts.ledger.fields if parts.ledger is not None else None,
         "wall_s": time.perf_counter() - tic, **cuda,
     }
 

@@ -60,6 +60,16 @@ def lr_at(step: int, total: int, cfg) -> float:
     return cfg.lr
 
 
+def run_length(cfg, n: int) -> tuple[int, str]:
+    """A run's steps (train.steps, or train.epochs over n examples at the logical batch size) and its sampling
+    (auto: Poisson for a private method, shuffled epochs otherwise)."""
+    t = cfg.train
+    steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * n / t.batch_size))
+    sampling = enum_value(t.sampling)
+    private = method_class(cfg.method.name).private
+    return steps, ("poisson" if private else "shuffle") if sampling == "auto" else sampling
+
+
 def eval_batch_size(t) -> int:
     """The batch size a run evaluates at (train.eval_batch_size; null = the physical batch size)."""
     return t.eval_batch_size or t.physical_batch_size or t.batch_size
@@ -130,10 +140,8 @@ class Run:
         n = data.n_train
         if t.batch_size > n:
             raise ConfigError("train.batch_size", f"{t.batch_size} is larger than the training set ({n})")
-        self.steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * n / t.batch_size))
+        self.steps, self.sampling = run_length(cfg, n)
         method = method_class(m.name)
-        sampling = enum_value(t.sampling)
-        self.sampling = ("poisson" if method.private else "shuffle") if sampling == "auto" else sampling
         if t.fsdp:
             method.check_fsdp(m)
         if t.fsdp and distributed.world_size() == 1:

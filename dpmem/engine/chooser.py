@@ -1,0 +1,132 @@
+"""`dpmem plan`: every candidate configuration (plan.candidates × plan.checkpointing) at the run's logical batch,
+with the largest physical batch whose planned peak fits memory.budget, timed by a roofline of the ops its steps
+dispatch (dpmem.engine.roofline), for each of plan.precisions; ranked by estimated samples/s.
+
+Per candidate, a few meta plans: quick ones (one metered step of one micro-batch) at physical batch 1 (nothing
+fits: done) and at a second size give the peak's growth per sample (a peak is affine in the physical batch); the
+largest size that then fits is planned in full (two micro-batches, whatever the logical batch:
+`planner.plan(first_micro_batches=2)`) with its ops counted and σ calibrated, and halved towards the last size
+known to fit until it fits. A candidate with checkpointing is not planned where the one without it showed that its
+parameters, gradients and optimizer state alone exceed the budget."""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from typing import Callable
+
+from omegaconf import OmegaConf
+
+from dpmem.config import ConfigError, enum_value
+from dpmem.engine.planner import plan
+from dpmem.engine.roofline import Device, OpCounter, step_seconds
+
+STATE = ("parameters", "gradients", "optimizer_state")  # what activation checkpointing cannot shrink
+PROBE = 8  # the second physical batch size planned, to measure the peak's growth per sample
+
+
+def _fits(row: dict, budget: int) -> bool:
+    return row["reserved_estimate_bytes"] <= budget
+
+
+def _reserved(cfg, tensor_bytes: float) -> float:
+    return tensor_bytes * (1 + cfg.memory.allocator_overhead)
+
+
+def largest_physical(cfg, budget: int, counted: Callable[[int], dict]) -> tuple[int, dict]:
+    """The largest physical batch ≤ train.batch_size whose plan fits `budget`, and its plan by `counted` (with ops
+    counted); (0, the plan at 1) if not one sample fits."""
+    batch = cfg.train.batch_size
+    quick = OmegaConf.merge(cfg, {"memory": {"steps": 2}})  # one metered step of one micro-batch: a first guess
+    first = plan(quick, batch, 1, first_micro_batches=1)
+    if not _fits(first, budget):
+        return 0, first
+    known = {1: first}
+    size = 1
+    if batch > 1:
+        probe = min(batch, PROBE)
+        known[probe] = plan(quick, batch, probe, first_micro_batches=1)
+        growth = (known[probe]["peak_bytes"] - first["peak_bytes"]) / (probe - 1)
+        room = budget / (1 + cfg.memory.allocator_overhead) - first["peak_bytes"]
+        size = batch if growth <= 0 else max(1, min(batch, 1 + math.floor(room / growth)))
+    fitting = max(b for b, row in known.items() if _fits(row, budget))
+    while True:
+        row = counted(size)
+        if _fits(row, budget) or size <= fitting:
+            return size, row
+        size = max(fitting, (fitting + size) // 2)
+
+
+def candidate(cfg, budget: int, device: Device, precisions: tuple[str, ...]) -> dict:
+    """One configuration's largest fitting physical batch, its peak, and its estimated step at each precision."""
+    counter = functools.partial(OpCounter, device, precisions)
+
+    def counted(size: int) -> dict:
+        return plan(cfg, cfg.train.batch_size, size, first_micro_batches=2, roofline=counter, account=True)
+    physical, row = largest_physical(cfg, budget, counted)
+    found = {"physical_batch_size": physical, "peak_bytes": row["peak_bytes"],
+             "reserved_estimate_bytes": row["reserved_estimate_bytes"], "fits": physical > 0,
+             "state_bytes": sum(row["breakdown"][c] for c in STATE), "breakdown": row["breakdown"],
+             "peak_part": row["peak_part"], "micro_batches": row["micro_batches"]}
+    if physical:
+        privacy = row["privacy"] or {}
+        found["sigma"], found["epsilon"] = privacy.get("sigma"), privacy.get("epsilon_target")
+        found["accountant"] = privacy.get("accountant")
+        one, two = row["roofline"]
+        found["estimates"] = {}
+        for precision in precisions:
+            est = step_seconds(one, two, row["micro_batches"], device, precision)
+            est["samples_per_s"] = cfg.train.batch_size / est["step_seconds"]
+            est["device_bound_samples_per_s"] = cfg.train.batch_size / est["device_seconds"]
+            found["estimates"][precision] = est
+        found["top_ops"] = sorted(two["by_op"].items(), key=lambda kv: -kv[1][0])[:8]
+    return found
+
+
+def choose(compose: Callable[[list[str]], object], overrides: list[str], budget: int, device: Device,
+           log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
+    """Plan every candidate of `overrides` (the user's, composed by `compose`) and rank them. Returns the plan:
+    the device, the budget, one row per (candidate, checkpointing) — fitting ones by estimated samples/s at their
+    fastest precision, then the rest by peak — and the candidates that were refused (a configuration error) or
+    skipped."""
+    base = compose(overrides)
+    pc = base.plan
+    precisions = ("fp32",) if device.name == "cpu" else tuple(dict.fromkeys(enum_value(p) for p in pc.precisions))
+    if "bf16" in precisions:
+        raise ConfigError("plan.precisions", "bf16 is not planned: autocast has no meta backend (allowed: fp32, tf32)")
+    if not pc.candidates:
+        raise ConfigError("plan.candidates", "is empty: name at least one configuration, e.g. ['method=grape']")
+    rows, refused = [], []
+    for option in pc.candidates:
+        state = None  # the first variant's parameters, gradients and optimiser state, which checkpointing keeps
+        for checkpointing in sorted(dict.fromkeys(pc.checkpointing)):
+            chosen = [*option.split(), f"train.activation_checkpointing={str(checkpointing).lower()}"]
+            label = " ".join(chosen)
+            if state is not None and _reserved(base, state) > budget:
+                refused.append({"configuration": label, "why": f"its parameters, gradients and optimizer state "
+                                f"alone ({state / 2**30:.2f} GiB) exceed the budget, with or without checkpointing"})
+                continue
+            try:
+                cfg = compose([*overrides, *chosen])
+                found = candidate(cfg, budget, device, precisions)
+            except ConfigError as e:
+                refused.append({"configuration": label, "why": str(e)})
+                log(f"dpmem plan: {label}: refused ({e})")
+                continue
+            state = found["state_bytes"] if not found["fits"] else None
+            log(f"dpmem plan: {label}: " + (f"physical batch {found['physical_batch_size']}, peak "
+                f"{found['peak_bytes'] / 2**30:.2f} GiB" if found["fits"] else
+                f"does not fit (peak {found['peak_bytes'] / 2**30:.2f} GiB at physical batch 1)"))
+            row = {"configuration": label, "overrides": chosen, "method": cfg.method.name,
+                   "checkpointing": checkpointing, **found}
+            if found["fits"]:  # at its fastest precision (the memory is the same)
+                row["precision"] = max(precisions, key=lambda p: found["estimates"][p]["samples_per_s"])
+                row.update(found["estimates"][row["precision"]])
+                row["overrides"] = chosen + [f"train.precision={row['precision']}"]
+            rows.append(row)
+    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: -r["samples_per_s"])
+    rest = sorted((r for r in rows if not r["fits"]), key=lambda r: r["peak_bytes"])
+    return {"device": device.__dict__, "budget_bytes": budget, "batch_size": base.train.batch_size,
+            "model": base.model.name, "data": base.data.name, "precisions": list(precisions),
+            "rows": fitting + rest, "refused": refused}
