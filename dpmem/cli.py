@@ -47,7 +47,7 @@ USAGE = """usage: dpmem train [-m] [key=value ...]
                                                    plan peak memory on the meta device (no weights)
   dpmem memory model=vit-base data=synthetic method=dp-adam,grape memory.budget=24GB
                                                    the largest batch that fits, per method
-  dpmem plan model=roberta-large data=synthetic train.batch_size=1024 memory.budget=24GB plan.device=l4
+  dpmem plan model=roberta-large data=synthetic memory.budget=24GB plan.device=l4
                                                    the fastest configuration that fits a GPU (estimated)
   dpmem spectrum mode=layer spectrum.clip=[null,1.0] spectrum.sigma=[0,0.5,2.0]
                                                    singular values of each layer's (clipped, noised) gradient
@@ -553,15 +553,21 @@ def _plan(argv: list[str]) -> None:
         fitting = [r for r in result["rows"] if r["fits"]]
         if not fitting:
             smallest = min(result["rows"], key=lambda r: r["reserved_estimate_bytes"], default=None)
-            raise ConfigError("memory.budget", f"nothing fits {budget / 2**30:.3g} GiB" + (
-                f": the smallest peak is {smallest['peak_bytes'] / 2**30:.2f} GiB (reserved estimate "
-                f"{smallest['reserved_estimate_bytes'] / 2**30:.2f}), {smallest['configuration']} at physical "
+            raise ConfigError("memory.budget", f"nothing fits {_bytes(budget)}" + (
+                f": the smallest peak is ≥ {_bytes(smallest['peak_bytes'])} (reserved estimate ≥ "
+                f"{_bytes(smallest['reserved_estimate_bytes'])}), {smallest['configuration']} at physical "
                 "batch 1" if smallest else
                 ": every candidate was refused (see plan.candidates)"))
         mark(out, "plan")
         print(report.write(out, result, overrides, pc.top), end="")
     print(f"dpmem plan: wrote {', '.join(sorted(f.name for f in out.iterdir() if not f.name.startswith('.')))} "
           f"to {out}", file=sys.stderr)
+
+
+def _bytes(n: float) -> str:
+    """A size in the largest binary unit it reaches: 24 GiB, 3 MiB, 100 KiB."""
+    unit, scale = next(((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if n >= s), ("B", 1))
+    return f"{n / scale:.3g} {unit}"
 
 
 def _host_memory() -> int:

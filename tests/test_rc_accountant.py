@@ -226,3 +226,12 @@ def test_rc_dimension_from_the_model():
     assert rc_dimension(model) == math.inf and rc_dimension(model, 2048) == 2048
     with pytest.raises(ValueError, match="no linear-like weight"):
         max_layer_dimension(nn.LayerNorm(4))
+
+
+def test_a_batch_of_the_whole_training_set_is_refused_by_the_rc_accountant_in_one_line(tmp_path, cli):
+    """At sampling rate 1 the remove side's privacy loss reaches log(1 - q) = -inf, which the rc PLD grid cannot
+    start from: refused, where it once ended in a math domain error."""
+    r = cli("train", "method=dp-sgd-rc", "data=synthetic", "model=roberta-tiny", "data.seq_len=8", "data.n_train=40",
+            "train.batch_size=40", "train.steps=1", "train.device=cpu", f"hydra.run.dir={tmp_path / 'run'}")
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode != 0 and "train.batch_size" in last and "rc accountant needs a rate below 1" in last, r.stderr

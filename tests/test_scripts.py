@@ -140,3 +140,14 @@ def test_audit_variants_writes_a_row_per_variant(tmp_path):
     assert [row[2] for row in rows] == ["batch", "batch"]  # audit.plant=auto on dp-adam
     assert float(rows[1][7].split()[0]) < 0.8  # σC/4 on each of 4 or 5 micro-batches of 64: noise ratio about 1/2
     assert {p.name for p in (tmp_path / "runs").iterdir()} == {"vit-correct", "vit-b4"}
+
+
+def test_bench_plan_writes_the_plans_and_checks_the_estimate_against_a_measurement(tmp_path):
+    out = tmp_path / "plan.md"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_plan.py"), "--settings", "tiny", "--check", "tiny",
+                        "--steps", "1", "--top", "2", "--out", str(out)], capture_output=True, text=True,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = out.read_text()
+    assert "## tiny" in text and "estimates from a roofline, not measurements" in text
+    assert "| plan rank | configuration |" in text and "The measured best is the plan's #" in text

@@ -5,8 +5,9 @@ dispatch (dpmem.engine.roofline), for each of plan.precisions; ranked by estimat
 Per candidate, a few meta plans: quick ones (one metered step of one micro-batch) at physical batch 1 (nothing
 fits: done) and at a second size give the peak's growth per sample (a peak is affine in the physical batch); the
 largest size that then fits is planned in full (two micro-batches, whatever the logical batch:
-`planner.plan(first_micro_batches=2)`) with its ops counted and σ calibrated, and halved towards the last size
-known to fit until it fits. A candidate with checkpointing is not planned where the one without it showed that its
+`planner.plan(first_micro_batches=2)`) with its ops counted and σ calibrated; from there the line through the last
+two peaks gives the next size (halving between the sizes known to fit and not to, where the line leaves them), for
+at most FULL_PLANS full plans. A candidate with checkpointing is not planned where the one without it showed that its
 parameters, gradients and optimizer state alone exceed the budget."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dpmem.engine.roofline import Device, OpCounter, step_seconds
 
 STATE = ("parameters", "gradients", "optimizer_state")  # what activation checkpointing cannot shrink
 PROBE = 8  # the second physical batch size planned, to measure the peak's growth per sample
+FULL_PLANS = 4  # full plans per candidate, at most, to find its largest fitting size
 
 
 def _fits(row: dict, budget: int) -> bool:
@@ -35,27 +37,43 @@ def _reserved(cfg, tensor_bytes: float) -> float:
 
 
 def largest_physical(cfg, budget: int, counted: Callable[[int], dict]) -> tuple[int, dict]:
-    """The largest physical batch ≤ train.batch_size whose plan fits `budget`, and its plan by `counted` (with ops
-    counted); (0, the plan at 1) if not one sample fits."""
+    """The largest physical batch ≤ train.batch_size whose plan fits `budget` (found within FULL_PLANS full plans),
+    and its plan by `counted` (with ops counted); (0, the plan at 1) if not one sample fits."""
     batch = cfg.train.batch_size
     quick = OmegaConf.merge(cfg, {"memory": {"steps": 2}})  # one metered step of one micro-batch: a first guess
     first = plan(quick, batch, 1, first_micro_batches=1)
     if not _fits(first, budget):
         return 0, first
-    known = {1: first}
-    size = 1
+    limit = budget / (1 + cfg.memory.allocator_overhead)  # the tensor bytes that fit
+
+    def guess(a: tuple[int, int], b: tuple[int, int]) -> int:
+        """Where the line through two (size, peak) points meets the budget."""
+        growth = (b[1] - a[1]) / (b[0] - a[0])
+        return batch if growth <= 0 else min(batch, b[0] + math.floor((limit - b[1]) / growth))
+    points = [(1, first["peak_bytes"])]
     if batch > 1:
         probe = min(batch, PROBE)
-        known[probe] = plan(quick, batch, probe, first_micro_batches=1)
-        growth = (known[probe]["peak_bytes"] - first["peak_bytes"]) / (probe - 1)
-        room = budget / (1 + cfg.memory.allocator_overhead) - first["peak_bytes"]
-        size = batch if growth <= 0 else max(1, min(batch, 1 + math.floor(room / growth)))
-    fitting = max(b for b, row in known.items() if _fits(row, budget))
-    while True:
+        points.append((probe, plan(quick, batch, probe, first_micro_batches=1)["peak_bytes"]))
+    size = max(1, guess(*points[-2:])) if batch > 1 else 1
+    fits, fails, best = 0, batch + 1, None  # full plans: the largest size that fits, the smallest that does not
+    for _ in range(FULL_PLANS):
         row = counted(size)
-        if _fits(row, budget) or size <= fitting:
-            return size, row
-        size = max(fitting, (fitting + size) // 2)
+        if _fits(row, budget):
+            fits, best = size, row
+        else:
+            fails = size
+        points.append((size, row["peak_bytes"]))
+        other = [p for p in points[:-1] if p[0] != size]  # the line through this plan and the last other one
+        following = guess(other[-1], points[-1]) if other else fails - 1
+        if not fits < following < fails:  # the line leaves what is not known yet: halve it
+            following = (fits + fails) // 2
+        if not fits < following < fails:
+            break
+        size = following
+    if best is None and fails > 1:  # no try fitted: the smallest size decides
+        row = counted(1)
+        fits, best = (1, row) if _fits(row, budget) else (0, None)
+    return (fits, best) if best is not None else (0, row)
 
 
 def candidate(cfg, budget: int, device: Device, precisions: tuple[str, ...]) -> dict:
@@ -106,6 +124,7 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
             if state is not None and _reserved(base, state) > budget:
                 refused.append({"configuration": label, "why": f"its parameters, gradients and optimizer state "
                                 f"alone ({state / 2**30:.2f} GiB) exceed the budget, with or without checkpointing"})
+                log(f"dpmem plan: {label}: not planned ({refused[-1]['why']})")
                 continue
             try:
                 cfg = compose([*overrides, *chosen])
@@ -117,7 +136,7 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
             state = found["state_bytes"] if not found["fits"] else None
             log(f"dpmem plan: {label}: " + (f"physical batch {found['physical_batch_size']}, peak "
                 f"{found['peak_bytes'] / 2**30:.2f} GiB" if found["fits"] else
-                f"does not fit (peak {found['peak_bytes'] / 2**30:.2f} GiB at physical batch 1)"))
+                f"does not fit (peak ≥ {found['peak_bytes'] / 2**30:.2f} GiB at physical batch 1)"))
             row = {"configuration": label, "overrides": chosen, "method": cfg.method.name,
                    "checkpointing": checkpointing, **found}
             if found["fits"]:  # at its fastest precision (the memory is the same)

@@ -51,6 +51,10 @@ class PrivacyLedger:
                                loss_noise=p.loss_noise if self.loss_release == "private" else None)
         rc = None
         if self.accountant["accountant"] == "rc":  # the envelope of randomized clipping depends on the model
+            if self.accounted and self.sample_rate >= 1:
+                raise ConfigError("train.batch_size", f"{cfg.train.batch_size} samples every record at every step "
+                                  f"(sampling rate {self.sample_rate:g}): the rc accountant needs a rate below 1 "
+                                  "(a logical batch smaller than the training set)")
             check_probes(model, m.k)  # a run's k (a test may build the method with more, to near exact clipping)
             try:
                 d, d_max_layer = rc_dimension(model, p.rc_dimension), max_layer_dimension(model)

@@ -64,6 +64,8 @@ def run_length(cfg, n: int) -> tuple[int, str]:
     """A run's steps (train.steps, or train.epochs over n examples at the logical batch size) and its sampling
     (auto: Poisson for a private method, shuffled epochs otherwise)."""
     t = cfg.train
+    if t.batch_size > n:
+        raise ConfigError("train.batch_size", f"{t.batch_size} is larger than the training set ({n})")
     steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * n / t.batch_size))
     sampling = enum_value(t.sampling)
     private = method_class(cfg.method.name).private
@@ -138,8 +140,6 @@ class Run:
         if self.data_hook is not None:
             data = self.data_hook(data)
         n = data.n_train
-        if t.batch_size > n:
-            raise ConfigError("train.batch_size", f"{t.batch_size} is larger than the training set ({n})")
         self.steps, self.sampling = run_length(cfg, n)
         method = method_class(m.name)
         if t.fsdp:

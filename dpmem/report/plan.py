@@ -18,7 +18,8 @@ CAVEAT = ("Times are estimates from a roofline, not measurements: each op dispat
           "Python; on the CPU the two add up). Left out: dpmem's per-layer Python beyond the ops it dispatches, "
           "kernels below their peak (small matmuls), the allocator, data loading and evaluation; `train.compile=true` "
           "removes most host time, and its bound is the device-bound column. Peaks are the meta planner's "
-          "(`dpmem memory`), reserved estimate = peak × (1 + memory.allocator_overhead).")
+          "(`dpmem memory`), reserved estimate = peak × (1 + memory.allocator_overhead); a configuration that does not fit "
+          "shows a lower bound of its peak at physical batch 1 (from a quick plan, one micro-batch).")
 
 
 def _privacy(row: dict) -> str:
@@ -44,7 +45,7 @@ def table(rows: list[dict], precisions: list[str]) -> str:
                      + [f"{r['estimates'][p]['samples_per_s']:.3g}" for p in precisions]
                      + [f"{r['device_bound_samples_per_s']:.3g} ({r['precision']})", bound, _privacy(r)])
         else:
-            cells = (["–", r["configuration"], "–", "–", f"{_gib(r['peak_bytes'])} at 1",
+            cells = (["–", r["configuration"], "–", "–", f"≥ {_gib(r['peak_bytes'])} at 1",
                       _gib(r["reserved_estimate_bytes"]), "no"] + ["–"] * len(precisions) + ["–", "–", "–"])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
