@@ -1,11 +1,12 @@
 """`dpmem plan` on the settings its docs page shows, and its estimates against measurements, as a markdown page.
 
     python scripts/bench_plan.py                  # the plans; the estimate against a CPU measurement
-    python scripts/bench_plan.py --measure cuda --plan-device h100 --settings roberta-large opt-1.3b
+    python scripts/bench_plan.py --measure cuda --plan-device h100 --check roberta-large opt-1.3b --settings
                                                   # on a GPU: the top five configurations of each, measured
 
-Plans: roberta-large (T = 128, logical batch 1024 of 48,000 synthetic examples) on a 24 GB L4, and OPT-6.7B (T = 512, logical batch 256) on an
-80 GB H100, each `dpmem plan` timed whole (the issue asks under two minutes on 2 cores for the OPT one).
+Plans: roberta-large (T = 128, logical batch 1024 of 60,000 synthetic examples) on a 24 GB L4, and OPT-6.7B
+(T = 512, logical batch 256) on an 80 GB H100, each `dpmem plan` timed whole (the issue asks under two minutes on 2
+cores for the OPT one).
 
 Estimate against measurement: the plan of `--check` on `--plan-device` (cpu: this host, measured), then its top
 five configurations built with weights on `--measure`, each timed over `--steps` steps after a warm-up step, one

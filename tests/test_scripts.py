@@ -144,8 +144,8 @@ def test_audit_variants_writes_a_row_per_variant(tmp_path):
 
 def test_bench_plan_writes_the_plans_and_checks_the_estimate_against_a_measurement(tmp_path):
     out = tmp_path / "plan.md"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_plan.py"), "--settings", "tiny", "--check", "tiny",
-                        "--steps", "1", "--top", "2", "--out", str(out)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_plan.py"), "--settings", "tiny", "--check",
+                        "tiny", "--steps", "1", "--top", "2", "--out", str(out)], capture_output=True, text=True,
                        env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     text = out.read_text()

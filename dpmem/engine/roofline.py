@@ -9,7 +9,8 @@ add up. train.compile=true removes most host time: the device time alone is its 
 
 FLOPs are those of matmuls, convolutions and attention kernels, by torch's own formulas
 (`torch.utils.flop_counter`), plus the kernels it has none for: matrix-vector products, the CPU's flash attention
-and the embedding's backward (a scatter-add, one add per gradient element). Every other op is elementwise or a reduction: bytes only.
+and the embedding's backward (a scatter-add, one add per gradient element). Every other op is elementwise or a
+reduction: bytes only.
 
 An estimate, not a measurement: it leaves out dpmem's per-layer Python beyond the ops it dispatches, kernels that
 run below their peak (small matmuls do), the allocator, and data loading; so it errs fast, least where the step is

@@ -16,10 +16,10 @@ CAVEAT = ("Times are estimates from a roofline, not measurements: each op dispat
           "longer of its FLOPs at the device's peak and its bytes at the device's bandwidth; a step takes the longer "
           "of that device time and the host's (ops × {host_op_us:.3g} µs: eager PyTorch dispatches every op from "
           "Python; on the CPU the two add up). Left out: dpmem's per-layer Python beyond the ops it dispatches, "
-          "kernels below their peak (small matmuls), the allocator, data loading and evaluation; `train.compile=true` "
-          "removes most host time, and its bound is the device-bound column. Peaks are the meta planner's "
-          "(`dpmem memory`), reserved estimate = peak × (1 + memory.allocator_overhead); a configuration that does not fit "
-          "shows a lower bound of its peak at physical batch 1 (from a quick plan, one micro-batch).")
+          "kernels below their peak (small matmuls), the allocator, data loading and evaluation; "
+          "`train.compile=true` removes most host time, and its bound is the device-bound column. Peaks are the "
+          "meta planner's (`dpmem memory`), reserved estimate = peak × (1 + memory.allocator_overhead); a configuration that does "
+          "not fit shows a lower bound of its peak at physical batch 1 (from a quick plan, one micro-batch).")
 
 
 def _privacy(row: dict) -> str:
@@ -54,8 +54,8 @@ def table(rows: list[dict], precisions: list[str]) -> str:
 def command(row: dict, overrides: list[str]) -> str:
     """The `dpmem train` command of a row: the user's overrides, then the row's own."""
     given = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith(("plan.", "memory.", "hydra."))]
-    return "dpmem train " + " ".join(shlex.quote(o) for o in
-                                     [*given, *row["overrides"], f"train.physical_batch_size={row['physical_batch_size']}"])
+    words = [*given, *row["overrides"], f"train.physical_batch_size={row['physical_batch_size']}"]
+    return "dpmem train " + " ".join(shlex.quote(o) for o in words)
 
 
 def write(out: Path, result: dict, overrides: list[str], top: int) -> str:
@@ -70,15 +70,12 @@ def write(out: Path, result: dict, overrides: list[str], top: int) -> str:
             f"Device: {device['name']}: fp32 {device['fp32_tflops']:.3g} TFLOP/s, tf32 {device['tf32_tflops']:.3g} "
             f"TFLOP/s, {device['bandwidth_gbs']:.4g} GB/s ({device['source']}).\n\n"
             + CAVEAT.format(host_op_us=device["host_op_us"]) + "\n\n" + table(rows, result["precisions"]) + "\n")
-    if best:
-        text += "\nThe best " + ("configuration" if len(best) == 1 else f"{len(best)} configurations") + ":\n\n"
-        text += "\n".join(f"{i}. `{r['command']}`" for i, r in enumerate(best, 1)) + "\n"
-    else:
-        smallest = min(rows, key=lambda r: r["reserved_estimate_bytes"]) if rows else None
-        text += "\nNothing fits" + (f"; the smallest reserved estimate is {smallest['reserved_estimate_bytes'] / GIB:.2f} "
-                                    f"GiB ({smallest['configuration']} at physical batch 1)" if smallest else "") + ".\n"
+    # (a plan where nothing fits is an error before anything is written: dpmem.cli._plan)
+    text += "\nThe best " + ("configuration" if len(best) == 1 else f"{len(best)} configurations") + ":\n\n"
+    text += "\n".join(f"{i}. `{r['command']}`" for i, r in enumerate(best, 1)) + "\n"
     if result["refused"]:
-        text += "\nNot planned:\n\n" + "\n".join(f"- {r['configuration']}: {r['why']}" for r in result["refused"]) + "\n"
+        text += "\nNot planned:\n\n" + "\n".join(f"- {r['configuration']}: {r['why']}"
+                                                for r in result["refused"]) + "\n"
     (out / "plan.json").write_text(json.dumps(json_ready(result), indent=2, default=str) + "\n")
     (out / "plan.md").write_text(text)
     _figure(out, rows, budget)
