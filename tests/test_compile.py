@@ -17,6 +17,7 @@ from dpmem.config import ConfigError
 from dpmem.data.bundle import Padded
 from dpmem.engine.trainer import run_training
 from dpmem.methods import Noise, build_method, method_config, validate
+from dpmem.methods.base import direct_fused_adam, fused_adam_step, own_step_counts
 from helpers import config, seeded
 from test_lora import roberta_classifier
 from tiny_models import tiny_llama, tiny_opt, tiny_roberta, tiny_vit
@@ -184,3 +185,40 @@ def test_a_bf16_compiled_step_keeps_the_private_arithmetic_in_float32_and_equals
         assert all(p.dtype == torch.float32 for p in model.parameters())
         return torch.cat([p.detach().flatten() for p in model.parameters()])
     torch.testing.assert_close(steps("aot_eager"), steps(None), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls,decay", [(torch.optim.Adam, 0.0), (torch.optim.Adam, 0.1), (torch.optim.AdamW, 0.1)])
+def test_the_compiled_steps_direct_update_is_torchs_fused_optimizer_step(cls, decay):
+    """`fused_adam_step` (a compiled dp-adam's update once its state exists) against torch's own fused step on the
+    same gradients: the same parameters and state, bit for bit; and torch's own step after it counts as before."""
+    torch.manual_seed(0)
+    theirs = [torch.randn(3, 4, requires_grad=True), torch.randn(5, requires_grad=True)]
+    ours = [p.detach().clone().requires_grad_() for p in theirs]
+    reference, direct = (cls(ps, lr=0.1, weight_decay=decay, fused=True) for ps in (theirs, ours))
+    for step in range(3):
+        grads = [torch.randn_like(p) for p in theirs]
+        for p, g in zip(theirs, grads):
+            p.grad = g.clone()
+        reference.step()
+        if step == 0:  # the state is made by a first step of torch's (a compiled run's eager first step)
+            assert not direct_fused_adam(direct)
+            for p, g in zip(ours, grads):
+                p.grad = g.clone()
+            direct.step()
+            direct.zero_grad(set_to_none=True)
+        else:
+            assert direct_fused_adam(direct)
+            fused_adam_step(direct, grads)
+    assert direct.state[ours[0]]["step"] is direct.state[ours[1]]["step"]  # one count, added to once a step
+    direct.register_step_pre_hook(own_step_counts)  # as a compiled dp-adam has it
+    for optimizer, params in ((reference, theirs), (direct, ours)):  # then torch's step again: counts its own
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    for p, q in zip(theirs, ours):
+        assert torch.equal(p, q)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(reference.state[p][key], direct.state[q][key])
+    assert direct.state[ours[0]]["step"] is not direct.state[ours[1]]["step"]
+    assert float(direct.state[ours[1]]["step"]) == 4

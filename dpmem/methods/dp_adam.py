@@ -6,7 +6,8 @@ mixed)."""
 from __future__ import annotations
 
 from dpmem.config import DPAdamConfig, enum_value
-from dpmem.methods.base import Method, Noise, fuse, make_optimizer
+from dpmem.methods.base import (Method, Noise, direct_fused_adam, fuse, fused_adam_step, make_optimizer,
+                               own_step_counts)
 from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 
@@ -32,12 +33,20 @@ class DPAdam(Method):
     def compile(self, compiler) -> None:
         """The private step's micro-batches compiled (`Privatizer.compile`). torch's optimiser steps eagerly (its
         step breaks the graph on purpose, `torch.optim.optimizer._use_grad`), in its fused implementation: one
-        kernel for all parameters where the for-each one dispatches about ten."""
+        kernel for all parameters where the for-each one dispatches about ten; Adam's and AdamW's called directly
+        once the first (eager) step has made their state (`fused_adam_step`)."""
         self.privatize.compile(compiler)
         fuse(self.optimizer)
+        self.optimizer.register_step_pre_hook(own_step_counts)
+        self._compiled = True
+
+    _compiled = False
 
     def step(self, microbatches, loss_fn):
         grads, loss_sum = self.privatize.gradient(microbatches, loss_fn, self.shapes)
+        if self._compiled and direct_fused_adam(self.optimizer):
+            fused_adam_step(self.optimizer, [grads[p] for p in self.params])
+            return loss_sum
         for p in self.params:
             p.grad = grads[p]
         self.optimizer.step()
