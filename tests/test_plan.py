@@ -187,3 +187,19 @@ def test_a_budget_nothing_fits_is_one_line_naming_the_smallest_peak(tmp_path, cl
 def test_what_cannot_be_planned_is_refused_in_one_line(tmp_path, cli, overrides, key):
     r = cli("plan", *TINY, *overrides, f"plan.dir={tmp_path / 'plan'}")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(f"dpmem: error: {key}"), r.stderr
+
+
+def test_any_train_override_is_a_candidate_and_a_refused_one_says_why(tmp_path, cli):
+    """LoRA adapters and grape's rank as candidates; a rank grape refuses (at least every layer's smaller side) is
+    listed as not planned, with dpmem train's own reason."""
+    out = tmp_path / "plan"
+    r = cli("plan", *TINY, 'plan.candidates=["method=dp-adam model.lora.r=4","method=grape method.rank=4",'
+            '"method=grape method.rank=32"]', "plan.checkpointing=[false]", "plan.device=cpu", f"plan.dir={out}")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads((out / "plan.json").read_text())
+    planned = {row["configuration"] for row in plan["rows"]}
+    assert planned == {"method=dp-adam model.lora.r=4 train.activation_checkpointing=false",
+                       "method=grape method.rank=4 train.activation_checkpointing=false"}
+    (refused,) = plan["refused"]
+    assert refused["configuration"].startswith("method=grape method.rank=32") and "method.rank" in refused["why"]
+    assert "Not planned" in (out / "plan.md").read_text()
