@@ -12,6 +12,7 @@ parameters, gradients and optimizer state alone exceed the budget."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import sys
@@ -20,7 +21,7 @@ from typing import Callable
 from omegaconf import OmegaConf
 
 from dpmem.config import ConfigError, enum_value
-from dpmem.engine.planner import plan
+from dpmem.engine.planner import plan, reserved_estimate
 from dpmem.engine.roofline import Device, OpCounter, step_seconds
 
 STATE = ("parameters", "gradients", "optimizer_state")  # what activation checkpointing cannot shrink
@@ -31,10 +32,6 @@ CLOSE_ENOUGH = 1.05  # a fitting size within 5% of the next guess is kept (a pla
 
 def _fits(row: dict, budget: int) -> bool:
     return row["reserved_estimate_bytes"] <= budget
-
-
-def _reserved(cfg, tensor_bytes: float) -> float:
-    return tensor_bytes * (1 + cfg.memory.allocator_overhead)
 
 
 def largest_physical(cfg, budget: int, counted: Callable[[int], dict]) -> tuple[int, dict]:
@@ -122,7 +119,7 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
         for checkpointing in sorted(dict.fromkeys(pc.checkpointing)):
             chosen = [*option.split(), f"train.activation_checkpointing={str(checkpointing).lower()}"]
             label = " ".join(chosen)
-            if state is not None and _reserved(base, state) > budget:
+            if state is not None and reserved_estimate(state, base.memory.allocator_overhead) > budget:
                 refused.append({"configuration": label, "why": f"its parameters, gradients and optimizer state "
                                 f"alone ({state / 2**30:.2f} GiB) exceed the budget, with or without checkpointing"})
                 log(f"dpmem plan: {label}: not planned ({refused[-1]['why']})")
@@ -147,6 +144,6 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
             rows.append(row)
     fitting = sorted((r for r in rows if r["fits"]), key=lambda r: -r["samples_per_s"])
     rest = sorted((r for r in rows if not r["fits"]), key=lambda r: r["peak_bytes"])
-    return {"device": device.__dict__, "budget_bytes": budget, "batch_size": base.train.batch_size,
+    return {"device": dataclasses.asdict(device), "budget_bytes": budget, "batch_size": base.train.batch_size,
             "model": base.model.name, "data": base.data.name, "precisions": list(precisions),
             "rows": fitting + rest, "refused": refused}

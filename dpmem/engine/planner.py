@@ -229,13 +229,18 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
         "peak_part": part, "training": training, "evaluation": evaluation,
         "rounding": f"{block}-byte blocks" if block > 1 else "exact bytes",
         "allocator_overhead": mem.allocator_overhead,
-        "reserved_estimate_bytes": math.ceil(peak * (1 + mem.allocator_overhead)),
+        "reserved_estimate_bytes": reserved_estimate(peak, mem.allocator_overhead),
         "guessed_truth_values": unknown.guessed,  # asked of meta tensors in the steps and evaluation (UnknownValues)
         "micro_batches": len(sizes), "micro_batches_run": min(len(sizes), first_micro_batches or len(sizes)),
         "roofline": [ops.summary() for ops in counted] if counted else None,
         "privacy": parts.ledger.fields if parts.ledger is not None else None,
         "wall_s": time.perf_counter() - tic, **cuda,
     }
+
+
+def reserved_estimate(tensor_bytes: float, allocator_overhead: float) -> int:
+    """What CUDA's caching allocator reserves for `tensor_bytes` of live tensors: × (1 + memory.allocator_overhead)."""
+    return math.ceil(tensor_bytes * (1 + allocator_overhead))
 
 
 def _evaluation(parts: Parts, size: int, max_new_tokens: int, block: int) -> dict:

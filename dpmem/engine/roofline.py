@@ -40,15 +40,13 @@ class Device:
     tf32_tflops: float  # matmuls and convolutions under train.precision=tf32
     bandwidth_gbs: float  # GB/s = 1e9 bytes/s
     source: str
-    host_op_us: float = 9.5  # eager host time per dispatched op (HOST_OP)
+    # eager host time per dispatched op: dp-adam (bk) on an H100 host, roberta-base B = 32 T = 128 TF32, host-bound
+    # at 358 samples/s and 9,445 ops a step (../shared/gpu-2026-11-24.md): 89 ms a step, 9.5 µs an op
+    host_op_us: float = 9.5
 
     def matmul_flops(self, precision: str) -> float:
         return 1e12 * (self.tf32_tflops if precision == "tf32" else self.fp32_tflops)
 
-
-# dp-adam (bk) on an H100 host, roberta-base B = 32 T = 128 TF32, host-bound: 358 samples/s, 9,445 ops a step
-# (../shared/gpu-2026-11-24.md): 89 ms a step, 9.5 µs an op
-HOST_OP = "9.5 µs per op: dp-adam bk on an H100 host (gpu-2026-11-24: 358 samples/s at 9,445 ops a step)"
 
 DEVICES = {
     "h100": Device("h100", 80, 67.0, 494.7, 3350, "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column "
@@ -142,6 +140,7 @@ class OpCounter(TorchDispatchMode):
     def __init__(self, device: Device, precisions: tuple[str, ...] = ("fp32",)):
         super().__init__()
         self.rates = {p: device.matmul_flops(p) for p in precisions}
+        self.first_rate = self.rates[precisions[0]]  # by_op's
         self.fp32_rate = device.matmul_flops("fp32")
         self.bandwidth = device.bandwidth_gbs * 1e9
         self.flops = self.bytes = self.ops = 0
@@ -164,7 +163,7 @@ class OpCounter(TorchDispatchMode):
         self.flops += flops
         self.bytes += moved
         share = self.by_op.setdefault(str(packet).removeprefix("aten."), [0.0, 0, 0])
-        share[0] += max(flops / next(iter(self.rates.values())), streamed)
+        share[0] += max(flops / self.first_rate, streamed)
         share[1] += flops
         share[2] += moved
         return out

@@ -18,8 +18,9 @@ CAVEAT = ("Times are estimates from a roofline, not measurements: each op dispat
           "Python; on the CPU the two add up). Left out: dpmem's per-layer Python beyond the ops it dispatches, "
           "kernels below their peak (small matmuls), the allocator, data loading and evaluation; "
           "`train.compile=true` removes most host time, and its bound is the device-bound column. Peaks are the "
-          "meta planner's (`dpmem memory`), reserved estimate = peak × (1 + memory.allocator_overhead); a configuration that does "
-          "not fit shows a lower bound of its peak at physical batch 1 (from a quick plan, one micro-batch).")
+          "meta planner's (`dpmem memory`), reserved estimate = peak × (1 + memory.allocator_overhead); a "
+          "configuration that does not fit shows a lower bound of its peak at physical batch 1 (from a quick plan, "
+          "one micro-batch).")
 
 
 def _privacy(row: dict) -> str:
