@@ -4,7 +4,8 @@ captured (graphs, graph breaks, recompiles, compile seconds) for the run's summa
 fullgraph=True makes any graph break an error, so "one graph" is checked on every call rather than hoped for.
 dynamic=False: train.compile implies train.static_shapes, so every micro-batch has one shape and a new shape is a
 recompile that `capture()` counts. On CUDA, mode="reduce-overhead" replays CUDA graphs; on the CPU, inductor's C++
-kernels (`train.compile_backend=aot_eager` or `eager` trace the same graph without generating code: the tests')."""
+kernels, called from a C++ wrapper (`train.compile_backend=aot_eager` or `eager` trace the same graph without
+generating code: the tests')."""
 
 from __future__ import annotations
 
@@ -53,13 +54,20 @@ class Compiler:
             raise ValueError(f"compile backend {backend!r}: allowed {', '.join(BACKENDS)}")
         self.backend = backend
         self.mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
+        # On the CPU the host time of a small step is inductor's Python wrapper, a call per kernel, matmul and
+        # view (1.6 ms of a 5 ms host-bound step): a C++ wrapper runs it instead. Built apart from the kernels, at
+        # -O2: a few seconds more to compile, where one build with the kernels at -O3 takes minutes (measured in
+        # docs/benchmarks/compile.md). On CUDA the graphs are replayed and no wrapper runs.
+        self.options = ({"cpp_wrapper": True, "cpp_wrapper_build_separate": True,
+                         "aot_inductor.compile_wrapper_opt_level": "O2"}
+                        if device.type == "cpu" and backend == "inductor" else {})
         self.functions: dict[str, int] = {}  # name -> graphs made for it
         self.breaks = 0
         self.seconds = 0.0
 
     def __call__(self, fn: Callable, name: str) -> Callable:
         compiled = torch.compile(_own_code(fn), fullgraph=True, dynamic=False, backend=self.backend, mode=self.mode,
-                                 options={"guard_filter_fn": _owner_guards_dropped})
+                                 options={"guard_filter_fn": _owner_guards_dropped, **self.options})
         self.functions[name] = 0
 
         def call(*args, **kwargs):

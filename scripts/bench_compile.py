@@ -10,7 +10,8 @@ dp-adam (bk) and grape, eager and compiled. At two shapes of a RoBERTa classifie
     python scripts/bench_compile.py --device cuda --shapes roberta-base --precision tf32     # and bf16
 
 Each contestant is built and warmed up (dpmem's first step runs the eager coverage check, its second compiles: that
-step's time less a median step is the compile time); then `--steps` interleaved rounds of one step each, medians
+step's time less a median step is the compile time, in a fresh inductor cache unless --warm-cache: what a new shape
+costs, the headers inductor precompiles once built before any contestant); then `--steps` interleaved rounds of one step each, medians
 taken. The peak of the eager contestants is the live-tensor counter's over one step (what dpmem's memory planner plans
 to within its tolerance); a compiled step cannot run under that counter (dynamo refuses a dispatch mode), so its peak
 is CUDA's to measure (`--device cuda`: torch.cuda.max_memory_allocated over one step). Every private contestant runs
@@ -19,8 +20,11 @@ with sigma = 1, C = 1 and AdamW."""
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,6 +68,17 @@ def dpmem_compiled(cfg, data, model, batch, size, name, options, prec, device) -
     return c
 
 
+def cold_inductor_cache(device: torch.device) -> str:
+    """A fresh inductor cache for this run (compile times are then a first compile's), with the headers inductor
+    precompiles once per cache (its kernels' and its C++ wrapper's) built by a throwaway function."""
+    cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dpmem-bench-inductor-")
+    x = torch.ones(4, device=device)
+    for options in ({}, Compiler(device).options):
+        torch.compile(lambda t: t.sin() + 1, fullgraph=True, options=dict(options))(x)
+    torch._dynamo.reset()
+    return cache
+
+
 def contestants(cfg, data, batch, size, prec, device) -> dict:
     dp = lambda m, n, o: dpmem_method(cfg, data, m, batch, size, n, o, prec)  # noqa: E731
     dpc = lambda m, n, o: dpmem_compiled(cfg, data, m, batch, size, n, o, prec, device)  # noqa: E731
@@ -82,6 +97,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--contestants", nargs="+", default=None, help="names as in the table (default: all)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--warm-cache", action="store_true", help="keep inductor's cache (compile times then say little)")
     ap.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default="fp32")
     ap.add_argument("--out", default=benchmark_page(__file__, "compile"),
                     help="the page to write (default: docs/benchmarks/compile.md)")
@@ -89,6 +105,7 @@ def main() -> None:
     started = time.time()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    cache = None if args.warm_cache else cold_inductor_cache(device)
     sections = []
     for shape_name in args.shapes:
         s = SHAPES[shape_name]
@@ -125,8 +142,12 @@ def main() -> None:
         sections.append("\n".join(lines))
     header = page_header("Compiled private step (train.compile)", machine(device, args.threads),
                          f"Precision {args.precision}; medians of {args.steps} interleaved steps after warm-up (CUDA: "
-                         "consecutive, one contestant at a time); inductor (CUDA: CUDA graphs).", started)
+                         "consecutive, one contestant at a time); inductor (CUDA: CUDA graphs); compile seconds "
+                         + ("with inductor's cache warm." if args.warm_cache else "from a fresh inductor cache."),
+                         started)
     write_markdown(args.out, header + "\n\n".join(sections) + "\n")
+    if cache is not None:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -83,10 +83,13 @@ def test_the_compiled_step_is_one_graph_per_function_and_equals_the_eager_step(m
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-def test_inductor_code_equals_the_eager_step():
-    want, _ = three_steps("mlp", "dp-adam")
-    got, capture = three_steps("mlp", "dp-adam", "inductor")
-    assert capture["graphs_per_function"] == {"microbatch": 1}, capture
+@pytest.mark.parametrize("name,function", [("dp-adam", "microbatch"), ("grape", "microbatch"), ("dpzero", "forward")])
+def test_inductor_code_equals_the_eager_step(name, function):
+    """Inductor's kernels and its C++ wrapper (`Compiler`'s CPU options), for the per-sample step, a projected one
+    and a forward-only one."""
+    want, _ = three_steps("mlp", name)
+    got, capture = three_steps("mlp", name, "inductor")
+    assert capture["graphs_per_function"] == {function: 1}, capture
     assert capture["graph_breaks"] == 0, capture
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
