@@ -56,8 +56,8 @@ class Compiler:
         self.mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
         # On the CPU the host time of a small step is inductor's Python wrapper, a call per kernel, matmul and
         # view (1.6 ms of a 5 ms host-bound step): a C++ wrapper runs it instead. Built apart from the kernels, at
-        # -O2: a few seconds more to compile, where one build with the kernels at -O3 takes minutes (measured in
-        # docs/benchmarks/compile.md). On CUDA the graphs are replayed and no wrapper runs.
+        # -O2: about 15 s more to compile from a fresh cache, where one build with the kernels at -O3 takes minutes
+        # more (docs/benchmarks/index.md). On CUDA the graphs are replayed and no wrapper runs.
         self.options = ({"cpp_wrapper": True, "cpp_wrapper_build_separate": True,
                          "aot_inductor.compile_wrapper_opt_level": "O2"}
                         if device.type == "cpu" and backend == "inductor" else {})
