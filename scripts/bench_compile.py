@@ -12,10 +12,10 @@ dp-adam (bk) and grape, eager and compiled. At two shapes of a RoBERTa classifie
 Each contestant is built and warmed up (dpmem's first step runs the eager coverage check, its second compiles: that
 step's time less a median step is the compile time, in a fresh inductor cache unless --warm-cache: what a new shape
 costs, the headers inductor precompiles once built before any contestant); then `--steps` interleaved rounds of one
-step each, medians taken. The peak of the eager contestants is the live-tensor counter's over one step (what dpmem's memory planner plans
-to within its tolerance); a compiled step cannot run under that counter (dynamo refuses a dispatch mode), so its peak
-is CUDA's to measure (`--device cuda`: torch.cuda.max_memory_allocated over one step). Every private contestant runs
-with sigma = 1, C = 1 and AdamW."""
+step each, medians taken. The peak of the eager contestants is the live-tensor counter's over one step (what
+dpmem's memory planner plans to within its tolerance); a compiled step cannot run under that counter (dynamo refuses
+a dispatch mode), so its peak is CUDA's to measure (`--device cuda`: torch.cuda.max_memory_allocated over one step).
+Every private contestant runs with sigma = 1, C = 1 and AdamW."""
 
 from __future__ import annotations
 
