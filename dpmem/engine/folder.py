@@ -9,9 +9,9 @@ One writer per folder: a run (rank 0 of a torchrun job) holds `FolderLock`, an f
 before it looks into the folder until it ends; a second run in the folder is refused, naming the holder. The OS lets
 go of it when the holder dies, so a killed run's `.lock` never blocks its resume.
 
-Each verb owns its folders (`owner`, `check_owner`): train, audit, spectrum, memory and plan write only into a folder that
-is missing, empty or their own, unless `train.overwrite=true`; `train.skip_done` skips a folder only for a run that
-finished ok with this configuration (`skip_done`)."""
+Each verb owns its folders (`owner`, `check_owner`): train, audit, spectrum, memory and plan write only into a
+folder that is missing, empty or their own, unless `train.overwrite=true`; `train.skip_done` skips a folder only
+for a run that finished ok with this configuration (`skip_done`)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ RECORDS = ("summary.json", "metrics.jsonl", "checkpoint.pt", "checkpoint.pt.tmp"
 # (dpmem.report.labels.NOT_TRAINING extends them to the report's sense of "the same run")
 NOT_FINGERPRINTED = ("resume", "skip_done", "overwrite", "checkpoint_every", "device")
 LOCK = ".lock"  # FolderLock's file: not a record (nothing refuses a folder for it, dpmem report does not list it)
-# which verb's folder it is, for a folder the training records do not tell: `dpmem audit`, `spectrum` and `memory`
-# write the verb's name into it before anything else (see `owner`)
+# which verb's folder it is, for a folder the training records do not tell: `dpmem audit`, `spectrum`, `memory`
+# and `plan` write the verb's name into it before anything else (see `owner`)
 MARK = ".dpmem"
 TOOLS = ("train", "audit", "spectrum", "memory", "plan")
 TRAINING = ("summary.json", "metrics.jsonl", PRIVACY_LEDGER, "checkpoint.pt", "checkpoint.pt.tmp",

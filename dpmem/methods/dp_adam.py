@@ -16,6 +16,7 @@ class DPAdam(Method):
     config = DPAdamConfig
     private = True
     privatised_gradient = True
+    _compiled = False  # train.compile: `compile` ran
 
     def __init__(self, model, cfg, lr, noise: Noise, seed: int = 0, observers=()):
         super().__init__(model, cfg, lr, noise, seed)
@@ -39,8 +40,6 @@ class DPAdam(Method):
         fuse(self.optimizer)
         self.optimizer.register_step_pre_hook(own_step_counts)
         self._compiled = True
-
-    _compiled = False
 
     def step(self, microbatches, loss_fn):
         grads, loss_sum = self.privatize.gradient(microbatches, loss_fn, self.shapes)
