@@ -54,6 +54,9 @@ class Compiler:
             raise ValueError(f"compile backend {backend!r}: allowed {', '.join(BACKENDS)}")
         self.backend = backend
         self.mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
+        # CUDA graphs replay into static output buffers: a function's output is overwritten by its next call, so a
+        # caller that keeps one across calls (a sum over micro-batches) keeps a copy
+        self.reuses_outputs = self.mode == "reduce-overhead"
         # On the CPU the host time of a small step is inductor's Python wrapper, a call per kernel, matmul and
         # view (1.6 ms of a 5 ms host-bound step): a C++ wrapper runs it instead. Built apart from the kernels, at
         # -O2: about 15 s more to compile from a fresh cache, where one build with the kernels at -O3 takes minutes

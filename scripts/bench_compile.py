@@ -43,15 +43,16 @@ from dpmem.report import benchmark_page, machine, page_header, write_markdown  #
 
 SHAPES = {"host-bound": dict(layers=12, width=32, batch=2, seq=8),
           "compute-bound": dict(layers=4, width=256, batch=16, seq=64),
-          "roberta-base": dict(layers=12, width=768, batch=32, seq=128, heads=12)}  # the GPU's (issue 43, item 5)
+          "roberta-base": dict(layers=12, width=768, batch=32, seq=128, heads=12),  # the GPU's
+          "tiny": dict(layers=1, width=32, batch=2, seq=4)}  # scripts/gpu_figures.py --tiny: the sequence runs
 ADAMW_COMPILED = "torch AdamW (non-private), compiled"
 
 
-def adamw_compiled(model, batch) -> Contestant:
+def adamw_compiled(model, batch, backend="inductor") -> Contestant:
     """The model compiled (forward and AOT backward); torch's optimiser step compiled where it allows."""
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(trainable(model), lr=1e-4, foreach=True)
-    opt_step = torch.compile(opt.step)
+    opt_step = torch.compile(opt.step, backend=backend)
 
     def step():
         loss = per_sample_loss(compiled, batch).sum()
@@ -62,9 +63,9 @@ def adamw_compiled(model, batch) -> Contestant:
     return Contestant(model, step, lambda: optimizer_state(opt))
 
 
-def dpmem_compiled(cfg, data, model, batch, size, name, options, prec, device) -> Contestant:
+def dpmem_compiled(cfg, data, model, batch, size, name, options, prec, device, backend) -> Contestant:
     c = dpmem_method(cfg, data, model, batch, size, name, options, prec)
-    c.method.compile(Compiler(device, "inductor"))
+    c.method.compile(Compiler(device, backend))
     return c
 
 
@@ -79,10 +80,10 @@ def cold_inductor_cache(device: torch.device) -> str:
     return cache
 
 
-def contestants(cfg, data, batch, size, prec, device) -> dict:
+def contestants(cfg, data, batch, size, prec, device, backend) -> dict:
     dp = lambda m, n, o: dpmem_method(cfg, data, m, batch, size, n, o, prec)  # noqa: E731
-    dpc = lambda m, n, o: dpmem_compiled(cfg, data, m, batch, size, n, o, prec, device)  # noqa: E731
-    return {ADAMW: lambda m: adamw(m, batch, prec), ADAMW_COMPILED: lambda m: adamw_compiled(m, batch),
+    dpc = lambda m, n, o: dpmem_compiled(cfg, data, m, batch, size, n, o, prec, device, backend)  # noqa: E731
+    return {ADAMW: lambda m: adamw(m, batch, prec), ADAMW_COMPILED: lambda m: adamw_compiled(m, batch, backend),
             "Opacus hooks": lambda m: opacus_hooks(m, batch, size, prec),
             "dpmem dp-adam (bk)": lambda m: dp(m, "dp-adam", {"clipping": "bk"}),
             "dpmem dp-adam (bk), compiled": lambda m: dpc(m, "dp-adam", {"clipping": "bk"}),
@@ -99,6 +100,8 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--warm-cache", action="store_true", help="keep inductor's cache (compile times then say little)")
     ap.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default="fp32")
+    ap.add_argument("--backend", choices=["inductor", "aot_eager", "eager"], default="inductor",
+                    help="every compiled contestant's (eager: traced, not code-generated; the tiny sequence's)")
     ap.add_argument("--out", default=benchmark_page(__file__, "compile"),
                     help="the page to write (default: docs/benchmarks/compile.md)")
     args = ap.parse_args()
@@ -122,7 +125,7 @@ def main() -> None:
         del model
         batch = make_batch(cfg, data, s["batch"], device)
         with RunPrecision(args.precision, device) as prec:
-            peers = contestants(cfg, data, batch, s["batch"], prec, device)
+            peers = contestants(cfg, data, batch, s["batch"], prec, device, args.backend)
             makers = {name: (lambda make=peers[name]: make(build(cfg, data, ("embeddings.",), state, device)))
                       for name in args.contestants or list(peers)}
             # dpmem's warm-up: the eager coverage check, the step that compiles, one compiled step
@@ -142,7 +145,9 @@ def main() -> None:
         sections.append("\n".join(lines))
     header = page_header("Compiled private step (train.compile)", machine(device, args.threads),
                          f"Precision {args.precision}; medians of {args.steps} interleaved steps after warm-up (CUDA: "
-                         "consecutive, one contestant at a time); inductor (CUDA: CUDA graphs); compile seconds "
+                         "consecutive, one contestant at a time); "
+                         + ("inductor (CUDA: CUDA graphs)" if args.backend == "inductor" else f"backend {args.backend}")
+                         + "; compile seconds "
                          + ("with inductor's cache warm." if args.warm_cache else "from a fresh inductor cache."),
                          started)
     write_markdown(args.out, header + "\n\n".join(sections) + "\n")

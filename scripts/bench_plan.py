@@ -3,6 +3,7 @@
     python scripts/bench_plan.py                  # the plans; the estimate against a CPU measurement
     python scripts/bench_plan.py --measure cuda --plan-device h100 --check roberta-large opt-1.3b --settings
                                                   # on a GPU: the top five configurations of each, measured
+    python scripts/bench_plan.py --measure cuda --check gpu-roberta-large --settings --top 3    # gpu_figures' check
 
 Plans: roberta-large (T = 128, logical batch 1024 of 60,000 synthetic examples) on a 24 GB L4, and OPT-6.7B
 (T = 512, logical batch 256) on an 80 GB H100, each `dpmem plan` timed whole (the issue asks under two minutes on 2
@@ -39,6 +40,12 @@ SETTINGS = {
                  "plan.device=h100", "memory.budget=80GB"],
     "opt-1.3b": ["model=opt-1.3b", "data=synthetic", "data.seq_len=256", "train.batch_size=256", "privacy=eps6",
                  "plan.device=h100", "memory.budget=80GB"],
+    # scripts/gpu_figures.py's: roberta-large (T = 128) at a logical batch a GPU steps through in about a second,
+    # four first-order candidates in TF32 without checkpointing, so that the plan takes about a minute
+    "gpu-roberta-large": ["model=roberta-large", "data=synthetic", "data.seq_len=128", "data.n_train=6000",
+                          "train.batch_size=128", "privacy=eps6", "memory.budget=80GB", "plan.precisions=[tf32]",
+                          "plan.checkpointing=[false]", 'plan.candidates=["method=dp-adam method.clipping=bk",'
+                          '"method=dp-adam method.clipping=ghost","method=grape","method=adam privacy=none"]'],
     # the test suite's: two candidates on a tiny RoBERTa (tests/test_scripts.py)
     "tiny": ["model=roberta-tiny", "data=synthetic", "data.seq_len=16", "train.batch_size=16", "privacy=eps6",
              "memory.budget=64MiB", 'plan.candidates=["method=dp-adam","method=grape"]', "plan.checkpointing=[false]"],

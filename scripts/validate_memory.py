@@ -12,6 +12,11 @@ generation task's data.max_new_tokens generated), each part's peaks measured apa
 are dpmem overrides. Writes docs/benchmarks/validate-memory.md (`--out` writes elsewhere): on a GPU its page is headed
 by the command, the GPU, torch version and date; without one it opens by saying so (the comparison it is for was not
 made), then the same line.
+
+`--run METHOD` adds one `dpmem train` run of METHOD (4 steps of Poisson batches at the logical batch size, physical
+micro-batches of half of it padded to that size, then its final evaluation) beside its plan: on a GPU the run's
+torch.cuda.max_memory_allocated from its second step to its end (training and evaluation) against the plan's peak;
+on the CPU the live-tensor counter's training peak against the plan's training part.
 """
 
 from __future__ import annotations
@@ -19,13 +24,16 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
 
 from dpmem.cli import CONF_DIR
 from dpmem.engine.planner import plan
+from dpmem.engine.trainer import run_training
 from dpmem.report import benchmark_page, machine, page_header, provenance, write_markdown
 from dpmem.report.memory import evaluated
 
@@ -38,6 +46,7 @@ def main() -> None:
                                                      "dpzero"])
     ap.add_argument("--checkpointing", choices=["off", "on", "both"], default="both",
                     help="train.activation_checkpointing for each method: off, on, or a row of each")
+    ap.add_argument("--run", default=None, metavar="METHOD", help="also one dpmem train run of METHOD against its plan")
     ap.add_argument("--out", default=benchmark_page(__file__, "validate-memory"),
                     help="the page to write (default: docs/benchmarks/validate-memory.md)")
     args, overrides = ap.parse_known_args()
@@ -74,6 +83,8 @@ def main() -> None:
                 counted = theirs["peak_bytes"]
                 lines.append(f"| {method} | {name} | {mine['peak_bytes'] / MIB:.2f} | {counted / MIB:.2f} | "
                              f"{mine['peak_bytes'] / counted:.3f} |")
+    if args.run:
+        lines += ["", *train_run(args.run, overrides, gpu)]
     setting = f"Overrides: {' '.join(overrides) or 'none'}."
     if gpu:
         head = page_header("The memory planner against CUDA", machine("cuda"), "Plan on meta (target cuda) against "
@@ -84,6 +95,29 @@ def main() -> None:
                 "meta plan with the same steps on real CPU tensors (exact bytes) instead.\n\n"
                 f"{provenance(machine(), setting, started)}\n\n")
     write_markdown(args.out, head + "\n".join(lines) + "\n")
+
+
+def train_run(method: str, overrides: list[str], gpu: bool) -> list[str]:
+    """A table of one row: a `dpmem train` run of `method` beside its plan (as `dpmem memory` plans it)."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("config", overrides=[f"method={method}", *overrides, "train.steps=4", "train.static_shapes=true",
+                                           "logging.progress=false", f"train.device={'cuda' if gpu else 'cpu'}"]
+                      + ([] if gpu else ["memory.target=cpu"]))
+    cfg.train.physical_batch_size = max(1, cfg.train.batch_size // 2)
+    planned = plan(cfg, device="meta")
+    if gpu:
+        gc.collect()
+        torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory() as folder:
+        summary = run_training(cfg, Path(folder))
+    if summary["status"] != "ok":
+        return [f"The `dpmem train` run of {method} ended {summary['status']}: {summary.get('error')}"]
+    mine = planned["peak_bytes"] if gpu else planned["training"]["peak_bytes"]
+    theirs = summary["peak_memory_allocated_bytes"] if gpu else summary["peak_memory_bytes"]
+    what = "training and evaluation, allocated" if gpu else "training, live tensors"
+    return ["| run | physical B | plan MiB | measured MiB | plan ÷ measured |", "|---|---|---|---|---|",
+            f"| dpmem train method={method} ({what}) | {cfg.train.physical_batch_size} | {mine / MIB:.1f} | "
+            f"{theirs / MIB:.1f} | {mine / theirs:.3f} |"]
 
 
 if __name__ == "__main__":

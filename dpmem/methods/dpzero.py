@@ -77,7 +77,9 @@ class ZerothOrder(Method):
 
     def compile(self, compiler) -> None:
         """The forward passes compiled (the perturbations, drawn from a generator, stay eager)."""
-        self._forward = compiler(self._forward, "forward")
+        forward = compiler(self._forward, "forward")
+        # under CUDA graphs each call's losses are overwritten by the next: copied out before the next call
+        self._forward = (lambda mb, loss_fn: forward(mb, loss_fn).clone()) if compiler.reuses_outputs else forward
 
     def _forward(self, mb, loss_fn) -> torch.Tensor:
         # a padding sample weighs 0: its estimate and loss are 0, and clipping keeps them 0

@@ -125,6 +125,7 @@ class Privatizer:
             raise ValueError("a compiled private step needs the trainable parameters in one dtype (its clipped sums "
                              "are one flat buffer)")
         self._compiled = compiler(self._microbatch_flat, "microbatch")
+        self._copy_first = compiler.reuses_outputs
 
     def _watch_stand_ins(self, module: nn.Module, args) -> None:
         for q in module.parameters(recurse=False):
@@ -262,7 +263,8 @@ class Privatizer:
             # the estimators' probes drawn here, as the eager step draws them, and passed in
             probes = Drawn.of(self._probe_draws, self._probe_shapes) if self._probe_draws is not None else None
             part, loss = self._compiled(mb, loss_fn, projections, self._zero, probes)
-            flat = part if flat is None else flat.add_(part)
+            # the first part kept (a copy where the next replay would overwrite it), later ones added into it
+            flat = (part.clone() if self._copy_first else part) if flat is None else flat.add_(part)
             loss_sum = loss_sum + loss
         if flat is None:
             flat = torch.zeros(sum(s.numel() for s in self._sum_shapes), device=self.device, dtype=self.params[0].dtype)

@@ -1,6 +1,7 @@
 """Turn records (memory plans, run summaries, benchmarks) into tables and figures."""
 
 import functools
+import os
 import shlex
 import subprocess
 import sys
@@ -78,7 +79,8 @@ def _cpu_model() -> str | None:
 
 @functools.cache  # the first answer is kept: what the script started with (`benchmark_page`)
 def _commit(folder: Path) -> str | None:
-    """The checkout's short commit, "+ local changes" when dpmem/ or scripts/ differ from it; None outside git."""
+    """The checkout's short commit, "+ local changes" when dpmem/ or scripts/ differ from it; outside git (a tree
+    copied to a GPU machine without its .git) the environment's DPMEM_COMMIT, else None."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, timeout=30, check=True).stdout
 
@@ -88,7 +90,7 @@ def _commit(folder: Path) -> str | None:
         changed = subprocess.run(["git", "status", "--porcelain", "--", "dpmem", "scripts"], cwd=top,
                                  capture_output=True, text=True, timeout=30, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return None
+        return os.environ.get("DPMEM_COMMIT") or None
     return f"{commit} + local changes" if changed else commit or None
 
 
