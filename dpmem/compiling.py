@@ -3,7 +3,7 @@ captured (graphs, graph breaks, recompiles, compile seconds) for the run's summa
 
 fullgraph=True makes any graph break an error, so "one graph" is checked on every call rather than hoped for.
 dynamic=False: train.compile implies train.static_shapes, so every micro-batch has one shape and a new shape is a
-recompile that `capture()` counts. On CUDA, mode="reduce-overhead" replays CUDA graphs; on the CPU, inductor's C++
+recompile that `capture()` counts. On CUDA, inductor replays CUDA graphs (reduce-overhead's option); on the CPU, inductor's C++
 kernels, called from a C++ wrapper (`train.compile_backend=aot_eager` or `eager` trace the same graph without
 generating code: the tests')."""
 
@@ -53,23 +53,24 @@ class Compiler:
         if backend not in BACKENDS:
             raise ValueError(f"compile backend {backend!r}: allowed {', '.join(BACKENDS)}")
         self.backend = backend
-        self.mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
-        # CUDA graphs replay into static output buffers: a function's output is overwritten by its next call, so a
-        # caller that keeps one across calls (a sum over micro-batches) keeps a copy
-        self.reuses_outputs = self.mode == "reduce-overhead"
+        # On CUDA, inductor replays CUDA graphs (what mode="reduce-overhead" asks for; torch.compile takes a mode or
+        # options, not both, and the guard filter is an option). A graph replays into static output buffers: a
+        # function's output is overwritten by its next call, so a caller that keeps one across calls (a sum over
+        # micro-batches) keeps a copy.
+        self.reuses_outputs = device.type == "cuda" and backend == "inductor"
         # On the CPU the host time of a small step is inductor's Python wrapper, a call per kernel, matmul and
         # view (1.6 ms of a 5 ms host-bound step): a C++ wrapper runs it instead. Built apart from the kernels, at
         # -O2: about 15 s more to compile from a fresh cache, where one build with the kernels at -O3 takes minutes
-        # more (docs/benchmarks/index.md). On CUDA the graphs are replayed and no wrapper runs.
-        self.options = ({"cpp_wrapper": True, "cpp_wrapper_build_separate": True,
-                         "aot_inductor.compile_wrapper_opt_level": "O2"}
-                        if device.type == "cpu" and backend == "inductor" else {})
+        # more (docs/benchmarks/index.md).
+        self.options = ({"triton.cudagraphs": True} if self.reuses_outputs
+                        else {"cpp_wrapper": True, "cpp_wrapper_build_separate": True,
+                              "aot_inductor.compile_wrapper_opt_level": "O2"} if backend == "inductor" else {})
         self.functions: dict[str, int] = {}  # name -> graphs made for it
         self.breaks = 0
         self.seconds = 0.0
 
     def __call__(self, fn: Callable, name: str) -> Callable:
-        compiled = torch.compile(_own_code(fn), fullgraph=True, dynamic=False, backend=self.backend, mode=self.mode,
+        compiled = torch.compile(_own_code(fn), fullgraph=True, dynamic=False, backend=self.backend,
                                  options={"guard_filter_fn": _owner_guards_dropped, **self.options})
         self.functions[name] = 0
 
@@ -89,7 +90,7 @@ class Compiler:
     def capture(self) -> dict:
         """The summary's record of how the step was captured."""
         graphs = sum(self.functions.values())
-        return {"backend": self.backend, "mode": self.mode or "default", "graphs_per_function": dict(self.functions),
-                "graphs": graphs, "graph_breaks": self.breaks,
+        return {"backend": self.backend, "cuda_graphs": self.reuses_outputs,
+                "graphs_per_function": dict(self.functions), "graphs": graphs, "graph_breaks": self.breaks,
                 "recompiles": graphs - sum(1 for n in self.functions.values() if n),  # graphs beyond each first
                 "compile_seconds": round(self.seconds, 2)}

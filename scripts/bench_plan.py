@@ -98,7 +98,7 @@ def check(name: str, plan: dict, device: torch.device, steps: int, top: int) -> 
     rows = [r for r in plan["rows"] if r["fits"]][:top]
     measured = []
     for r in rows:
-        measured.append(measure([*SETTINGS[name], *r["overrides"],
+        measured.append(measure([*SETTINGS[name], *r["overrides"], f"train.precision={r['precision']}",
                                  f"train.physical_batch_size={r['physical_batch_size']}"], device, steps))
         print(f"{r['configuration']}: estimated {r['samples_per_s']:.3g}, measured {measured[-1]:.3g} samples/s",
               file=sys.stderr)

@@ -15,7 +15,7 @@ In order of value, each step a process of its own (a crash or an out-of-memory e
     peers-tf32     scripts/bench_peers.py --device cuda --precision tf32 (B = 32)
     peers-bf16     the same in bf16
 
-A step whose estimated time (seconds on an H100) exceeds what is left of the budget is skipped, and the summary says
+A step whose estimated time (seconds on an H200) exceeds what is left of the budget is skipped, and the summary says
 so; a step that runs past 1.5 times its estimate, or past the budget, is stopped, so that the steps after it keep
 their time. Each script writes its own page (under --pages,
 default docs/benchmarks/) as soon as it has measured; this script then rewrites the summary page (gpu.md there:
@@ -52,7 +52,7 @@ class Step:
     what: str
     gpu: list[str]   # arguments on a GPU (after the interpreter)
     tiny: list[str]  # the same at toy sizes on the CPU
-    estimate: float  # seconds on an H100, its compiles from a fresh cache
+    estimate: float  # seconds on an H200 (2026-11-27), its compiles from a fresh cache
     page: str = ""   # the page it writes under --pages ("" for the tests, whose result is the summary's)
     status: str = "not run"
     seconds: float = 0.0
@@ -70,29 +70,29 @@ def steps() -> list[Step]:
                   "--seq-len", "8", "--steps", "1"]
     return [
         Step("tests", "pytest -m cuda", [*pytest, "-n", "8"],
-             [*pytest, "-n", "0", "tests/test_cuda.py", "tests/test_randomness.py"], 150),
+             [*pytest, "-n", "0", "tests/test_cuda.py", "tests/test_randomness.py"], 60),
         Step("compile-tf32", "compiled step, roberta-base B 32 T 128, TF32",
              [*compile_args, "--device", "cuda", "--shapes", "roberta-base", "--precision", "tf32"],
-             [*tiny_compile, "--precision", "fp32"], 240, "compile-cuda-tf32.md"),
+             [*tiny_compile, "--precision", "fp32"], 200, "compile-cuda-tf32.md"),
         Step("compile-bf16", "compiled step, roberta-base B 32 T 128, bf16",
              [*compile_args, "--device", "cuda", "--shapes", "roberta-base", "--precision", "bf16"],
              [*tiny_compile, "--precision", "bf16", "--contestants", "torch AdamW (non-private)",
-              "dpmem dp-adam (bk), compiled"], 240, "compile-cuda-bf16.md"),
+              "dpmem dp-adam (bk), compiled"], 200, "compile-cuda-bf16.md"),
         Step("memory", "planner against CUDA, roberta-large mlm B 40, and a dpmem train run",
              ["scripts/validate_memory.py", "--methods", "adam", "dp-adam", "grape", "--run", "grape", *MEMORY],
              ["scripts/validate_memory.py", "--methods", "adam", "dp-adam", "grape", "--run", "grape",
-              *TINY_MEMORY], 100, "validate-memory-cuda.md"),
+              *TINY_MEMORY], 75, "validate-memory-cuda.md"),
         Step("plan", "plan estimate against measured, roberta-large",
              ["scripts/bench_plan.py", "--settings", "--check", "gpu-roberta-large", "--measure", "cuda",
               "--plan-device", "h100", "--steps", "3", "--top", "3"],
              ["scripts/bench_plan.py", "--settings", "--check", "tiny", "--measure", "cpu", "--steps", "1", "--top",
-              "2"], 120, "plan-cuda.md"),
+              "2"], 100, "plan-cuda.md"),
         Step("peers-tf32", "peers, roberta-base B 32 T 128, TF32", [*peers, "--precision", "tf32"],
              [*tiny_peers, "--precision", "fp32", "--contestants", "torch AdamW (non-private)", "Opacus hooks",
-              "dpmem dp-adam (bk)"], 60, "peers-cuda-tf32.md"),
+              "dpmem dp-adam (bk)"], 45, "peers-cuda-tf32.md"),
         Step("peers-bf16", "peers, roberta-base B 32 T 128, bf16", [*peers, "--precision", "bf16"],
              [*tiny_peers, "--precision", "bf16", "--contestants", "torch AdamW (non-private)",
-              "dpmem dp-adam (bk)"], 60, "peers-cuda-bf16.md"),
+              "dpmem dp-adam (bk)"], 45, "peers-cuda-bf16.md"),
     ]
 
 
@@ -217,7 +217,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=480, help="seconds for the whole sequence")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (with --device cpu: the tests' check)")
-    ap.add_argument("--only", nargs="+", default=None, help="step names to run (default: all)")
+    ap.add_argument("--only", nargs="+", default=None, choices=[s.name for s in steps()],
+                    help="these steps, in this order (default: all, in order of value)")
     ap.add_argument("--pages", default=None, help="folder of the pages (default: docs/benchmarks; --tiny: a "
                                                    "temporary folder)")
     ap.add_argument("--archive", default=None, help="after each step, every page so far packed into this tar file")
@@ -236,7 +237,7 @@ def main() -> None:
                                 else ROOT / "docs" / "benchmarks"))
     pages.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="dpmem-gpu-logs-"))  # each step's output, in the archive
-    plan = [s for s in steps() if args.only is None or s.name in args.only]
+    plan = steps() if args.only is None else [next(s for s in steps() if s.name == n) for n in args.only]
     name = device_name(args.device)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}

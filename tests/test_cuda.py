@@ -15,7 +15,8 @@ from dpmem.engine.planner import plan
 from dpmem.engine.trainer import run_training
 from dpmem.methods import METHODS, Noise, build_method, method_config
 from dpmem.precision import RunPrecision
-from helpers import PRIVATE, dies_at, released, seeded
+from dpmem.privacy.randomness import Draws, seed_key
+from helpers import PRIVATE, dies_at, released
 from tiny_models import tiny_roberta, tiny_vit
 
 pytestmark = pytest.mark.cuda
@@ -118,7 +119,8 @@ def test_the_compiled_step_under_cuda_graphs_equals_the_eager_step_over_micro_ba
         model = model.cuda()
         private = name in PRIVATE_METHODS
         cfg = method_config(name, **OPTIONS[name], **({"max_grad_norm": 0.5} if private else {}))
-        method = build_method(cfg, model, 0.05, Noise(1.0, 0.5, 3.0, seeded(7)) if private else None, seed=3)
+        noise = Noise(1.0, 0.5, 3.0, Draws(seed_key(7), "noise", "cuda")) if private else None
+        method = build_method(cfg, model, 0.05, noise, seed=3)
         compiler = None
         if backend:
             compiler = Compiler(torch.device("cuda"), backend)

@@ -23,6 +23,7 @@ import torch
 from dpmem import distributed
 
 KEY_BYTES = 32
+CUDA_NOISE_CHUNK = 2**22  # elements of the second Philox stream drawn at once on a GPU (16 MiB in float32)
 
 
 def os_key() -> bytes:
@@ -82,7 +83,13 @@ class Draws:
             first, second = (torch.Generator(device=self.device).manual_seed(int.from_bytes(key[i:i + 8], "little"))
                              for i in (0, 8))
             z = torch.randn(shape, generator=first, device=self.device, dtype=wide)
-            z.add_(torch.randn(shape, generator=second, device=self.device, dtype=wide)).mul_(math.sqrt(0.5))
+            # the second stream added a chunk at a time: a whole second draw would be a transient as large as the
+            # noise (the largest parameter's), which the memory plan (one buffer, as the CPU draws) does not hold
+            flat = z.view(-1)
+            for start in range(0, flat.numel(), CUDA_NOISE_CHUNK):
+                part = flat[start:start + CUDA_NOISE_CHUNK]
+                part.add_(torch.randn(part.shape, generator=second, device=self.device, dtype=wide))
+            z.mul_(math.sqrt(0.5))
         return z if z.dtype == dtype else z.to(dtype)
 
     def state_dict(self) -> dict:
