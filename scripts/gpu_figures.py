@@ -73,7 +73,9 @@ def steps() -> list[Step]:
              [*pytest, "-n", "0", "tests/test_cuda.py", "tests/test_randomness.py"], 60),
         Step("compile-tf32", "compiled step, roberta-base B 32 T 128, TF32",
              [*compile_args, "--device", "cuda", "--shapes", "roberta-base", "--precision", "tf32"],
-             [*tiny_compile, "--precision", "fp32"], 200, "compile-cuda-tf32.md"),
+             [*tiny_compile, "--precision", "fp32", "--contestants", "torch AdamW (non-private)",
+              "torch AdamW (non-private), compiled", "Opacus hooks", "dpmem dp-adam (bk), compiled",
+              "dpmem grape, compiled"], 200, "compile-cuda-tf32.md"),
         Step("compile-bf16", "compiled step, roberta-base B 32 T 128, bf16",
              [*compile_args, "--device", "cuda", "--shapes", "roberta-base", "--precision", "bf16"],
              [*tiny_compile, "--precision", "bf16", "--contestants", "torch AdamW (non-private)",
@@ -115,7 +117,7 @@ def tables(text: str) -> list[dict[str, str]]:
 
 
 def number(cell: str | None) -> float | None:
-    match = re.match(r"-?[0-9.]+(e-?[0-9]+)?", cell or "")
+    match = re.match(r"-?[0-9.]+(e[-+]?[0-9]+)?", cell or "")
     return float(match.group()) if match else None
 
 
@@ -246,7 +248,7 @@ def main() -> None:
         left = deadline - time.monotonic()
         estimate = 0 if args.tiny else s.estimate
         if estimate > left:
-            s.status = f"skipped: needs about {estimate:.0f} s, {left:.0f} s left"
+            s.status = f"skipped: needs about {estimate:.0f} s, {max(left, 0):.0f} s left"
             print(f"gpu_figures: {s.name} {s.status}", flush=True)
             continue
         argv = [sys.executable, *(s.tiny if args.tiny else s.gpu)]

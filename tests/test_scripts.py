@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,52 @@ def test_bench_plan_writes_the_plans_and_checks_the_estimate_against_a_measureme
     text = out.read_text()
     assert "## tiny" in text and "estimates from a roofline, not measurements" in text
     assert "| plan rank | configuration |" in text and "The measured best is the plan's #" in text
+
+
+def test_gpu_figures_runs_its_whole_sequence_at_toy_sizes_on_the_cpu(tmp_path):
+    """scripts/gpu_figures.py --device cpu --tiny: every step runs its script, writes its page, and the summary sets
+    each step's figures beside their targets, so that the one GPU command cannot rot between GPU runs."""
+    pages, archive = tmp_path / "pages", tmp_path / "pages.tgz"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_figures.py"), "--device", "cpu", "--tiny",
+                        "--pages", str(pages), "--archive", str(archive)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "DPMEM_COMMIT": "abc1234"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = (pages / "gpu.md").read_text()
+    assert "dpmem abc1234" in summary  # the commit of a tree copied without its .git
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_figures import tables
+    statuses = {r["step"]: r["status"] for r in tables(summary) if "status" in r}
+    names = ["tests", "compile-tf32", "compile-bf16", "memory", "plan", "peers-tf32", "peers-bf16"]
+    assert statuses == dict.fromkeys(names, "done"), statuses
+    figures = [r for r in tables(summary) if "figure" in r]
+    assert any(r["step"] == "tests" and "skipped" in r["measured"] for r in figures)  # no GPU: skipped, not failed
+    for step, page in [("compile-tf32", "compile-cuda-tf32.md"), ("memory", "validate-memory-cuda.md"),
+                       ("plan", "plan-cuda.md"), ("peers-tf32", "peers-cuda-tf32.md")]:
+        assert "Device: CPU" in (pages / page).read_text()
+        assert any(r["step"] == step and r["measured"] and r["target"] for r in figures), step
+    with tarfile.open(archive) as tar:
+        assert {"gpu.md", "plan-cuda.md", "gpu-tests.log"} <= set(tar.getnames())
+
+
+def test_gpu_figures_skips_what_its_budget_cannot_hold_and_names_what_is_missing(tmp_path, monkeypatch, capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_figures
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_figures.py"), "--device", "cpu", "--tiny",
+                        "--budget", "0", "--pages", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("gpu_figures: ") == len(gpu_figures.steps()) and "needs about 0 s, 0 s left" in r.stdout
+    monkeypatch.setattr(gpu_figures, "NEEDED", {**gpu_figures.NEEDED, "no_such_module_here": "no-such-package"})
+    monkeypatch.setattr(sys, "argv", ["gpu_figures.py"])
+    with pytest.raises(SystemExit, match="missing no-such-package: on an offline machine"):
+        gpu_figures.main()
+
+
+def test_gpu_figures_reads_the_pages_figures():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_figures
+    rows = gpu_figures.tables("| B | x | × AdamW | peak | × AdamW |\n|---|---|---|---|---|\n| 32 | a | 0.5 | 9 | 1.2 |\n")
+    assert rows == [{"B": "32", "x": "a", "× AdamW": "0.5", "peak": "9", "× AdamW 2": "1.2"}]
+    assert gpu_figures.number("1.24e+03") == 1240.0 and gpu_figures.number("CUDA only") is None
+    closing = "lots of output\nFAILED tests/test_cuda.py::test_x[a] - AssertionError\n1 failed, 3 passed in 4.0s\n"
+    assert gpu_figures.test_figures(closing)[:2] == [("pytest -m cuda", "1 failed, 3 passed", "0 failed"),
+                                                     ("failed", "tests/test_cuda.py::test_x[a]", "")]

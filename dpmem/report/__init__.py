@@ -79,8 +79,12 @@ def _cpu_model() -> str | None:
 
 @functools.cache  # the first answer is kept: what the script started with (`benchmark_page`)
 def _commit(folder: Path) -> str | None:
-    """The checkout's short commit, "+ local changes" when dpmem/ or scripts/ differ from it; outside git (a tree
-    copied to a GPU machine without its .git) the environment's DPMEM_COMMIT, else None."""
+    """The checkout's short commit, "+ local changes" when dpmem/ or scripts/ differ from it, or None outside git.
+    The environment's DPMEM_COMMIT comes first: a tree copied to a GPU machine may carry no .git, or one that is
+    not the commit copied."""
+    if os.environ.get("DPMEM_COMMIT"):
+        return os.environ["DPMEM_COMMIT"]
+
     def git(*args):
         return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, timeout=30, check=True).stdout
 
@@ -90,7 +94,7 @@ def _commit(folder: Path) -> str | None:
         changed = subprocess.run(["git", "status", "--porcelain", "--", "dpmem", "scripts"], cwd=top,
                                  capture_output=True, text=True, timeout=30, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("DPMEM_COMMIT") or None
+        return None
     return f"{commit} + local changes" if changed else commit or None
 
 
