@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import dp_accounting
@@ -17,6 +18,7 @@ import yaml
 from dpmem.cli import USAGE, VERB_DOCS
 
 ROOT = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
 def example():
@@ -65,3 +67,14 @@ def test_the_site_builds_strictly(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "Privatizer" in api and "epsilon_spent" in api  # mkdocstrings rendered the API's objects
+    changelog = (tmp_path / "site" / "changelog" / "index.html").read_text()
+    assert f">{PROJECT['version']} (" in changelog  # CHANGELOG.md included whole, its newest heading shown
+
+
+def test_the_changelog_citation_and_licence_name_the_version_and_licence_of_pyproject():
+    """The version and the licence are written in four files; pyproject.toml's are the ones a wheel carries."""
+    newest = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M).group(1)
+    citation = yaml.safe_load((ROOT / "CITATION.cff").read_text())
+    assert newest == citation["version"] == PROJECT["version"]
+    assert citation["license"] == PROJECT["license"] == "Apache-2.0"
+    assert re.match(r"\s*Apache License\s+Version 2\.0, January 2004", (ROOT / "LICENSE").read_text())
