@@ -168,6 +168,8 @@ def preflight(overrides: list[str]) -> None:
     cfgs = compose_points(sweep_points(overrides)[:MAX_PREFLIGHT])
     if any(a in ("-m", "--multirun") for a in overrides):
         check_search_space(overrides)
+        if "hydra/sweeper=private" in overrides:
+            check_private_search(overrides)
     if distributed.is_main():
         for warning in dict.fromkeys(w for cfg in cfgs for w in method_class(cfg.method.name).warnings(cfg)):
             print(f"dpmem: warning: {warning}", file=sys.stderr)
@@ -231,6 +233,25 @@ def check_search_space(overrides: list[str]) -> None:
                 raise ConfigError(name, f"{value}: a log-scale interval needs a lower bound > 0 (its logarithm is "
                                   "drawn uniformly), e.g. "
                                   f"tag(log, interval({interval.end * 1e-3:g}, {interval.end:g}))")
+
+
+def check_private_search(overrides: list[str]) -> None:
+    """hydra/sweeper=private's search (dpmem.engine.selection), composed as Hydra will compose it. Raises
+    ConfigError."""
+    from dpmem.engine.selection import check_before_start, parse_space
+
+    plain = [o for o in overrides if o not in ("-m", "--multirun")]
+    hydra_args = [o for o in plain if o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    task = [o for o in plain if o not in hydra_args]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            sweeper = compose("config", overrides=hydra_args, return_hydra_config=True).hydra.sweeper
+            params = OmegaConf.to_container(sweeper.params, resolve=False) if sweeper.get("params") else None
+            cfg = compose_point(parse_space(task, params)[0])  # the fixed overrides: what every trial shares
+    finally:
+        GlobalHydra.instance().clear()
+    check_before_start(cfg, sweeper, task, hydra_args)
 
 
 _ABSENT = object()

@@ -3,9 +3,9 @@ captured (graphs, graph breaks, recompiles, compile seconds) for the run's summa
 
 fullgraph=True makes any graph break an error, so "one graph" is checked on every call rather than hoped for.
 dynamic=False: train.compile implies train.static_shapes, so every micro-batch has one shape and a new shape is a
-recompile that `capture()` counts. On CUDA, inductor replays CUDA graphs (reduce-overhead's option); on the CPU, inductor's C++
-kernels, called from a C++ wrapper (`train.compile_backend=aot_eager` or `eager` trace the same graph without
-generating code: the tests')."""
+recompile that `capture()` counts. On CUDA, inductor replays CUDA graphs (reduce-overhead's option); on the CPU,
+inductor's C++ kernels, called from a C++ wrapper (`train.compile_backend=aot_eager` or `eager` trace the same graph
+without generating code: the tests')."""
 
 from __future__ import annotations
 

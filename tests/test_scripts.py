@@ -195,7 +195,8 @@ def test_gpu_figures_skips_what_its_budget_cannot_hold_and_names_what_is_missing
 def test_gpu_figures_reads_the_pages_figures():
     sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_figures
-    rows = gpu_figures.tables("| B | x | × AdamW | peak | × AdamW |\n|---|---|---|---|---|\n| 32 | a | 0.5 | 9 | 1.2 |\n")
+    page = "| B | x | × AdamW | peak | × AdamW |\n|---|---|---|---|---|\n| 32 | a | 0.5 | 9 | 1.2 |\n"
+    rows = gpu_figures.tables(page)
     assert rows == [{"B": "32", "x": "a", "× AdamW": "0.5", "peak": "9", "× AdamW 2": "1.2"}]
     assert gpu_figures.number("1.24e+03") == 1240.0 and gpu_figures.number("CUDA only") is None
     closing = "lots of output\nFAILED tests/test_cuda.py::test_x[a] - AssertionError\n1 failed, 3 passed in 4.0s\n"

@@ -343,6 +343,24 @@ def search_privacy(folders: list[dict]) -> list[str]:
     return lines
 
 
+def selections(folders: list[dict]) -> list[str]:
+    """A line per private search (hydra/sweeper=private, dpmem.engine.selection) among the folders' sweeps: what
+    its selection.json releases and at what ε, beside `search_privacy`'s composition of every trial."""
+    lines = []
+    for path in sorted({Path(f["run_dir"]).parent / "selection.json" for f in folders}):
+        if not path.exists():
+            continue
+        try:
+            s = json.loads(path.read_text())
+            lines.append(f"{path.parent}: {s['ended']}; release only {s['winner'] or 'nothing'}, at ε = "
+                         f"{s['epsilon']:.4g} and δ = {s['delta']:.2g} for the whole search ({s['accountant']}; the "
+                         f"number of trials secret, {s['law']} of mean {s['mean_trials']:g}). Publishing any other "
+                         "of its trials too costs every release composed (above)")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            lines.append(f"{path.parent}: unreadable selection.json ({type(e).__name__}); its trials count as composed")
+    return lines
+
+
 def analyses(folders: list[dict]) -> list[str]:
     """A line per folder an analysis wrote (`dpmem spectrum`, `dpmem audit`): what covers what it holds. None is a
     result, and none is composed with the training runs (no result is chosen among them): publishing what one
@@ -474,6 +492,9 @@ def write(out: Path, summaries: list[dict], missing: list[dict], compare: bool =
     if searched:
         md += ["", "The privacy of releasing a result chosen among these runs (docs/privacy.md, Searching on "
                "private data):", ""] + [f"- {line}" for line in searched]
+    selected = selections(summaries + missing)
+    if selected:
+        md += ["", "Private selections (docs/privacy.md, Private selection):", ""] + [f"- {line}" for line in selected]
     left = unfinished(summaries, missing) + repeats
     if left:
         md += ["", f"Not in the table ({len(left)}):", ""] + [f"- {line}" for line in left]
