@@ -3,6 +3,7 @@ nav, an API object that no longer exists fails it), the Python API's example tra
 CLI's help names exists and is in the site."""
 
 import importlib.util
+import json
 import math
 import os
 import re
@@ -69,6 +70,13 @@ def test_the_site_builds_strictly(tmp_path):
     assert "Privatizer" in api and "epsilon_spent" in api  # mkdocstrings rendered the API's objects
     changelog = (tmp_path / "site" / "changelog" / "index.html").read_text()
     assert f">{PROJECT['version']} (" in changelog  # CHANGELOG.md included whole, its newest heading shown
+    # search: a key is found by its last part on every page that names it dotted (train.physical_batch_size)
+    index = json.loads((tmp_path / "site" / "search" / "search_index.json").read_text())
+    separator = re.compile(index["config"]["separator"])
+    pages = {d["location"].split("#")[0] for d in index["docs"] if "physical_batch_size" in d["text"]}
+    words = [(d["location"].split("#")[0], separator.split(re.sub("<[^>]+>", " ", d["text"]))) for d in index["docs"]]
+    found = {page for page, split in words if "physical_batch_size" in split}
+    assert len(pages) >= 6 and found == pages, pages - found
 
 
 def test_the_changelog_citation_and_licence_name_the_version_and_licence_of_pyproject():
