@@ -333,3 +333,33 @@ def test_analysis_folders_are_listed_apart_neither_results_nor_composed(tmp_path
     assert f"{root / 'spectrum'}: dpmem spectrum (dp-adam on sst2), not private: gradients/ holds un-noised" in out
     assert f"{root / 'spectrum-old'}: dpmem spectrum (dp-adam on sst2), not private: it holds statistics" in out
     assert f"{root / 'audit' / 'run'}: dpmem audit (dp-adam on sst2), ε 1.9 of its own" in out
+
+
+def test_a_run_is_composed_once_whatever_paths_name_it(tmp_path, capsys):
+    """The same folder given twice, or a path inside another (`dpmem report outputs outputs/train`), is one run:
+    two runs composed, not four (dp-accounting's PLD of 2·T steps, computed independently)."""
+    from tests.test_privacy import direct_epsilon
+    root, sigma, q, steps, delta = tmp_path / "outputs", 1.1, 0.05, 40, 1e-5
+    for i in range(2):
+        summary(root / "train", f"lr{i}", "dp-adam", "sst2", 2.0, i, metric=0.8, sigma=sigma, sample_rate=q,
+                steps_done=steps, delta=delta, accountant="pld", neighbouring="add_remove", sampling="poisson",
+                epsilon_spent=1.9, n_train=1000)
+    want = direct_epsilon("pld", sigma, q, 2 * steps, delta)
+    for paths in ([root, root], [root, root / "train"], [root / "train", root / "train" / "lr0"]):
+        main(["report", *map(str, paths), "--out", str(tmp_path / "r")])
+        out = capsys.readouterr().out
+        line = next(x for x in out.splitlines() if x.startswith("- sst2:"))
+        assert "2 private releases" in line and float(line.split("ε = ")[1].split(" ")[0]) == pytest.approx(
+            want, rel=5e-3)
+        assert read_csv(tmp_path / "r" / "report.csv")[("dp-adam", "2", "sst2")]["n"] == "2"  # two seeds, not four
+
+
+def test_runs_on_different_files_of_one_data_set_are_not_seeds_of_one_cell(tmp_path, capsys):
+    root = tmp_path / "runs"
+    for name, path, acc in (("a", "one.csv", 0.5), ("b", "two.csv", 0.55)):
+        summary(root, name, "dp-adam", "csv", 2.0, 0, metric=acc)
+        (root / name / "config.yaml").write_text(f"data:\n  path: {path}\n")
+    main(["report", str(root)])
+    rows = read_csv(root / "report" / "report.csv")
+    assert {d for _, _, d in rows} == {"csv (one.csv)", "csv (two.csv)"}
+    assert [r["n"] for r in rows.values()] == ["1", "1"]

@@ -40,11 +40,15 @@ def collect(paths: list[Path]) -> tuple[list[dict], list[dict]]:
     config.yaml (`config`), its privacy.jsonl lines (`ledger`: what every attempt released, summary or not) and
     which analysis wrote the folder, if one did (`analysis`)."""
     summaries, missing = [], []
+    seen: set[Path] = set()  # a folder under two of the paths (the same path twice, or one inside another) once
     for root in paths:
         root = Path(root)
         if not root.exists():
             raise FileNotFoundError(f"{root} does not exist")
         for f in sorted(root.rglob("summary.json")):
+            if f.parent.resolve() in seen:
+                continue
+            seen.add(f.parent.resolve())
             try:
                 s = json.loads(f.read_text())
                 lacking = [k for k in REQUIRED if k not in s] if isinstance(s, dict) else ["(not a JSON object)"]
@@ -61,6 +65,9 @@ def collect(paths: list[Path]) -> tuple[list[dict], list[dict]]:
         folders |= {c.parent for c in root.rglob(PRIVACY_LEDGER)}
         for folder in sorted(folders):
             # dpmem audit's own folder holds its config and record; the audited run, in run/, has the summary
+            if folder.resolve() in seen:
+                continue
+            seen.add(folder.resolve())
             if not (folder / "summary.json").exists() and not (folder / "audit.json").exists():
                 note = _ledger_note(folder)
                 missing.append(_folder(folder, {"why": "no summary.json"
@@ -161,12 +168,26 @@ def _epsilon(s: dict) -> str:
     return "non-private" if eps is None or not s.get("private", True) else f"{eps:g}"
 
 
+def data_column(summaries: list[dict]):
+    """A run's column: its data set's name, and its data.path where runs of that name read several files (runs on
+    different files are not seeds of one cell)."""
+    paths = defaultdict(set)
+    for s in summaries:
+        paths[s["data"]].add(s["config"].get("data.path"))
+
+    def column(s: dict) -> str:
+        path = s["config"].get("data.path")
+        return f"{s['data']} ({path})" if len(paths[s["data"]]) > 1 else s["data"]
+    return column
+
+
 def cells(summaries: list[dict]) -> dict[tuple[str, str, str], dict]:
     """(method, ε, data) -> {values (final metric of each ok run), n, mean, se, oom, metric}."""
     variants(summaries)
+    column = data_column(summaries)
     grouped: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
     for s in summaries:
-        grouped[(row_label(s), _epsilon(s), s["data"])].append(s)
+        grouped[(row_label(s), _epsilon(s), column(s))].append(s)
     out = {}
     for key, runs in grouped.items():
         values = [r["metric_final"] for r in runs if r["status"] == OK and r.get("metric_final") is not None]
@@ -434,9 +455,10 @@ def top_three(summaries: list[dict]) -> tuple[list[dict], list[str]]:
     """DP-SGD-RC's selection (§6): of each method × ε × data set's ok runs (a search's trials), the three with the
     lowest final training loss, and of those the best final metric. Returns the chosen runs and a line for each."""
     groups = defaultdict(list)
+    column = data_column(summaries)
     for s in summaries:
         if s["status"] == OK and s.get("train_loss") is not None and s.get("metric_final") is not None:
-            groups[(s["method"], _epsilon(s), s["data"])].append(s)
+            groups[(s["method"], _epsilon(s), column(s))].append(s)
     chosen, lines = [], []
     for (method, eps, data), runs in sorted(groups.items()):
         three = sorted(runs, key=lambda r: r["train_loss"])[:3]
