@@ -274,3 +274,34 @@ def test_the_privacy_ledger_keeps_every_released_step_whatever_the_folder_goes_t
     new = ledger(run)[8:]
     assert new[0]["event"] == "start" and new[-1]["event"] == "end" and new[-1]["status"] == "ok"
     assert new[0]["config"] != lines[0]["config"] and new[-1]["steps_done"] == 6
+
+
+@pytest.mark.parametrize("damage", ["halved", "forged start"])
+def test_a_damaged_ledger_does_not_lower_the_epsilon_a_resume_records(tmp_path, monkeypatch, capsys, damage):
+    """Every line's ε halved, or a forged start line appended, then summary.json deleted: the resumed run still
+    records at least what was spent (each line's ε recomputed from its σ, q, δ and steps, against dp-accounting's
+    PLD here), and says so where a line disagrees."""
+    from tests.test_privacy import direct_epsilon
+    run = tmp_path / "run"
+    real_step = dies_at(monkeypatch, METHODS["dp-adam"], 5)  # checkpoint at 3, steps 1-4 released
+    with pytest.raises(RuntimeError, match="went away"):
+        run_training(config("dp-adam", "train.checkpoint_every=3", "privacy.epsilon=2"), run)
+    monkeypatch.setattr(METHODS["dp-adam"], "step", real_step)
+    lines = ledger(run)
+    s = json.loads((run / "summary.json").read_text())
+    spent = direct_epsilon("pld", s["sigma_accounted"], s["sample_rate"], 4, s["delta"])
+    assert max(r["epsilon"] for r in lines if "epsilon" in r) == pytest.approx(spent, rel=1e-9)
+    if damage == "halved":
+        lines = [{**r, "epsilon": r["epsilon"] / 2} if r.get("epsilon") else r for r in lines]
+        (run / "privacy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    else:
+        with open(run / "privacy.jsonl", "a") as f:
+            f.write(json.dumps({"event": "start", "steps_done": 0, "epsilon": 0.0}) + "\n")
+    (run / "summary.json").unlink()
+    dies_at(monkeypatch, METHODS["dp-adam"], 1)  # resumed at step 3, it dies at once: ε is what was spent before
+    with pytest.raises(RuntimeError, match="went away"):
+        run_training(config("dp-adam", "train.checkpoint_every=3", "privacy.epsilon=2"), run)
+    monkeypatch.setattr(METHODS["dp-adam"], "step", real_step)
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["epsilon_spent"] >= spent * (1 - 1e-9)
+    assert ("the larger is kept" in capsys.readouterr().err) == (damage == "halved")

@@ -19,6 +19,21 @@ from dpmem.privacy.accounting import joint_sigma
 from dpmem.privacy.randomness import Draws, key_of, os_key, seed_key
 
 
+def line_epsilon(line: dict) -> float | None:
+    """ε recomputed from what a privacy.jsonl line says it was computed from (σ accounted per step, q, δ, steps,
+    the accountant): what a damaged or edited ε field cannot lower. None where the line cannot say (rc, whose
+    envelope the line does not hold, or a field missing)."""
+    try:
+        if line.get("accountant") not in ("pld", "rdp") or not line.get("steps_done"):
+            return None
+        sigma = float(line.get("sigma_accounted") or line["sigma"])
+        return epsilon_spent(sigma, float(line["delta"]), float(line["sample_rate"]), int(line["steps_done"]),
+                             line["accountant"], line.get("neighbouring") or "add_remove",
+                             line.get("sampling") or "poisson", line.get("dataset_size"))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def resolve_accountant(cfg) -> str:
     """privacy.accountant, or for auto the one the method names (pld; rc for randomized clipping)."""
     accountant = enum_value(cfg.privacy.accountant)

@@ -25,8 +25,9 @@ from dpmem.data.bundle import Padded
 from dpmem.engine import checkpoint
 from dpmem.engine.assemble import Parts, assemble
 from dpmem.engine.folder import FolderLock, claim, fingerprint, write_config
-from dpmem.engine.summary import (DiskFull, append_metrics, append_privacy, cut_metrics, json_ready, most_spent,
-                                  privacy_records, summary_table, versions, write_summary)
+from dpmem.engine.ledger import line_epsilon
+from dpmem.engine.summary import (PRIVACY_LEDGER, DiskFull, append_metrics, append_privacy, cut_metrics, json_ready,
+                                  most_spent, privacy_records, summary_table, versions, write_summary)
 from dpmem.engine.tracking import NoTracker, open_tracker
 from dpmem.engine.meter import Meter
 from dpmem.methods import method_class
@@ -418,16 +419,33 @@ class Run:
         # (its lines that cannot be read skipped, and said so; dpmem.engine.folder.claim refused a private run whose
         # ledger is missing or unreadable), and never less than the folder's summary said
         if self.main:
-            records = privacy_records(self.run_dir)
-            starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
-            self.ledger.released = max(most_spent(records[starts[-1]:] if starts else records) or 0.0,
-                                       self._summarised_epsilon())
+            self.ledger.released = max(self._ledger_epsilon(), self._summarised_epsilon())
         self.summary["epsilon_spent"], self._eps_steps = self.ledger.epsilon(step), step
         self._spent(event="resume", from_step=step)
         if self.main:  # records of the lost steps are written again (and lines cut short dropped)
             cut_metrics(self.run_dir, step)
         self._write_summary()
         return step
+
+    def _ledger_epsilon(self) -> float:
+        """The most ε the folder's ledger shows this configuration released: over every line of it (a start line
+        appended later hides none), each line's ε as recorded or as recomputed from its σ, q, δ and steps, whichever
+        is larger; a line whose two disagree is said in one line."""
+        records = privacy_records(self.run_dir)
+        mine = [r for r in records if r.get("config") == self._config_hash] or records
+        recorded = most_spent(mine) or 0.0
+        worst = None
+        for r in mine:
+            again = line_epsilon(r)
+            if again is not None and r.get("epsilon") is not None and again > float(r["epsilon"]) * (1 + 1e-6):
+                worst = max(worst or (0.0, r), (again, r), key=lambda pair: pair[0])
+        if worst is not None:
+            again, r = worst
+            print(f"dpmem: warning: {self.run_dir / PRIVACY_LEDGER}: a line at step {r.get('steps_done')} records "
+                  f"epsilon {float(r['epsilon']):.4g}, where its sigma, q, delta and steps give {again:.4g}: the larger "
+                  "is kept", file=sys.stderr)
+            recorded = max(recorded, again)
+        return recorded
 
     def _summarised_epsilon(self) -> float:
         """ε the folder's summary (the resumed run's, written after its ledger lines) says was spent: a finite number,
