@@ -86,3 +86,14 @@ def test_the_changelog_citation_and_licence_name_the_version_and_licence_of_pypr
     assert newest == citation["version"] == PROJECT["version"]
     assert citation["license"] == PROJECT["license"] == "Apache-2.0"
     assert re.match(r"\s*Apache License\s+Version 2\.0, January 2004", (ROOT / "LICENSE").read_text())
+
+
+def test_every_sharp_edge_has_one_severity_and_the_summary_table_agrees():
+    """The table at the top of sharp-edges.md is written by hand beside the sections: each section's severity line
+    and its row must say the same, and no section may be missing from the table."""
+    text = (ROOT / "docs" / "sharp-edges.md").read_text()
+    sections = re.findall(r"^## ([^\n{]+?)(?: \{#[\w-]+\})?\n\n\*\*Severity: (\w+)\.\*\*\n", text, re.M)
+    rows = re.findall(r"^\| \[([^\]]+)\]\(#[\w-]+\) \| (\w+) \|", text, re.M)
+    assert len(sections) == text.count("\n## ") and len(sections) >= 18
+    assert sections == rows
+    assert {severity for _, severity in sections} <= {"critical", "high", "medium", "low"}
