@@ -5,7 +5,8 @@
   DP-Adam, DP-GRAPE, DP-SGD-RC, DPZero and the rest, each with its own update).
 - Sampling and secret randomness: `poisson_batches`, drawn from `Draws` keyed by `key_of` (256 bits of the OS's
   entropy, or a seed taken whole).
-- Accounting: `calibrate_sigma` (the noise an ε needs) and `epsilon_spent` (the ε a run spent).
+- Accounting: `calibrate_sigma` (the noise an ε needs) and `epsilon_spent` (the ε a run spent), each with the
+  accountant of the method (`accounting`: pld for most, DP-SGD-RC's rc with its probes and envelope).
 - Memory: `config` (a run's validated config, as `dpmem train` composes it from overrides), `plan` (its peak memory,
   planned on the meta device) and `largest_batch` (the largest batch under a budget).
 
@@ -25,15 +26,32 @@ from dpmem.privacy.accounting import calibrate_sigma, epsilon_spent
 from dpmem.privacy.randomness import Draws, key_of
 from dpmem.privacy.sampling import poisson_batches
 
-__all__ = ["ClippingPlan", "Draws", "Method", "Noise", "Padded", "PrivateGradient", "Privatizer", "build_method",
-           "calibrate_sigma", "config", "epsilon_spent", "key_of", "largest_batch", "method_config", "plan",
-           "poisson_batches"]
+__all__ = ["ClippingPlan", "Draws", "Method", "Noise", "Padded", "PrivateGradient", "Privatizer", "accounting",
+           "build_method", "calibrate_sigma", "config", "epsilon_spent", "key_of", "largest_batch", "method_config",
+           "plan", "poisson_batches"]
+
+
+def accounting(method_cfg, model) -> dict:
+    """The accountant a method's noise is calibrated and spent by, as keyword arguments of `calibrate_sigma` and
+    `epsilon_spent`: {"accountant": "pld"} for most methods; DP-SGD-RC's randomized clipping needs its own (rc,
+    with the probes k, the envelope's dimension for `model` and the estimator), as `dpmem train` uses. A method's
+    noise calibrated by another accountant is not the ε it claims."""
+    from dpmem.config import enum_value
+    from dpmem.methods import method_class
+    from dpmem.methods.rc import rc_dimension
+
+    accountant = method_class(method_cfg.name).accountant
+    if accountant != "rc":
+        return {"accountant": accountant}
+    return {"accountant": "rc", "k": method_cfg.k, "d": rc_dimension(model, "model"),
+            "estimator": enum_value(method_cfg.estimator)}
 
 
 def config(*overrides: str) -> DictConfig:
     """The validated config of one run, composed from `dpmem train`'s overrides (e.g. `config("model=opt-1.3b",
     "method=grape", "train.batch_size=8")`): what `plan` and `largest_batch` take. Raises
     `dpmem.config.ConfigError` naming the key of a bad override."""
-    from dpmem.cli import compose_points  # the CLI's own composition and checks
+    from dpmem.cli import compose_points, sweep_points  # the CLI's own composition and checks
 
+    sweep_points(list(overrides))  # a config group's unknown option refused with the options, as the CLI does
     return compose_points([list(overrides)])[0]

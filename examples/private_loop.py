@@ -3,7 +3,8 @@
 An MLP on scikit-learn's bundled digits (1,797 8×8 images, offline), trained at (ε, δ) = (8, 1e-5):
 Poisson-sampled batches from a secret key, σ calibrated to ε by the PLD accountant, per-sample clipping by
 book-keeping (bk) and the Gaussian noise of `Privatizer`, then any torch optimiser. `--method grape` runs a whole
-dpmem method (DP-GRAPE: projected per-sample gradients and its own Adam) on the same loop instead.
+dpmem method (DP-GRAPE: projected per-sample gradients and its own Adam) on the same loop instead, its σ calibrated
+and its ε spent by the method's own accountant (`dpmem.api.accounting`: rc for dp-sgd-rc).
 
     python examples/private_loop.py                       # Privatizer + torch.optim.Adam
     python examples/private_loop.py --method grape        # dpmem's DP-GRAPE step
@@ -19,8 +20,8 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import nn
 
-from dpmem.api import (ClippingPlan, Draws, Noise, Privatizer, build_method, calibrate_sigma, epsilon_spent, key_of,
-                       method_config, poisson_batches)
+from dpmem.api import (ClippingPlan, Draws, Noise, Privatizer, accounting, build_method, calibrate_sigma, epsilon_spent,
+                       key_of, method_config, poisson_batches)
 
 
 def per_sample_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -38,7 +39,9 @@ def train(steps: int = 100, batch_size: int = 64, epsilon: float = 8.0, delta: f
     model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 10))
 
     q = batch_size / n  # each record joins each step with probability q
-    sigma = calibrate_sigma(epsilon, delta, q, steps)  # the noise multiplier ε needs after `steps` steps
+    method_cfg = method_config(method, max_grad_norm=max_grad_norm) if method is not None else None
+    account = accounting(method_cfg, model) if method_cfg is not None else {"accountant": "pld"}
+    sigma = calibrate_sigma(epsilon, delta, q, steps, **account)  # the noise multiplier ε needs after `steps` steps
     key = key_of(seed)  # 256 bits of the OS's entropy (seed=None), or a user's seed taken whole
     noise = Noise(sigma, max_grad_norm, expected_batch_size=q * n, draws=Draws(key, "noise"))
     batches = poisson_batches(n, q, steps, Draws(key, "batches"))  # sizes vary, and may be 0
@@ -56,14 +59,14 @@ def train(steps: int = 100, batch_size: int = 64, epsilon: float = 8.0, delta: f
             optimizer.zero_grad(set_to_none=True)
         privatize.close()  # removes its hooks from the model
     else:  # a whole dpmem method: its private step and its update
-        step = build_method(method_config(method, max_grad_norm=max_grad_norm), model, lr, noise)
+        step = build_method(method_cfg, model, lr, noise)
         for index in batches:
             step.step([{"x": x[index], "y": y[index]}] if len(index) else [], per_sample_loss)
         step.close()
 
     with torch.no_grad():
         accuracy = (model(x[n:]).argmax(1) == y[n:]).float().mean().item()
-    return {"epsilon": epsilon_spent(sigma, delta, q, steps), "sigma": sigma, "accuracy": accuracy}
+    return {"epsilon": epsilon_spent(sigma, delta, q, steps, **account), "sigma": sigma, "accuracy": accuracy}
 
 
 def main() -> None:

@@ -289,12 +289,14 @@ def _cuda_peaks(device: torch.device) -> dict:
 SEARCH_LIMIT = 1 << 16  # largest_batch looks no further: a budget that holds this many is said to be capped
 
 
-def largest_batch(cfg, budget: int, limit: int = SEARCH_LIMIT) -> tuple[int, dict | None]:
+def largest_batch(cfg, budget: int | str, limit: int = SEARCH_LIMIT) -> tuple[int, dict | None]:
     """The largest batch up to `limit`, in one physical batch, whose run's reserved estimate (training's or
-    evaluation's, the larger: the run must not run out of memory when it evaluates) fits `budget` bytes, and its
+    evaluation's, the larger: the run must not run out of memory when it evaluates) fits `budget` (bytes, or a size
+    as memory.budget takes it: '24GB'), and its
     plan; (0, plan at 1) if not even one example fits. Doubling, then bisection: memory grows with the batch (and
     so does evaluation's, at its default batch size, the physical one; a fixed train.eval_batch_size is a floor)."""
     fits = {}
+    budget = parse_bytes(budget)
 
     def ok(b):
         fits[b] = plan(cfg, b, physical_batch_size=b)

@@ -46,6 +46,9 @@ def build_method(cfg, model, lr: float, noise: Noise | None, seed: int = 0,
     projection (method.subspace.path) is the innermost one: they see the clipped sums before it projects them, and
     the release after."""
     cls = method_class(cfg.name)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"{cfg.name}: the model has no trainable parameter (every one has requires_grad=False): "
+                         "nothing to train")
     if observers and not cls.private:
         raise ConfigError("method.name", f"{cfg.name} is not private: it has no privatised quantity to observe")
     if cls.privatised_gradient and cfg.subspace.path is not None:

@@ -19,6 +19,7 @@ from dpmem import distributed
 from dpmem.config import ConfigError, DPZeroConfig, ZerothOrderConfig, enum_value
 from dpmem.data.bundle import real_size, weights
 from dpmem.methods.base import Method, Noise
+from dpmem.methods.privatize import per_sample
 from dpmem.privacy.randomness import normal
 
 
@@ -83,7 +84,7 @@ class ZerothOrder(Method):
 
     def _forward(self, mb, loss_fn) -> torch.Tensor:
         # a padding sample weighs 0: its estimate and loss are 0, and clipping keeps them 0
-        return loss_fn(self.model, mb).float() * weights(mb)
+        return per_sample(loss_fn(self.model, mb), mb).float() * weights(mb)
 
     @torch.no_grad()
     def _losses(self, microbatches, loss_fn) -> torch.Tensor:

@@ -62,6 +62,16 @@ class PrivateGradient(NamedTuple):
     loss_sum: torch.Tensor
 
 
+def per_sample(losses: torch.Tensor, mb) -> torch.Tensor:
+    """`losses`, refused unless one value per sample of `mb`: a batch's mean or sum would be clipped as one sample's
+    loss, and one record would move the clipped sum by more than C."""
+    if losses.shape != (batch_size(mb),):
+        raise ValueError(f"the loss function returned shape {tuple(losses.shape)} for a micro-batch of "
+                         f"{batch_size(mb)}: it must return one loss per sample, shape ({batch_size(mb)},) "
+                         "(e.g. F.cross_entropy(..., reduction='none'))")
+    return losses
+
+
 class Privatizer:
     """The privatised gradient of `model`'s trainable parameters, one logical step per call.
 
@@ -80,6 +90,9 @@ class Privatizer:
         self.taps = None if plan.passes != 1 or self.sharded or checkpointed(model) else Taps(model)
         self.persample = PerSampleGradients(model) if self.taps is None else None
         self.params = (self.taps or self.persample).parameters
+        if not self.params:
+            raise ValueError("the model has no trainable parameter (every one has requires_grad=False): nothing to "
+                             "privatise")
         self.device = self.params[0].device
         self._check_coverage = check_coverage
         self._zero = self.taps.zero() if self.taps is not None else None  # the probes' leaf (`Taps.zero`)
@@ -286,7 +299,7 @@ class Privatizer:
         reduce = {p: reducers.projected(projections[p], keep) if p in projections else keep for p in self.params}
         if self.taps is not None:
             with self.taps.recording(zero) as tape:
-                losses = loss_fn(self.model, mb)
+                losses = per_sample(loss_fn(self.model, mb), mb)
             kept, batch_grads = self.taps.per_sample(tape, losses.sum(), batch_size(mb), reduce, check)
             for p, g in batch_grads.items():
                 p.grad = g
@@ -294,7 +307,7 @@ class Privatizer:
             # autograd's batch gradient is needed only by the coverage check: otherwise the hooks' per-sample
             # gradients are all there is, and the backward skips the weights' batch products
             with self.persample.capture(batch_size(mb), reduce, batch_gradients=check) as kept:
-                losses = loss_fn(self.model, mb)
+                losses = per_sample(loss_fn(self.model, mb), mb)
                 losses.sum().backward()
         # no_grad: the taps' kept layer inputs are the forward's own tensors (not detached); nothing here is recorded
         with exact_float32(self.device), torch.no_grad():
@@ -321,7 +334,7 @@ class Privatizer:
             check = self._check_coverage
             reduce = dict.fromkeys(self.params, reducers.with_sum(norm) if check else norm)
             with self.persample.capture(batch_size(mb), reduce) as kept:
-                losses = loss_fn(self.model, mb)
+                losses = per_sample(loss_fn(self.model, mb), mb)
                 if check or self.sharded:  # the coverage check compares with the batch gradient; FSDP gets its own
                     losses.sum().backward(retain_graph=True)
                 else:  # first pass: norms only, without the weights' batch products

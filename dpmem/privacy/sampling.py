@@ -18,6 +18,8 @@ def _indices(a: np.ndarray) -> torch.Tensor:
 
 def poisson_batches(n: int, sample_rate: float, steps: int, draws: Draws) -> Iterator[torch.Tensor]:
     """Each example joins each step independently with probability `sample_rate` (batch sizes vary, may be 0)."""
+    if not 0 < sample_rate <= 1:
+        raise ValueError(f"sample_rate={sample_rate}: a probability, in (0, 1]")
     for _ in range(steps):
         yield _indices(np.flatnonzero(draws.numpy().random(n) < sample_rate))
 
