@@ -96,6 +96,22 @@ def test_rc_sigma_writes_its_three_tables(tmp_path):
     assert rows["2"][0].endswith("(2.000)")  # (x₊ - 1)·dk at d = 2
 
 
+def test_rc_sigma_draws_sigma_against_k_on_a_log_axis(tmp_path, monkeypatch):
+    """σ spans five decades over k (3e5 at k = 1, 4 at k = 256): on a linear axis every k > 2 would lie on one line."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import rc_sigma
+    scales = {}
+
+    def record(fig, folder, name):
+        scales[name] = fig.axes[0].get_yscale()
+        return []
+
+    monkeypatch.setattr(rc_sigma, "save_figure", record)
+    by_k = {"Hutch": [(1, 3e5), (256, 4.2)], "Hutch++": [(1, 3e5), (256, 4.2)], "DP-SGD": 4.07}
+    rc_sigma.figures(tmp_path / "page.md", by_k, {(2.0, "Hutch"): [(1, 1.85), (2048, 1.90)]})
+    assert scales == {"sigma_vs_k": "log", "sigma_vs_d": "linear"}
+
+
 def test_validate_memory_says_when_there_is_no_gpu(tmp_path):
     out = tmp_path / "validate.md"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "validate_memory.py"), "--methods", "adam", "grape",
