@@ -248,25 +248,44 @@ def composed_line(out):
     return text, float(text.split("ε = ")[1].split(" ")[0])
 
 
-@pytest.mark.parametrize("seeded", [False, True], ids=["os-drawn", "both-seeds-fixed"])
-def test_a_repeat_is_a_release_of_its_own_unless_both_privacy_seeds_were_fixed(tmp_path, capsys, seeded):
+def test_a_repeat_is_a_release_of_its_own(tmp_path, capsys):
     """Two runs of one configuration and train.seed are one sample in the table; their noise and batches came from
-    the OS (two releases), unless privacy.noise_seed and privacy.sampler_seed were both fixed: then the repeat
-    replays the run's draws (one release, of the most steps either took)."""
-    root, seeds = tmp_path / "runs", (5, 7) if seeded else (None, None)
-    private_run(root, "a", 1.1, 40, seeds=seeds)
-    private_run(root, "a-again", 1.1, 30, seeds=seeds, status="failed", error="RuntimeError: boom")
-    private_run(root, "b", 0.9, 20, lr=1e-2, seeds=seeds)
+    the OS: two releases, both composed."""
+    root = tmp_path / "runs"
+    private_run(root, "a", 1.1, 40)
+    private_run(root, "a-again", 1.1, 30, status="failed", error="RuntimeError: boom")
+    private_run(root, "b", 0.9, 20, lr=1e-2)
     main(["report", str(root)])
     out = capsys.readouterr().out
     text, composed = composed_line(out)
-    want = [(1.1, Q, 40), (0.9, Q, 20)] + ([] if seeded else [(1.1, Q, 30)])
+    want = [(1.1, Q, 40), (0.9, Q, 20), (1.1, Q, 30)]
     assert composed == pytest.approx(oracle(want), rel=5e-3)
-    assert (f"{len(want)} private releases on the same training data ({len(want)} runs"
-            + ("; 1 repeat with both privacy seeds fixed" if seeded else ")")) in text
-    why = "the same draws: both privacy seeds fixed" if seeded else "its noise and batches drawn afresh"
-    assert f"a-again: the same configuration and seed as {root / 'a'}, counted once in the table ({why}" in out
+    assert "3 private releases on the same training data (3 runs)" in text
+    assert (f"a-again: the same configuration and seed as {root / 'a'}, counted once in the table (its noise and "
+            "batches drawn afresh") in out
     assert read_csv(root / "report" / "report.csv")[("dp-adam (lr=0.001)", "2", "sst2")]["n"] == "1"
+
+
+@pytest.mark.parametrize("seeds", [(5, None), (None, 7), (5, 7)], ids=["noise", "batches", "both"])
+def test_a_seeded_run_is_listed_apart_at_infinite_epsilon_never_best_and_never_composed(tmp_path, capsys, seeds):
+    """A run whose noise or batches derive from its config.yaml (privacy.noise_seed or sampler_seed) replays for
+    anyone holding that file: its ε is ∞ to them. It is shown so, never best private, and composed into no search:
+    the search's ε is the two OS-drawn runs' (dp-accounting's PLD, computed here)."""
+    root = tmp_path / "runs"
+    private_run(root, "seeded", 1.1, 40, lr=1e-1, seeds=seeds)
+    private_run(root, "a", 1.1, 40)
+    private_run(root, "b", 0.9, 20, lr=1e-2)
+    main(["report", str(root)])
+    out = capsys.readouterr().out
+    rows = read_csv(root / "report" / "report.csv")
+    (key,) = [k for k in rows if k[0] == "dp-adam (lr=0.1)"]
+    assert key[1] == "∞ to a holder of config.yaml" and rows[key]["derivable_from_config"] == "True"
+    assert rows[key]["best_private"] == "False" and all(r["derivable_from_config"] == "False"
+                                                        for k, r in rows.items() if k != key)
+    text = next(x for x in out.splitlines() if x.startswith("- sst2:") and "ε =" in x)
+    assert float(text.split("ε = ")[1].split(" ")[0]) == pytest.approx(oracle([(1.1, Q, 40), (0.9, Q, 20)]),
+                                                                      rel=5e-3)
+    assert "- sst2: 1 seeded run not composed here" in out and f"- {root / 'seeded'}: its " in out
 
 
 def test_every_attempt_in_the_ledgers_is_a_release_and_a_resume_continues_its_start(tmp_path, capsys):
@@ -363,3 +382,29 @@ def test_runs_on_different_files_of_one_data_set_are_not_seeds_of_one_cell(tmp_p
     rows = read_csv(root / "report" / "report.csv")
     assert {d for _, _, d in rows} == {"csv (one.csv)", "csv (two.csv)"}
     assert [r["n"] for r in rows.values()] == ["1", "1"]
+
+
+def test_a_folders_last_verb_hides_none_of_its_private_releases(tmp_path, capsys):
+    """`dpmem audit ... train.overwrite=true` into a finished training folder leaves that run's privacy.jsonl under
+    an audit's mark: its releases are still composed (two ε-8 runs composed, as before the audit wrote there). The
+    reverse: a run trained with train.overwrite=true into an audit's folder is a training run (marked so), listed in
+    the table."""
+    from dpmem.engine.folder import MARK, owner
+    root = tmp_path / "runs"
+    private_run(root, "a", 1.1, 40)
+    private_run(root, "b", 0.9, 20, lr=1e-2, ledger=[line("t1", 20, 0.9, "start", config="b")])
+    (root / "b" / "summary.json").unlink()  # what the audit's overwrite removes; the ledger stays
+    (root / "b" / MARK).write_text("audit\n")
+    (root / "b" / "audit.json").write_text("{}")
+    main(["report", str(root)])
+    text, composed = composed_line(capsys.readouterr().out)
+    assert composed == pytest.approx(oracle([(1.1, Q, 40), (0.9, Q, 20)]), rel=5e-3) and "2 private releases" in text
+    audited = tmp_path / "audited"
+    audited.mkdir()
+    (audited / MARK).write_text("audit\n")
+    (audited / "audit.json").write_text("{}")
+    s = run_training(config("train.overwrite=true", "train.steps=2", "privacy.epsilon=8"), audited)
+    assert s["status"] == "ok" and owner(audited) == "train"
+    main(["report", str(audited)])
+    out = capsys.readouterr().out
+    assert "Folders of an analysis" not in out and len(read_csv(audited / "report" / "report.csv")) == 1

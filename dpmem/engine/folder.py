@@ -181,6 +181,7 @@ def _look(cfg, run_dir: Path) -> dict | None:
     if owner(run_dir) not in (None, "train"):  # written into anyway (train.overwrite=true): nothing to resume
         for name in RECORDS:
             (run_dir / name).unlink(missing_ok=True)
+        mark(run_dir, "train")  # a training run's folder from now on, whatever verb's it was (`owner`, dpmem report)
         return None
     if path.exists() and t.resume:
         state = _resumable(cfg, path)

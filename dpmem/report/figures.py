@@ -24,7 +24,7 @@ def write(out: Path, summaries: list[dict], table_cells: dict) -> list[str]:
     for data in sorted({d for _, _, d in table_cells}):
         lines = defaultdict(list)
         for (row, eps, d), c in table_cells.items():
-            if d == data and c["n"] and eps != "non-private":
+            if d == data and c["n"] and c["private"]:  # not the non-private rows, nor the seeded ones (ε ∞)
                 lines[row].append((float(eps), 100 * c["mean"], 100 * (c["se"] or 0.0)))
         if not any(len(v) > 1 for v in lines.values()):
             continue

@@ -64,11 +64,13 @@ def collect(paths: list[Path]) -> tuple[list[dict], list[dict]]:
         folders = {c.parent for c in root.rglob("config.yaml") if c.parent.name != ".hydra"}
         folders |= {c.parent for c in root.rglob(PRIVACY_LEDGER)}
         for folder in sorted(folders):
-            # dpmem audit's own folder holds its config and record; the audited run, in run/, has the summary
+            # dpmem audit's own folder holds its config and record; the audited run, in run/, has the summary (an
+            # audit's folder with a ledger of its own holds a training run it was written over: listed, composed)
             if folder.resolve() in seen:
                 continue
             seen.add(folder.resolve())
-            if not (folder / "summary.json").exists() and not (folder / "audit.json").exists():
+            audit_only = (folder / "audit.json").exists() and not (folder / PRIVACY_LEDGER).exists()
+            if not (folder / "summary.json").exists() and not audit_only:
                 note = _ledger_note(folder)
                 missing.append(_folder(folder, {"why": "no summary.json"
                                                        + (note or " (the run died before it started)")}))
@@ -103,6 +105,12 @@ def _analysis(folder: Path) -> str | None:
     return None
 
 
+def _analysis_run(folder: dict) -> bool:
+    """Whether a folder is an analysis's own training run (dpmem audit's AUDIT/run), not a run it wrote over."""
+    path = Path(folder["run_dir"])
+    return path.name == "run" and _analysis(path) == "audit"
+
+
 def _ledger_note(folder: Path) -> str:
     """What the folder's privacy.jsonl says was spent, for a run whose summary cannot be read."""
     records = privacy_records(folder)
@@ -127,7 +135,7 @@ def distinct(summaries: list[dict]) -> tuple[list[dict], list[str]]:
             continue
         if key in kept:
             why = s.get("privacy_ignored") or (
-                None if not s.get("sigma") else "the same draws: both privacy seeds fixed" if _replays(s) else
+                None if not s.get("sigma") else "seeded: composed into no ε" if seeded(s) else
                 "its noise and batches drawn afresh: a release of its own, composed below")
             repeats.append(f"{s['run_dir']}: the same configuration and seed as {kept[key]['run_dir']}, counted once "
                            "in the table" + (f" ({why})" if why else ""))
@@ -147,12 +155,6 @@ def _configuration(s: dict) -> str | None:
                        and not (k.startswith("privacy.") and not s.get("sigma"))}, sort_keys=True, default=str)
 
 
-def _replays(s: dict) -> bool:
-    """Whether a run's batches and noise are drawn from seeds its configuration fixes (privacy.sampler_seed and
-    privacy.noise_seed both), so that its repeats draw them again; otherwise the OS drew them."""
-    return all(s["config"].get(f"privacy.{seed}") is not None for seed in ("sampler_seed", "noise_seed"))
-
-
 def _flat(tree, prefix: str = "") -> dict:
     if not isinstance(tree, dict):
         return {prefix[:-1]: tree}
@@ -162,10 +164,27 @@ def _flat(tree, prefix: str = "") -> dict:
     return out
 
 
+SEEDED = "∞ to a holder of config.yaml"
+
+
+def seeded(s: dict) -> list[str]:
+    """What of a private run its config.yaml derives (batches: privacy.sampler_seed; noise: privacy.noise_seed):
+    anyone holding that file replays it, and against them its ε is ∞. Empty for a run whose draws the OS keyed."""
+    if s.get("epsilon_target") is None or not s.get("private", True):
+        return []
+    if s.get("derivable_from_config") is not None:
+        return list(s["derivable_from_config"])
+    return [what for what, key in (("batches", "sampler_seed"), ("noise", "noise_seed"))
+            if s["config"].get(f"privacy.{key}") is not None]
+
+
 def _epsilon(s: dict) -> str:
-    """The row's ε: non-private for non-private methods, noise-free runs and runs that leak (epsilon_spent inf)."""
+    """The row's ε: non-private for non-private methods, noise-free runs and runs that leak (epsilon_spent inf);
+    for a seeded private run, ∞ to a holder of its config.yaml (`seeded`)."""
     eps = s.get("epsilon_target")
-    return "non-private" if eps is None or not s.get("private", True) else f"{eps:g}"
+    if eps is None or not s.get("private", True):
+        return "non-private"
+    return SEEDED if seeded(s) else f"{eps:g}"
 
 
 def data_column(summaries: list[dict]):
@@ -195,7 +214,8 @@ def cells(summaries: list[dict]) -> dict[tuple[str, str, str], dict]:
         mean = statistics.fmean(values) if n else None
         se = statistics.stdev(values) / math.sqrt(n) if n > 1 else None
         out[key] = {"values": values, "n": n, "mean": mean, "se": se,
-                    "oom": any(r["status"] == "oom" for r in runs), "private": key[1] != "non-private",
+                    "oom": any(r["status"] == "oom" for r in runs),
+                    "private": key[1] not in ("non-private", SEEDED),
                     "paper": {_paper_key(r) for r in runs},
                     "metric": runs[0].get("metric_name")}
     return out
@@ -219,7 +239,7 @@ def _natural(label: str) -> list:
 
 
 def _epsilon_order(eps: str) -> float:
-    return math.inf if eps == "non-private" else float(eps)
+    return math.inf if eps in ("non-private", SEEDED) else float(eps)
 
 
 def table(table_cells: dict) -> tuple[list[str], list[tuple[str, str]], dict, set]:
@@ -264,8 +284,7 @@ def releases(folder: dict) -> list[dict]:
     folder's run and any earlier one an attempt abandoned with train.overwrite=true, which no summary shows; a
     folder without a ledger (a run without noise, an older dpmem) is its summary's run. Each holds what composing it
     needs (sigma: the noise multiplier accounted per step; steps: the most any line, or the summary, recorded), its
-    epsilon, whether it was abandoned, and `draws`: what a run replays whose configuration fixes both privacy seeds
-    (its repeats are one release), None where the OS drew them."""
+    epsilon, and whether it was abandoned."""
     s = folder  # a summary, or a folder without one ({run_dir, why, config, ledger})
     summary = {k: v for k, v in {
         "steps_done": s.get("steps_done"), "epsilon": s.get("epsilon_spent"), "sigma": s.get("sigma"),
@@ -281,7 +300,6 @@ def releases(folder: dict) -> list[dict]:
             attempts.append([])
         attempts[-1].append(line)
     attempts = attempts or [[]]
-    key = _configuration(s)
     out = []
     for i, lines in enumerate(attempts):
         last = i == len(attempts) - 1
@@ -295,9 +313,7 @@ def releases(folder: dict) -> list[dict]:
                     "steps": max((int(line.get("steps_done") or 0) for line in lines), default=0),
                     "dataset_size": known.get("dataset_size"), "accountant": known.get("accountant"),
                     "neighbouring": known.get("neighbouring", "add_remove"), "delta": known.get("delta"),
-                    "epsilon": max(spent, default=math.inf), "abandoned": not last,
-                    "draws": json.dumps([key, s["device"], s.get("world_size")])
-                    if last and key and _replays(s) and s.get("device") else None})
+                    "epsilon": max(spent, default=math.inf), "abandoned": not last})
     return out
 
 
@@ -313,8 +329,8 @@ def search_privacy(folders: list[dict]) -> list[str]:
     """A line per data set with several private releases: choosing and releasing a result among the runs (a
     search, a grid, a table) releases every one of them, so its ε is their mechanisms composed (dp-accounting, at
     the largest δ). Every release counts (`releases`): each run, a repeat whose noise and batches the OS drew,
-    each attempt abandoned with train.overwrite=true, and folders whose summary is lost; a repeat of a run whose
-    configuration fixes both privacy seeds replays its draws and counts once. Runs count as touching the same data
+    each attempt abandoned with train.overwrite=true, and folders whose summary is lost. A seeded run (`seeded`)
+    is composed into no ε: against a holder of its config.yaml it has none. Runs count as touching the same data
     when they share data.name and data.path, whatever examples each drew: the conservative reading."""
     from dpmem.privacy import composed_epsilon
     groups = defaultdict(list)
@@ -324,28 +340,26 @@ def search_privacy(folders: list[dict]) -> list[str]:
             groups[(data, f["config"].get("data.path"))].append(f)
     lines = []
     for (data, path), group in sorted(groups.items(), key=str):
+        derivable = [f for f in group if seeded(f)]
+        if derivable:  # replayable by whoever holds their config.yaml: no ε composes them (`seeded_runs` lists them)
+            lines.append(f"{data + (f' ({path})' if path else '')}: {_count(len(derivable), 'seeded run')} not "
+                         "composed here: ε ∞ to a holder of their config.yaml (listed below)")
+            groups[(data, path)] = [f for f in group if not seeded(f)]
+    for (data, path), group in sorted(groups.items(), key=str):
         made = [r for f in group for r in releases(f) if r["steps"]]
-        noised: dict = {}  # one release per draws; a seeded repeat's extra steps continue the same draws
-        for r in filter(_noised, made):
-            key = r["draws"] or id(r)
-            if key not in noised or r["steps"] > noised[key]["steps"]:
-                noised[key] = r
-        if len(noised) < 2:
+        accounted = list(filter(_noised, made))
+        if len(accounted) < 2:
             continue
         name = data + (f" ({path})" if path else "")
         if all(f.get("data_public", f["config"].get("data.public")) for f in group):
             lines.append(f"{name}: {len(group)} runs on data declared public (data.public=true), a proxy: searching "
                          "there spends nothing of a private data set's budget")
             continue
-        accounted = list(noised.values())
         abandoned = sum(r["abandoned"] for r in accounted)
-        replayed = sum(map(_noised, made)) - len(accounted)
-        loose = len(made) - len(accounted) - replayed
+        loose = len(made) - len(accounted)
         head = (f"{name}: {len(accounted)} private releases on the same training data ("
                 + _count(len(accounted) - abandoned, "run") + (f" + {_count(abandoned, 'abandoned attempt')}"
                                                                  if abandoned else "")
-                + (f"; {_count(replayed, 'repeat')} with both privacy seeds fixed, replaying a run's draws, counted "
-                   "once" if replayed else "")
                 + f"), each ε ≤ {max(r['epsilon'] for r in accounted):.3g}; ")
         accountants = {(r["accountant"], r["neighbouring"]) for r in accounted}
         delta = max(r["delta"] for r in accounted)
@@ -361,6 +375,19 @@ def search_privacy(folders: list[dict]) -> list[str]:
         lines.append(head + f"releasing a result chosen among them releases all: ε = {composed:.4g} at δ = "
                      f"{delta:.2g} ({accountant}, composed)" + (f"; {_count(loose, 'more release')} outside any ε "
                                                                  "(no noise, or a leak)" if loose else ""))
+    return lines
+
+
+def seeded_runs(summaries: list[dict]) -> list[str]:
+    """A line per private run whose noise or batches its config.yaml derives (`seeded`): never best private, never
+    composed into a search's ε."""
+    lines = []
+    for s in summaries:
+        if what := seeded(s):
+            keys = " and ".join(f"privacy.{k}" for w, k in (("batches", "sampler_seed"), ("noise", "noise_seed"))
+                                if w in what)
+            lines.append(f"{s['run_dir']}: its {' and '.join(what)} derive from {keys} in its config.yaml: ε ∞ to "
+                         "whoever holds that file (for debugging and tests, not a release)")
     return lines
 
 
@@ -478,7 +505,10 @@ def write(out: Path, summaries: list[dict], missing: list[dict], compare: bool =
     analysed = [f for f in summaries + missing if f["analysis"]]
     summaries = [s for s in summaries if not s["analysis"]]
     missing = [m for m in missing if not m["analysis"]]
-    searched = search_privacy(summaries + missing)  # every release counts, whichever run is shown
+    # every release counts, whichever run is shown, and whatever verb wrote into its folder last: an analysis
+    # written over a training run (train.overwrite=true) leaves that run's ledger, whose releases are composed
+    overwritten = [f for f in analysed if "status" not in f and f["ledger"] and not _analysis_run(f)]
+    searched = search_privacy(summaries + missing + overwritten)
     summaries, repeats = distinct(summaries)
     chosen = []
     if select == "top3":
@@ -514,6 +544,10 @@ def write(out: Path, summaries: list[dict], missing: list[dict], compare: bool =
     if searched:
         md += ["", "The privacy of releasing a result chosen among these runs (docs/privacy.md, Searching on "
                "private data):", ""] + [f"- {line}" for line in searched]
+    derivable = seeded_runs(summaries)
+    if derivable:
+        md += ["", f"Seeded runs ({len(derivable)}; in the table at ε {SEEDED}, never best private, composed into no "
+               "ε):", ""] + [f"- {line}" for line in derivable]
     selected = selections(summaries + missing)
     if selected:
         md += ["", "Private selections (docs/privacy.md, Private selection):", ""] + [f"- {line}" for line in selected]
@@ -525,10 +559,12 @@ def write(out: Path, summaries: list[dict], missing: list[dict], compare: bool =
                "runs above):", ""] + [f"- {line}" for line in analyses(analysed)]
     with open(out / "report.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["method", "epsilon", "data", "metric", "n", "mean", "se", "oom", "best_private", "cell"])
+        w.writerow(["method", "epsilon", "data", "metric", "n", "mean", "se", "oom", "best_private",
+                    "derivable_from_config", "cell"])
         for key in sorted(table_cells, key=lambda k: (k[0], _epsilon_order(k[1]), k[2])):
             c = table_cells[key]
-            w.writerow([*key, c["metric"], c["n"], c["mean"], c["se"], c["oom"], key in best, texts[key]])
+            w.writerow([*key, c["metric"], c["n"], c["mean"], c["se"], c["oom"], key in best, key[1] == SEEDED,
+                        texts[key]])
     drawn = figures.write(out, summaries, table_cells)
     if drawn:
         md += ["", "Figures: " + ", ".join(f for f in drawn if f.endswith(".png")) + " (and PDF)."]
