@@ -351,3 +351,36 @@ def test_dpmem_audit_cli_writes_one_table_for_a_sweep(tmp_path, cli):
     assert (Path(tmp_path) / "a" / "audit.md").read_text() == r.stdout
     assert "| dp-adam |" in r.stdout and "| dpzero |" in r.stdout
     assert {p.name for p in (tmp_path / "a").iterdir()} == {".dpmem", "audit.md", "method=dp-adam", "method=dpzero"}
+
+
+def whole(**kwargs) -> dict:
+    """`privatizer_audit`'s run, with the noise check over every tensor and step (`whole_noise_check`)."""
+    from dpmem.audit.bound import whole_noise_check
+    records = {}
+    real = GradientCanaries.record_tensors
+
+    def kept(self, released, scale):
+        real(self, released, scale)
+        records["canaries"] = self
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GradientCanaries, "record_tensors", kept)
+        record = privatizer_audit(**kwargs)
+    c = records["canaries"]
+    return {**record, **whole_noise_check(c.step_squares, c.tensor_sizes, c.sigma, ["weight", "bias"])}
+
+
+def test_the_whole_model_noise_check_passes_a_correct_run_and_catches_a_tensor_or_a_step_with_too_little_noise():
+    """Noise at σ/2 on the tensor the canaries do not live in (the bias: true ε about 4.5 where 2 is claimed), and
+    the noise skipped on one step of 60: the canaries' own check and bound see neither; the check over every
+    coordinate and every step sees both. Seeds pinned: each outcome is a random variable."""
+    correct = whole(steps=60)
+    assert not correct["whole_noise_flagged"] and correct["worst_tensor_ratio"] > 0.95
+    with variants.noise_cut_away_from(lambda p: p.dim() == 2):  # the weight, where the canaries live, kept
+        cut = whole(steps=60)
+    assert not cut["noise_flagged"] and cut["epsilon_lower_bound"] < 2.0  # the canaries' weight is noised as claimed
+    assert cut["whole_noise_flagged"] and cut["worst_tensor"] == "bias"
+    assert cut["worst_tensor_ratio"] == pytest.approx(0.5, abs=0.05)
+    with variants.noise_skipped_on(37):
+        skipped = whole(steps=60)
+    assert not skipped["noise_flagged"] and skipped["epsilon_lower_bound"] < 2.0
+    assert skipped["whole_noise_flagged"] and skipped["worst_step"] == 37 and skipped["worst_step_ratio"] < 0.2

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dpmem.audit.bound import audit_bound, noise_check
+from dpmem.audit.bound import audit_bound, noise_check, whole_noise_check
 from dpmem.audit.canaries import BatchCanaries, GradientCanaries, InputCanaries
 from dpmem.config import ConfigError, enum_value
 from dpmem.engine.summary import json_ready
@@ -53,10 +53,14 @@ def run_audit(cfg, out: Path) -> tuple[dict, str]:
     bound = audit_bound(canaries.scores.numpy(), canaries.included.numpy(), delta=ledger.delta, beta=a.beta)
     noise = noise_check(canaries.noise_squares, canaries.noise_count, canaries.sigma) \
         if isinstance(canaries, GradientCanaries) else noise_check(0.0, 0, None)
-    flagged = bound["epsilon_lower_bound"] > summary["epsilon_spent"] or noise["noise_flagged"]
     names: dict[int, str] = {}  # a tied weight by all its names
     for n, q in parts.model.named_parameters(remove_duplicate=False):
         names[id(q)] = f"{names[id(q)]} = {n}" if id(q) in names else n
+    whole = whole_noise_check(getattr(canaries, "step_squares", []), getattr(canaries, "tensor_sizes", []),
+                              getattr(canaries, "sigma", None),
+                              [names.get(id(k), str(k)) for k in getattr(canaries, "tensor_keys", [])])
+    flagged = (bound["epsilon_lower_bound"] > summary["epsilon_spent"] or noise["noise_flagged"]
+               or whole["whole_noise_flagged"])
     placed = getattr(canaries, "where", None) or {}  # gradient canaries: key -> (canary ids, flat indices)
     where = {names.get(id(key), str(key)): len(ids) for key, (ids, _) in placed.items()}
     record = {"method": name, "clipping": summary["clipping"], "model": cfg.model.name, "data": cfg.data.name,
@@ -65,7 +69,7 @@ def run_audit(cfg, out: Path) -> tuple[dict, str]:
               "physical_batch_size": cfg.train.physical_batch_size,
               "epsilon_claimed": summary["epsilon_spent"], "delta": ledger.delta,
               "sigma": summary["sigma"], "steps": summary["steps_done"], "sample_rate": ledger.sample_rate,
-              **bound, **noise, "flagged": flagged, "confidence": 1 - a.beta, "seconds": time.perf_counter() - start,
+              **bound, **noise, **whole, "flagged": flagged, "confidence": 1 - a.beta, "seconds": time.perf_counter() - start,
               "scores": canaries.scores.tolist(), "in": canaries.included.tolist(), "run_dir": str(out / "run")}
     (out / "audit.json").write_text(json.dumps(json_ready(record), indent=1) + "\n")
     text = table([record])
@@ -110,13 +114,17 @@ def planting(cfg) -> str:
 def table(records: list[dict]) -> str:
     confidence = " / ".join(sorted({f"{r['confidence']:.0%}" for r in records}))
     lines = [f"| method | clipping | canaries (plant) | m | claimed ε | δ | audited ε ≥ ({confidence}) | k "
-             "| correct / guesses | noise / claimed (p) | time (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| correct / guesses | noise / claimed (p) | least-noised tensor, step / claimed | time (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         kind = f"{r['kind']} ({r['plant']})" if r.get("plant") else r["kind"]
         noise = "—" if r.get("noise_ratio") is None else f"{r['noise_ratio']:.3f} ({r['noise_p_value']:.2g})"
+        whole = ("—" if r.get("worst_tensor_ratio") is None else
+                 f"{r['worst_tensor_ratio']:.3f} ({r['worst_tensor']}), {r['worst_step_ratio']:.3f} (step "
+                 f"{r['worst_step']})" + (" flagged" if r["whole_noise_flagged"] else ""))
         lines.append(f"| {r['method']} | {r['clipping'] or '—'} | {kind} | {r['canaries']} "
                      f"| {r['epsilon_claimed']:.3g} | {r['delta']:.2g} | {r['epsilon_lower_bound']:.3f} | {r['k']} "
-                     f"| {r['correct']} / {r['guesses']} | {noise} | {r['seconds']:.0f} |")
+                     f"| {r['correct']} / {r['guesses']} | {noise} | {whole} | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -85,6 +85,38 @@ def audit_bound(scores, included, delta: float, beta: float = 0.05, ks: list[int
 NOISE_LEVEL = 1e-6  # the noise check's false alarm rate: it is tight, so at 5 % it would flag 1 correct run in 20
 
 
+def whole_noise_check(step_squares, sizes: list[int], sigma: float | None, names: list[str] | None = None,
+                      level: float = NOISE_LEVEL) -> dict:
+    """The noise check over every coordinate of every released tensor and every step. `step_squares[t][p]` is Σ y²
+    over tensor p's `sizes[p]` coordinates at step t, y = s + σz in units of C/(q·n) (s the clipped sum there, z
+    fresh standard normals). Real gradients and canaries only add to E[y²] = s² + σ², so under the claim each sum
+    over σ² is stochastically at least a χ² of its count, and its χ² lower tail is a one-sided p-value:
+
+    - per tensor, over all steps (χ² of T·d): a tensor released with less noise than σC on every step;
+    - per step, over all tensors (χ² of D, every coordinate): a step released with too little noise, or none, even
+      one step in hundreds.
+
+    Each family is Bonferroni-corrected (`level` over the number of tensors, over the number of steps). Costs one
+    pass of squares over the released gradient per step (a float per tensor kept): about the optimiser's own
+    pass, and T × tensors floats of memory."""
+    if not sigma or not len(step_squares):
+        return {"whole_noise_flagged": False, "worst_tensor": None, "worst_tensor_ratio": None,
+                "worst_tensor_p_value": None, "worst_step": None, "worst_step_ratio": None,
+                "worst_step_p_value": None}
+    squares = np.asarray(step_squares, dtype=np.float64) / sigma ** 2  # steps × tensors
+    sizes = np.asarray(sizes, dtype=np.float64)
+    steps = squares.shape[0]
+    per_tensor = stats.chi2.cdf(squares.sum(0), steps * sizes)
+    per_step = stats.chi2.cdf(squares.sum(1), sizes.sum())
+    p, t = int(np.argmin(per_tensor)), int(np.argmin(per_step))
+    flagged = bool(per_tensor[p] < level / len(sizes) or per_step[t] < level / steps)
+    return {"whole_noise_flagged": flagged,
+            "worst_tensor": names[p] if names else p,
+            "worst_tensor_ratio": math.sqrt(squares[:, p].sum() / (steps * sizes[p])),
+            "worst_tensor_p_value": float(per_tensor[p]), "worst_step": t,
+            "worst_step_ratio": math.sqrt(squares[t].sum() / sizes.sum()), "worst_step_p_value": float(per_step[t])}
+
+
 def noise_check(squares: float, count: int, sigma: float | None, level: float = NOISE_LEVEL) -> dict:
     """Whether the release varies as much as the claimed noise: `squares` is the sum of `count` released values
     y = (clipped sum + noise)·(1/(q·n))·(q·n/C) at coordinates no canary reached (the left-out canaries'), so that

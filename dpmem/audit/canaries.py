@@ -64,6 +64,10 @@ class GradientCanaries(Observer):
         self.untouched = False  # placed where the first step's real gradients were zero
         # the released values at the left-out canaries' coordinates, in units of C/(q·n): their count and squares
         self.sigma, self.noise_count, self.noise_squares = None, 0, 0.0
+        # every released tensor at every step, in the same units: Σ y² over its coordinates (steps × tensors), and
+        # each tensor's size and name (`bound.whole_noise_check`)
+        self.step_squares: list[list[float]] = []
+        self.tensor_sizes: list[int] = []
 
     def place(self, shapes: dict, untouched: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> None:
         """m distinct coordinates over all privatised coordinates (keys in their order, flattened) or the `allowed`
@@ -112,8 +116,20 @@ class GradientCanaries(Observer):
     def on_noised(self, privatizer, released: dict) -> dict:
         noise = privatizer.noise
         self.sigma = noise.sigma
-        self.record(released, noise.expected_batch_size / noise.max_grad_norm)
+        scale = noise.expected_batch_size / noise.max_grad_norm
+        self.record(released, scale)
+        self.record_tensors(released, scale)
         return released
+
+    def record_tensors(self, released: dict, scale: float) -> None:
+        """Σ y² of every released tensor this step (y = released·scale = s + σz at every coordinate, s the clipped
+        sum there, canaries' included): one float per tensor, on the device until the step's list is made."""
+        with torch.no_grad():
+            squares = torch.stack([_squares(v) for v in released.values()]) * scale ** 2
+        self.step_squares.append(squares.cpu().tolist())
+        if not self.tensor_sizes:
+            self.tensor_sizes = [v.numel() for v in released.values()]
+            self.tensor_keys = list(released)
 
     def plant(self, summed: dict, clipped_sum, rate: float) -> None:
         """Add the sampled canaries to `summed`, clipped and summed by `clipped_sum` (the Privatizer's own code for
@@ -171,6 +187,17 @@ class GradientCanaries(Observer):
 
     def record_scalar(self, released: float, clipped: torch.Tensor, max_grad_norm: float) -> None:
         self.scores += released * clipped / max_grad_norm
+
+
+SQUARES_CHUNK = 2**22  # elements summed in float64 at once: a float64 copy of a whole embedding would be 300 MB
+
+
+def _squares(v: torch.Tensor) -> torch.Tensor:
+    """Σ v² in float64 (float32's sum of 10⁷ squares is off by 1e-3, more than the check's resolution), a chunk at a
+    time."""
+    flat = v.reshape(-1)
+    return sum(torch.linalg.vector_norm(flat[i:i + SQUARES_CHUNK], dtype=torch.float64).square()
+               for i in range(0, flat.numel(), SQUARES_CHUNK))
 
 
 HOSTS = (nn.Linear, nn.Embedding)  # layers whose weight a canary can be made through (exactly these types)

@@ -7,7 +7,10 @@ what `dpmem audit` must catch. `tests/test_audit.py` asserts it does, `scripts/a
 - noise_per_microbatch: noise of std σC/k added to each of a step's k micro-batches (in sum σC/√k), none once per
   step.
 - norms_per_use: a weight used several times normed per use: ghost norms' ‖Σ_u g_u‖² taken as Σ_u ‖g_u‖² (the
-  cross terms between uses dropped), so a sample whose uses agree is clipped as if √uses times smaller."""
+  cross terms between uses dropped), so a sample whose uses agree is clipped as if √uses times smaller.
+- noise_cut_away_from(kept): noise of std σC/2 on every clipped sum but those of the parameters `kept(p)` accepts
+  (where the canaries live): the canaries' own coordinates see the claimed noise.
+- noise_skipped_on(step): the noise left out of the release of one step (0-based) in the run, and only that one."""
 
 from __future__ import annotations
 
@@ -45,6 +48,30 @@ def noise_per_microbatch():
         return total, loss_sum
     with mock.patch.object(Privatizer, "clip_and_accumulate", noised), \
             mock.patch.object(Privatizer, "add_noise", lambda self, summed: summed):
+        yield
+
+
+@contextlib.contextmanager
+def noise_cut_away_from(kept):
+    add_noise = privatize.add_noise
+
+    def cut(summed, noise, *shards):
+        half = dataclasses.replace(noise, sigma=noise.sigma / 2)
+        add_noise({p: s for p, s in summed.items() if kept(p)}, noise, *shards)
+        add_noise({p: s for p, s in summed.items() if not kept(p)}, half, *shards)
+        return summed
+    with mock.patch.object(privatize, "add_noise", cut):
+        yield
+
+
+@contextlib.contextmanager
+def noise_skipped_on(step: int):
+    add_noise, calls = privatize.add_noise, []
+
+    def skipped(summed, noise, *shards):
+        calls.append(1)
+        return summed if len(calls) == step + 1 else add_noise(summed, noise, *shards)
+    with mock.patch.object(privatize, "add_noise", skipped):
         yield
 
 
