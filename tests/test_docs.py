@@ -68,6 +68,11 @@ def test_the_site_builds_strictly(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "Privatizer" in api and "epsilon_spent" in api  # mkdocstrings rendered the API's objects
+    # every name users import from dpmem.api has its heading under that path, and no heading names another path
+    import dpmem.api
+    headings = set(re.findall(r'id="(dpmem\.[\w.]+)" class="doc doc-heading"', api))
+    assert {f"dpmem.api.{name}" for name in dpmem.api.__all__} <= headings
+    assert all(h.startswith("dpmem.api") for h in headings), headings
     changelog = (tmp_path / "site" / "changelog" / "index.html").read_text()
     assert f">{PROJECT['version']} (" in changelog  # CHANGELOG.md included whole, its newest heading shown
     # search: a key is found by its last part on every page that names it dotted (train.physical_batch_size)

@@ -24,7 +24,18 @@ class Noise:
     """The Gaussian mechanism of a private step: std sigma·C on the clipped sum, divided by the expected batch
     size q·n (fixed, so that the normalisation itself reveals nothing about the sampled batch); and, where the
     training loss is released privately (privacy.train_loss=private), std loss_sigma·L on the batch's sum of
-    per-sample losses clipped to [0, L] (dpmem.privacy.accounting composes the two)."""
+    per-sample losses clipped to [0, L] (dpmem.privacy.accounting composes the two).
+
+    Args:
+        sigma: the noise multiplier σ (`calibrate_sigma`'s).
+        max_grad_norm: the clipping norm C.
+        expected_batch_size: q·n, what the noised sum is divided by.
+        draws: the noise's secret draws, `Draws(key_of(None), "noise")`; None draws from torch's generator, for
+            plans only.
+        sample_rate: q, the rate at which a record joins a step.
+        loss_bound: L, each per-sample loss clipped to [0, L]; inf: the loss is summed as it is.
+        loss_sigma: the loss's noise multiplier (0: not noised).
+    """
     sigma: float
     max_grad_norm: float
     expected_batch_size: float

@@ -43,7 +43,17 @@ class ClippingPlan:
 
     @classmethod
     def of(cls, name: str, k: int = 32, bookkeeping: bool = False, projected: bool = False) -> "ClippingPlan":
-        """The plan of a configured choice; `bookkeeping` takes an estimator's norms in bk's one pass."""
+        """The plan of a configured choice.
+
+        Args:
+            name: `materialize`, `bk`, `fgc`, `ghost`, `mixed` (exact norms) or `hutch`, `hutchpp` (estimated).
+            k: probes of an estimator.
+            bookkeeping: take an estimator's norms in bk's one pass.
+            projected: DP-GRAPE's projected per-sample gradients (one-pass plans only).
+
+        Returns:
+            The plan, for `Privatizer(..., plan=...)`.
+        """
         if bookkeeping and name not in ESTIMATORS:
             raise ValueError(f"bookkeeping with an estimator ({', '.join(ESTIMATORS)}), not {name!r}; "
                              "exact norms have clipping='bk'")

@@ -78,6 +78,17 @@ class Privatizer:
     Its hooks (the per-sample capture's, and one per parameter that drops autograd's batch gradient) are removed
     by `close()` (or `with Privatizer(...) as privatize:`) and when it is garbage-collected. They act only inside
     its own call, so several privatizers on one model, or a plain `loss.backward()` beside one, do not interfere.
+
+    Args:
+        model: the model whose trainable parameters (`requires_grad=True`) are privatised; a layer no per-sample
+            rule covers is refused.
+        noise: the Gaussian mechanism: σ, the clipping norm C, the expected batch size and the secret draws.
+        plan: how each sample's gradient is clipped. The default, `ClippingPlan.of("materialize")`, keeps every
+            per-sample gradient (the most memory); pass `ClippingPlan.of("bk")` for book-keeping, dp-adam's
+            default in `dpmem train`: one pass, each layer's input and output gradient kept instead.
+        check_coverage: on the first step, check that the per-sample gradients sum to autograd's batch gradient
+            (a parameter used outside the module that owns it fails it).
+        observers: hooks called at each stage of the step (as `dpmem audit`'s canaries use them).
     """
 
     def __init__(self, model: nn.Module, noise: Noise, plan: ClippingPlan = ClippingPlan.of("materialize"),
@@ -164,8 +175,20 @@ class Privatizer:
     def gradient(self, microbatches, loss_fn, shapes: dict[nn.Parameter, torch.Size],
                  projections: dict[nn.Parameter, Callable[[], Projection]] | None = None) -> PrivateGradient:
         """One logical step's privatised gradient (of shape `shapes[p]` per parameter) and summed per-sample loss.
-        `projections` (DP-GRAPE, one pass only) makes a parameter's projection when its layer's gradient arrives;
-        its per-sample gradients, clipped sum and noise are then projected ones."""
+
+        Args:
+            microbatches (list[dict[str, torch.Tensor]]): the logical batch as physical micro-batches; their
+                clipped sums are added. An empty list is a step whose sampled batch was empty: it still releases
+                noise.
+            loss_fn (Callable): `loss_fn(model, microbatch)` returns one loss per sample (`reduction="none"`).
+            shapes: each parameter's gradient shape (`{p: p.shape for p in privatizer.params}`).
+            projections: DP-GRAPE, one pass only: makes a parameter's projection when its layer's gradient arrives;
+                its per-sample gradients, clipped sum and noise are then projected ones.
+
+        Returns:
+            `PrivateGradient(gradient, loss_sum)`: each parameter's (Σᵢ clipped gᵢ + N(0, σ²C²)) / (q·n), and this
+            rank's summed per-sample loss as the noise releases it.
+        """
         for observer in self.observers:
             microbatches, loss_fn = observer.on_microbatches(self, microbatches, loss_fn)
         summed, loss_sum = self.clip_and_accumulate(microbatches, loss_fn, shapes, projections)

@@ -91,8 +91,24 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
     """Epsilon after `steps` sampled Gaussian steps with noise multiplier `sigma` (inf if sigma is 0), each with
     the batch's noised loss when `loss_noise` is given (see the module's docstring).
 
-    k, d, estimator: rc only: probes, envelope dimension (a positive integer, e.g. the DP-SGD-RC paper's max-min layer
-    size, or math.inf, see dpmem.methods.rc.rc_dimension) and norm estimator ("hutch" or "hutchpp") of DP-SGD-RC."""
+    Args:
+        sigma: the noise multiplier (std σ·C on the clipped sum).
+        delta: δ.
+        sample_rate: q, the rate at which a record joins a step.
+        steps: logical steps taken.
+        accountant: `pld`, `rdp` or `rc` (DP-SGD-RC's randomized clipping).
+        neighbouring: `add_remove` or `replace_one`.
+        sampling: `poisson`, or `fixed` (sampling without replacement; rdp and `replace_one` only).
+        dataset_size: n, for fixed-size sampling.
+        k: rc only: probes.
+        d: rc only: the envelope's dimension (a positive integer, e.g. the DP-SGD-RC paper's max-min layer size,
+            or math.inf; see dpmem.methods.rc.rc_dimension).
+        estimator: rc only: "hutch" or "hutchpp".
+        loss_noise: c, where the training loss is released privately with noise c·σ·L.
+
+    Returns:
+        ε at `delta`.
+    """
     _check(delta, sample_rate, steps)
     if accountant == "rc":
         _check_rc(neighbouring, sampling, k, d, estimator)
@@ -172,8 +188,22 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
                     dataset_size: int | None = None, tolerance: float = 1e-3, k: int = 32, d: float | None = None,
                     estimator: str = "hutch", loss_noise: float | None = None) -> float:
     """The smallest noise multiplier of the gradient whose epsilon after `steps` steps (with the loss releases of
-    `loss_noise`) is at most `epsilon` (to `tolerance`; for rc relative above sigma = 1). k, d, estimator: rc only,
-    as in epsilon_spent."""
+    `loss_noise`) is at most `epsilon`.
+
+    Args:
+        epsilon: the target ε.
+        delta: δ.
+        sample_rate: q, the rate at which a record joins a step.
+        steps: logical steps the run will take.
+        accountant: `pld`, `rdp` or `rc`; the others as in `epsilon_spent`.
+        tolerance: how close to `epsilon` (for rc relative above σ = 1).
+
+    Returns:
+        σ, the noise multiplier.
+
+    Raises:
+        ValueError: a bad argument, or (as `UnreachableTarget`) an ε no noise reaches.
+    """
     _check(delta, sample_rate, steps)
     if not epsilon > 0:
         raise ValueError(f"epsilon={epsilon} must be > 0")
