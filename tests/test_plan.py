@@ -203,3 +203,35 @@ def test_any_train_override_is_a_candidate_and_a_refused_one_says_why(tmp_path, 
     (refused,) = plan["refused"]
     assert refused["configuration"].startswith("method=grape method.rank=32") and "method.rank" in refused["why"]
     assert "Not planned" in (out / "plan.md").read_text()
+
+
+def row(method, samples_per_s, fits=True, peak=1):
+    return {"method": method, "samples_per_s": samples_per_s, "fits": fits, "peak_bytes": peak}
+
+
+def test_the_ranking_puts_first_order_methods_before_faster_zeroth_order_ones_and_the_asked_method_first():
+    """Written out by hand: within a family by samples/s, first-order before zeroth-order whatever their speed, the
+    method the user named before both, and what does not fit last by its peak."""
+    from dpmem.engine.chooser import rank
+    rows = [row("dpzero", 900), row("grape", 300), row("dp-adam", 500), row("mezo", 950), row("dp-adam", 10, False, 9),
+            row("grape", 10, False, 5), row("dp-sgd-rc", 400)]
+    order = [(r["method"], r["samples_per_s"]) for r in rank(rows)]
+    assert order == [("dp-adam", 500), ("dp-sgd-rc", 400), ("grape", 300), ("mezo", 950), ("dpzero", 900),
+                     ("grape", 10), ("dp-adam", 10)]
+    asked = [(r["method"], r["samples_per_s"]) for r in rank(rows, asked="grape")]
+    assert asked[:3] == [("grape", 300), ("dp-adam", 500), ("dp-sgd-rc", 400)]
+
+
+def test_a_forward_only_candidate_is_planned_once_and_the_output_says_how_it_is_ranked(tmp_path, cli):
+    """dpzero with and without checkpointing would be two identical rows (no backward pass to recompute): it is
+    one, named without checkpointing; grape, first-order, ranks above it whatever the estimates."""
+    out = tmp_path / "plan"
+    r = cli("plan", *TINY, 'plan.candidates=["method=dpzero","method=grape"]', "plan.checkpointing=[false,true]",
+            "plan.device=cpu", f"plan.dir={out}")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads((out / "plan.json").read_text())
+    assert [row["configuration"] for row in plan["rows"] if row["fits"]][-1] == "method=dpzero"
+    assert sorted(row["configuration"] for row in plan["rows"]) == [
+        "method=dpzero", "method=grape train.activation_checkpointing=false",
+        "method=grape train.activation_checkpointing=true"]
+    assert "Ranked by estimated samples/s within each family of methods" in r.stdout

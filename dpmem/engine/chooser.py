@@ -1,6 +1,7 @@
 """`dpmem plan`: every candidate configuration (plan.candidates × plan.checkpointing) at the run's logical batch,
 with the largest physical batch whose planned peak fits memory.budget, timed by a roofline of the ops its steps
-dispatch (dpmem.engine.roofline), for each of plan.precisions; ranked by estimated samples/s.
+dispatch (dpmem.engine.roofline), for each of plan.precisions; ranked by estimated samples/s within each family
+(RANKING): a zeroth-order method's samples are cheap, but it needs many more steps to the same result.
 
 Per candidate, a few meta plans: quick ones (one metered step of one micro-batch) at physical batch 1 (nothing
 fits: done) and at a second size give the peak's growth per sample (a peak is affine in the physical batch); the
@@ -8,7 +9,8 @@ largest size that then fits is planned in full (two micro-batches, whatever the 
 `planner.plan(first_micro_batches=2)`) with its ops counted and σ calibrated; from there the line through the last
 two peaks gives the next size (halving between the sizes known to fit and not to, where the line leaves them), for
 at most FULL_PLANS full plans. A candidate with checkpointing is not planned where the one without it showed that its
-parameters, gradients and optimizer state alone exceed the budget."""
+parameters, gradients and optimizer state alone exceed the budget, and a forward-only (zeroth-order) candidate is
+planned once: checkpointing changes nothing without a backward pass."""
 
 from __future__ import annotations
 
@@ -28,6 +30,31 @@ STATE = ("parameters", "gradients", "optimizer_state")  # what activation checkp
 PROBE = 8  # the second physical batch size planned, to measure the peak's growth per sample
 FULL_PLANS = 3  # full plans per candidate, at most, to find its largest fitting size
 CLOSE_ENOUGH = 1.05  # a fitting size within 5% of the next guess is kept (a plan of OPT-6.7B costs ~8 s)
+FAMILIES = ("first-order", "zeroth-order")  # in the order they are ranked
+RANKING = ("Ranked by estimated samples/s within each family of methods: {asked}first-order methods (a backward "
+           "pass), then zeroth-order ones (dpzero, mezo: forward passes only). A zeroth-order step's samples are "
+           "cheap, but it needs many more steps to the same result (experiment=dpgrape/fig6-convergence runs DPZero "
+           "for 10 times DP-GRAPE's steps), so samples/s does not compare across the two.")
+
+
+def family(method: str) -> str:
+    from dpmem.methods import method_class
+    from dpmem.methods.dpzero import ZerothOrder
+
+    return FAMILIES[issubclass(method_class(method), ZerothOrder)]
+
+
+def asked_method(overrides: list[str]) -> str | None:
+    """The method the user's own overrides name (`method=NAME`), if any."""
+    return next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "method"), None)
+
+
+def rank(rows: list[dict], asked: str | None = None) -> list[dict]:
+    """Fitting rows first: the method asked for, then by family (FAMILIES), each by estimated samples/s; then the
+    rows that do not fit, by peak."""
+    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: (
+        r["method"] != asked if asked else False, FAMILIES.index(family(r["method"])), -r["samples_per_s"]))
+    return fitting + sorted((r for r in rows if not r["fits"]), key=lambda r: r["peak_bytes"])
 
 
 def _fits(row: dict, budget: int) -> bool:
@@ -126,6 +153,9 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
                 continue
             try:
                 cfg = compose([*overrides, *chosen])
+                forward_only = family(cfg.method.name) == "zeroth-order"
+                if forward_only:  # no backward pass: one row, named without the checkpointing it ignores
+                    chosen, label = option.split(), option
                 found = candidate(cfg, budget, device, precisions)
             except ConfigError as e:
                 refused.append({"configuration": label, "why": str(e)})
@@ -142,8 +172,10 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
                 row.update(found["estimates"][row["precision"]])
                 row["overrides"] = chosen + [f"train.precision={row['precision']}"]
             rows.append(row)
-    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: -r["samples_per_s"])
-    rest = sorted((r for r in rows if not r["fits"]), key=lambda r: r["peak_bytes"])
+            if forward_only:
+                break
+    asked = asked_method(overrides)
     return {"device": dataclasses.asdict(device), "budget_bytes": budget, "batch_size": base.train.batch_size,
             "model": base.model.name, "data": base.data.name, "precisions": list(precisions),
-            "rows": fitting + rest, "refused": refused}
+            "rows": rank(rows, asked), "refused": refused,
+            "ranking": RANKING.format(asked=f"the method asked for (method={asked}) first, then " if asked else "")}
