@@ -183,7 +183,14 @@ def test_a_budget_nothing_fits_is_one_line_naming_the_smallest_peak(tmp_path, cl
                                            (["plan.precisions=[bf16]"], "plan.precisions"),
                                            (["plan.candidates=[]"], "plan.candidates"),
                                            (["plan.device=v100"], "plan.device"),
-                                           (["memory.device=cpu"], "memory.device")])
+                                           (["memory.device=cpu"], "memory.device"),
+                                           (["plan.checkpointing=[]"], "plan.checkpointing"),
+                                           (["plan.precisions=[]"], "plan.precisions"),
+                                           (["plan.top=0"], "plan.top"), (["plan.top=-1"], "plan.top"),
+                                           # the base configuration's own mistake, under its own key
+                                           ([CANDIDATES, "train.precision=bf16"], "train.precision"),
+                                           ([CANDIDATES, "data=npz"], "data.path"),
+                                           ([CANDIDATES, "train.batch_size=5000"], "train.batch_size")])
 def test_what_cannot_be_planned_is_refused_in_one_line(tmp_path, cli, overrides, key):
     r = cli("plan", *TINY, *overrides, f"plan.dir={tmp_path / 'plan'}")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(f"dpmem: error: {key}"), r.stderr

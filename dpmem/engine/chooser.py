@@ -44,6 +44,22 @@ def family(method: str) -> str:
     return FAMILIES[issubclass(method_class(method), ZerothOrder)]
 
 
+def own_keys(chosen: list[str]) -> set[str]:
+    """The keys a candidate's overrides set (`method=grape method.rank=8` sets method and method.rank)."""
+    return {word.split("=", 1)[0].lstrip("+~") for word in chosen}
+
+
+def base_mistake(rows: list[dict], refused: list[dict]) -> None:
+    """Nothing planned, and every candidate refused under one key that none of them sets: the mistake is the base
+    configuration's, raised as its own one-line error rather than as a budget that nothing fits."""
+    keys = {r["error"].key for r in refused if "error" in r}
+    if rows or len(keys) != 1 or len(refused) != sum("error" in r for r in refused):
+        return
+    (key,) = keys
+    if not any(key == own or key.startswith(own + ".") for r in refused for own in r["own"]):
+        raise refused[0]["error"]
+
+
 def asked_method(overrides: list[str]) -> str | None:
     """The method the user's own overrides name (`method=NAME`), if any."""
     return next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "method"), None)
@@ -135,6 +151,13 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
     skipped."""
     base = compose(overrides)
     pc = base.plan
+    for key, value, allowed in (("plan.checkpointing", pc.checkpointing, "[false], [true] or [false,true]"),
+                                ("plan.precisions", pc.precisions, "[fp32], [tf32] or [fp32,tf32]")):
+        if not value:
+            raise ConfigError(key, f"is empty: nothing would be planned; give {allowed}")
+    if pc.top < 1:
+        raise ConfigError("plan.top", f"is {pc.top}: the plan prints the commands of the best plan.top "
+                          "configurations; give 1 or more")
     precisions = ("fp32",) if device.name == "cpu" else tuple(dict.fromkeys(enum_value(p) for p in pc.precisions))
     if "bf16" in precisions:
         raise ConfigError("plan.precisions", "bf16 is not planned: autocast has no meta backend (allowed: fp32, tf32)")
@@ -158,7 +181,7 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
                     chosen, label = option.split(), option
                 found = candidate(cfg, budget, device, precisions)
             except ConfigError as e:
-                refused.append({"configuration": label, "why": str(e)})
+                refused.append({"configuration": label, "why": str(e), "error": e, "own": own_keys(chosen)})
                 log(f"dpmem plan: {label}: refused ({e})")
                 continue
             state = found["state_bytes"] if not found["fits"] else None
@@ -174,6 +197,8 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
             rows.append(row)
             if forward_only:
                 break
+    base_mistake(rows, refused)
+    refused = [{k: r[k] for k in ("configuration", "why")} for r in refused]  # the error objects stay here
     asked = asked_method(overrides)
     return {"device": dataclasses.asdict(device), "budget_bytes": budget, "batch_size": base.train.batch_size,
             "model": base.model.name, "data": base.data.name, "precisions": list(precisions),
