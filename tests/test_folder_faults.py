@@ -523,3 +523,12 @@ def test_dpmem_report_tells_a_marked_folder_from_a_run_that_died(tmp_path):
     (audit / "config.yaml").write_text("method:\n  name: dp-adam\n")
     summaries, missing = runs.collect([tmp_path])
     assert summaries == [] and [(m["run_dir"], m["analysis"]) for m in missing] == [(str(audit), "audit")]
+
+
+def test_a_lock_that_is_a_folder_is_named_rather_than_the_run_folder_called_unwritable(tmp_path):
+    (tmp_path / LOCK).mkdir()
+    with pytest.raises(FolderRefused) as refused:
+        FolderLock(tmp_path).acquire()
+    assert refused.value.key == "hydra.run.dir"
+    assert f"{tmp_path / LOCK} is a folder" in str(refused.value) and "cannot write into" not in str(refused.value)
+    assert (tmp_path / LOCK).is_dir()  # nothing of the user's removed

@@ -84,6 +84,10 @@ class FolderLock:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except FileNotFoundError:  # the folder went between mkdir and open (its last holder removed it)
                 continue
+            except IsADirectoryError:  # the folder is writable: what is wrong is the lock's own name
+                raise FolderRefused("hydra.run.dir", f"{self.path} is a folder, where dpmem keeps the file that "
+                                    "lets one run at a time write here: remove it, or give this run another folder "
+                                    "(hydra.run.dir=...)") from None
             except OSError as e:  # read-only, full, not a folder: nothing of a run could be written there
                 raise FolderRefused("hydra.run.dir", f"cannot write into {run_dir} ({e.strerror})") from None
             try:
