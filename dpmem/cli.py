@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from dpmem import distributed
-from dpmem.config import ConfigError, MethodConfig, enum_value, register_configs
+from dpmem.config import ConfigError, MethodConfig, enum_value, register_configs, resolve_delta
 from dpmem.engine.placement import cuda_device_count, place_job
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")  # inside the package: works from any install
@@ -115,7 +115,7 @@ def sweep_points(overrides: list[str]) -> list[list[str]]:
     try:
         parsed = OverridesParser.create().parse_overrides(plain)
     except Exception as e:  # hydra's OverrideParseException and friends
-        raise ConfigError("override", str(e).splitlines()[0]) from None
+        raise ConfigError("override", str(e).splitlines()[0] + _quoting(plain)) from None
     groups = _groups()
     choices = []
     for o in parsed:
@@ -130,6 +130,16 @@ def sweep_points(overrides: list[str]) -> list[list[str]]:
         prefix = o.input_line.split("=", 1)[0]
         choices.append([f"{prefix}={v}" for v in values])
     return [list(point) for point in itertools.product(*choices)]
+
+
+def _quoting(overrides: list[str]) -> str:
+    """How to quote what Hydra's override grammar did not read, where an override shows why."""
+    if any(o.startswith("plan.candidates=") for o in overrides):
+        return ("; quote each candidate, and the list for the shell: "
+                "'plan.candidates=[\"method=grape\",\"method=dp-adam method.clipping=ghost\"]'")
+    if any(not o.isascii() for o in overrides):
+        return "; a value with characters beyond ASCII is quoted for Hydra: 'key=\"välue\"' (shell quotes outside)"
+    return ""
 
 
 def compose_point(point: list[str]) -> DictConfig:
@@ -165,6 +175,11 @@ def preflight(overrides: list[str]) -> None:
     print each warning the points' methods have (once). Raises ConfigError."""
     from dpmem.methods import method_class
 
+    hydra_args = [o for o in overrides if o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    try:  # Hydra's own settings (hydra.run.dir=...) are read by the same grammar, later, with a traceback
+        OverridesParser.create().parse_overrides(hydra_args)
+    except Exception as e:  # noqa: BLE001  (hydra's OverrideParseException and friends)
+        raise ConfigError("override", str(e).splitlines()[0] + _quoting(hydra_args)) from None
     cfgs = compose_points(sweep_points(overrides)[:MAX_PREFLIGHT])
     if any(a in ("-m", "--multirun") for a in overrides):
         check_search_space(overrides)
@@ -544,7 +559,7 @@ def _memory(argv: list[str]) -> None:
 def _plan(argv: list[str]) -> None:
     """`dpmem plan`: the candidates of one setting, planned, timed and ranked into one folder."""
     from dpmem.engine.chooser import choose
-    from dpmem.engine.folder import FolderLock, check_owner, mark
+    from dpmem.engine.folder import FolderLock, check_owner, mark, owner
     from dpmem.engine.planner import parse_bytes
     from dpmem.engine.roofline import device as plan_device
     from dpmem.report import plan as report
@@ -565,8 +580,12 @@ def _plan(argv: list[str]) -> None:
             raise ConfigError("memory.device" if enum_value(cfg.memory.device) != "meta" else "memory.world_size",
                               "dpmem plan plans one GPU on meta (memory.device=meta, memory.world_size=1); the GPU "
                               "it plans for is plan.device")
+        _reachable(cfg)
         out = _out_dir(overrides, "plan.dir", pc.dir, "outputs/plan/%Y-%m-%d/%H-%M-%S")
         held.enter_context(FolderLock(out))
+        if owner(out) == "train":  # train.overwrite=true or not: plan.json beside it would end its resume
+            raise ConfigError(_dir_key(overrides, "plan.dir"), f"{out} holds a training run: dpmem plan never writes "
+                              "into one; give another plan.dir")
         check_owner(out, "plan", cfg.train.overwrite, _dir_key(overrides, "plan.dir"))
         # the GPU's plan counts CUDA's allocation blocks and kernels; the cpu's exact bytes and the CPU's kernels
         target = ["memory.target=cpu"] if device.name == "cpu" else ["memory.target=cuda"]
@@ -583,6 +602,29 @@ def _plan(argv: list[str]) -> None:
         print(report.write(out, result, overrides, pc.top), end="")
     print(f"dpmem plan: wrote {', '.join(sorted(f.name for f in out.iterdir() if not f.name.startswith('.')))} "
           f"to {out}", file=sys.stderr)
+
+
+def _reachable(cfg) -> None:
+    """The base config's privacy.epsilon, calibrated once before any candidate is planned: a budget no noise meets
+    (or one so loose it protects nothing) is refused under its key at once, not after every candidate. Raises
+    ConfigError."""
+    from dpmem.data import build_data
+    from dpmem.engine.ledger import resolve_accountant
+    from dpmem.engine.trainer import run_length
+    from dpmem.methods import method_class
+    from dpmem.privacy import UnreachableTarget, calibrate_sigma
+
+    p, t = cfg.privacy, cfg.train
+    if p.epsilon is None or not method_class(cfg.method.name).private or resolve_accountant(cfg) == "rc":
+        return
+    n = build_data(cfg.data, cfg.model).n_train
+    steps, sampling = run_length(cfg, n)
+    loss_noise = p.loss_noise if enum_value(p.train_loss) == "private" else None
+    try:
+        calibrate_sigma(p.epsilon, resolve_delta(p.delta, n), t.batch_size / n, steps, resolve_accountant(cfg),
+                        enum_value(p.neighbouring), sampling, n, loss_noise=loss_noise)
+    except UnreachableTarget as e:
+        raise ConfigError("privacy.epsilon", str(e)) from None
 
 
 def _bytes(n: float) -> str:
@@ -702,7 +744,13 @@ def _report(argv: list[str]) -> None:
     if not summaries and not missing:
         raise _error(f"no summary.json under {', '.join(map(str, paths))}")
     out = out or paths[0] / "report"
-    print(runs.write(out, summaries, missing, compare, select), end="")
+    if out.exists() and not out.is_dir():
+        raise _error(f"--out {out} is a file: give the folder the report goes to")
+    try:
+        print(runs.write(out, summaries, missing, compare, select), end="")
+    except OSError as e:  # a read-only run folder (the default output is inside it), a full disk
+        raise _error(f"cannot write the report into {out} ({e.strerror or type(e).__name__}): give a folder you can "
+                     "write with --out DIR") from None
     print(f"dpmem report: wrote {out}/report.md, report.csv, report.tex", file=sys.stderr)
 
 

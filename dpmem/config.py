@@ -327,7 +327,7 @@ class TrainConfig:
     fsdp: bool = False
     # every micro-batch at the physical batch size and the split's full token width: the short one padded with
     # samples that weigh 0 (the accountant is unchanged), so that the step has one shape (a CUDA graph's need)
-    static_shapes: bool = False
+    static_shapes: Optional[bool] = None  # None: true under train.compile, false otherwise
     # compile each micro-batch's forward, per-sample backward and clipping whole (torch.compile fullgraph;
     # dpmem.compiling; the noise is added outside the graph); implies static_shapes. On the CPU the compile time
     # (tens of seconds) outweighs short runs

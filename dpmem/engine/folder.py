@@ -35,7 +35,8 @@ from dpmem.engine.summary import PRIVACY_LEDGER, read_ledger, replace_file
 RECORDS = ("summary.json", "metrics.jsonl", "checkpoint.pt", "checkpoint.pt.tmp")
 # train.* settings of how a run is (re)started, not what it computes: a checkpoint resumes whatever these say
 # (dpmem.report.labels.NOT_TRAINING extends them to the report's sense of "the same run")
-NOT_FINGERPRINTED = ("resume", "skip_done", "overwrite", "checkpoint_every", "device")
+NOT_FINGERPRINTED = ("resume", "skip_done", "overwrite", "checkpoint_every", "device", "compile", "compile_backend",
+                     "static_shapes")  # a compiled step equals the eager one (tests/test_compile.py): either resumes
 LOCK = ".lock"  # FolderLock's file: not a record (nothing refuses a folder for it, dpmem report does not list it)
 # which verb's folder it is, for a folder the training records do not tell: `dpmem audit`, `spectrum`, `memory`
 # and `plan` write the verb's name into it before anything else (see `owner`)
@@ -182,6 +183,10 @@ def _look(cfg, run_dir: Path) -> dict | None:
     """`claim`'s decision, on one process: the checkpoint's state, None to start afresh, or FolderRefused."""
     path, t = run_dir / "checkpoint.pt", cfg.train
     check_owner(run_dir, "train", t.overwrite)  # a user's own files, another verb's folder
+    ledger = run_dir / PRIVACY_LEDGER
+    if ledger.exists() and not ledger.is_file():  # the append-only ledger must be a file; nothing removes one
+        raise FolderRefused("hydra.run.dir", f"{ledger} is not a file: the run's ε ledger goes there; move it away, "
+                            "or give another hydra.run.dir")
     if owner(run_dir) not in (None, "train"):  # written into anyway (train.overwrite=true): nothing to resume
         for name in RECORDS:
             (run_dir / name).unlink(missing_ok=True)

@@ -59,7 +59,9 @@ class PrivacyLedger:
                   "that publishes one random training record whole is still (epsilon, delta)-DP; the default "
                   "privacy.delta=auto is min(1e-5, 1/n^1.1)", file=sys.stderr)
         # the training loss: released with the gradient, in ε (loss_noise), outside it, or not at all
-        self.loss_release = enum_value(p.train_loss) if self.accounted else "exact"
+        # a non-private run's loss is exact, or none where privacy.train_loss=none asks for no loss at all
+        self.loss_release = (enum_value(p.train_loss) if self.accounted
+                             else "none" if enum_value(p.train_loss) == "none" else "exact")
         self.loss_bound = p.loss_bound if self.loss_release == "private" else math.inf
         self.accountant = dict(accountant=resolve_accountant(cfg), neighbouring=enum_value(p.neighbouring),
                                sampling=sampling, dataset_size=n,

@@ -196,6 +196,8 @@ def read_ledger(run_dir: Path) -> tuple[list[dict], list[int]]:
     path = Path(run_dir) / PRIVACY_LEDGER
     if not path.exists():
         return [], []
+    if not path.is_file():  # a folder, say: a ledger that exists and holds no readable line
+        return [], [0]
     records, unreadable = [], []
     for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
         if not raw.strip():
@@ -216,7 +218,10 @@ def privacy_records(run_dir: Path, warn: bool = True) -> list[dict]:
     number) are skipped, and said so in one warning line (once per ledger and damage)."""
     records, unreadable = read_ledger(run_dir)
     path = Path(run_dir) / PRIVACY_LEDGER
-    if unreadable and warn and (str(path), tuple(unreadable)) not in _warned:
+    if unreadable == [0] and warn and (str(path), 0) not in _warned:
+        _warned.add((str(path), 0))
+        print(f"dpmem: warning: {path} is not a file: no epsilon can be read from it", file=sys.stderr)
+    elif unreadable and warn and (str(path), tuple(unreadable)) not in _warned:
         _warned.add((str(path), tuple(unreadable)))
         shown = ", ".join(map(str, unreadable[:5])) + (", ..." if len(unreadable) > 5 else "")
         print(f"dpmem: warning: {path}: {len(unreadable)} unreadable line(s) skipped (line{'s' * (len(unreadable) > 1)}"

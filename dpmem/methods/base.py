@@ -163,6 +163,10 @@ class Method:
             why = cls.not_compilable(cfg)
             if why is not None:
                 raise ConfigError("train.compile", why)
+            if t.get("static_shapes") is False:
+                raise ConfigError("train.static_shapes", "false: a compiled step has one shape, every micro-batch "
+                                  "padded to the physical batch size; leave it unset (null) or true with "
+                                  "train.compile=true")
         for key, value in m.items():  # a NaN or infinite option trains garbage that looks fine: none is allowed
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"method.{key}", f"{value} must be a finite number")
@@ -234,10 +238,15 @@ class Method:
         """What the config allows but is most likely a mistake, each one line (`dpmem train` prints them before it
         runs, and the run goes on)."""
         t, p = cfg.train, cfg.privacy
+        said = []
         if cls.private and p.epsilon is not None and t.lr == 0:
-            return [f"train.lr: 0 with {cfg.method.name} spends privacy.epsilon={p.epsilon:g} and changes nothing "
-                    "(the weights never move); set train.lr > 0, or privacy=none"]
-        return []
+            said.append(f"train.lr: 0 with {cfg.method.name} spends privacy.epsilon={p.epsilon:g} and changes nothing "
+                        "(the weights never move); set train.lr > 0, or privacy=none")
+        if cls.private and p.epsilon is not None and enum_value(p.train_loss) == "private" and p.loss_bound < 1e-3:
+            said.append(f"privacy.loss_bound: {p.loss_bound:g} clips every per-sample loss to at most that, so the "
+                        "released training loss (and a search scored by it) says next to nothing; losses are "
+                        "typically 0.1-10 (default 5)")
+        return said
 
     @classmethod
     def clipping(cls, cfg) -> ClippingPlan | None:

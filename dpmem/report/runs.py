@@ -18,6 +18,7 @@ import json
 import math
 import re
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -79,8 +80,14 @@ def collect(paths: list[Path]) -> tuple[list[dict], list[dict]]:
 
 def _folder(folder: Path, record: dict) -> dict:
     config = folder / "config.yaml"
+    try:
+        tree = OmegaConf.to_container(OmegaConf.load(config)) if config.is_file() else {}
+    except Exception as e:  # noqa: BLE001  (not YAML, not a mapping: yaml's and OmegaConf's errors alike)
+        print(f"dpmem: warning: {config} is unreadable ({type(e).__name__}): the run is tabulated by its summary "
+              "alone", file=sys.stderr)
+        tree = {}
     record.update(run_dir=str(folder), ledger=privacy_records(folder),
-                  config=_flat(OmegaConf.to_container(OmegaConf.load(config))) if config.exists() else {})
+                  config=_flat(tree) if isinstance(tree, dict) else {})
     record["analysis"] = record.get("analysis") or _analysis(folder)
     return record
 
