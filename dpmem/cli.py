@@ -591,6 +591,13 @@ def _plan(argv: list[str]) -> None:
         target = ["memory.target=cpu"] if device.name == "cpu" else ["memory.target=cuda"]
         result = choose(lambda extra: compose_points([[*overrides, *target, *extra]])[0], overrides, budget, device)
         fitting = [r for r in result["rows"] if r["fits"]]
+        if result["interrupted"]:  # Ctrl-C: what was planned is kept, as train keeps its run
+            if fitting:
+                mark(out, "plan")
+                report.write(out, result, overrides, pc.top)
+            print(f"dpmem plan: interrupted after {len(result['rows'])} planned candidate(s)"
+                  + (f"; wrote them to {out}" if fitting else "; none fitted, nothing written"), file=sys.stderr)
+            raise SystemExit(130)
         if not fitting:
             smallest = min(result["rows"], key=lambda r: r["reserved_estimate_bytes"], default=None)
             raise ConfigError("memory.budget", f"nothing fits {_bytes(budget)}" + (
@@ -687,7 +694,7 @@ def _audit(argv: list[str]) -> None:
 
 def _spectrum(argv: list[str]) -> None:
     """`dpmem spectrum`: one configuration (the C and sigma lists are swept inside), into one folder."""
-    from dpmem.engine.folder import FolderLock, check_owner, mark
+    from dpmem.engine.folder import LOCK, MARK, FolderLock, check_owner, mark, owner
     from dpmem.spectrum import run_spectrum
 
     overrides = _sweep_overrides(argv, "spectrum")
@@ -704,9 +711,16 @@ def _spectrum(argv: list[str]) -> None:
         out = _out_dir(overrides, "spectrum.dir", cfg.spectrum.dir, f"outputs/spectrum/%Y-%m-%d/%H-%M-%S_{mode}")
         with FolderLock(out):  # one writer (released, and a folder it made left empty removed, at the end)
             check_owner(out, "spectrum", cfg.train.overwrite, _dir_key(overrides, "spectrum.dir"))
+            fresh = owner(out) is None
             mark(out, "spectrum")
             (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-            _, text = run_spectrum(cfg, out)
+            try:
+                _, text = run_spectrum(cfg, out)
+            except ConfigError:  # refused before it measured: a folder it made holds only its mark and config
+                if fresh and {p.name for p in out.iterdir()} <= {MARK, "config.yaml", LOCK}:
+                    for name in (MARK, "config.yaml"):
+                        (out / name).unlink(missing_ok=True)
+                raise
     print(text, end="")
     print(f"dpmem spectrum: wrote {out}/spectrum.json", file=sys.stderr)
 

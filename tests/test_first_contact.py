@@ -92,3 +92,30 @@ def test_plan_refuses_an_unreachable_budget_and_a_training_runs_folder_before_pl
     r = cli("plan", "model=roberta-tiny", "data=synthetic", "plan.dir=dead", "train.overwrite=true")
     one_error(r, "plan.dir", "holds a training run: dpmem plan never writes into one")
     assert sorted(p.name for p in (tmp_path / "dead").iterdir()) == before
+
+
+def test_ctrl_c_in_dpmem_plan_keeps_the_candidates_planned_and_ends_in_one_line(cli, tmp_path, monkeypatch):
+    """The second candidate is interrupted (Ctrl-C): the first one's plan is written, exit 130, no traceback."""
+    from dpmem.engine import chooser
+    real, calls = chooser.candidate, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(chooser, "candidate", interrupted)
+    r = cli("plan", "model=roberta-tiny", "data=synthetic", "data.seq_len=16", "train.batch_size=16",
+            "memory.budget=64MiB", 'plan.candidates=["method=dp-adam","method=grape"]', "plan.checkpointing=[false]",
+            "plan.dir=p")
+    assert r.returncode == 130 and "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == f"dpmem plan: interrupted after 1 planned candidate(s); wrote them to {tmp_path / 'p'}"
+    assert [row["method"] for row in json.loads((tmp_path / "p" / "plan.json").read_text())["rows"]] == ["dp-adam"]
+
+
+def test_a_spectrum_layer_pattern_that_matches_nothing_names_spectrum_layers_and_leaves_no_folder(cli, tmp_path):
+    r = cli("spectrum", "mode=layer", "spectrum.layers=[nomatch*]", "train.steps=2", "spectrum.steps=[1]",
+            "spectrum.dir=sp")
+    one_error(r, "spectrum.layers", "matches no projectable layer")
+    assert not (tmp_path / "sp").exists()

@@ -163,44 +163,50 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
         raise ConfigError("plan.precisions", "bf16 is not planned: autocast has no meta backend (allowed: fp32, tf32)")
     if not pc.candidates:
         raise ConfigError("plan.candidates", "is empty: name at least one configuration, e.g. ['method=grape']")
-    rows, refused = [], []
-    for option in pc.candidates:
-        state = None  # the first variant's parameters, gradients and optimiser state, which checkpointing keeps
-        for checkpointing in sorted(dict.fromkeys(pc.checkpointing)):
-            chosen = [*option.split(), f"train.activation_checkpointing={str(checkpointing).lower()}"]
-            label = " ".join(chosen)
-            if state is not None and reserved_estimate(state, base.memory.allocator_overhead) > budget:
-                refused.append({"configuration": label, "why": f"its parameters, gradients and optimizer state "
-                                f"alone ({state / 2**30:.2f} GiB) exceed the budget, with or without checkpointing"})
-                log(f"dpmem plan: {label}: not planned ({refused[-1]['why']})")
-                continue
-            try:
-                cfg = compose([*overrides, *chosen])
-                forward_only = family(cfg.method.name) == "zeroth-order"
-                if forward_only:  # no backward pass: one row, named without the checkpointing it ignores
-                    chosen, label = option.split(), option
-                found = candidate(cfg, budget, device, precisions)
-            except ConfigError as e:
-                refused.append({"configuration": label, "why": str(e), "error": e, "own": own_keys(chosen)})
-                log(f"dpmem plan: {label}: refused ({e})")
-                continue
-            state = found["state_bytes"] if not found["fits"] else None
-            log(f"dpmem plan: {label}: " + (f"physical batch {found['physical_batch_size']}, peak "
-                f"{found['peak_bytes'] / 2**30:.2f} GiB" if found["fits"] else
-                f"does not fit (peak ≥ {found['peak_bytes'] / 2**30:.2f} GiB at physical batch 1)"))
-            row = {"configuration": label, "overrides": chosen, "method": cfg.method.name,
-                   "checkpointing": checkpointing, **found}
-            if found["fits"]:  # at its fastest precision (the memory is the same)
-                row["precision"] = max(precisions, key=lambda p: found["estimates"][p]["samples_per_s"])
-                row.update(found["estimates"][row["precision"]])
-                row["overrides"] = chosen + [f"train.precision={row['precision']}"]
-            rows.append(row)
-            if forward_only:
-                break
-    base_mistake(rows, refused)
+    rows, refused, interrupted = [], [], False
+    try:
+        for option in pc.candidates:
+            state = None  # the first variant's parameters, gradients and optimiser state, which checkpointing keeps
+            for checkpointing in sorted(dict.fromkeys(pc.checkpointing)):
+                chosen = [*option.split(), f"train.activation_checkpointing={str(checkpointing).lower()}"]
+                label = " ".join(chosen)
+                if state is not None and reserved_estimate(state, base.memory.allocator_overhead) > budget:
+                    refused.append({"configuration": label, "why": f"its parameters, gradients and optimizer "
+                                    f"state alone ({state / 2**30:.2f} GiB) exceed the budget, with or without "
+                                    "checkpointing"})
+                    log(f"dpmem plan: {label}: not planned ({refused[-1]['why']})")
+                    continue
+                try:
+                    cfg = compose([*overrides, *chosen])
+                    forward_only = family(cfg.method.name) == "zeroth-order"
+                    if forward_only:  # no backward pass: one row, named without the checkpointing it ignores
+                        chosen, label = option.split(), option
+                    found = candidate(cfg, budget, device, precisions)
+                except ConfigError as e:
+                    refused.append({"configuration": label, "why": str(e), "error": e, "own": own_keys(chosen)})
+                    log(f"dpmem plan: {label}: refused ({e})")
+                    continue
+                state = found["state_bytes"] if not found["fits"] else None
+                log(f"dpmem plan: {label}: " + (f"physical batch {found['physical_batch_size']}, peak "
+                    f"{found['peak_bytes'] / 2**30:.2f} GiB" if found["fits"] else
+                    f"does not fit (peak ≥ {found['peak_bytes'] / 2**30:.2f} GiB at physical batch 1)"))
+                row = {"configuration": label, "overrides": chosen, "method": cfg.method.name,
+                       "checkpointing": checkpointing, **found}
+                if found["fits"]:  # at its fastest precision (the memory is the same)
+                    row["precision"] = max(precisions, key=lambda p: found["estimates"][p]["samples_per_s"])
+                    row.update(found["estimates"][row["precision"]])
+                    row["overrides"] = chosen + [f"train.precision={row['precision']}"]
+                rows.append(row)
+                if forward_only:
+                    break
+    except KeyboardInterrupt:  # Ctrl-C: the candidates planned so far are kept (dpmem plan writes them)
+        interrupted = True
+    if not interrupted:
+        base_mistake(rows, refused)
     refused = [{k: r[k] for k in ("configuration", "why")} for r in refused]  # the error objects stay here
     asked = asked_method(overrides)
     return {"device": dataclasses.asdict(device), "budget_bytes": budget, "batch_size": base.train.batch_size,
             "model": base.model.name, "data": base.data.name, "precisions": list(precisions),
             "rows": rank(rows, asked), "refused": refused,
-            "ranking": RANKING.format(asked=f"the method asked for (method={asked}) first, then " if asked else "")}
+            "ranking": RANKING.format(asked=f"the method asked for (method={asked}) first, then " if asked else ""),
+            "interrupted": interrupted}

@@ -25,13 +25,14 @@ from dpmem.persample import Projection, projectable_weights
 HEAD_PATTERNS = ("*classifier*", "*lm_head*", "score", "*.score", "*qa_outputs*")
 
 
-def choose_projected(model: nn.Module, patterns, rank: int, embeddings: bool = False) -> dict[nn.Parameter, int]:
+def choose_projected(model: nn.Module, patterns, rank: int, embeddings: bool = False,
+                     key: str = "method.projected") -> dict[nn.Parameter, int]:
     """Parameter -> projected side (0 = rows when rows <= cols, else 1 = columns: always the smaller one) for the
     layers named by `patterns` (fnmatch on module names; None = every projectable layer but the output head).
     A matrix whose smaller side is at most `rank` (a LoRA adapter, r×in or out×r) is never projected: its
     projection would be no smaller than the matrix. `embeddings` adds every embedding matrix and any layer tied to
     one (an LM head), projected along the hidden dimension (side 1): beyond the paper, which leaves them
-    unprojected."""
+    unprojected. `key`: the config key the patterns came from, which a refusal names."""
     all_weights = projectable_weights(model)
     modules = dict(model.named_modules())
     embedding_weights = {n: p for n, p in all_weights.items() if isinstance(modules[n], nn.Embedding)}
@@ -45,11 +46,11 @@ def choose_projected(model: nn.Module, patterns, rank: int, embeddings: bool = F
     else:
         chosen = {n: p for n, p in candidates.items() if any(fnmatch.fnmatch(n, pat) for pat in patterns)}
         if not chosen:
-            raise ConfigError("method.projected", f"{list(patterns)} matches no projectable layer; allowed: "
+            raise ConfigError(key, f"{list(patterns)} matches no projectable layer; allowed: "
                               f"{', '.join(candidates) or f'none (no Linear/Conv1D layer with both sides > {rank})'}")
         tied = [n for n, p in chosen.items() if id(p) in shared]
         if tied and not embeddings:
-            raise ConfigError("method.projected", f"{tied[0]} shares its weight with another layer; leave it "
+            raise ConfigError(key, f"{tied[0]} shares its weight with another layer; leave it "
                               "unprojected")
     sides = {p: 0 if p.shape[0] <= p.shape[1] else 1 for p in chosen.values()}
     if embeddings:

@@ -216,6 +216,16 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
     def eps(s: float) -> float:
         return epsilon_spent(s, delta, sample_rate, steps, accountant, neighbouring, sampling, dataset_size)
 
+    # a budget looser than the least noise's ε is refused by RDP's bound at once (RDP is above PLD's ε, and PLD at
+    # σ = MIN_SIGMA needs a minute of buckets): what `_bracket` would conclude after halving down to MIN_SIGMA
+    try:
+        least = epsilon_spent(MIN_SIGMA, delta, sample_rate, steps, "rdp", neighbouring, sampling, dataset_size)
+    except ValueError:  # an event RDP does not support (Poisson under replace-one): `_bracket` alone decides
+        least = math.inf
+    if epsilon >= least:
+        raise UnreachableTarget(f"{epsilon:g} is looser than the epsilon of the least noise dpmem adds (multiplier "
+                                f"{MIN_SIGMA:g}: {least:.4g} or less); a budget that large protects nothing: give a "
+                                "smaller epsilon, or privacy=none for a non-private run")
     lo, hi = _bracket(eps, epsilon, MAX_SIGMA, f"epsilon={epsilon} at delta={delta} is unreachable with sample rate "
                       f"{sample_rate:.4g} over {steps} steps")
     sigma = dp_accounting.calibrate_dp_mechanism(

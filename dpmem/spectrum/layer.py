@@ -106,7 +106,7 @@ def run_layer_mode(cfg, out) -> dict:
     if steps[-1] > run.steps:
         raise ConfigError("spectrum.steps", f"{steps[-1]} is beyond the run's {run.steps} steps")
     chosen = settings(sp, m.max_grad_norm if ledger.private else None, ledger.sigma)
-    sides = choose_projected(model, sp.layers, GrapeConfig.rank)
+    sides = choose_projected(model, sp.layers, GrapeConfig.rank, key="spectrum.layers")
     names = {p: n for n, p in model.named_parameters()}
     layers = {names[p]: p for p in sides}
     if not layers:
