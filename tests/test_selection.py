@@ -172,7 +172,7 @@ def test_a_search_killed_mid_trial_resumes_with_the_same_number_of_trials(tmp_pa
     """SIGKILL once the first trial has a checkpoint; the same command again: the key (and so K) is the one the
     first start drew, the finished trials are skipped, and the search ends with K trials."""
     command = [sys.executable, "-m", "dpmem", "train", "-m", "hydra/sweeper=private", "hydra.sweeper.mean_trials=1.5",
-               "train.lr=tag(log, interval(1e-3, 1e-1))", *TINY, "train.steps=12", "train.checkpoint_every=1",
+               "train.lr=tag(log, interval(1e-3, 1e-1))", *TINY, "train.steps=6", "train.checkpoint_every=1",
                f"hydra.sweep.dir={tmp_path / 's'}"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
