@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from dpmem import distributed
-from dpmem.config import ConfigError, MethodConfig, enum_value, register_configs, resolve_delta
+from dpmem.config import ConfigError, MethodConfig, enum_value, register_configs
 from dpmem.engine.placement import cuda_device_count, place_job
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")  # inside the package: works from any install
@@ -615,21 +615,15 @@ def _reachable(cfg) -> None:
     """The base config's privacy.epsilon, calibrated once before any candidate is planned: a budget no noise meets
     (or one so loose it protects nothing) is refused under its key at once, not after every candidate. Raises
     ConfigError."""
-    from dpmem.data import build_data
     from dpmem.engine.ledger import resolve_accountant
-    from dpmem.engine.trainer import run_length
+    from dpmem.engine.trainer import accounting_of
     from dpmem.methods import method_class
     from dpmem.privacy import UnreachableTarget, calibrate_sigma
 
-    p, t = cfg.privacy, cfg.train
-    if p.epsilon is None or not method_class(cfg.method.name).private or resolve_accountant(cfg) == "rc":
+    if cfg.privacy.epsilon is None or not method_class(cfg.method.name).private or resolve_accountant(cfg) == "rc":
         return
-    n = build_data(cfg.data, cfg.model).n_train
-    steps, sampling = run_length(cfg, n)
-    loss_noise = p.loss_noise if enum_value(p.train_loss) == "private" else None
     try:
-        calibrate_sigma(p.epsilon, resolve_delta(p.delta, n), t.batch_size / n, steps, resolve_accountant(cfg),
-                        enum_value(p.neighbouring), sampling, n, loss_noise=loss_noise)
+        calibrate_sigma(cfg.privacy.epsilon, **accounting_of(cfg))
     except UnreachableTarget as e:
         raise ConfigError("privacy.epsilon", str(e)) from None
 

@@ -18,6 +18,7 @@ from dpmem.data.bundle import Padded
 from dpmem.engine.trainer import run_training
 from dpmem.methods import Noise, build_method, method_config, validate
 from dpmem.methods.base import direct_fused_adam, fused_adam_step, own_step_counts
+from dpmem.privacy.randomness import Draws, seed_key
 from helpers import config, seeded
 from test_lora import roberta_classifier
 from tiny_models import tiny_llama, tiny_opt, tiny_roberta, tiny_vit
@@ -52,17 +53,22 @@ def case(model_name):
     return model, loss, micro
 
 
-def three_steps(model_name, name, backend=None):
-    """The trainable parameters after three steps (eager, or compiled with `backend`), and the capture."""
+def three_steps(model_name, name, backend=None, device="cpu", micro_batches=2):
+    """The trainable parameters after three steps (eager, or compiled with `backend`) on `device`, each of
+    `micro_batches` (2, or 3: the first repeated ahead), and the capture."""
     model, loss, micro = case(model_name)
+    micro = [Padded({k: v.to(device) for k, v in mb.items()}, mb.real)
+             for mb in micro[:1] * (micro_batches - 2) + micro]
+    model = model.to(device)
     options = OPTIONS[name]
     method_name = name.removesuffix("-materialize")
     private = method_name in PRIVATE
     cfg = method_config(method_name, **options, **({"max_grad_norm": 0.5} if private else {}))
-    method = build_method(cfg, model, 0.05, Noise(1.0, 0.5, 3.0, seeded(7)) if private else None, seed=3)
+    noise = Noise(1.0, 0.5, 3.0, Draws(seed_key(7), "noise", device)) if private else None
+    method = build_method(cfg, model, 0.05, noise, seed=3)
     compiler = None
     if backend is not None:
-        compiler = Compiler(torch.device("cpu"), backend)
+        compiler = Compiler(torch.device(device), backend)
         method.compile(compiler)
     for _ in range(3):
         method.step(micro, loss)

@@ -9,13 +9,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from dpmem.cli import CONF_DIR
-from dpmem.compiling import Compiler
-from dpmem.data.bundle import Padded
 from dpmem.engine.planner import plan
 from dpmem.engine.trainer import run_training
-from dpmem.methods import METHODS, Noise, build_method, method_config
+from dpmem.methods import METHODS
 from dpmem.precision import RunPrecision
-from dpmem.privacy.randomness import Draws, seed_key
 from helpers import PRIVATE, dies_at, released
 from tiny_models import tiny_roberta, tiny_vit
 
@@ -111,28 +108,8 @@ def test_the_compiled_step_under_cuda_graphs_equals_the_eager_step_over_micro_ba
     sum (or DPZero's losses) kept from one micro-batch's replay to the next would be overwritten, or counted twice,
     which doubles the sensitivity. Three steps of three micro-batches each (the last padded), float64, compiled
     against eager on the GPU."""
-    from test_compile import OPTIONS, PRIVATE as PRIVATE_METHODS, case
-
-    def three_steps(backend):
-        model, loss, micro = case("roberta-mlm")
-        micro = [Padded({k: v.cuda() for k, v in mb.items()}, mb.real) for mb in [micro[0], *micro]]
-        model = model.cuda()
-        private = name in PRIVATE_METHODS
-        cfg = method_config(name, **OPTIONS[name], **({"max_grad_norm": 0.5} if private else {}))
-        noise = Noise(1.0, 0.5, 3.0, Draws(seed_key(7), "noise", "cuda")) if private else None
-        method = build_method(cfg, model, 0.05, noise, seed=3)
-        compiler = None
-        if backend:
-            compiler = Compiler(torch.device("cuda"), backend)
-            assert compiler.reuses_outputs
-            method.compile(compiler)
-        for _ in range(3):
-            method.step(micro, loss)
-        method.close()
-        trained = torch.cat([p.detach().flatten() for p in model.parameters() if p.requires_grad])
-        return trained, None if compiler is None else compiler.capture()
-
-    want, _ = three_steps(None)
-    got, capture = three_steps("inductor")
-    assert capture["graph_breaks"] == 0, capture
+    from test_compile import three_steps
+    want, _ = three_steps("roberta-mlm", name, device="cuda", micro_batches=3)
+    got, capture = three_steps("roberta-mlm", name, "inductor", device="cuda", micro_batches=3)
+    assert capture["graph_breaks"] == 0 and capture["cuda_graphs"], capture
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)

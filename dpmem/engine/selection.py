@@ -28,7 +28,7 @@ import numpy as np
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from dpmem.config import ConfigError, enum_value, resolve_delta
+from dpmem.config import ConfigError, enum_value
 from dpmem.privacy.randomness import derive, os_key
 
 KEY_FILE, SELECTION, RELEASE = "selection.key", "selection.json", "release.json"
@@ -118,9 +118,8 @@ class Search:
 def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
     """Check a private search of the base config `cfg` (with `arguments`, the command line's overrides) and
     calibrate its trials' noise. Raises ConfigError naming the key."""
-    from dpmem.data import build_data
     from dpmem.engine.ledger import resolve_accountant
-    from dpmem.engine.trainer import run_length
+    from dpmem.engine.trainer import accounting_of
     from dpmem.methods import method_class
     from dpmem.privacy import UnreachableTarget, epsilon_spent
     from dpmem.privacy.selection import calibrate_selection, check_law
@@ -152,21 +151,17 @@ def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
     if objective == "train_loss" and enum_value(p.train_loss) != "private":
         raise ConfigError("privacy.train_loss", f"{enum_value(p.train_loss)}: a private search scores trials by the "
                           "privately released loss: privacy.train_loss=private")
-    n = build_data(cfg.data, cfg.model).n_train
-    steps, sampling = run_length(cfg, n)
-    delta = resolve_delta(p.delta, n)
-    rate = t.batch_size / n
-    neighbouring = enum_value(p.neighbouring)
-    loss_noise = p.loss_noise if enum_value(p.train_loss) == "private" else None
+    run = accounting_of(cfg)
+    delta, neighbouring = run["delta"], run["neighbouring"]
     try:
-        sigma = calibrate_selection(p.epsilon, delta, rate, steps, mean, shape, neighbouring, sampling, n, loss_noise)
+        sigma = calibrate_selection(p.epsilon, delta, run["sample_rate"], run["steps"], mean, shape, neighbouring,
+                                    run["sampling"], run["dataset_size"], run["loss_noise"])
     except UnreachableTarget as e:
         raise ConfigError("privacy.epsilon", str(e)) from None
     except ValueError as e:
         raise ConfigError("privacy.neighbouring", str(e)) from None
     # each trial calibrates its own σ to this ε (its ledger's accountant): a hair more noise than `sigma`, never less
-    trial = epsilon_spent(sigma * (1 + 1e-3), delta, rate, steps, accountant, neighbouring, sampling, n,
-                          loss_noise=loss_noise)
+    trial = epsilon_spent(sigma * (1 + 1e-3), **run)
     return Search(mean, shape, float(p.epsilon), delta, sigma, trial, objective, neighbouring, accountant)
 
 

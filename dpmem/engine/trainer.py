@@ -19,13 +19,13 @@ from tqdm import tqdm
 
 from dpmem import distributed, precision, sharding
 from dpmem.compiling import Compiler
-from dpmem.config import ConfigError, enum_value
+from dpmem.config import ConfigError, enum_value, resolve_delta
 from dpmem.data import build_data
 from dpmem.data.bundle import Padded
 from dpmem.engine import checkpoint
 from dpmem.engine.assemble import Parts, assemble
 from dpmem.engine.folder import FolderLock, claim, fingerprint, write_config
-from dpmem.engine.ledger import line_epsilon
+from dpmem.engine.ledger import line_epsilon, resolve_accountant
 from dpmem.engine.summary import (PRIVACY_LEDGER, DiskFull, append_metrics, append_privacy, cut_metrics, json_ready,
                                   most_spent, privacy_records, summary_table, versions, write_summary)
 from dpmem.engine.tracking import NoTracker, open_tracker
@@ -71,6 +71,19 @@ def run_length(cfg, n: int) -> tuple[int, str]:
     sampling = enum_value(t.sampling)
     private = method_class(cfg.method.name).private
     return steps, ("poisson" if private else "shuffle") if sampling == "auto" else sampling
+
+
+def accounting_of(cfg) -> dict:
+    """What a run of `cfg` is accounted with, from its data's size alone (no model: rc's envelope aside): the
+    keyword arguments of calibrate_sigma and epsilon_spent after (ε, δ, q, steps). What a plan and a private
+    search calibrate before anything is built."""
+    p = cfg.privacy
+    n = build_data(cfg.data, cfg.model).n_train
+    steps, sampling = run_length(cfg, n)
+    return {"delta": resolve_delta(p.delta, n), "sample_rate": cfg.train.batch_size / n, "steps": steps,
+            "accountant": resolve_accountant(cfg), "neighbouring": enum_value(p.neighbouring),
+            "sampling": sampling, "dataset_size": n,
+            "loss_noise": p.loss_noise if enum_value(p.train_loss) == "private" else None}
 
 
 def eval_batch_size(t) -> int:
