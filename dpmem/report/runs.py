@@ -172,6 +172,7 @@ def _flat(tree, prefix: str = "") -> dict:
 
 
 SEEDED = "∞ to a holder of config.yaml"
+SEEDS = (("batches", "sampler_seed"), ("noise", "noise_seed"))  # what a privacy seed in config.yaml derives
 
 
 def seeded(s: dict) -> list[str]:
@@ -181,8 +182,7 @@ def seeded(s: dict) -> list[str]:
         return []
     if s.get("derivable_from_config") is not None:
         return list(s["derivable_from_config"])
-    return [what for what, key in (("batches", "sampler_seed"), ("noise", "noise_seed"))
-            if s["config"].get(f"privacy.{key}") is not None]
+    return [what for what, key in SEEDS if s["config"].get(f"privacy.{key}") is not None]
 
 
 def _epsilon(s: dict) -> str:
@@ -391,8 +391,7 @@ def seeded_runs(summaries: list[dict]) -> list[str]:
     lines = []
     for s in summaries:
         if what := seeded(s):
-            keys = " and ".join(f"privacy.{k}" for w, k in (("batches", "sampler_seed"), ("noise", "noise_seed"))
-                                if w in what)
+            keys = " and ".join(f"privacy.{k}" for w, k in SEEDS if w in what)
             lines.append(f"{s['run_dir']}: its {' and '.join(what)} derive from {keys} in its config.yaml: ε ∞ to "
                          "whoever holds that file (for debugging and tests, not a release)")
     return lines
