@@ -1,7 +1,7 @@
 """dpmem's Python interface: what a training loop of your own needs, without the CLI.
 
 - The private step: `Privatizer` (the privatised gradient of a model's trainable parameters, one logical step per
-  call) with a `ClippingPlan` and the `Noise` it adds; or a whole method (`build_method(method_config(...), ...)`:
+  call) with a `ClippingPlan` and the `GaussianMechanism` that clips and noises; or a whole method (`build_method(method_config(...), ...)`:
   DP-Adam, DP-GRAPE, DP-SGD-RC, DPZero and the rest, each with its own update).
 - Sampling and secret randomness: `poisson_batches`, drawn from `Draws` keyed by `key_of` (256 bits of the OS's
   entropy, or a seed taken whole).
@@ -19,14 +19,15 @@ from omegaconf import DictConfig
 from dpmem.data.bundle import Padded
 from dpmem.engine.planner import largest_batch, plan
 from dpmem.methods import build_method, method_config
-from dpmem.methods.base import Method, Noise
+from dpmem.methods.base import Method
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.privatize import PrivateGradient, Privatizer
 from dpmem.privacy.accounting import calibrate_sigma, epsilon_spent
 from dpmem.privacy.randomness import Draws, key_of
 from dpmem.privacy.sampling import poisson_batches
 
-__all__ = ["ClippingPlan", "Draws", "Method", "Noise", "Padded", "PrivateGradient", "Privatizer", "accounting",
+__all__ = ["ClippingPlan", "Draws", "GaussianMechanism", "Method", "Padded", "PrivateGradient", "Privatizer", "accounting",
            "build_method", "calibrate_sigma", "config", "epsilon_spent", "key_of", "largest_batch", "method_config",
            "plan", "poisson_batches"]
 

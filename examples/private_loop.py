@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import nn
 
-from dpmem.api import (ClippingPlan, Draws, Noise, Privatizer, accounting, build_method, calibrate_sigma, epsilon_spent,
-                       key_of, method_config, poisson_batches)
+from dpmem.api import (ClippingPlan, Draws, GaussianMechanism, Privatizer, accounting, build_method, calibrate_sigma,
+                       epsilon_spent, key_of, method_config, poisson_batches)
 
 
 def per_sample_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -43,7 +43,7 @@ def train(steps: int = 100, batch_size: int = 64, epsilon: float = 8.0, delta: f
     account = accounting(method_cfg, model) if method_cfg is not None else {"accountant": "pld"}
     sigma = calibrate_sigma(epsilon, delta, q, steps, **account)  # the noise multiplier ε needs after `steps` steps
     key = key_of(seed)  # 256 bits of the OS's entropy (seed=None), or a user's seed taken whole
-    noise = Noise(sigma, max_grad_norm, expected_batch_size=q * n, draws=Draws(key, "noise"))
+    noise = GaussianMechanism(sigma, max_grad_norm, expected_batch_size=q * n, draws=Draws(key, "noise"))
     batches = poisson_batches(n, q, steps, Draws(key, "batches"))  # sizes vary, and may be 0
 
     if method is None:  # the private gradient, then an optimiser of your own

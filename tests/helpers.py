@@ -10,8 +10,9 @@ from torch.utils._pytree import tree_flatten
 from transformers.pytorch_utils import Conv1D
 
 from dpmem.cli import CONF_DIR
-from dpmem.methods import Noise, build_method, method_config
-from dpmem.methods.privatize import NOISE_BUCKET, Privatizer
+from dpmem.methods import build_method, method_config
+from dpmem.privacy.mechanism import NOISE_BUCKET, GaussianMechanism
+from dpmem.methods.privatize import Privatizer
 from dpmem.persample import PerSampleGradients
 from dpmem.persample.factored import Factored
 from dpmem.precision import RunPrecision
@@ -80,7 +81,7 @@ def vit_case():
 def run_steps(make, cls, cfg, steps=2, chunks=2, sigma=1.0):
     torch.manual_seed(0)
     model, loss, b = make()
-    method = cls(model, cfg, lr=0.05, noise=Noise(sigma, 0.5, 3.0, seeded(7)))
+    method = cls(model, cfg, lr=0.05, mechanism=GaussianMechanism(sigma, 0.5, 3.0, seeded(7)))
     n = len(next(iter(b.values())))
     micro = [{k: v[i::chunks] for k, v in b.items()} for i in range(min(chunks, n))]
     for _ in range(steps):
@@ -171,7 +172,7 @@ def released(make, name, options, precision, max_grad_norm, samples=None):
     torch.manual_seed(0)
     model, loss, batch = make()
     cfg = method_config(name, max_grad_norm=max_grad_norm, **options)
-    method = build_method(cfg, model, 0.01, Noise(0.0, max_grad_norm, 1.0, seeded(3)))
+    method = build_method(cfg, model, 0.01, GaussianMechanism(0.0, max_grad_norm, 1.0, seeded(3)))
     outputs, call = [], Privatizer.gradient
 
     def spy(self, *args, **kwargs):
@@ -233,7 +234,7 @@ def seeded(seed: int) -> Draws:
 
 def standard_noise(shapes: list, draws: Draws, dtype=torch.float32) -> list[torch.Tensor]:
     """The standard normal draws a step adds (times σC) to clipped sums of these shapes, in this order, for a model
-    small enough to be one noise run (`dpmem.methods.privatize.add_noise`): one vector, split in order."""
+    small enough to be one noise run (`GaussianMechanism.release`): one vector, split in order."""
     sizes = [torch.Size(shape).numel() for shape in shapes]
     assert sum(sizes) <= NOISE_BUCKET
     draw = draws.randn(sum(sizes), dtype=dtype)

@@ -40,7 +40,7 @@ def test_a_loss_that_is_not_one_value_per_sample_is_refused_naming_its_shape(red
     """A mean (or sum) over the batch would be clipped as one sample's loss: one record could then move the
     clipped sum by more than C (1.89 C seen)."""
     model, batch = small()
-    noise = api.Noise(1.0, 1.0, 5.0, api.Draws(seed_key(0), "noise"))
+    noise = api.GaussianMechanism(1.0, 1.0, 5.0, api.Draws(seed_key(0), "noise"))
     loss = lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction=reduction)  # noqa: E731
     for plan in ("bk", "ghost"):
         with api.Privatizer(model, noise, api.ClippingPlan.of(plan)) as privatize:
@@ -52,7 +52,7 @@ def test_a_frozen_model_a_budget_in_words_a_rate_above_one_and_an_unknown_option
     model, _ = small()
     for p in model.parameters():
         p.requires_grad_(False)
-    noise = api.Noise(1.0, 1.0, 5.0, api.Draws(seed_key(0), "noise"))
+    noise = api.GaussianMechanism(1.0, 1.0, 5.0, api.Draws(seed_key(0), "noise"))
     with pytest.raises(ValueError, match="no trainable parameter"):
         api.Privatizer(model, noise)
     with pytest.raises(ValueError, match="no trainable parameter"):

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive, Noise, method_config
+from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive, method_config
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.persample import PerSampleGradients, reducers
 from dpmem.persample.factored import Factored
 from helpers import (B, LargestTensor, Layers, layers_batch, layers_case, layers_loss, method_cfg, roberta_case,
@@ -57,7 +58,7 @@ def test_bk_never_makes_a_per_sample_weight_gradient_of_a_wide_layer(clipping):
     batch_size, width = 8, 64
     model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 3))
     cfg = method_config("dp-sgd", max_grad_norm=1.0, check_coverage=False, clipping=clipping)
-    method = DPAdam(model, cfg, 0.1, Noise(1.0, 1.0, float(batch_size), seeded(0)))
+    method = DPAdam(model, cfg, 0.1, GaussianMechanism(1.0, 1.0, float(batch_size), seeded(0)))
     b = {"x": torch.randn(batch_size, 4, width), "y": torch.randint(0, 3, (batch_size,))}
     loss = lambda m, x: F.cross_entropy(m(x["x"]).mean(1), x["y"], reduction="none")  # noqa: E731
     with LargestTensor() as largest:

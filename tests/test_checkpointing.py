@@ -7,7 +7,8 @@ from hydra import compose, initialize_config_dir
 
 from dpmem.cli import CONF_DIR
 from dpmem.engine.planner import plan
-from dpmem.methods import Noise, build_method, method_config
+from dpmem.methods import build_method, method_config
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.models import checkpoint_activations
 from dpmem.persample import PerSampleGradients
 from dpmem.persample.factored import Factored
@@ -75,7 +76,7 @@ def test_steps_equal_the_run_without_checkpointing(name, method, options):
         model, loss, batch = case(name, checkpointing)
         extra = {"max_grad_norm": 0.5} if method != "adam" else {}
         cfg = method_config(method, **extra, **options)
-        noise = Noise(1.0, 0.5, 3.0, seeded(7)) if method != "adam" else None
+        noise = GaussianMechanism(1.0, 0.5, 3.0, seeded(7)) if method != "adam" else None
         step = build_method(cfg, model, 0.05, noise, seed=3)
         micro = [{k: v[i::2] for k, v in batch.items()} for i in range(2)]
         for _ in range(2):

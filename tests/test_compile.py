@@ -16,7 +16,8 @@ from dpmem.compiling import Compiler
 from dpmem.config import ConfigError
 from dpmem.data.bundle import Padded
 from dpmem.engine.trainer import run_training
-from dpmem.methods import Noise, build_method, method_config, validate
+from dpmem.methods import build_method, method_config, validate
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.base import direct_fused_adam, fused_adam_step, own_step_counts
 from dpmem.privacy.randomness import Draws, seed_key
 from helpers import config, seeded
@@ -64,7 +65,7 @@ def three_steps(model_name, name, backend=None, device="cpu", micro_batches=2):
     method_name = name.removesuffix("-materialize")
     private = method_name in PRIVATE
     cfg = method_config(method_name, **options, **({"max_grad_norm": 0.5} if private else {}))
-    noise = Noise(1.0, 0.5, 3.0, Draws(seed_key(7), "noise", device)) if private else None
+    noise = GaussianMechanism(1.0, 0.5, 3.0, Draws(seed_key(7), "noise", device)) if private else None
     method = build_method(cfg, model, 0.05, noise, seed=3)
     compiler = None
     if backend is not None:
@@ -107,7 +108,7 @@ def test_the_guards_kept_on_the_model_still_recompile():
     model, loss, micro = case("mlp")
     model = nn.Sequential(*model[:4], nn.Dropout(0.0), model[4])  # a module whose forward reads `training`
     method = build_method(method_config("dp-adam", clipping="bk", max_grad_norm=0.5), model, 0.05,
-                          Noise(1.0, 0.5, 3.0, seeded(7)), seed=3)
+                          GaussianMechanism(1.0, 0.5, 3.0, seeded(7)), seed=3)
     compiler = Compiler(torch.device("cpu"), "eager")
     method.compile(compiler)
     for _ in range(3):  # the eager coverage check, the step that compiles, one replay
@@ -131,7 +132,7 @@ def test_the_noise_is_drawn_outside_the_graph_and_fresh_at_every_step():
     def releases(backend):
         model, loss, micro = case("roberta-mlm")
         method = build_method(method_config("dp-sgd", clipping="bk", max_grad_norm=0.5), model, 0.0,
-                              Noise(1.0, 0.5, 3.0, seeded(7)))
+                              GaussianMechanism(1.0, 0.5, 3.0, seeded(7)))
         if backend:
             method.compile(Compiler(torch.device("cpu"), backend))
         return [torch.cat([g.flatten() for g in method.privatize.gradient(micro, loss, {p: p.shape for p in
@@ -184,7 +185,7 @@ def test_a_bf16_compiled_step_keeps_the_private_arithmetic_in_float32_and_equals
         torch.manual_seed(0)
         model, loss, batch = tiny_roberta()
         method = build_method(method_config("dp-adam", clipping="bk", max_grad_norm=0.5), model, 0.05,
-                              Noise(1.0, 0.5, 3.0, seeded(7)))
+                              GaussianMechanism(1.0, 0.5, 3.0, seeded(7)))
         if backend:
             method.compile(Compiler(torch.device("cpu"), backend))
         forward = RunPrecision("bf16", torch.device("cpu")).forward(loss)

@@ -8,8 +8,9 @@ from opacus.optimizers import DPOptimizer
 from torch import nn
 
 from dpmem.metering import LiveTensorCounter
-from dpmem.methods import DPAdam, Noise, method_config
-from dpmem.methods import privatize
+from dpmem.methods import DPAdam, method_config
+from dpmem.privacy.mechanism import GaussianMechanism
+from dpmem.privacy import mechanism
 from dpmem.methods.privatize import Observer, Privatizer
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
 from helpers import seeded, standard_noise
@@ -75,7 +76,7 @@ def test_private_gradient_is_clipped_sum_plus_noise_over_expected_batch():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     sigma, C, expected = 0.7, 5.0, 10.0  # the expected batch size, not the 8 sampled
     method = DPAdam(model, method_cfg("sgd", C), lr=1.0,
-                    noise=Noise(sigma, C, expected, seeded(123)))
+                    mechanism=GaussianMechanism(sigma, C, expected, seeded(123)))
     method.step([batch], loss_fn)
     # oracle: Opacus' clipped sum and the same noise draws, in dpmem's parameter order
     reference = Net()
@@ -99,7 +100,7 @@ def test_micro_batches_accumulate_to_the_same_step():
     for chunks in (1, 4):
         torch.manual_seed(0)
         model = Net()
-        method = DPAdam(model, method_cfg("adam", 0.5), lr=0.1, noise=Noise(0.0, 0.5, 8.0, None))
+        method = DPAdam(model, method_cfg("adam", 0.5), lr=0.1, mechanism=GaussianMechanism(0.0, 0.5, 8.0, None))
         batch = make_batch()
         micro = [{k: v[i::chunks] for k, v in batch.items()} for i in range(chunks)]
         method.step(micro, loss_fn)
@@ -111,7 +112,7 @@ def test_empty_batch_still_adds_noise():
     torch.manual_seed(0)
     model = Net()
     before = [p.detach().clone() for p in model.parameters()]
-    method = DPAdam(model, method_cfg("sgd", 1.0), lr=1.0, noise=Noise(1.0, 1.0, 4.0, seeded(0)))
+    method = DPAdam(model, method_cfg("sgd", 1.0), lr=1.0, mechanism=GaussianMechanism(1.0, 1.0, 4.0, seeded(0)))
     method.step([], loss_fn)
     assert all(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
 
@@ -119,11 +120,11 @@ def test_empty_batch_still_adds_noise():
 def test_noise_is_drawn_in_runs_of_bounded_size_split_in_order(monkeypatch):
     """Runs of consecutive sums of one dtype, at most NOISE_BUCKET elements together, a larger sum alone; each run
     one standard normal vector split into its sums."""
-    monkeypatch.setattr(privatize, "NOISE_BUCKET", 16)
+    monkeypatch.setattr(mechanism, "NOISE_BUCKET", 16)
     shapes = [(3, 4), (5,), (20,), (2,), (2, 2)]
     summed = {i: torch.zeros(shape, dtype=torch.float64 if i == 4 else torch.float32)
               for i, shape in enumerate(shapes)}
-    privatize.add_noise(summed, Noise(0.5, 2.0, 4.0, seeded(3)))
+    GaussianMechanism(0.5, 2.0, 1.0, seeded(3)).release(summed)
     gen = seeded(3)
     runs = [[0], [1], [2], [3], [4]]  # 12 + 5 > 16; 20 alone; float32 then float64
     for run in runs:
@@ -131,7 +132,7 @@ def test_noise_is_drawn_in_runs_of_bounded_size_split_in_order(monkeypatch):
         for i, chunk in zip(run, draw.split([summed[i].numel() for i in run])):
             torch.testing.assert_close(summed[i], 1.0 * chunk.view(shapes[i]), rtol=0, atol=0)
     summed = {i: torch.zeros(n) for i, n in enumerate([6, 7, 4])}  # 6 + 7 fit, 4 more do not
-    privatize.add_noise(summed, Noise(1.0, 1.0, 4.0, seeded(4)))
+    GaussianMechanism(1.0, 1.0, 1.0, seeded(4)).release(summed)
     gen = seeded(4)
     first = gen.randn(13)
     assert torch.equal(torch.cat([summed[0], summed[1]]), first)
@@ -148,7 +149,7 @@ def test_coverage_check_catches_a_parameter_used_outside_its_module():
             return self.fc(x) + x @ self.fc.weight  # the second use bypasses the Linear's hooks
 
     model = Sneaky()
-    method = DPAdam(model, method_cfg(), lr=0.1, noise=Noise(0.0, 1.0, 4.0, None))
+    method = DPAdam(model, method_cfg(), lr=0.1, mechanism=GaussianMechanism(0.0, 1.0, 4.0, None))
     batch = {"x": torch.randn(4, 3), "y": torch.randint(0, 3, (4,))}
     with pytest.raises(RuntimeError, match="fc.weight.*batch gradient"):
         method.step([batch], lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none"))
@@ -164,7 +165,7 @@ def _counted_step(make, device):
         model, loss, batch = make()
     batch = {k: v.to(device) for k, v in batch.items()}
     # the one-off coverage check computes on real tensors only, so it is off for this comparison
-    method = DPAdam(model, method_cfg("adam", 1.0, check_coverage=False), lr=0.1, noise=Noise(1.0, 1.0, 8.0, None))
+    method = DPAdam(model, method_cfg("adam", 1.0, check_coverage=False), lr=0.1, mechanism=GaussianMechanism(1.0, 1.0, 8.0, None))
     with LiveTensorCounter().track_state(model, method) as counter:
         for _ in range(2):  # the second step holds the Adam moments
             method.step([batch], loss)
@@ -209,7 +210,7 @@ def test_observers_see_the_clipped_sums_in_order_and_the_release_in_reverse():
     sigma, C, expected = 0.7, 5.0, 10.0
     calls = []
     first, second = Recording("first", calls, factor=2.0), Recording("second", calls)
-    with Privatizer(model, Noise(sigma, C, expected, seeded(123)),
+    with Privatizer(model, GaussianMechanism(sigma, C, expected, seeded(123)),
                     observers=(first, second)) as privatizer:
         released, _ = privatizer.gradient([batch], loss_fn, {p: p.shape for p in privatizer.params})
     assert calls == [("clipped", "first"), ("clipped", "second"), ("noised", "second"), ("noised", "first")]

@@ -8,7 +8,8 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from dpmem.metering import LiveTensorCounter
-from dpmem.methods import Adam, DPZero, MeZO, Noise, method_config
+from dpmem.methods import Adam, DPZero, MeZO, method_config
+from dpmem.privacy.mechanism import GaussianMechanism
 from tiny_models import tiny_vit
 from helpers import seeded
 
@@ -39,7 +40,7 @@ def test_step_with_zero_lr_restores_the_parameters():
     torch.manual_seed(0)
     model, loss, batch = tiny_vit()
     before = [p.detach().clone() for p in model.parameters()]
-    method = DPZero(model, zo_cfg(), lr=0.0, noise=Noise(1.0, 1.0, 3.0, seeded(0)), seed=3)
+    method = DPZero(model, zo_cfg(), lr=0.0, mechanism=GaussianMechanism(1.0, 1.0, 3.0, seeded(0)), seed=3)
     for _ in range(3):
         method.step([batch], loss)
     for a, p in zip(before, model.parameters()):
@@ -80,11 +81,11 @@ def test_zeroth_order_estimates_average_to_the_true_gradient(direction):
 
 
 def test_clipping_bounds_each_sample_and_noise_has_std_sigma_c():
-    method = DPZero(Quadratic(), zo_cfg(), lr=0.0, noise=Noise(0.0, 1.0, 4.0, None))
+    method = DPZero(Quadratic(), zo_cfg(), lr=0.0, mechanism=GaussianMechanism(0.0, 1.0, 4.0, None))
     # clip each scalar to [-C, C], sum, divide by the expected batch size
     assert float(method.aggregate(torch.tensor([5.0, -7.0, 0.25]))) == pytest.approx((1 - 1 + 0.25) / 4)
     sigma, C, expected = 2.0, 0.5, 4.0
-    method.noise = Noise(sigma, C, expected, seeded(0))
+    method.mechanism = GaussianMechanism(sigma, C, expected, seeded(0))
     draws = torch.stack([method.aggregate(torch.zeros(0)) for _ in range(4000)])
     # the sample std of 4000 normal draws is within 5% of the truth with overwhelming probability
     assert float(draws.std()) == pytest.approx(sigma * C / expected, rel=0.05)
@@ -116,7 +117,7 @@ def test_dpzero_peak_is_a_forward_pass_and_far_below_adam():
         return c.peak
 
     def dpzero(model, loss, batch):
-        method = DPZero(model, zo_cfg(), 1e-3, noise=Noise(1.0, 1.0, 3.0, None), seed=0)
+        method = DPZero(model, zo_cfg(), 1e-3, mechanism=GaussianMechanism(1.0, 1.0, 3.0, None), seed=0)
         with LiveTensorCounter().track_state(model) as c:
             for _ in range(2):
                 method.step([batch], loss)

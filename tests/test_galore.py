@@ -5,7 +5,8 @@ import math
 import torch
 
 import dpmem.methods.galore as galore_module
-from dpmem.methods import GaLore, GaLoreDPNaive, Noise
+from dpmem.methods import GaLore, GaLoreDPNaive
+from dpmem.privacy.mechanism import GaussianMechanism
 from helpers import Mixer, grape_cfg, mixer_batch, mixer_loss, seeded
 
 
@@ -14,7 +15,7 @@ def test_naive_dp_galore_svd_sees_only_the_privatised_gradient(monkeypatch):
     model = Mixer()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     method = GaLoreDPNaive(model, grape_cfg(rank=2, refresh=2, name="galore-dp-naive"), 1e-3,
-                           Noise(1.0, 1.0, 6.0, seeded(0)))
+                           GaussianMechanism(1.0, 1.0, 6.0, seeded(0)))
     privatised, svd_inputs = [], []
     real_privatize, real_svd = method.privatize.gradient, galore_module.svd_projection
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpmem.metering import LiveTensorCounter
-from dpmem.methods import DPAdam, GaLoreDPNaive, Grape, Noise, method_config
+from dpmem.methods import DPAdam, GaLoreDPNaive, Grape, method_config
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.persample import PerSampleGradients, Projection, reducers
 from helpers import Mixer, grape_cfg, mixer_batch, mixer_loss, seeded, standard_noise
 
@@ -41,7 +42,7 @@ def test_projected_per_sample_gradients_equal_projected_explicit_ones(layer, sid
 
 
 def test_projected_sides_are_the_smaller_dimension():
-    method = Grape(Mixer(), grape_cfg(), 1e-3, Noise(1.0, 1.0, 6.0, None))
+    method = Grape(Mixer(), grape_cfg(), 1e-3, GaussianMechanism(1.0, 1.0, 6.0, None))
     names = {p: n for n, p in method.model.named_parameters()}
     sides = {names[p]: s for p, s in method.sides.items()}
     assert sides == {"up.weight": 1, "down.weight": 0, "conv_wide.weight": 0, "conv_tall.weight": 1}
@@ -49,7 +50,7 @@ def test_projected_sides_are_the_smaller_dimension():
     P = method.projection(method.model.down.weight, 1).P
     assert P.shape == (4, 2)
     big = Grape(nn.Sequential(nn.Linear(400, 300)), grape_cfg(rank=50, projected=["0"]), 1e-3,
-                Noise(1.0, 1.0, 6.0, None))
+                GaussianMechanism(1.0, 1.0, 6.0, None))
     assert big.projection(big.params[0], 1).P.var().item() == pytest.approx(1 / 50, rel=0.05)
 
 
@@ -58,7 +59,7 @@ def test_one_step_equals_algorithms_1_and_2():
     model, b = Mixer(), mixer_batch()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     sigma, C, expected, lr = 0.6, 0.5, 8.0, 0.01
-    method = Grape(model, grape_cfg(C=C), lr, Noise(sigma, C, expected, seeded(7)), seed=3)
+    method = Grape(model, grape_cfg(C=C), lr, GaussianMechanism(sigma, C, expected, seeded(7)), seed=3)
     projections = {p: method.projection(p, 1) for p in method.sides}  # P for t = 1
     # reference: explicit per-sample gradients (independent of the projected rules), projected, clipped flat
     reference = Mixer()
@@ -88,7 +89,7 @@ def test_one_step_equals_algorithms_1_and_2():
 def test_projector_is_the_same_in_backward_and_update_and_refreshes_every_f_steps():
     torch.manual_seed(0)
     model = Mixer()
-    method = Grape(model, grape_cfg(refresh=3), 1e-3, Noise(0.5, 1.0, 6.0, seeded(0)))
+    method = Grape(model, grape_cfg(refresh=3), 1e-3, GaussianMechanism(0.5, 1.0, 6.0, seeded(0)))
     seen = []
     real = method.projection
 
@@ -126,7 +127,7 @@ def test_grape_peak_is_well_below_dp_adam():
         x = {"pixel_values": torch.randn(32, 1, 8, 8), "labels": torch.randint(0, 10, (32,))}
         loss = lambda m, b: F.cross_entropy(m(pixel_values=b["pixel_values"]).logits, b["labels"],  # noqa: E731
                                             reduction="none")
-        method = method_cls(model, cfg, 1e-3, noise=Noise(1.0, 1.0, 32.0, None))
+        method = method_cls(model, cfg, 1e-3, mechanism=GaussianMechanism(1.0, 1.0, 32.0, None))
         method.step([x], loss)
         with LiveTensorCounter().track_state(model, method) as counter:
             method.step([x], loss)
@@ -141,7 +142,7 @@ def test_grape_peak_is_well_below_dp_adam():
 def test_per_sample_buffers_are_b_times_r_times_max_dimension():
     torch.manual_seed(0)
     model, rank = Mixer(), 2
-    method = Grape(model, grape_cfg(rank=rank), 1e-3, Noise(1.0, 1.0, 6.0, None))
+    method = Grape(model, grape_cfg(rank=rank), 1e-3, GaussianMechanism(1.0, 1.0, 6.0, None))
     taps = method.privatize.taps
     project = {p: reducers.projected(lambda p=p: method.projection(p, 1)) for p in method.sides}
     with taps.recording(taps.zero()) as tape:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpmem.methods import Noise
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.persample import PerSampleGradients, Projection
@@ -39,7 +39,7 @@ def loss_fn(model, b):
 
 
 def no_noise():
-    return Noise(sigma=0.0, max_grad_norm=C, expected_batch_size=1.0, draws=None)
+    return GaussianMechanism(sigma=0.0, max_grad_norm=C, expected_batch_size=1.0, draws=None)
 
 
 def projection(p: nn.Parameter) -> Projection:

@@ -11,7 +11,8 @@ from dpmem.cli import CONF_DIR
 from dpmem.config import ConfigError, ModelConfig
 from dpmem.data import build_data
 from dpmem.engine.planner import plan
-from dpmem.methods import Noise, build_method, method_class, method_config
+from dpmem.methods import build_method, method_class, method_config
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.models import build_model
 from dpmem.models.lora import apply_lora
 from dpmem.persample import PerSampleGradients, reducers
@@ -122,7 +123,7 @@ def test_the_coverage_check_passes_with_lora_dropout(case, clipping):
     torch.manual_seed(0)
     model, loss, batch = CASES[case](dropout=0.3)
     model.train()
-    method = build_method(dp_cfg(clipping=clipping), model, 1e-2, Noise(1.0, 0.5, 3.0, seeded(0)))
+    method = build_method(dp_cfg(clipping=clipping), model, 1e-2, GaussianMechanism(1.0, 0.5, 3.0, seeded(0)))
     method.step([batch], loss)
     assert not method.privatize._check_coverage  # it did run
 
@@ -133,7 +134,7 @@ def test_an_adapter_no_rule_covers_is_an_error_naming_it():
     sees them, so private training must refuse rather than leave them with noise alone."""
     model, _, _ = llama_causal(target_modules=["embed_tokens", "q_proj"])
     with pytest.raises(ValueError, match=r"no per-sample rule covers model\.embed_tokens\.lora_embedding_A\.default"):
-        build_method(dp_cfg(), model, 1e-2, Noise(1.0, 0.5, 3.0, None))
+        build_method(dp_cfg(), model, 1e-2, GaussianMechanism(1.0, 0.5, 3.0, None))
 
 
 def config(*overrides):
@@ -177,7 +178,7 @@ def test_training_moves_only_the_adapters_and_the_head(method):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained and all(".lora_" in n or n.startswith("classifier.") for n in trained)
-    noise = Noise(1.0, cfg.method.max_grad_norm, 4.0, seeded(0))
+    noise = GaussianMechanism(1.0, cfg.method.max_grad_norm, 4.0, seeded(0))
     step = build_method(cfg.method, model, 1e-2, noise, seed=0)
     for start in (0, 4, 8):
         step.step([{k: v[start:start + 4] for k, v in data.train.items()}], data.per_sample_loss)
@@ -195,7 +196,7 @@ def test_adapters_are_projected_only_below_their_rank(method):
     trains could be projected (the head stays whole), and the method is refused rather than run unprojected."""
     cfg = config("model=roberta-tiny", f"method={method}", "method.rank=4")
     data = build_data(cfg.data, cfg.model)
-    noise = Noise(1.0, 1.0, 4.0, seeded(0)) if method_class(method).private else None
+    noise = GaussianMechanism(1.0, 1.0, 4.0, seeded(0)) if method_class(method).private else None
     with pytest.raises(ConfigError, match=r"method.rank: 4 is at least .* \(at most 4\).*allowed: 1..3"):
         build_method(cfg.method, build_model(cfg.model, data).train(), 1e-2, noise)
     cfg = config("model=roberta-tiny", f"method={method}", "method.rank=2")
@@ -228,7 +229,7 @@ def test_model_trainable_freezes_all_but_the_named_parameters():
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained == {n for n, _ in model.named_parameters() if n.startswith("model.layers.1.")}
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    step = build_method(cfg.method, model, 1e-2, Noise(1.0, 1.0, 4.0, seeded(0)))
+    step = build_method(cfg.method, model, 1e-2, GaussianMechanism(1.0, 1.0, 4.0, seeded(0)))
     step.step([{k: v[:4] for k, v in data.train.items()}], data.per_sample_loss)
     assert {n for n, p in model.named_parameters() if not torch.equal(p, before[n])} == trained
     cfg = config("model=llama-tiny", "model.lora.r=null", "model.trainable=[encoder.*]")

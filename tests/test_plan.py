@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dpmem.api import ClippingPlan, Noise, Privatizer, build_method, method_config
+from dpmem.api import ClippingPlan, GaussianMechanism, Privatizer, build_method, method_config
 from dpmem.engine.planner import AttentionKernels
 from dpmem.engine.roofline import DEVICES, OpCounter, tensor_bytes
 
@@ -105,7 +105,7 @@ def squared_output(model, batch):
 def step_flops(method: str, d: int, p: int, **options) -> int:
     """The FLOPs of a method's second step (the first makes its state) on one Linear(d, p) at (B, T, d)."""
     model, batch = one_linear(d, p)
-    noise = Noise(1.0, 1.0, float(B), None) if method != "adam" else None
+    noise = GaussianMechanism(1.0, 1.0, float(B), None) if method != "adam" else None
     step = build_method(method_config(method, **options), model, 0.1, noise)
     step.step([batch], squared_output)
     return counted(lambda: step.step([batch], squared_output)).flops
@@ -131,7 +131,7 @@ def test_grape_replaces_the_weight_gradient_with_its_projections():
 
 def test_a_private_step_through_the_privatizer_counts_as_its_method():
     model, batch = one_linear(D, P)
-    private = Privatizer(model, Noise(1.0, 1.0, float(B), None), ClippingPlan.of("ghost"))
+    private = Privatizer(model, GaussianMechanism(1.0, 1.0, float(B), None), ClippingPlan.of("ghost"))
     shapes = {q: q.shape for q in private.params}
     private.gradient([batch], squared_output, shapes)  # the first step checks coverage with a full backward
     c = counted(lambda: private.gradient([batch], squared_output, shapes))

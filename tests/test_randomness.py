@@ -7,8 +7,7 @@ import torch
 from scipy import stats
 
 from dpmem.engine.trainer import Run
-from dpmem.methods.privatize import add_noise
-from dpmem.methods.base import Noise
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, derive, seed_key
 from dpmem.privacy.sampling import poisson_batches
 from helpers import config
@@ -20,7 +19,7 @@ def batches(key: bytes, n=200, q=0.1, steps=5) -> list[list[int]]:
 
 def noise(key: bytes, device="cpu", n=50) -> torch.Tensor:
     summed = {0: torch.zeros(n, device=device)}
-    return add_noise(summed, Noise(1.0, 1.0, 1.0, Draws(key, "noise", device)))[0]
+    return GaussianMechanism(1.0, 1.0, 1.0, Draws(key, "noise", device)).release(summed)[0]
 
 
 def os_like_keys() -> tuple[bytes, bytes]:
@@ -50,7 +49,7 @@ def test_a_run_takes_its_seeds_whole(tmp_path):
         run = Run(config("method=dp-adam", f"privacy.sampler_seed={seed}", f"privacy.noise_seed={seed}",
                          "train.device=cpu"), tmp_path)
         run.prepare()
-        return [b.tolist() for b in run.batches()], run.method.noise.draws.randn(20)
+        return [b.tolist() for b in run.batches()], run.method.mechanism.draws.randn(20)
 
     (b1, z1), (b2, z2), (b3, z3) = prepared(5), prepared(5 + 2**32), prepared(5)
     assert b1 != b2 and not torch.equal(z1, z2)
@@ -62,7 +61,7 @@ def test_an_accounted_run_without_seeds_draws_its_keys_from_the_os(tmp_path):
     for run in runs:
         run.prepare()
     assert runs[0].sampler.key != runs[1].sampler.key and len(runs[0].sampler.key) * 8 >= 128
-    assert runs[0].method.noise.draws.key != runs[1].method.noise.draws.key
+    assert runs[0].method.mechanism.draws.key != runs[1].method.mechanism.draws.key
 
 
 def test_draws_are_keyed_by_purpose_and_count_alone():

@@ -13,7 +13,7 @@ from scipy.optimize import brentq
 from dpmem.config import ConfigError
 from dpmem.engine.trainer import run_training
 from dpmem.methods import validate
-from dpmem.methods.base import Noise
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.privatize import Privatizer
 from dpmem.privacy import calibrate_sigma, epsilon_spent
 from dpmem.privacy.accounting import PLD_DISCRETIZATION
@@ -64,7 +64,7 @@ def test_the_released_loss_is_the_clipped_sum_and_one_draw_of_its_key():
     with torch.no_grad():
         per_sample = torch.cat([layers_loss(model, {k: v[i:i + 1] for k, v in batch.items()}) for i in range(5)])
     assert (per_sample > L).any() and (per_sample < L).any()  # the bound clips some
-    noise = Noise(1.0, 0.5, 5.0, Draws(seed_key(7), "noise"), loss_bound=L, loss_sigma=loss_sigma)
+    noise = GaussianMechanism(1.0, 0.5, 5.0, Draws(seed_key(7), "noise"), loss_bound=L, loss_sigma=loss_sigma)
     with Privatizer(model, noise) as privatize:
         released = privatize.gradient([batch], layers_loss, {p: p.shape for p in privatize.params}).loss_sum
     z = Draws(seed_key(7), "loss").randn(dtype=released.dtype)

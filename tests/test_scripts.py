@@ -153,9 +153,9 @@ def test_audit_variants_writes_a_row_per_variant(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.read_text().splitlines()
             if line.startswith("| vit-tiny ")]
-    assert [row[1] for row in rows] == ["correct", "b: noise per micro-batch, k = 4"]
-    assert [row[2] for row in rows] == ["batch", "batch"]  # audit.plant=auto on dp-adam
-    assert float(rows[1][7].split()[0]) < 0.8  # σC/4 on each of 4 or 5 micro-batches of 64: noise ratio about 1/2
+    assert [row[2] for row in rows] == ["correct", "b: noise per micro-batch, k = 4"]
+    assert [row[3] for row in rows] == ["batch", "batch"]  # audit.plant=auto on dp-adam
+    assert float(rows[1][8].split()[0]) < 0.8  # σC/4 on each of 4 or 5 micro-batches of 64: noise ratio about 1/2
     assert {p.name for p in (tmp_path / "runs").iterdir()} == {"vit-correct", "vit-b4"}
 
 

@@ -9,7 +9,8 @@ from torch import nn
 from dpmem.cli import CONF_DIR
 from dpmem.data import build_data, example_batch
 from dpmem.metering import LiveTensorCounter
-from dpmem.methods import DPAdam, Noise, build_method, method_config
+from dpmem.methods import DPAdam, build_method, method_config
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.models import build_model
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, reducers, weighted_sum
 from dpmem.persample.factored import Factored
@@ -98,7 +99,7 @@ def test_no_batch_by_vocab_tensor_is_made():
 
     model = Bag()
     cfg = method_config("dp-adam", optimizer="sgd", max_grad_norm=1.0, check_coverage=False)
-    method = DPAdam(model, cfg, 0.1, Noise(1.0, 1.0, float(batch), None))
+    method = DPAdam(model, cfg, 0.1, GaussianMechanism(1.0, 1.0, float(batch), None))
     b = {"ids": torch.randint(0, vocab, (batch, 12)), "y": torch.randint(0, 3, (batch,))}
     loss = lambda m, x: F.cross_entropy(m(x["ids"]), x["y"], reduction="none")  # noqa: E731
     with LiveTensorCounter().track_state(model, method) as counter:
@@ -151,7 +152,7 @@ def test_a_tied_lm_head_never_makes_a_batch_by_vocab_by_hidden_tensor(model, met
     vocab, hidden = emb.weight.shape
     batch = 4
     step = build_method(method_config(method, max_grad_norm=1.0, **options), net, 0.01,
-                        Noise(1.0, 1.0, float(batch), seeded(0)))
+                        GaussianMechanism(1.0, 1.0, float(batch), seeded(0)))
     micro = [example_batch(data, batch, "cpu")]
     with LargestTensor() as largest:
         for _ in range(2):  # the coverage check's step, then a plain one

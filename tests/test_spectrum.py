@@ -12,8 +12,7 @@ from hydra import compose, initialize_config_dir
 from dpmem.cli import CONF_DIR, compose_points, main
 from dpmem.config import ConfigError
 from dpmem.engine.trainer import Run
-from dpmem.methods.base import Noise
-from dpmem.methods.privatize import add_noise, scale
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.subspace import data_identity, privacy_of, save_subspace
 from dpmem.spectrum import run_spectrum
 from dpmem.spectrum.layer import measure, settings
@@ -80,7 +79,7 @@ def test_more_components_than_gradients_give_zeros_and_a_full_orthonormal_basis(
 
 
 def test_noise_of_known_sigma_raises_the_tail_as_random_matrix_theory_says():
-    """S = Σ clip(gᵢ) of rank 3, privatised by the methods' own add_noise: (S + σC·Z)/B. The singular values
+    """S = Σ clip(gᵢ) of rank 3, privatised by the methods' own mechanism: (S + σC·Z)/B. The singular values
     beyond rank 3 are those of Gaussian noise of std τ = σC/B, inside τ(√n ± √m) (Marchenko–Pastur edges); the
     top three stay near the planted ones when they dominate the noise."""
     m, n, B, C, sigma = 60, 600, 50.0, 1.0, 2.0
@@ -89,8 +88,8 @@ def test_noise_of_known_sigma_raises_the_tail_as_random_matrix_theory_says():
     clean = top_singular_values(s / B, m)
     assert float(clean[3]) < 1e-10  # no tail without noise
     p = torch.nn.Parameter(torch.zeros(m, n))
-    noise = Noise(sigma, C, B, seeded(0))
-    noisy = scale(add_noise({p: s.float().clone()}, noise), noise)[p]
+    noise = GaussianMechanism(sigma, C, B, seeded(0))
+    noisy = noise.release({p: s.float().clone()})[p]
     values = top_singular_values(noisy, m)
     tau = sigma * C / B
     tail = values[3:]

@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 
 from dpmem.data import DataBundle
 from dpmem.engine.trainer import Run
-from dpmem.methods import Noise, build_method, method_config
+from dpmem.methods import build_method, method_config
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.data.bundle import Padded, real_size, weights
 from dpmem.methods.base import batch_size
 from helpers import PRIVATE, config, seeded
@@ -50,7 +51,7 @@ def one_step(name, options, micro):
     model, loss, _ = vit_case()
     private = name not in ("adam", "galore", "mezo")
     cfg = method_config(name, **options, **({"max_grad_norm": 0.5} if private else {}))
-    noise = Noise(0.3, 0.5, float(N), seeded(7)) if private else None
+    noise = GaussianMechanism(0.3, 0.5, float(N), seeded(7)) if private else None
     method = build_method(cfg, model, 0.05, noise)
     loss_sum = method.step(micro, loss)
     method.close()

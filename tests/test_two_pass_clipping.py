@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpmem.metering import LiveTensorCounter
-from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive, Noise
+from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.persample import PerSampleGradients
 from dpmem.persample.factored import Factored
 from dpmem.persample.norms import ghost_is_cheaper, hutchinson, squared_norms
@@ -132,7 +133,7 @@ def test_the_first_pass_forms_no_batch_gradient_after_the_coverage_check(clippin
     torch.manual_seed(0)
     model, loss, b = roberta_case()
     cls, cfg = (DPAdam, method_cfg(clipping=clipping)) if clipping == "ghost" else (DPSGDRC, method_cfg("dp-sgd-rc"))
-    method = cls(model, cfg, lr=0.05, noise=Noise(1.0, 0.5, 3.0, seeded(7)))
+    method = cls(model, cfg, lr=0.05, mechanism=GaussianMechanism(1.0, 0.5, 3.0, seeded(7)))
     params = [p for p in model.parameters() if p.requires_grad]
     accumulated = []
     handles = [p.register_post_accumulate_grad_hook(lambda p: accumulated.append(p)) for p in params]
@@ -173,7 +174,7 @@ def peak(clipping, layer, tokens):
     model(b["x"])  # materialise the lazy head
     cfg = method_cfg(optimizer="sgd", clipping=clipping)
     cfg.check_coverage = False
-    method = DPAdam(model, cfg, lr=0.1, noise=Noise(1.0, 0.5, 4.0, None))
+    method = DPAdam(model, cfg, lr=0.1, mechanism=GaussianMechanism(1.0, 0.5, 4.0, None))
     with LiveTensorCounter().track_state(model, method) as counter:
         method.step([b], loss)
     return counter.peak

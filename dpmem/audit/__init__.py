@@ -23,8 +23,9 @@ from dpmem.engine.trainer import Run
 from dpmem.methods import method_class
 
 
-def run_audit(cfg, out: Path) -> tuple[dict, str]:
-    """Train `cfg` with canaries into out/run, write out/audit.json, audit.md and the scores figure."""
+def run_audit(cfg, out: Path, mechanism_of=None) -> tuple[dict, str]:
+    """Train `cfg` with canaries into out/run, write out/audit.json, audit.md and the scores figure.
+    `mechanism_of(mechanism, model, canaries)`: a broken mechanism to use instead (`dpmem.audit.variants`)."""
     check(cfg)
     a, name = cfg.audit, cfg.method.name
     if cfg.train.checkpoint_every or (out / "run" / "checkpoint.pt").exists():
@@ -42,7 +43,8 @@ def run_audit(cfg, out: Path) -> tuple[dict, str]:
                           else GradientCanaries(a.canaries, norm, a.seed))
     (out / "run").mkdir(parents=True, exist_ok=True)
     run = Run(cfg, out / "run", data_hook=inputs.plant if inputs else None,
-              observers=() if inputs else (canaries,))
+              observers=() if inputs else (canaries,),
+              mechanism_of=(lambda m, model: mechanism_of(m, model, canaries)) if mechanism_of else None)
     parts = run.prepare()
     summary = run.execute()
     if summary["status"] != "ok":
@@ -50,7 +52,8 @@ def run_audit(cfg, out: Path) -> tuple[dict, str]:
     if inputs is not None:
         inputs.score(parts, batch=max(1, cfg.train.physical_batch_size or cfg.train.batch_size))
     ledger = parts.ledger
-    bound = audit_bound(canaries.scores.numpy(), canaries.included.numpy(), delta=ledger.delta, beta=a.beta)
+    bound = audit_bound(canaries.scores.numpy(), canaries.included.numpy(), delta=ledger.delta, beta=a.beta,
+                        quiet=quiet_of(canaries))
     noise = noise_check(canaries.noise_squares, canaries.noise_count, canaries.sigma) \
         if isinstance(canaries, GradientCanaries) else noise_check(0.0, 0, None)
     names: dict[int, str] = {}  # a tied weight by all its names
@@ -76,6 +79,14 @@ def run_audit(cfg, out: Path) -> tuple[dict, str]:
     (out / "audit.md").write_text(text)
     figure(out, record)
     return record, text
+
+
+def quiet_of(canaries):
+    """The canaries whose scores carry no real gradient's background, where some have it: batch canaries placed
+    where the first step's real gradient was 0 (planted in the sum, the background is taken out of every score)."""
+    if not isinstance(canaries, GradientCanaries) or canaries.background is not None or canaries.where is None:
+        return None
+    return canaries.quiet.numpy()
 
 
 def check(cfg) -> None:

@@ -7,8 +7,10 @@ Theorem 5.2, with its δ term)
 
     P[V ≥ v] ≤ P[Binomial(r, p) ≥ v] + 2mδ · max_{i = 1..v} P[v − i ≤ Binomial(r, p) < v] / i,   p = e^ε / (1 + e^ε),
 
-so a count v whose right-hand side is below β rules out (ε, δ)-DP at confidence 1 − β. The bound reported is the
-largest such ε, maximised over the guess sizes k with a union bound (β / number of k tried).
+so a count v whose right-hand side is below β rules out (ε, δ)-DP at confidence 1 − β, for any guesses made from the
+scores alone. The bound reported is the largest such ε over the guess sizes k, each tried two ways (the top k "in"
+and the bottom k "out"; the top k "in" alone, for a fault that lifts some canaries and leaves the rest as they
+were), with a union bound (β / number of guesses tried).
 """
 
 from __future__ import annotations
@@ -57,29 +59,38 @@ def default_guess_sizes(m: int) -> list[int]:
     return sorted({max(1, int(f * m)) for f in fractions if max(1, int(f * m)) <= m // 2})
 
 
-def audit_bound(scores, included, delta: float, beta: float = 0.05, ks: list[int] | None = None) -> dict:
+def audit_bound(scores, included, delta: float, beta: float = 0.05, ks: list[int] | None = None,
+                quiet=None) -> dict:
     """The one-run lower bound from canary `scores` (higher: more likely in) and who was `included`.
 
-    For each k the k highest scores are guessed in and the k lowest out; each k is tested at beta / len(ks), so
-    the maximum over k holds at confidence 1 - beta."""
+    For each k the k highest scores are guessed in, and the k lowest out or none. `quiet` (a bool per canary, fixed
+    before any canary joined: those where no real gradient was) adds the same guesses among the quiet canaries alone,
+    abstaining on the others, whose scores carry the real gradient's background. Each guess is tested at beta over
+    the number of guesses tried, so the maximum over them holds at confidence 1 - beta."""
     scores = np.asarray(scores, dtype=np.float64)
     included = np.asarray(included, dtype=bool)
     m = len(scores)
     if m < 2 or included.shape != scores.shape:
         raise ValueError(f"need at least 2 canaries and one inclusion bit per score (got {m}, {included.shape})")
-    ks = ks or default_guess_sizes(m)
-    if any(not 1 <= k <= m // 2 for k in ks):
+    if ks is not None and any(not 1 <= k <= m // 2 for k in ks):
         raise ValueError(f"guess sizes {ks} must lie in [1, m/2 = {m // 2}]")
-    order = np.argsort(-scores, kind="stable")
+    among = {"all": np.arange(m)}
+    if quiet is not None and 2 <= int(np.sum(quiet)) < m:
+        among["quiet"] = np.flatnonzero(np.asarray(quiet, dtype=bool))
+    guesses = [(name, k, out) for name, pool in among.items()
+               for k in (ks if ks is not None and name == "all" else default_guess_sizes(len(pool)))
+               for out in (k, 0)]  # the bottom k guessed out too, or abstained on
     rows = []
-    for k in ks:
-        v = int(included[order[:k]].sum() + (~included[order[m - k:]]).sum())
-        rows.append({"k": k, "guesses": 2 * k, "correct": v,
-                     "epsilon": epsilon_lower_bound(m, 2 * k, v, beta / len(ks), delta)})
+    for name, k, out in guesses:
+        pool = among[name]
+        order = pool[np.argsort(-scores[pool], kind="stable")]
+        v = int(included[order[:k]].sum() + (~included[order[len(pool) - out:]]).sum())
+        rows.append({"among": name, "k": k, "out": out, "guesses": k + out, "correct": v,
+                     "epsilon": epsilon_lower_bound(m, k + out, v, beta / len(guesses), delta)})
     best = max(rows, key=lambda row: row["epsilon"])
-    return {"epsilon_lower_bound": best["epsilon"], "k": best["k"], "guesses": best["guesses"],
-            "correct": best["correct"], "canaries": m, "included": int(included.sum()), "beta": beta,
-            "delta": delta, "by_k": rows}
+    return {"epsilon_lower_bound": best["epsilon"], "k": best["k"], "out": best["out"], "among": best["among"],
+            "guesses": best["guesses"], "correct": best["correct"], "canaries": m, "included": int(included.sum()),
+            "beta": beta, "delta": delta, "by_k": rows}
 
 
 NOISE_LEVEL = 1e-6  # the noise check's false alarm rate: it is tight, so at 5 % it would flag 1 correct run in 20

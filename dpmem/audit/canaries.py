@@ -1,5 +1,6 @@
 """The canaries of `dpmem audit`. Input canaries (black-box) are mislabelled training examples, scored by the final
-model's loss on them. Gradient canaries: white-box one-run auditing (Steinke, Nasr, Jagielski 2023, §6's gradient-space canaries).
+model's loss on them. Gradient canaries: white-box one-run auditing (Steinke, Nasr, Jagielski 2023, §6's gradient-space
+canaries).
 
 A canary is a per-sample gradient: a Dirac vector of norm `norm` (a multiple of C, so that the method's clipping has
 work to do) on one coordinate of the quantity the method privatises. Each of the m canaries is in the training set
@@ -19,7 +20,8 @@ Two ways in (`audit.plant`):
   coordinate. So it goes wherever a real sample goes: the layers' hooks and rules, the sum over a weight's uses,
   the norm of that sum, the clip factors and weighted sums of the micro-batch (one pass or two), the accumulation
   over micro-batches. A norm taken per use sees 16 uses of norm C·norm/16 each, and lets √16 = 4 times C through.
-  The host weights are chosen at the first step (whose micro-batches no canary joins), from its clipped sums.
+  The canaries are placed at the first step (whose micro-batches no canary joins), from its clipped sums, over every
+  trainable nn.Linear and nn.Embedding weight (biases and norms' weights cannot host one).
 
 Besides the bound, the released values at the coordinates of the canaries left out (no canary, little or no real
 gradient) are compared with the claimed noise: their mean square, in units of C/(q·n), is at least σ² under the
@@ -32,8 +34,11 @@ Where the canary lives is where the mechanism looks:
   gradient Pᵀ-lifted from that Dirac is what the projection maps onto it);
 - dpzero: a Dirac gradient c in parameter space, seen through the step's random direction as the scalar ⟨c, z⟩,
   clipped to [-C, C] with the real samples' scalars; its score is Σₜ g̃ₜ·clip(⟨c, zₜ⟩)/C.
-First-order canaries go where the first step's real clipped sum is exactly zero, where there are enough such
-coordinates (rows of unused tokens' embeddings, weights of always-zero inputs), and uniformly at random otherwise.
+The canaries are spread over the model, an equal share per parameter (a parameter with fewer coordinates takes
+them all, and the others share the rest), so that a fault in any one layer moves some of them, and the bound is
+one audit over all. Within a parameter, first-order canaries go where the first step's real clipped sum is exactly
+zero, where it has enough such coordinates (rows of unused tokens' embeddings, weights of always-zero inputs), and
+uniformly at random otherwise.
 The choice depends on the real data only, not on which canaries are in, so the bound stays valid; real gradients
 on a canary's coordinate add background to its score, which weakens the bound but never invalidates it.
 """
@@ -61,48 +66,69 @@ class GradientCanaries(Observer):
         self.included = torch.rand(m, generator=self.gen) < 0.5  # the secret bits
         self.scores = torch.zeros(m, dtype=torch.float64)
         self.where: dict | None = None  # key -> (canary ids, flat indices), placed at the first step
-        self.untouched = False  # placed where the first step's real gradients were zero
+        self.untouched = False  # every canary placed where the first step's real gradients were zero
+        self.background: dict | None = None  # the real clipped sum at the canaries' coordinates (planted in the sum)
         # the released values at the left-out canaries' coordinates, in units of C/(q·n): their count and squares
         self.sigma, self.noise_count, self.noise_squares = None, 0, 0.0
         # every released tensor at every step, in the same units: Σ y² over its coordinates (steps × tensors), and
         # each tensor's size and name (`bound.whole_noise_check`)
         self.step_squares: list[list[float]] = []
         self.tensor_sizes: list[int] = []
+        self.tensor_keys: list = []
 
-    def place(self, shapes: dict, untouched: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> None:
-        """m distinct coordinates over all privatised coordinates (keys in their order, flattened) or the `allowed`
-        ones (a flat bool mask): among the `untouched` ones (a flat bool mask) if there are m of them, uniformly
-        otherwise."""
-        sizes = torch.tensor([int(torch.Size(s).numel()) for s in shapes.values()])
-        total = int(sizes.sum())
-        if (total if allowed is None else int(allowed.sum())) < self.m:
+    def place(self, shapes: dict, untouched: dict | None = None, allowed: dict | None = None,
+              prefer: list | None = None) -> None:
+        """m distinct coordinates spread over every key (a parameter, its shape in `shapes`), so that a fault in any
+        one of them moves some canaries: an equal share each, a key with fewer coordinates (or `allowed` ones: a
+        flat bool mask per key) taking all it has and the others sharing the rest. With `prefer` (keys, best first)
+        half of them are spread so, and the other half go to the preferred keys' `untouched` coordinates in turn,
+        where a canary's score carries no real gradient's background. Within a key, among the `untouched` ones (a
+        flat bool mask per key: the first step's real clipped sum was exactly 0 there) if it has enough of them,
+        uniformly among its allowed ones otherwise."""
+        room = {key: int(allowed[key].sum()) if allowed is not None else int(torch.Size(s).numel())
+                for key, s in shapes.items()}
+        if sum(room.values()) < self.m:
             raise ValueError(f"{self.m} canaries need as many coordinates; the method privatises "
-                             f"{total if allowed is None else int(allowed.sum())} where they can live")
-        if allowed is not None and untouched is not None:
-            untouched = untouched & allowed
-        free = untouched.nonzero().flatten() if untouched is not None else None
-        self.untouched = free is not None and len(free) >= self.m
-        if self.untouched:
-            flat = free[torch.randperm(len(free), generator=self.gen)[:self.m]]
-        elif allowed is not None:
-            free = allowed.nonzero().flatten()
-            flat = free[torch.randperm(len(free), generator=self.gen)[:self.m]]
-        else:
-            flat = torch.randperm(total, generator=self.gen)[:self.m] if total <= 10**7 else self._distinct(total)
-        ends = sizes.cumsum(0)
-        owner = torch.searchsorted(ends, flat, right=True)
-        self.where = {}
-        for i, key in enumerate(shapes):
-            ids = (owner == i).nonzero().flatten()
-            if len(ids):
-                self.where[key] = (ids, flat[ids] - (ends[i] - sizes[i]))
+                             f"{sum(room.values())} where they can live")
+        quiet = {key: int((untouched[key] & allowed[key]).sum() if allowed is not None else untouched[key].sum())
+                 for key in shapes} if untouched is not None and prefer else {}
+        shares, left = {}, self.m - min(self.m // 2, sum(quiet.values()))
+        for i, key in enumerate(sorted(room, key=room.get)):  # the smallest first: what they cannot hold goes on
+            shares[key] = min(room[key], -(-left // (len(room) - i)))
+            left -= shares[key]
+        left = self.m - sum(shares.values())
+        # the rest where they are quiet, the preferred keys first; then wherever there is room
+        for key, limit in [*((key, quiet[key]) for key in prefer or ()), *room.items()]:
+            extra = min(left, max(0, limit - shares[key]))
+            shares[key] += extra
+            left -= extra
+        ids = torch.randperm(self.m, generator=self.gen).split([shares[key] for key in shapes])
+        self.where, self.untouched = {}, untouched is not None
+        self.quiet = torch.zeros(self.m, dtype=torch.bool)  # placed where the first step's real gradient was 0
+        for key, mine in zip(shapes, ids):
+            if not len(mine):
+                continue
+            size = int(torch.Size(shapes[key]).numel())
+            free = untouched[key] if untouched is not None else None
+            if free is not None and allowed is not None:
+                free = free & allowed[key]
+            if free is not None and int(free.sum()) >= len(mine):
+                pool = free.nonzero().flatten()
+                self.quiet[mine] = True
+            else:
+                self.untouched = False
+                pool = allowed[key].nonzero().flatten() if allowed is not None else None
+            count = len(pool) if pool is not None else size
+            picks = (torch.randperm(count, generator=self.gen)[:len(mine)] if count <= 10**7
+                     else self._distinct(count, len(mine)))
+            self.where[key] = (mine, pool[picks] if pool is not None else picks)
 
-    def _distinct(self, total: int) -> torch.Tensor:
+    def _distinct(self, total: int, k: int) -> torch.Tensor:
         seen: dict[int, None] = {}
-        while len(seen) < self.m:
-            for j in torch.randint(total, (2 * self.m,), generator=self.gen).tolist():
+        while len(seen) < k:
+            for j in torch.randint(total, (2 * k,), generator=self.gen).tolist():
                 seen.setdefault(j, None)
-        return torch.tensor(list(seen)[:self.m])
+        return torch.tensor(list(seen)[:k])
 
     def sample(self, rate: float) -> torch.Tensor:
         """This step's Poisson sample of the included canaries (the run's rate q, as for real examples)."""
@@ -110,14 +136,14 @@ class GradientCanaries(Observer):
 
     # -- first-order methods: planted into the clipped sums, scored on the released gradient ---------------------
     def on_clipped(self, privatizer, summed: dict) -> dict:
-        self.plant(summed, privatizer.clipped_sum_of, privatizer.noise.sample_rate)
+        self.plant(summed, privatizer.clipped_sum_of, privatizer.mechanism.sample_rate)
         return summed
 
     def on_noised(self, privatizer, released: dict) -> dict:
-        noise = privatizer.noise
+        noise = privatizer.mechanism
         self.sigma = noise.sigma
         scale = noise.expected_batch_size / noise.max_grad_norm
-        self.record(released, scale)
+        self.record(released, scale, noise.expected_batch_size)
         self.record_tensors(released, scale)
         return released
 
@@ -135,9 +161,13 @@ class GradientCanaries(Observer):
         """Add the sampled canaries to `summed`, clipped and summed by `clipped_sum` (the Privatizer's own code for
         real samples: norm rule, clip factors, weighted sum) from their per-sample gradients, one Dirac each."""
         if self.where is None:
-            small = sum(s.numel() for s in summed.values()) <= 10**8  # the mask is a byte per coordinate, on the host
-            zero = torch.cat([(s == 0).reshape(-1).cpu() for s in summed.values()]) if small else None
+            small = sum(s.numel() for s in summed.values()) <= 10**8  # the masks are a byte per coordinate, on the host
+            zero = {key: (s == 0).reshape(-1).cpu() for key, s in summed.items()} if small else None
             self.place({key: s.shape for key, s in summed.items()}, zero)
+        # the real samples' clipped sum at the canaries' coordinates, taken out of their scores (`record`): the
+        # white-box auditor sees it, and it does not depend on which canaries are in, so the bound stays valid
+        self.background = {key: summed[key].reshape(-1)[flat.to(summed[key].device)].double().cpu()
+                           for key, (_, flat) in self.where.items()}
         sampled = self.sample(rate)
         for key, (ids, flat) in self.where.items():
             hit = flat[sampled[ids]]
@@ -161,14 +191,18 @@ class GradientCanaries(Observer):
         right[at, 0, flat % cols] = 1.0
         return Factored.outer(left, right, param_shape=like.shape)
 
-    def record(self, released: dict, scale: float | None = None) -> None:
-        """Add the step's released values at the canaries' coordinates to their scores; with `scale` (q·n/C), the
+    def record(self, released: dict, scale: float | None = None, divisor: float = 1.0) -> None:
+        """Add the step's released values at the canaries' coordinates, less the real samples' clipped sum there
+        over `divisor` (q·n) where it is known (planted in the sum), to their scores; with `scale` (q·n/C), the
         left-out canaries' squares, in units of C/(q·n), to the noise check's."""
+        known = self.background is not None
         for key, (ids, flat) in self.where.items():
             values = released[key].reshape(-1)[flat.to(released[key].device)].double().cpu()
+            if known:
+                values -= self.background[key] / divisor
             self.scores[ids] += values
-            if scale is not None:
-                out = values[~self.included[ids]] * scale
+            if scale is not None:  # the left-out canaries where no real gradient was or it is known (else all)
+                out = values[~self.included[ids] & (self.quiet[ids] | known | ~self.quiet.any())] * scale
                 self.noise_count += len(out)
                 self.noise_squares += float(out.square().sum())
 
@@ -185,8 +219,16 @@ class GradientCanaries(Observer):
                 values[ids] = self.norm * z.reshape(-1)[flat.to(z.device)].double().cpu()
         return values
 
-    def record_scalar(self, released: float, clipped: torch.Tensor, max_grad_norm: float) -> None:
+    def record_scalar(self, released: float, clipped: torch.Tensor, max_grad_norm: float, added: float,
+                      sigma: float) -> None:
+        """DPZero's step: each canary's score gets the release times its clipped scalar (in units of C); the noise
+        check gets `added`, the release less the clipped sum the mechanism was handed, in units of C (σ z under the
+        claim: the check sees the noise itself, where the release's square, B clipped scalars beside σC, would say
+        little about σ)."""
         self.scores += released * clipped / max_grad_norm
+        self.sigma = sigma
+        self.noise_count += 1
+        self.noise_squares += added ** 2
 
 
 SQUARES_CHUNK = 2**22  # elements summed in float64 at once: a float64 copy of a whole embedding would be 300 MB
@@ -206,9 +248,8 @@ HOSTS = (nn.Linear, nn.Embedding)  # layers whose weight a canary can be made th
 class BatchCanaries(GradientCanaries):
     """Gradient canaries that join the micro-batches as samples (`audit.plant=batch`): the Privatizer's observer.
 
-    Placed at the first step's clipped sums (which hold no canary) on the weights of nn.Linear and nn.Embedding
-    layers (`hosts`): a weight tied between several of them first, then those with the most coordinates whose real
-    clipped sum was exactly zero, then the largest. From the second step on, the step's Poisson sample of the
+    Placed at the first step's clipped sums (which hold no canary), spread over the weights of every trainable
+    nn.Linear and nn.Embedding layer (`hosts`; `place` says how). From the second step on, the step's Poisson sample of the
     included canaries joins its micro-batches, spread over them in turn (on rank 0): each canary a row copied from
     its micro-batch, whose loss is replaced by Σ_u ⟨layer_u(x_u), G_u⟩ over `uses` calls of the host weight's
     layers (its owners in turn), each with a one-hot input and a one-hot output gradient of norm/uses at the
@@ -262,7 +303,7 @@ class BatchCanaries(GradientCanaries):
         self.live, self._rows = self.where is not None, {}
         if not self.live:
             return micro, loss_fn
-        sampled = self.sample(privatizer.noise.sample_rate).nonzero().flatten()
+        sampled = self.sample(privatizer.mechanism.sample_rate).nonzero().flatten()
         if not len(sampled) or not distributed.is_main():  # one rank holds the canaries, as one holds a sample
             return micro, loss_fn
         if not micro:  # an empty logical batch: the canaries make a micro-batch of their own
@@ -332,18 +373,12 @@ class BatchCanaries(GradientCanaries):
     def on_clipped(self, privatizer, summed: dict) -> dict:
         if self.where is None:  # the first step's sums, which no canary joined: where the canaries live
             small = sum(p.numel() for p in self.owners) <= 10**8  # the masks are a byte per coordinate, on the host
-            zero = {p: int(((summed[p] == 0).reshape(-1).cpu() & self._allowed(p)).sum()) if small else 0
-                    for p in self.owners}
-            order = sorted(self.owners, key=lambda p: (-len(self.owners[p]), -zero[p], -p.numel()))
-            hosts, room = [], 0
-            for p in order:
-                hosts.append(p)
-                room += int(self._allowed(p).sum())
-                if room >= self.m:
-                    break
-            allowed = torch.cat([self._allowed(p) for p in hosts])
-            untouched = torch.cat([(summed[p] == 0).reshape(-1).cpu() for p in hosts]) if small else None
-            self.place({p: p.shape for p in hosts}, untouched, allowed)
+            hosts = list(self.owners)
+            untouched = {p: (summed[p] == 0).reshape(-1).cpu() for p in hosts} if small else None
+            allowed = {p: self._allowed(p) for p in hosts}
+            # half the canaries quiet: a weight tied between several layers first, then the most untouched room
+            prefer = sorted(hosts, key=lambda p: (-len(self.owners[p]), -int((untouched[p] & allowed[p]).sum())))
+            self.place({p: p.shape for p in hosts}, untouched, allowed, prefer if small else None)
             self.hosts = [p for p in hosts if p in self.where]
             self._host = torch.full((self.m,), -1, dtype=torch.long)
             self._flat = torch.zeros(self.m, dtype=torch.long)

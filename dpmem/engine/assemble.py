@@ -1,4 +1,4 @@
-"""The one way a run is put together: model → activation checkpointing → FSDP sharding → noise → method, on the
+"""The one way a run is put together: model → activation checkpointing → FSDP sharding → mechanism → method, on the
 data the caller built (its size sets the steps). The trainer, the memory planner and the benchmarks assemble here
 and then drive the parts each its own way; dpmem spectrum and dpmem audit get the parts of their run."""
 
@@ -14,7 +14,8 @@ from torch import nn
 from dpmem import distributed, sharding
 from dpmem.data import DataBundle
 from dpmem.engine.ledger import PrivacyLedger
-from dpmem.methods import Method, Noise, build_method, method_class
+from dpmem.methods import Method, build_method, method_class
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.privatize import Observer
 from dpmem.models import build_model, checkpoint_activations
 from dpmem.privacy.randomness import Draws, seed_key
@@ -26,7 +27,7 @@ class Parts:
     model: nn.Module
     method: Method
     device: torch.device
-    ledger: PrivacyLedger | None  # a run's privacy accounting; None where the noise is a stand-in (plans, benchmarks)
+    ledger: PrivacyLedger | None  # a run's privacy accounting; None where the mechanism is a stand-in (plans, benchmarks)
     root: sharding.Root | None = None  # under FSDP, what the task's functions are called through
     autocast: Callable = field(default=contextlib.nullcontext)  # a forward pass's context (train.precision)
 
@@ -41,12 +42,13 @@ class Parts:
 
 def assemble(cfg, device: torch.device, data: DataBundle, model: nn.Module | None = None, *,
              steps: int | None = None, sampling: str | None = None, mesh=None, recompute=None,
-             observers: Sequence[Observer] = ()) -> Parts:
+             observers: Sequence[Observer] = (), mechanism_of=None) -> Parts:
     """The parts of `cfg` on `device`. `model`: one built already (a plan's, without weights); otherwise the
     model is built with its weights and moved to `device`. `mesh`: shard it over those ranks (train.fsdp).
     `recompute`: the context activation checkpointing's recompute runs in (a plan's attention kernels).
+    `mechanism_of(mechanism, model)`: the mechanism to use in place of the calibrated one (dpmem audit's variants).
 
-    With `steps` and `sampling` the noise is the run's, calibrated by its privacy ledger; without, a stand-in of
+    With `steps` and `sampling` the mechanism is the run's, calibrated by its privacy ledger; without, a stand-in of
     σ = 1 (σ and the draws change values, not memory or time)."""
     t, m = cfg.train, cfg.method
     method = method_class(m.name)  # (train.fsdp's caller has checked method.check_fsdp)
@@ -58,14 +60,16 @@ def assemble(cfg, device: torch.device, data: DataBundle, model: nn.Module | Non
         checkpoint_activations(model, recompute)
     root = sharding.shard_model(model, mesh) if mesh is not None else None
     model.train()
-    ledger = noise = None
+    ledger = mechanism = None
     if steps is not None:
         ledger = PrivacyLedger(cfg, method, model, data.n_train, steps, sampling)
         if method.private:
-            noise = ledger.noise(m.max_grad_norm, cfg.privacy.noise_seed, device)
+            mechanism = ledger.mechanism(m.max_grad_norm, cfg.privacy.noise_seed, device)
     elif method.private:
         # no draws where nothing is drawn: on meta, and on the fake tensors of simulated ranks
         draws = None if device.type == "meta" or mesh is not None else Draws(seed_key(0), "noise", device)
-        noise = Noise(1.0, m.max_grad_norm, float(t.batch_size), draws)
-    return Parts(data, model, build_method(m, model, t.lr, noise, seed=t.seed, observers=observers), device,
+        mechanism = GaussianMechanism(1.0, m.max_grad_norm, float(t.batch_size), draws)
+    if mechanism_of is not None:
+        mechanism = mechanism_of(mechanism, model)
+    return Parts(data, model, build_method(m, model, t.lr, mechanism, seed=t.seed, observers=observers), device,
                  ledger, root)

@@ -12,7 +12,8 @@ from torch import nn
 
 from dpmem import distributed
 from dpmem.config import ConfigError, enum_value, resolve_delta
-from dpmem.methods import Noise, method_class
+from dpmem.methods import method_class
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.rc import check_probes, max_layer_dimension, rc_dimension
 from dpmem.privacy import UnreachableTarget, calibrate_sigma, epsilon_spent
 from dpmem.privacy.accounting import joint_sigma
@@ -128,11 +129,11 @@ class PrivacyLedger:
             return seed_key(seed if seed is not None else train_seed)
         return os_key()
 
-    def noise(self, max_grad_norm: float, seed: int | None, device: torch.device) -> Noise:
+    def mechanism(self, max_grad_norm: float, seed: int | None, device: torch.device) -> GaussianMechanism:
         """The Gaussian mechanism of a private method; its draws keyed from the OS unless `seed` is given. Under
         torchrun every rank gets rank 0's key: each adds the same draw to the same all-reduced sum."""
         draws = None if device.type == "meta" else Draws(key_of(seed), "noise", device)
-        return Noise(self.sigma, max_grad_norm, expected_batch_size=self.expected_batch_size, draws=draws,
+        return GaussianMechanism(self.sigma, max_grad_norm, expected_batch_size=self.expected_batch_size, draws=draws,
                      sample_rate=self.sample_rate, loss_bound=self.loss_bound,
                      loss_sigma=self.fields["loss_sigma"] or 0.0)
 

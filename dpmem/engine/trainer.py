@@ -125,11 +125,14 @@ class Run:
     Under torchrun every rank runs one `Run` on its part of each logical batch (`dpmem.distributed`); rank 0 alone
     writes the run folder (summary, metrics, checkpoints) and evaluates."""
 
-    def __init__(self, cfg, run_dir: Path, data_hook=None, checkpoint: dict | None = None, observers=()):
+    def __init__(self, cfg, run_dir: Path, data_hook=None, checkpoint: dict | None = None, observers=(),
+                 mechanism_of=None):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.checkpoint = checkpoint  # the state to resume from (dpmem.engine.folder.claim checked it)
         self.data_hook = data_hook  # changes the data set before anything is sized from it (dpmem audit's canaries)
         self.observers = observers  # see the private step (dpmem audit's canaries, dpmem spectrum's recorder)
+        # (calibrated mechanism, model) -> the mechanism the run uses instead (`dpmem.audit.variants`' broken ones)
+        self.mechanism_of = mechanism_of
         self.summary: dict = {}
         self.exception: BaseException | None = None  # a training failure or a signal, re-raised by run_training
         self._eps_steps = 0  # the step count epsilon_spent was last computed for
@@ -163,7 +166,7 @@ class Run:
                               "--nproc_per_node=N -m dpmem train ... with N > 1, or train.fsdp=false")
         self.parts = parts = assemble(cfg, self.device, data, steps=self.steps, sampling=self.sampling,
                                       mesh=sharding.mesh(self.device.type) if t.fsdp else None,
-                                      observers=self.observers)
+                                      observers=self.observers, mechanism_of=self.mechanism_of)
         parts.autocast = self.precision.autocast
         # one function for the run (a compiled step is traced for the function it is given)
         self.loss_fn = self.precision.forward(parts.per_sample_loss)

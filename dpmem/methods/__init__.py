@@ -8,7 +8,8 @@ from omegaconf import OmegaConf
 
 from dpmem.config import ConfigError, validate_groups
 from dpmem.methods.adam import Adam
-from dpmem.methods.base import Method, Noise
+from dpmem.methods.base import Method
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.dp_adam import DPAdam
 from dpmem.methods.dpzero import DPZero, MeZO
 from dpmem.methods.galore import GaLore, GaLoreDPNaive
@@ -40,7 +41,7 @@ def method_config(name: str, **options):
     return OmegaConf.merge(OmegaConf.structured(method_class(name).config), {"name": name, **options})
 
 
-def build_method(cfg, model, lr: float, noise: Noise | None, seed: int = 0,
+def build_method(cfg, model, lr: float, mechanism: GaussianMechanism | None, seed: int = 0,
                  observers: Sequence[Observer] = ()) -> Method:
     """The method of `cfg`; `observers` see its private step (dpmem.methods.privatize.Observer). Subspace re-training's
     projection (method.subspace.path) is the innermost one: they see the clipped sums before it projects them, and
@@ -53,8 +54,8 @@ def build_method(cfg, model, lr: float, noise: Noise | None, seed: int = 0,
         raise ConfigError("method.name", f"{cfg.name} is not private: it has no privatised quantity to observe")
     if cls.privatised_gradient and cfg.subspace.path is not None:
         observers = (*observers, SubspaceProjection(cfg.subspace, model))
-    return cls(model, cfg, lr, noise=noise, seed=seed, observers=observers)
+    return cls(model, cfg, lr, mechanism=mechanism, seed=seed, observers=observers)
 
 
-__all__ = ["build_method", "method_class", "method_config", "validate", "Method", "Noise", "METHODS", "Adam",
+__all__ = ["build_method", "method_class", "method_config", "validate", "Method", "METHODS", "Adam",
            "DPAdam", "MeZO", "DPZero", "Grape", "GaLore", "GaLoreDPNaive", "DPSGDRC"]

@@ -13,7 +13,7 @@ from dpmem.methods.base import Method, fuse, make_optimizer
 class Adam(Method):
     config = OptimizerConfig
 
-    def __init__(self, model, cfg, lr, noise=None, seed=0, observers=()):
+    def __init__(self, model, cfg, lr, mechanism=None, seed=0, observers=()):
         super().__init__(model, cfg, lr)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, cfg, lr)

@@ -3,63 +3,20 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from dpmem import distributed, sharding
+from dpmem import sharding
 from dpmem.config import (Accountant, ConfigError, LossRelease, MethodConfig, Neighbouring, Objective, Sampling,
                           enum_value)
 from dpmem.methods.clipping import ClippingPlan
-from dpmem.privacy.randomness import Draws, normal, os_key
+from dpmem.privacy.mechanism import GaussianMechanism
+from dpmem.privacy.randomness import os_key
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]  # per-sample losses, shape (B,)
-
-
-@dataclass
-class Noise:
-    """The Gaussian mechanism of a private step: std sigma·C on the clipped sum, divided by the expected batch
-    size q·n (fixed, so that the normalisation itself reveals nothing about the sampled batch); and, where the
-    training loss is released privately (privacy.train_loss=private), std loss_sigma·L on the batch's sum of
-    per-sample losses clipped to [0, L] (dpmem.privacy.accounting composes the two).
-
-    Args:
-        sigma: the noise multiplier σ (`calibrate_sigma`'s).
-        max_grad_norm: the clipping norm C.
-        expected_batch_size: q·n, what the noised sum is divided by.
-        draws: the noise's secret draws, `Draws(key_of(None), "noise")`; None draws from torch's generator, for
-            plans only.
-        sample_rate: q, the rate at which a record joins a step.
-        loss_bound: L, each per-sample loss clipped to [0, L]; inf: the loss is summed as it is.
-        loss_sigma: the loss's noise multiplier (0: not noised).
-    """
-    sigma: float
-    max_grad_norm: float
-    expected_batch_size: float
-    draws: Draws | None  # the noise's secret draws (dpmem.privacy.randomness); None: torch's generator (plans)
-    sample_rate: float | None = None  # q, the rate at which a record joins a step (dpmem audit's canaries join at it)
-    loss_bound: float = math.inf  # L; inf: the loss is summed as it is (not released privately)
-    loss_sigma: float = 0.0
-
-    def __post_init__(self):
-        # the loss's draws apart from the gradient's: only rank 0 draws them (`released_loss`)
-        self.loss_draws = (Draws(self.draws.key, "loss", self.draws.device)
-                           if self.draws is not None and self.loss_sigma > 0 else None)
-
-    def clipped_losses(self, losses: torch.Tensor) -> torch.Tensor:
-        """Per-sample losses as the loss sum takes them: clipped to [0, L] when the loss is released privately."""
-        return losses if math.isinf(self.loss_bound) else losses.clamp(0, self.loss_bound)
-
-    def released_loss(self, clipped_sum: torch.Tensor) -> torch.Tensor:
-        """This rank's clipped loss sum as released: with N(0, (loss_sigma·L)²) on rank 0 alone, since the trainer
-        sums the ranks' sums (one draw in all)."""
-        if self.loss_sigma == 0 or not distributed.is_main():
-            return clipped_sum
-        z = normal(self.loss_draws, (), clipped_sum.device, clipped_sum.dtype)
-        return clipped_sum + self.loss_sigma * self.loss_bound * z
 
 
 def make_optimizer(params: Sequence[nn.Parameter], cfg, lr: float) -> torch.optim.Optimizer:
@@ -264,9 +221,9 @@ class Method:
                           "parameters or gradients; with FSDP: adam, grape, and two-pass clipping (dp-adam / dp-sgd "
                           "with method.clipping=fgc, ghost or mixed; dp-sgd-rc without method.bookkeeping)")
 
-    def __init__(self, model: nn.Module, cfg, lr: float, noise: Noise | None = None, seed: int = 0, observers=()):
+    def __init__(self, model: nn.Module, cfg, lr: float, mechanism: GaussianMechanism | None = None, seed: int = 0, observers=()):
         """`observers` see the private step (`dpmem.methods.privatize.Observer`; built by `build_method`)."""
-        self.model, self.cfg, self.lr, self.noise = model, cfg, lr, noise
+        self.model, self.cfg, self.lr, self.mechanism = model, cfg, lr, mechanism
         self.optimizer: torch.optim.Optimizer | None = None  # methods with their own update leave it None
         self.noise_reseeded: str | None = None  # why a resumed run's noise generator could not take its saved state
 
@@ -286,10 +243,10 @@ class Method:
         if self.optimizer is not None:  # under FSDP, gathered whole (every rank takes part; rank 0 gets it)
             state["optimizer"] = (sharding.optimizer_state(self.model, self.optimizer)
                                   if sharding.model_sharded(self.model) else self.optimizer.state_dict())
-        if self.noise is not None and self.noise.draws is not None:
-            state["noise"] = {**self.noise.draws.state_dict(), "device": self.noise.draws.device.type}
-        if self.noise is not None and self.noise.loss_draws is not None:
-            state["loss_noise"] = self.noise.loss_draws.state_dict()
+        if self.mechanism is not None and self.mechanism.draws is not None:
+            state["noise"] = {**self.mechanism.draws.state_dict(), "device": self.mechanism.draws.device.type}
+        if self.mechanism is not None and self.mechanism.loss_draws is not None:
+            state["loss_noise"] = self.mechanism.loss_draws.state_dict()
         if self.privatize is not None and self.privatize.steps is not None:  # probes', FSDP noise's step keys
             state["steps"] = self.privatize.steps.state_dict()
         return state
@@ -303,7 +260,7 @@ class Method:
         if "noise" in state:
             self.restore_noise(state["noise"])
         if "loss_noise" in state and self.noise_reseeded is None:
-            self.noise.loss_draws.load_state_dict(state["loss_noise"])
+            self.mechanism.loss_draws.load_state_dict(state["loss_noise"])
         if "steps" in state:
             self.privatize.steps.load_state_dict(state["steps"])
 
@@ -311,13 +268,13 @@ class Method:
         """The noise's saved draws, if they were drawn on this kind of device. A CUDA draw and a CPU draw of one key
         differ (two Philox streams, numpy's PCG64DXSM): on another device the noise is keyed afresh from the OS and
         `noise_reseeded` says so (steps redrawn after the checkpoint get new noise)."""
-        draws = self.noise.draws
+        draws = self.mechanism.draws
         if saved["device"] == draws.device.type:
             draws.load_state_dict(saved)
             return
         draws.key = os_key()
-        if self.noise.loss_draws is not None:
-            self.noise.loss_draws.key = draws.key
+        if self.mechanism.loss_draws is not None:
+            self.mechanism.loss_draws.key = draws.key
         self.noise_reseeded = (f"the checkpoint's noise was drawn on {saved['device']}, this run is on "
                                f"{draws.device.type}")
 

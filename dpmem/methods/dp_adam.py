@@ -6,8 +6,8 @@ mixed)."""
 from __future__ import annotations
 
 from dpmem.config import DPAdamConfig, enum_value
-from dpmem.methods.base import (Method, Noise, direct_fused_adam, fuse, fused_adam_step, make_optimizer,
-                               own_step_counts)
+from dpmem.methods.base import Method, direct_fused_adam, fuse, fused_adam_step, make_optimizer, own_step_counts
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 
@@ -18,9 +18,9 @@ class DPAdam(Method):
     privatised_gradient = True
     _compiled = False  # train.compile: `compile` ran
 
-    def __init__(self, model, cfg, lr, noise: Noise, seed: int = 0, observers=()):
-        super().__init__(model, cfg, lr, noise, seed)
-        self.privatize = Privatizer(model, noise, self.clipping(cfg), cfg.check_coverage, observers)
+    def __init__(self, model, cfg, lr, mechanism: GaussianMechanism, seed: int = 0, observers=()):
+        super().__init__(model, cfg, lr, mechanism, seed)
+        self.privatize = Privatizer(model, mechanism, self.clipping(cfg), cfg.check_coverage, observers)
         self.params = self.privatize.params
         self.shapes = {p: p.shape for p in self.params}
         self.optimizer = make_optimizer(self.params, cfg, lr)

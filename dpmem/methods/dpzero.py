@@ -18,9 +18,9 @@ import torch
 from dpmem import distributed
 from dpmem.config import ConfigError, DPZeroConfig, ZerothOrderConfig, enum_value
 from dpmem.data.bundle import real_size, weights
-from dpmem.methods.base import Method, Noise
+from dpmem.methods.base import Method
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.privatize import per_sample
-from dpmem.privacy.randomness import normal
 
 
 class ZerothOrder(Method):
@@ -34,8 +34,8 @@ class ZerothOrder(Method):
         if not cfg.method.zo_eps > 0:  # the perturbation size lambda
             raise ConfigError("method.zo_eps", f"{cfg.method.zo_eps} must be > 0")
 
-    def __init__(self, model, cfg, lr, noise: Noise | None = None, seed: int = 0, observers=()):
-        super().__init__(model, cfg, lr, noise, seed)
+    def __init__(self, model, cfg, lr, mechanism: GaussianMechanism | None = None, seed: int = 0, observers=()):
+        super().__init__(model, cfg, lr, mechanism, seed)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.eps, self.direction = cfg.zo_eps, enum_value(cfg.direction)
         self.device = self.params[0].device
@@ -116,18 +116,21 @@ class ZerothOrder(Method):
             loss = torch.zeros((), device=self.device)
         else:
             estimates, mid = self.per_sample_estimates(seed, microbatches, loss_fn)
-            loss = (self.noise.clipped_losses(mid) if self.noise is not None else mid).sum()
+            loss = (self.mechanism.clipped_losses(mid) if self.mechanism is not None else mid).sum()
         count = sum(real_size(mb) for mb in microbatches)
         if self.canaries is None:
             g = self.aggregate(estimates, count)
         else:  # a canary's scalar is its gradient along this step's direction, clipped with the real ones
             along = self.canaries.directional(self._directions(seed))
-            planted = along[self.canaries.sample(self.noise.sample_rate)].to(estimates.device, estimates.dtype)
-            g = self.aggregate(torch.cat([estimates, planted]), count + len(planted))
-            C = self.noise.max_grad_norm
-            self.canaries.record_scalar(float(g), along.clamp(-C, C), C)
+            planted = along[self.canaries.sample(self.mechanism.sample_rate)].to(estimates.device, estimates.dtype)
+            total = self.clipped_sum(torch.cat([estimates, planted]))
+            g = self.mechanism.release_scalar(total)
+            C = self.mechanism.max_grad_norm
+            # the noise check's value: what the release added to the clipped sum it was handed, in units of C
+            added = (float(g) * self.mechanism.expected_batch_size - float(total)) / C
+            self.canaries.record_scalar(float(g), along.clamp(-C, C), C, added, self.mechanism.sigma)
         self._perturb(seed, -self.lr * g)
-        return loss if self.noise is None else self.noise.released_loss(loss)
+        return loss if self.mechanism is None else self.mechanism.released_loss(loss)
 
 
 class MeZO(ZerothOrder):
@@ -141,11 +144,13 @@ class DPZero(ZerothOrder):
     config = DPZeroConfig
     private = True
 
+    def clipped_sum(self, estimates: torch.Tensor) -> torch.Tensor:
+        """The logical batch's sum of scalars clipped to [-C, C] (over every rank: each adds the same noise draw)."""
+        C = self.mechanism.max_grad_norm
+        total = estimates.clamp(-C, C).sum()
+        distributed.sum_([total])
+        return total
+
     def aggregate(self, estimates: torch.Tensor, count: int | None = None) -> torch.Tensor:
         # `count` is not needed: the clipped sum is divided by the expected batch size
-        C = self.noise.max_grad_norm
-        total = estimates.clamp(-C, C).sum()
-        distributed.sum_([total])  # the clipped sum of the logical batch; every rank adds the same noise draw
-        if self.noise.sigma > 0:
-            total = total + self.noise.sigma * C * normal(self.noise.draws, (), self.device, total.dtype)
-        return total / self.noise.expected_batch_size
+        return self.mechanism.release_scalar(self.clipped_sum(estimates))

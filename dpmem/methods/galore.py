@@ -15,7 +15,8 @@ import torch
 from dpmem import distributed
 from dpmem.config import GaLoreDPNaiveConfig, ProjectedConfig, enum_value
 from dpmem.data.bundle import real_size, weights
-from dpmem.methods.base import Method, Noise, check_positive
+from dpmem.methods.base import Method, check_positive
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
@@ -37,16 +38,16 @@ class GaLore(Method):
         super().check(cfg)
         check_positive(cfg.method, "rank", "refresh")  # the projections' rank r, refreshed every F steps
 
-    def __init__(self, model, cfg, lr, noise: Noise | None = None, seed: int = 0, observers=()):
-        super().__init__(model, cfg, lr, noise, seed)
+    def __init__(self, model, cfg, lr, mechanism: GaussianMechanism | None = None, seed: int = 0, observers=()):
+        super().__init__(model, cfg, lr, mechanism, seed)
         self.rank, self.refresh, self.t = cfg.rank, cfg.refresh, 0
-        self.params = self._parameters(model, noise, cfg, observers)
+        self.params = self._parameters(model, mechanism, cfg, observers)
         self.sides = choose_projected(model, cfg.projected, cfg.rank)
         self.projections: dict[torch.nn.Parameter, Projection] = {}  # stored: r·Σm, as in the paper's Table 2
         shapes = {p: projected_shape(p, self.sides.get(p), self.rank) for p in self.params}
         self.adam = ProjectedAdam(self.params, shapes, cfg.betas, cfg.eps, cfg.weight_decay)
 
-    def _parameters(self, model, noise, cfg, observers) -> list[torch.nn.Parameter]:
+    def _parameters(self, model, mechanism, cfg, observers) -> list[torch.nn.Parameter]:
         return [p for p in model.parameters() if p.requires_grad]
 
     def gradient(self, microbatches, loss_fn) -> tuple[dict | None, torch.Tensor]:
@@ -105,8 +106,8 @@ class GaLoreDPNaive(GaLore):
 
     compilable = True
 
-    def _parameters(self, model, noise, cfg, observers):
-        self.privatize = Privatizer(model, noise, self.clipping(cfg), cfg.check_coverage, observers)
+    def _parameters(self, model, mechanism, cfg, observers):
+        self.privatize = Privatizer(model, mechanism, self.clipping(cfg), cfg.check_coverage, observers)
         return self.privatize.params
 
     def compile(self, compiler) -> None:

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from dpmem.config import GrapeConfig
-from dpmem.methods.base import Method, Noise, check_positive
+from dpmem.methods.base import Method, check_positive
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
@@ -40,9 +41,9 @@ class Grape(Method):
         # the projected per-sample gradients are small: materialised, and all-reduced whole under FSDP
         return ClippingPlan.of("materialize", projected=True)
 
-    def __init__(self, model, cfg, lr, noise: Noise, seed: int = 0, observers=()):
-        super().__init__(model, cfg, lr, noise, seed)
-        self.privatize = Privatizer(model, noise, self.clipping(cfg), cfg.check_coverage, observers)
+    def __init__(self, model, cfg, lr, mechanism: GaussianMechanism, seed: int = 0, observers=()):
+        super().__init__(model, cfg, lr, mechanism, seed)
+        self.privatize = Privatizer(model, mechanism, self.clipping(cfg), cfg.check_coverage, observers)
         self.params = self.privatize.params
         self.rank, self.refresh, self.seed, self.t = cfg.rank, cfg.refresh, seed, 0
         # parameter -> projected side (0 rows, 1 columns)

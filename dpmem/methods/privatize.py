@@ -1,10 +1,10 @@
-"""The Gaussian mechanism of every first-order private method (flat clipping: DP-GRAPE (arXiv 2506.15588) Algorithm 3):
+"""The private step of every first-order private method (flat clipping: DP-GRAPE (arXiv 2506.15588) Algorithm 3):
 
     G̃ = ( Σᵢ min(1, C/‖gᵢ‖)·gᵢ + N(0, σ²C² I) ) / (q·n)
 
 where gᵢ is sample i's gradient over all trainable parameters (projected ones as DP-GRAPE projects them), in
 named stages as Opacus names them: clip and accumulate (over physical micro-batches; `dpmem.methods.clipping` says
-how), sum over ranks, add noise (drawn once per logical step), scale by 1/(q·n).
+how), sum over ranks, release: noise drawn once per logical step, scaled by 1/(q·n) (`dpmem.privacy.mechanism`).
 """
 
 from __future__ import annotations
@@ -18,19 +18,18 @@ from torch import nn
 from dpmem import distributed, sharding
 from dpmem.metering import memory_label
 from dpmem.data.bundle import weights
-from dpmem.methods.base import Noise, batch_size
+from dpmem.methods.base import batch_size
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.clipping import ClippingPlan
 from dpmem.methods.coverage import verify_coverage
 from dpmem.models import checkpointed
-from dpmem.persample import PerSampleGradients, Projection, clip_factors, reducers, weighted_sum
-from dpmem.persample.clipping import flat_norms, weighted_sums
+from dpmem.persample import PerSampleGradients, Projection, reducers, weighted_sum
+from dpmem.persample.clipping import weighted_sums
+from dpmem.persample.norms import exact_squared_norms
 from dpmem.persample.hooks import remove_handles, weakly
 from dpmem.persample.taps import Taps
 from dpmem.precision import exact_float32
-from dpmem.privacy.randomness import Draws, Drawn, Recorded, normal
-
-NOISE_BUCKET = 2**24  # elements of noise drawn at once (64 MiB in float32)
-
+from dpmem.privacy.randomness import Draws, Drawn, Recorded
 
 class Observer:
     """Sees, and may replace, a private step's quantities; given to the method (and its Privatizer) when it is made.
@@ -58,7 +57,7 @@ class PrivateGradient(NamedTuple):
     """What `Privatizer.gradient` returns: (gradient, loss_sum)."""
     gradient: dict  # parameter -> its privatised gradient (shaped as asked: a projection for DP-GRAPE)
     # this rank's summed per-sample loss (on the device: no host sync), as the noise releases it: each loss
-    # clipped to [0, L], and noised on rank 0, where the training loss is released privately (`Noise`)
+    # clipped to [0, L], and noised on rank 0, where the training loss is released privately (`GaussianMechanism`)
     loss_sum: torch.Tensor
 
 
@@ -82,7 +81,8 @@ class Privatizer:
     Args:
         model: the model whose trainable parameters (`requires_grad=True`) are privatised; a layer no per-sample
             rule covers is refused.
-        noise: the Gaussian mechanism: σ, the clipping norm C, the expected batch size and the secret draws.
+        mechanism: the Gaussian mechanism (σ, the clipping norm C, the expected batch size, the secret draws):
+            it turns norms into clip factors and clipped sums into their release, the only noise drawn.
         plan: how each sample's gradient is clipped. The default, `ClippingPlan.of("materialize")`, keeps every
             per-sample gradient (the most memory); pass `ClippingPlan.of("bk")` for book-keeping, dp-adam's
             default in `dpmem train`: one pass, each layer's input and output gradient kept instead.
@@ -91,9 +91,10 @@ class Privatizer:
         observers: hooks called at each stage of the step (as `dpmem audit`'s canaries use them).
     """
 
-    def __init__(self, model: nn.Module, noise: Noise, plan: ClippingPlan = ClippingPlan.of("materialize"),
-                 check_coverage: bool = True, observers: Sequence[Observer] = ()):
-        self.model, self.noise, self.plan, self.observers = model, noise, plan, tuple(observers)
+    def __init__(self, model: nn.Module, mechanism: GaussianMechanism,
+                 plan: ClippingPlan = ClippingPlan.of("materialize"), check_coverage: bool = True,
+                 observers: Sequence[Observer] = ()):
+        self.model, self.mechanism, self.plan, self.observers = model, mechanism, plan, tuple(observers)
         self.sharded = any(sharding.is_sharded(p) for p in model.parameters() if p.requires_grad)  # FSDP
         # one-pass clipping captures by taps (values returned to the step: it compiles); what must act inside the
         # backward pass keeps the callbacks (`dpmem.persample.hooks`): two-pass clipping's per-layer norms,
@@ -117,10 +118,11 @@ class Privatizer:
         #   changes them;
         # - under FSDP, each rank's draws of the step's noise on its shards (keyed by the step's key and rank).
         self.steps = self._probe_draws = None
-        if noise.draws is not None and (plan.estimated or self.sharded):
-            self.steps = Draws(noise.draws.key, "steps", noise.draws.device)
+        draws = mechanism.draws
+        if draws is not None and (plan.estimated or self.sharded):
+            self.steps = Draws(draws.key, "steps", draws.device)
         if self.steps is not None and plan.estimated:
-            self._probe_draws = Draws(noise.draws.key, "probes", noise.draws.device)
+            self._probe_draws = Draws(draws.key, "probes", draws.device)
         self._keep_grads = False  # the second pass of two-pass clipping accumulates into .grad
         self._stepping = False  # inside clip_and_accumulate: the only time its hooks act
         # autograd's batch gradient is a by-product of the backward pass: drop each as soon as it is made
@@ -192,18 +194,18 @@ class Privatizer:
         for observer in self.observers:
             microbatches, loss_fn = observer.on_microbatches(self, microbatches, loss_fn)
         summed, loss_sum = self.clip_and_accumulate(microbatches, loss_fn, shapes, projections)
-        loss_sum = self.noise.released_loss(loss_sum)
+        loss_sum = self.mechanism.released_loss(loss_sum)
         if self._flat is not None:  # a compiled step (a compiled run's first step is eager)
-            # the ranks' sums reduced eagerly (a collective); the noise drawn on the host from its key, passed in
+            # the ranks' sums reduced eagerly (a collective); the release noises the flat sum's runs in place
             flat, self._flat = self._flat, None
             distributed.sum_([flat])
-            self._release(flat, [normal(self.noise.draws, (n,), flat.device, flat.dtype) for n in self._noise_runs])
+            self.mechanism.release_flat(flat, self._noise_runs)
             return PrivateGradient(summed, loss_sum)
         with exact_float32(self.device):
             summed = self.sum_over_ranks(summed)
             for observer in self.observers:
                 summed = observer.on_clipped(self, summed)
-            released = self.scale(self.add_noise(summed))
+            released = self.mechanism.release(summed, self._shard_noise() if self.sharded else None)
             for observer in reversed(self.observers):
                 released = observer.on_noised(self, released)
         return PrivateGradient(released, loss_sum)
@@ -226,29 +228,13 @@ class Privatizer:
         distributed.sum_(s for s in summed.values() if not sharding.is_sharded(s))
         return summed
 
-    def add_noise(self, summed: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
-        return add_noise(summed, self.noise, self._shard_noise() if self.sharded else None)
-
-    def _release(self, flat: torch.Tensor, drawn: list[torch.Tensor]) -> None:
-        """The compiled step's noise and scaling of its flat clipped sum (in place), with the noise's draws given:
-        `add_noise`'s runs are consecutive slices of it. Eager: on one flat tensor it is an op per run and one
-        division, and a compiled graph's guarded entry would cost the host more than it saves."""
-        start = 0
-        for draw in drawn:
-            flat[start:start + draw.numel()].add_(draw, alpha=self.noise.sigma * self.noise.max_grad_norm)
-            start += draw.numel()
-        flat.div_(self.noise.expected_batch_size)
-
-    def scale(self, summed: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
-        return scale(summed, self.noise)
-
     def clipped_sum_of(self, grads: dict) -> dict:
         """Σᵢ min(1, C/‖gᵢ‖)·gᵢ of per-sample gradients given outside a backward pass (dpmem audit's canaries:
         `Factored` or dense rows, keyed like the clipped sums), through the real samples' code: the plan's norm
         rule and reducer, the clip factors, the weighted sum. A fault there shows in the audit."""
         reduce = self._reducer()
         reduced = {key: reduce(g) for key, g in grads.items()}
-        factors = clip_factors(_norms(reduced), self.noise.max_grad_norm)
+        factors = self.mechanism.clip_factors(_squares(reduced))
         return weighted_sum({key: r.grads for key, r in reduced.items()}, factors)
 
     def _reducer(self, probes=None):
@@ -306,10 +292,8 @@ class Privatizer:
             flat = torch.zeros(sum(s.numel() for s in self._sum_shapes), device=self.device, dtype=self.params[0].dtype)
         self._flat = flat
         summed = dict(zip(self.params, _views(flat, self._sum_shapes)))
-        if self._noise_runs is None:  # the sizes of `add_noise`'s runs over these sums: consecutive slices of flat
-            self._noise_runs = ([sum(p.numel() for p, _ in run) for run in
-                                 _runs(_noise_parts(summed, self.noise, None), NOISE_BUCKET)]
-                                if self.noise.sigma * self.noise.max_grad_norm else [])
+        if self._noise_runs is None:  # the release's runs over these sums: consecutive slices of flat
+            self._noise_runs = self.mechanism.flat_runs(summed)
         return summed, loss_sum
 
     def microbatch(self, mb, loss_fn, projections, summed, zero, check=False, probes=None) -> torch.Tensor:
@@ -334,7 +318,7 @@ class Privatizer:
                 losses.sum().backward()
         # no_grad: the taps' kept layer inputs are the forward's own tensors (not detached); nothing here is recorded
         with exact_float32(self.device), torch.no_grad():
-            norms = _norms(kept)  # the squared norms made as each parameter was reduced (the rows' now)
+            squares = _squares(kept)  # the squared norms made as each parameter was reduced (the rows' now)
             grads = {p: r.grads for p, r in kept.items()}
             del kept
             if check:
@@ -342,12 +326,12 @@ class Privatizer:
                 verify_coverage(self.model, self.params, weighted_sum(grads, ones),
                                 lambda p, g: reducers.projection(projections[p]).project(g) if p in projections else g,
                                 (self.taps or self.persample).compute)
-            factors = clip_factors(norms, self.noise.max_grad_norm) * weights(mb)
+            factors = self.mechanism.clip_factors(squares) * weights(mb)
             with memory_label("gradients"):
                 for p, part in weighted_sums(grads, factors):
                     _accumulate(summed, p, part)
             del grads
-        return (self.noise.clipped_losses(losses.detach()) * weights(mb)).sum()
+        return (self.mechanism.clipped_losses(losses.detach()) * weights(mb)).sum()
 
     def _two_pass(self, microbatches, loss_fn):
         summed = {}  # the first micro-batch's .grad tensors themselves (`_accumulate`)
@@ -368,7 +352,7 @@ class Privatizer:
                     verify_coverage(self.model, self.params, {p: r.total for p, r in kept.items()},
                                     compute=self.persample.compute)
                     kept = {p: r.value for p, r in kept.items()}
-                factors = clip_factors(flat_norms(list(kept.values()), []), self.noise.max_grad_norm) * weights(mb)
+                factors = self.mechanism.clip_factors(kept) * weights(mb)
             self._keep_grads = True
             try:  # second pass: autograd forms Σᵢ fᵢ gᵢ in .grad, in the model's own precision
                 wide = torch.promote_types(losses.dtype, factors.dtype)  # a bf16 loss is weighed in float32
@@ -379,7 +363,7 @@ class Privatizer:
                 if p.grad is not None:
                     _accumulate(summed, p, p.grad)
                     p.grad = None
-            loss_sum = loss_sum + (self.noise.clipped_losses(losses.detach()) * weights(mb)).sum()
+            loss_sum = loss_sum + (self.mechanism.clipped_losses(losses.detach()) * weights(mb)).sum()
         return self._completed(summed), loss_sum
 
     def _microbatch_flat(self, mb, loss_fn, projections, zero, probes) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,64 +389,17 @@ def _views(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
     return [c if len(s) == 1 else c.view(s) for c, s in zip(flat.split([s.numel() for s in shapes]), shapes)]
 
 
-def _norms(kept: dict) -> torch.Tensor:
-    """The flat per-sample norms of one-pass clipping's `Normed` values."""
-    return flat_norms([r.squares for r in kept.values() if r.squares is not None],
-                      [r.grads for r in kept.values() if r.squares is None])
+def _squares(kept: dict) -> dict:
+    """The per-sample squared norms of one-pass clipping's `Normed` values, by parameter; the vector parameters'
+    rows normed together, in one op, under the tuple of their parameters."""
+    squares = {p: r.squares for p, r in kept.items() if r.squares is not None}
+    rows = {p: r.grads for p, r in kept.items() if r.squares is None}
+    if rows:
+        squares[tuple(rows)] = exact_squared_norms(torch.cat(list(rows.values()), 1))
+    return squares
 
 
 def _accumulate(summed: dict, p: nn.Parameter, part: torch.Tensor) -> None:
     """The first micro-batch's part becomes the sum itself (no zeroed model-sized buffer beside it); later ones
     are added in place."""
     summed[p] = part if p not in summed else summed[p].add_(part)
-
-
-def add_noise(summed: dict, noise: Noise, own: Draws | None = None) -> dict:
-    """N(0, σ²C² I) added to each clipped sum in place. A sum every rank holds whole gets the same draw on every rank
-    (the draws have one key); a sum sharded by FSDP gets, on each rank, a draw for its own shard from `own`, that
-    rank's draws of the step.
-
-    The draw: the sums in order, in runs of at most NOISE_BUCKET elements (a larger sum alone) of one source of
-    draws, device and dtype; each run gets one standard normal vector of its total size (one keyed draw), split
-    into its sums in order. One draw and one for-each add per run, where a draw per sum would cost a kernel per
-    parameter. A compiled step's flat sum takes the same draws (`Privatizer._release`)."""
-    std = noise.sigma * noise.max_grad_norm
-    if std == 0:  # sigma = 0 only for privacy=none: clipping without noise
-        return summed
-    for run in _runs(_noise_parts(summed, noise, own), NOISE_BUCKET):
-        chunks = _draw(run).split([p.numel() for p, _ in run])
-        torch._foreach_add_([p for p, _ in run], [c if p.dim() == 1 else c.view(p.shape)
-                                                  for (p, _), c in zip(run, chunks)], alpha=std)
-    return summed
-
-
-def _noise_parts(summed: dict, noise: Noise, own: Draws | None) -> list[tuple[torch.Tensor, Draws | None]]:
-    return [(part, own if part is not s and own is not None else noise.draws)
-            for s, part in ((s, sharding.local(s)) for s in summed.values())]
-
-
-def _draw(run: list[tuple[torch.Tensor, Draws | None]]) -> torch.Tensor:
-    first, draws = run[0]
-    return normal(draws, (sum(p.numel() for p, _ in run),), first.device, first.dtype)
-
-
-def _runs(parts: list[tuple[torch.Tensor, Draws | None]], elements: int):
-    """Consecutive (sum, draws) pairs of one source of draws, device and dtype and at most `elements` elements
-    together (a larger sum alone)."""
-    run, size = [], 0
-    for part, draws in parts:
-        if run and (size + part.numel() > elements or draws is not run[0][1]
-                    or (part.device, part.dtype) != (run[0][0].device, run[0][0].dtype)):
-            yield run
-            run, size = [], 0
-        run.append((part, draws))
-        size += part.numel()
-    if run:
-        yield run
-
-
-def scale(summed: dict, noise: Noise) -> dict:
-    """Each sum divided in place by the expected batch size q·n (fixed, so the normalisation reveals nothing)."""
-    if summed:
-        torch._foreach_div_([sharding.local(s) for s in summed.values()], noise.expected_batch_size)
-    return summed

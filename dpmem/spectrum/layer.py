@@ -1,7 +1,7 @@
 """`dpmem spectrum mode=layer` (DP-GRAPE Fig. 1): the top singular values of each projected layer's batch gradient,
 raw and privatised as a DP method privatises it — per-sample gradients clipped at C over all trainable parameters
-(flat clipping), summed, Gaussian noise of std σ·C added, divided by the expected batch size (`add_noise`, the
-code every private method uses). Without clipping (C = ∞) no noise is added: its scale σ·C would be infinite.
+(flat clipping), summed, Gaussian noise of std σ·C added, divided by the expected batch size
+(`GaussianMechanism.release`, the code every private method uses). Without clipping (C = ∞) no noise is added: its scale σ·C would be infinite.
 
 Every setting (C, σ) sees the same batch, the same per-sample gradients and the same noise draw z (scaled by
 σ·C), so the curves differ only by clipping and noise. Between measured steps the model trains with the
@@ -15,8 +15,7 @@ import torch
 from dpmem.config import ConfigError, GrapeConfig
 from dpmem.engine.trainer import Run
 from dpmem.data.bundle import real_size, weights
-from dpmem.methods.base import Noise
-from dpmem.methods.privatize import add_noise, scale
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.projected_adam import choose_projected
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum_of
 from dpmem.privacy.randomness import Draws, seed_key
@@ -74,9 +73,9 @@ def measure(model, microbatches, loss_fn, layers: dict[str, torch.nn.Parameter],
     for c, s in chosen:
         # the same z for every setting: draws keyed by one seed, from the first
         draws = Draws(seed_key(seed), "noise", next(iter(layers.values())).device)
-        noise = Noise(sigma=s, max_grad_norm=c if c is not None else 1.0, expected_batch_size=expected_batch_size,
-                      draws=draws)
-        private = scale(add_noise({n: g.clone() for n, g in sums[c].items()}, noise), noise)
+        mechanism = GaussianMechanism(sigma=s, max_grad_norm=c if c is not None else 1.0,
+                                      expected_batch_size=expected_batch_size, draws=draws)
+        private = mechanism.release({n: g.clone() for n, g in sums[c].items()})
         per_layer = {n: top_singular_values(g.reshape(g.shape[0], -1), top) for n, g in private.items()}
         results.append(summarise(c, s, per_layer))
     return results

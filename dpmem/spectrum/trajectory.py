@@ -45,7 +45,7 @@ class GradientRecorder(Observer):
 
     def on_clipped(self, privatizer, summed: dict) -> dict:
         """One step's clipped sums; the row is their mean over the expected batch size, divided on the CPU copy."""
-        batch = privatizer.noise.expected_batch_size
+        batch = privatizer.mechanism.expected_batch_size
         self.rows.append(torch.cat([summed[p].detach().reshape(-1).float().cpu() for _, p in self.named]) / batch)
         self.count += 1
         if len(self.rows) == self.chunk:
