@@ -1,8 +1,9 @@
 """dpmem's Python interface: what a training loop of your own needs, without the CLI.
 
 - The private step: `Privatizer` (the privatised gradient of a model's trainable parameters, one logical step per
-  call) with a `ClippingPlan` and the `GaussianMechanism` that clips and noises; or a whole method (`build_method(method_config(...), ...)`:
-  DP-Adam, DP-GRAPE, DP-SGD-RC, DPZero and the rest, each with its own update).
+  call) with a `ClippingPlan` and the `GaussianMechanism` that clips and noises; or a whole method
+  (`build_method(method_config(...), ...)`: DP-Adam, DP-GRAPE, DP-SGD-RC, DPZero and the rest, each with its own
+  update).
 - Sampling and secret randomness: `poisson_batches`, drawn from `Draws` keyed by `key_of` (256 bits of the OS's
   entropy, or a seed taken whole).
 - Accounting: `calibrate_sigma` (the noise an ε needs) and `epsilon_spent` (the ε a run spent), each with the
@@ -27,8 +28,8 @@ from dpmem.privacy.accounting import calibrate_sigma, epsilon_spent
 from dpmem.privacy.randomness import Draws, key_of
 from dpmem.privacy.sampling import poisson_batches
 
-__all__ = ["ClippingPlan", "Draws", "GaussianMechanism", "Method", "Padded", "PrivateGradient", "Privatizer", "accounting",
-           "build_method", "calibrate_sigma", "config", "epsilon_spent", "key_of", "largest_batch", "method_config",
+__all__ = ["ClippingPlan", "Draws", "GaussianMechanism", "Method", "Padded", "PrivateGradient", "Privatizer",
+           "accounting", "build_method", "calibrate_sigma", "config", "epsilon_spent", "key_of", "largest_batch", "method_config",
            "plan", "poisson_batches"]
 
 
@@ -52,7 +53,7 @@ def config(*overrides: str) -> DictConfig:
     """The validated config of one run, composed from `dpmem train`'s overrides (e.g. `config("model=opt-1.3b",
     "method=grape", "train.batch_size=8")`): what `plan` and `largest_batch` take. Raises
     `dpmem.config.ConfigError` naming the key of a bad override."""
-    from dpmem.cli import compose_points, sweep_points  # the CLI's own composition and checks
+    from dpmem.composition import compose_points, sweep_points  # the CLI's own composition and checks
 
     sweep_points(list(overrides))  # a config group's unknown option refused with the options, as the CLI does
     return compose_points([list(overrides)])[0]

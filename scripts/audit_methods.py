@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from dpmem.audit import run_audit, table
-from dpmem.cli import compose_points
+from dpmem.composition import compose_points
 from dpmem.report import write_markdown
 
 METHODS = ["dp-adam", "dp-sgd", "grape", "galore-dp-naive", "dp-sgd-rc", "dpzero"]

@@ -29,7 +29,7 @@ from pathlib import Path
 from dpmem.audit import run_audit
 from dpmem.audit.variants import (clipping_from, noise_cut_away_from, noise_divided_by, noise_per_microbatch,
                                   noise_skipped_on, norms_per_use, skip_real_clipping)
-from dpmem.cli import compose_points
+from dpmem.composition import compose_points
 from dpmem.privacy import epsilon_spent
 from dpmem.report import benchmark_page, machine, page_header, write_markdown
 

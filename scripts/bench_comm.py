@@ -41,7 +41,7 @@ def expected_bytes(run) -> tuple[int, float | None]:
 
 def worker(args) -> None:
     from dpmem import distributed
-    from dpmem.cli import CONF_DIR
+    from dpmem.composition import CONF_DIR
     from dpmem.engine.trainer import Run
 
     distributed.init_from_env()

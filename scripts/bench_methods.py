@@ -24,7 +24,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.data import DataBundle, images, text
 from dpmem.metering import LiveTensorCounter
 from dpmem.engine.assemble import assemble

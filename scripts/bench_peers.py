@@ -42,7 +42,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.data import build_data
 from dpmem.metering import LiveTensorCounter
 from dpmem.engine.assemble import assemble

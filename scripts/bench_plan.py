@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dpmem.cli import compose_points
+from dpmem.composition import compose_points
 from dpmem.data import build_data, example_batch
 from dpmem.engine.assemble import assemble
 from dpmem.precision import RunPrecision

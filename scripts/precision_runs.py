@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.engine.trainer import run_training
 from dpmem.report import benchmark_page, machine, page_header, write_markdown
 

@@ -49,14 +49,15 @@ def cli(tmp_path, monkeypatch, capsys):
     what it printed. The code of the console entry point without a fresh interpreter's imports per call
     (tests/test_cli.py runs the entry point itself as a subprocess where a process is what is tested)."""
     import dpmem.cli
+    from dpmem.engine import job
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(dpmem.cli, "_failed", [])  # the runs that did not finish ok, per invocation
+    monkeypatch.setattr(job, "failed", [])  # the runs that did not finish ok, per invocation
 
     def run(*args) -> CliResult:
         args = [*args, *NO_HYDRA_LOGGING] if args and args[0] == "train" else list(args)
         monkeypatch.setattr(sys, "argv", ["dpmem", *args])  # main rewrites it for Hydra
-        dpmem.cli._failed.clear()
+        job.failed.clear()
         capsys.readouterr()
         code = 0
         try:

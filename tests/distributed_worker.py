@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from dpmem import distributed, sharding
 from dpmem.data.bundle import real_size
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.engine.folder import claim
 from dpmem.engine.trainer import Run
 

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers.pytorch_utils import Conv1D
 
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.methods import build_method, method_config
 from dpmem.privacy.mechanism import NOISE_BUCKET, GaussianMechanism
 from dpmem.methods.privatize import Privatizer

@@ -17,7 +17,7 @@ import dpmem.methods.privatize as privatize
 from dpmem.audit import quiet_of, run_audit, variants
 from dpmem.audit.bound import audit_bound, epsilon_lower_bound, noise_check, p_value, whole_noise_check
 from dpmem.audit.canaries import BatchCanaries, GradientCanaries
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.config import ConfigError
 from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.clipping import ClippingPlan

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.engine.planner import plan
 from dpmem.methods import build_method, method_config
 from dpmem.privacy.mechanism import GaussianMechanism

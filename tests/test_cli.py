@@ -172,7 +172,7 @@ def test_multirun_makes_one_run_folder_per_point(cli, tmp_path):
 
 
 def test_train_help_lists_the_groups_a_user_picks_from_and_the_composed_config(cli, tmp_path):
-    from dpmem.cli import CONF_DIR
+    from dpmem.composition import CONF_DIR
     r = cli("train", "method=dp-adam", "--help")
     assert r.returncode == 0, r.stderr
     groups = dict(line.split(": ", 1) for line in r.stdout.split("== Config ==")[0].splitlines() if ": " in line)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.engine.planner import plan
 from dpmem.engine.trainer import run_training
 from dpmem.methods import METHODS

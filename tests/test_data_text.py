@@ -9,7 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from transformers import AutoTokenizer
 
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.config import ConfigError
 from dpmem.data import build_data
 from dpmem.data import metrics

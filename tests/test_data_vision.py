@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.config import ConfigError
 from dpmem.data import build_data, vision
 from dpmem.data.images import at_model_size, per_sample_loss

@@ -18,7 +18,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.config import ConfigError
 from dpmem.engine.planner import plan
 from dpmem.engine.folder import FolderRefused, claim

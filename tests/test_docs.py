@@ -16,7 +16,7 @@ import dp_accounting
 import pytest
 import yaml
 
-from dpmem.cli import USAGE, VERB_DOCS
+from dpmem.usage import USAGE, VERB_DOCS
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

@@ -165,7 +165,8 @@ def _counted_step(make, device):
         model, loss, batch = make()
     batch = {k: v.to(device) for k, v in batch.items()}
     # the one-off coverage check computes on real tensors only, so it is off for this comparison
-    method = DPAdam(model, method_cfg("adam", 1.0, check_coverage=False), lr=0.1, mechanism=GaussianMechanism(1.0, 1.0, 8.0, None))
+    method = DPAdam(model, method_cfg("adam", 1.0, check_coverage=False), lr=0.1,
+                    mechanism=GaussianMechanism(1.0, 1.0, 8.0, None))
     with LiveTensorCounter().track_state(model, method) as counter:
         for _ in range(2):  # the second step holds the Adam moments
             method.step([batch], loss)

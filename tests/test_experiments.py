@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from dpmem.cli import CONF_DIR, compose_point
+from dpmem.composition import CONF_DIR, compose_point
 
 EXPERIMENTS = sorted(p.relative_to(Path(CONF_DIR) / "experiment").with_suffix("").as_posix()
                      for p in (Path(CONF_DIR) / "experiment").rglob("*.yaml"))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.engine import checkpoint as checkpoint_module
 from dpmem.engine import summary as summary_module
 from dpmem.engine.folder import LOCK, MARK, FolderLock, FolderRefused, owner
@@ -76,7 +76,7 @@ def oracle(made):
 HOLDER = """
 import sys
 from hydra import compose, initialize_config_dir
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.engine.trainer import run_training
 from dpmem.methods import METHODS
 

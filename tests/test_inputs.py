@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dpmem.cli import compose_points
+from dpmem.composition import compose_points
 from dpmem.data import build_data
 
 TINY = ["train.steps=2", "train.batch_size=32", "logging.progress=false", "train.device=cpu",

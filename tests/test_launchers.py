@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from dpmem.cli import CONF_DIR, _groups, sweep_points
+from dpmem.composition import CONF_DIR, groups, sweep_points
 from dpmem.engine import placement
 from dpmem.engine.placement import job_gpu
 from dpmem.report import runs
@@ -85,7 +85,7 @@ def test_a_submitit_local_sweep_writes_its_runs_and_logs_into_the_sweep_folder(c
     assert_reported(cli, sweep)  # .submitit/ holds no summary and no config.yaml: report passes it by
 
 
-def test_launcher_options_compose_with_dpmems_settings_and_are_not_dpmem_groups():
+def test_launcher_options_compose_with_dpmems_settings_and_are_not_dpmemgroups():
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
@@ -97,7 +97,7 @@ def test_launcher_options_compose_with_dpmems_settings_and_are_not_dpmem_groups(
     assert slurm.partition is None and (slurm.gpus_per_task, slurm.tasks_per_node) == (1, 1)
     assert slurm.timeout_min == 1440 and slurm.cpus_per_task > 0 and slurm.mem_gb > 0
     assert local.gpus_per_node == torch.cuda.device_count()  # every GPU, so that each job can pick its own
-    assert "hydra" not in _groups()
+    assert "hydra" not in groups()
     assert len(sweep_points(["-m", "hydra/launcher=slurm", "hydra.launcher.partition=gpu", "method=adam,grape"])) == 2
 
 

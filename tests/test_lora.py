@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.config import ConfigError, ModelConfig
 from dpmem.data import build_data
 from dpmem.engine.planner import plan

@@ -10,7 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from scipy import optimize
 
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.data import build_data
 from dpmem.data.median import diagonal, minimum, objective
 from dpmem.models import build_model

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.config import ConfigError
 from dpmem.data import build_data
 from dpmem.engine.planner import SEARCH_LIMIT, UnknownValues, largest_batch, parse_bytes, plan

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 from omegaconf import OmegaConf
 
-from dpmem.cli import compose_points
+from dpmem.composition import compose_points
 from dpmem.config import ConfigError
 from dpmem.methods import METHODS
 

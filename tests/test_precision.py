@@ -7,7 +7,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from torch import nn
 
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.engine.trainer import run_training
 from dpmem.methods.coverage import verify_coverage
 from dpmem.persample import PerSampleGradients, weighted_sum

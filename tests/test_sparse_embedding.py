@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from torch import nn
 
-from dpmem.cli import CONF_DIR
+from dpmem.composition import CONF_DIR
 from dpmem.data import build_data, example_batch
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, build_method, method_config

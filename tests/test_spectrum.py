@@ -9,7 +9,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from dpmem.cli import CONF_DIR, compose_points, main
+from dpmem.composition import CONF_DIR, compose_points
+from dpmem.cli import main
 from dpmem.config import ConfigError
 from dpmem.engine.trainer import Run
 from dpmem.privacy.mechanism import GaussianMechanism
@@ -314,7 +315,7 @@ def test_cli_spectrum_takes_one_configuration(capsys):
 def test_every_spectrum_experiment_composes_and_names_its_mode():
     from pathlib import Path
 
-    from dpmem.cli import compose_point, sweep_points
+    from dpmem.composition import compose_point, sweep_points
     files = sorted((Path(CONF_DIR) / "experiment" / "spectrum").glob("*.yaml"))
     assert len(files) == 9
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):

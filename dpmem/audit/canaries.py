@@ -249,9 +249,9 @@ class BatchCanaries(GradientCanaries):
     """Gradient canaries that join the micro-batches as samples (`audit.plant=batch`): the Privatizer's observer.
 
     Placed at the first step's clipped sums (which hold no canary), spread over the weights of every trainable
-    nn.Linear and nn.Embedding layer (`hosts`; `place` says how). From the second step on, the step's Poisson sample of the
-    included canaries joins its micro-batches, spread over them in turn (on rank 0): each canary a row copied from
-    its micro-batch, whose loss is replaced by Σ_u ⟨layer_u(x_u), G_u⟩ over `uses` calls of the host weight's
+    nn.Linear and nn.Embedding layer (`hosts`; `place` says how). From the second step on, the step's Poisson sample
+    of the included canaries joins its micro-batches, spread over them in turn (on rank 0): each canary a row copied
+    from its micro-batch, whose loss is replaced by Σ_u ⟨layer_u(x_u), G_u⟩ over `uses` calls of the host weight's
     layers (its owners in turn), each with a one-hot input and a one-hot output gradient of norm/uses at the
     canary's coordinate (for a Linear, two positions whose output gradients cancel in the bias). Its loss is 0; its
     per-sample gradient is norm·e_(i,j) on the host weight and 0 elsewhere, made by the layers' own hooks."""

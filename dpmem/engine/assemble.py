@@ -27,7 +27,7 @@ class Parts:
     model: nn.Module
     method: Method
     device: torch.device
-    ledger: PrivacyLedger | None  # a run's privacy accounting; None where the mechanism is a stand-in (plans, benchmarks)
+    ledger: PrivacyLedger | None  # a run's privacy accounting; None where the mechanism is a stand-in (plans)
     root: sharding.Root | None = None  # under FSDP, what the task's functions are called through
     autocast: Callable = field(default=contextlib.nullcontext)  # a forward pass's context (train.precision)
 

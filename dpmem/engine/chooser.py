@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import sys
 from typing import Callable
 
@@ -210,3 +211,40 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
             "rows": rank(rows, asked), "refused": refused,
             "ranking": RANKING.format(asked=f"the method asked for (method={asked}) first, then " if asked else ""),
             "interrupted": interrupted}
+
+
+def check_reachable(cfg) -> None:
+    """The base config's privacy.epsilon, calibrated once before any candidate is planned: a budget no noise meets
+    (or one so loose it protects nothing) is refused under its key at once, not after every candidate. Raises
+    ConfigError."""
+    from dpmem.engine.ledger import resolve_accountant
+    from dpmem.engine.trainer import accounting_of
+    from dpmem.methods import method_class
+    from dpmem.privacy import UnreachableTarget, calibrate_sigma
+
+    if cfg.privacy.epsilon is None or not method_class(cfg.method.name).private or resolve_accountant(cfg) == "rc":
+        return
+    try:
+        calibrate_sigma(cfg.privacy.epsilon, **accounting_of(cfg))
+    except UnreachableTarget as e:
+        raise ConfigError("privacy.epsilon", str(e)) from None
+
+
+def size_text(n: float) -> str:
+    """A size in the largest binary unit it reaches: 24 GiB, 3 MiB, 100 KiB."""
+    unit, scale = next(((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if n >= s), ("B", 1))
+    return f"{n / scale:.3g} {unit}"
+
+
+def host_memory() -> int:
+    """This host's RAM in bytes (the budget of a plan for plan.device=cpu when memory.budget is not given)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def nothing_fits(rows: list[dict], budget: int) -> ConfigError:
+    """The refusal of a plan in which no candidate fits `budget`: the smallest peak, and where it was planned."""
+    smallest = min(rows, key=lambda r: r["reserved_estimate_bytes"], default=None)
+    return ConfigError("memory.budget", f"nothing fits {size_text(budget)}" + (
+        f": the smallest peak is ≥ {size_text(smallest['peak_bytes'])} (reserved estimate ≥ "
+        f"{size_text(smallest['reserved_estimate_bytes'])}), {smallest['configuration']} at physical batch 1"
+        if smallest else ": every candidate was refused (see plan.candidates)"))

@@ -15,12 +15,14 @@ for a run that finished ok with this configuration (`skip_done`)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import json
 import os
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -429,3 +431,64 @@ def drop_if_empty(run_dir: Path) -> None:
     """After a configuration error: the folder Hydra made for the run goes again if nothing was written to it."""
     if distributed.is_main() and run_dir.is_dir() and not any(run_dir.iterdir()):
         run_dir.rmdir()
+
+
+def given(overrides: list[str], key: str) -> str | None:
+    """The last value of `key=...` among the overrides, if any."""
+    values = [o.split("=", 1)[1] for o in overrides if o.startswith(key + "=")]
+    return values[-1] if values else None
+
+
+def check_output(key: str, name: str) -> None:
+    """Before anything is made: the folder `name` (its part before any ${...}) can be made, that is, its nearest
+    existing ancestor is a folder this process can create folders in. Raises ConfigError naming the key."""
+    if not name.strip():
+        raise ConfigError(key, "is empty, which would write into the current folder; name a folder "
+                          f"({key}=outputs/my-run) or leave it out for a new dated one")
+    base = Path(name.split("${")[0] or ".").expanduser().absolute()
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise ConfigError(key, f"{name}: {base} is a file, not a folder")
+    try:
+        tempfile.TemporaryDirectory(dir=base, prefix=".dpmem-check-").cleanup()
+    except OSError as e:
+        raise ConfigError(key, f"{name}: cannot make a folder in {base} ({e.strerror or type(e).__name__}); "
+                          "name a folder you can write") from None
+
+
+def tool_dir(overrides: list[str], alias_key: str, alias: str | None, dated: str) -> tuple[Path, str]:
+    """Where memory, plan, spectrum and audit write, and the key that named it (for their messages):
+    hydra.run.dir=..., as for train, else their own *.dir, else a dated folder under outputs/; checked writable,
+    and absolute (as train's run_dir is in its summary)."""
+    name = given(overrides, "hydra.run.dir")
+    key, name = ("hydra.run.dir", name) if name is not None else (alias_key, alias or
+                                                                 datetime.datetime.now().strftime(dated))
+    check_output(key, name)
+    return Path(name).expanduser().absolute(), key
+
+
+@contextlib.contextmanager
+def tool_folder(out: Path, tool: str, overwrite: bool, key: str, mark_first: bool = False):
+    """A tool's output folder while the tool works in it: locked (one writer; at the end released, and a folder it
+    made left empty removed), refused where it holds another tool's or a training run's records (`check_owner`;
+    a training run's always, for plan: plan.json beside it would end its resume), and marked as the tool's, first
+    for a tool that writes as it goes (audit, spectrum), else once its work is done. A tool refused (ConfigError)
+    before it wrote more than its mark and config.yaml leaves a folder that was empty as it was."""
+    with FolderLock(out):
+        if tool == "plan" and owner(out) == "train":
+            raise ConfigError(key, f"{out} holds a training run: dpmem plan never writes into one; give another "
+                              "plan.dir")
+        check_owner(out, tool, overwrite, key)
+        fresh = owner(out) is None
+        if mark_first:
+            mark(out, tool)
+        try:
+            yield
+        except ConfigError:
+            if fresh and {p.name for p in out.iterdir()} <= {MARK, "config.yaml", LOCK}:
+                for name in (MARK, "config.yaml"):
+                    (out / name).unlink(missing_ok=True)
+            raise
+        if not mark_first:
+            mark(out, tool)

@@ -221,7 +221,8 @@ class Method:
                           "parameters or gradients; with FSDP: adam, grape, and two-pass clipping (dp-adam / dp-sgd "
                           "with method.clipping=fgc, ghost or mixed; dp-sgd-rc without method.bookkeeping)")
 
-    def __init__(self, model: nn.Module, cfg, lr: float, mechanism: GaussianMechanism | None = None, seed: int = 0, observers=()):
+    def __init__(self, model: nn.Module, cfg, lr: float, mechanism: GaussianMechanism | None = None, seed: int = 0,
+                 observers=()):
         """`observers` see the private step (`dpmem.methods.privatize.Observer`; built by `build_method`)."""
         self.model, self.cfg, self.lr, self.mechanism = model, cfg, lr, mechanism
         self.optimizer: torch.optim.Optimizer | None = None  # methods with their own update leave it None

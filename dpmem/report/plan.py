@@ -72,7 +72,7 @@ def write(out: Path, result: dict, overrides: list[str], top: int) -> str:
             f"TFLOP/s, {device['bandwidth_gbs']:.4g} GB/s ({device['source']}).\n\n"
             + CAVEAT.format(host_op_us=device["host_op_us"]) + "\n\n" + result["ranking"] + "\n\n"
             + table(rows, result["precisions"]) + "\n")
-    # (a plan where nothing fits is an error before anything is written: dpmem.cli._plan)
+    # (a plan where nothing fits is an error before anything is written: dpmem.engine.chooser.nothing_fits)
     text += "\nThe best " + ("configuration" if len(best) == 1 else f"{len(best)} configurations") + ":\n\n"
     text += "\n".join(f"{i}. `{r['command']}`" for i, r in enumerate(best, 1)) + "\n"
     if result["refused"]:

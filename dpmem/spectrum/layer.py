@@ -1,7 +1,8 @@
 """`dpmem spectrum mode=layer` (DP-GRAPE Fig. 1): the top singular values of each projected layer's batch gradient,
 raw and privatised as a DP method privatises it — per-sample gradients clipped at C over all trainable parameters
 (flat clipping), summed, Gaussian noise of std σ·C added, divided by the expected batch size
-(`GaussianMechanism.release`, the code every private method uses). Without clipping (C = ∞) no noise is added: its scale σ·C would be infinite.
+(`GaussianMechanism.release`, the code every private method uses). Without clipping (C = ∞) no noise is added: its
+scale σ·C would be infinite.
 
 Every setting (C, σ) sees the same batch, the same per-sample gradients and the same noise draw z (scaled by
 σ·C), so the curves differ only by clipping and noise. Between measured steps the model trains with the
