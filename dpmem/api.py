@@ -22,7 +22,7 @@ from dpmem.engine.planner import largest_batch, plan
 from dpmem.methods import build_method, method_config
 from dpmem.methods.base import Method
 from dpmem.privacy.mechanism import GaussianMechanism
-from dpmem.methods.clipping import ClippingPlan
+from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import PrivateGradient, Privatizer
 from dpmem.privacy.accounting import calibrate_sigma, epsilon_spent
 from dpmem.privacy.randomness import Draws, key_of

@@ -75,7 +75,8 @@ def _train_main(rest: list[str]) -> None:
             preflight(rest)
             if distributed.is_main():
                 key = "hydra.sweep.dir" if any(a in ("-m", "--multirun") for a in rest) else "hydra.run.dir"
-                check_output(key, given(rest, key) or "outputs")
+                name = given(rest, key)
+                check_output(key, "outputs" if name is None else name)
     if not distributed.is_main():  # rank 0 alone speaks for Hydra (and writes the run folder)
         rest = rest + ["hydra/hydra_logging=none"]
     sys.argv = [f"{Path(sys.argv[0]).name} train"] + rest

@@ -20,7 +20,7 @@ from dpmem.audit.canaries import BatchCanaries, GradientCanaries
 from dpmem.composition import CONF_DIR
 from dpmem.config import ConfigError
 from dpmem.privacy.mechanism import GaussianMechanism
-from dpmem.methods.clipping import ClippingPlan
+from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.persample import PerSampleGradients
 from dpmem.persample import reducers

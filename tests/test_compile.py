@@ -135,7 +135,7 @@ def test_the_noise_is_drawn_outside_the_graph_and_fresh_at_every_step():
                               GaussianMechanism(1.0, 0.5, 3.0, seeded(7)))
         if backend:
             method.compile(Compiler(torch.device("cpu"), backend))
-        return [torch.cat([g.flatten() for g in method.privatize.gradient(micro, loss, {p: p.shape for p in
+        return [torch.cat([g.flatten() for g in method.privatizer.gradient(micro, loss, {p: p.shape for p in
                                                                                        method.params})[0].values()])
                 for _ in range(2)]
     eager, compiled = releases(None), releases("eager")

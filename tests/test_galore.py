@@ -17,7 +17,7 @@ def test_naive_dp_galore_svd_sees_only_the_privatised_gradient(monkeypatch):
     method = GaLoreDPNaive(model, grape_cfg(rank=2, refresh=2, name="galore-dp-naive"), 1e-3,
                            GaussianMechanism(1.0, 1.0, 6.0, seeded(0)))
     privatised, svd_inputs = [], []
-    real_privatize, real_svd = method.privatize.gradient, galore_module.svd_projection
+    real_privatize, real_svd = method.privatizer.gradient, galore_module.svd_projection
 
     def spy_privatize(*args, **kwargs):
         grads, loss = real_privatize(*args, **kwargs)
@@ -28,7 +28,7 @@ def test_naive_dp_galore_svd_sees_only_the_privatised_gradient(monkeypatch):
         svd_inputs.append(g.clone())
         return real_svd(g, side, rank)
 
-    method.privatize.gradient = spy_privatize
+    method.privatizer.gradient = spy_privatize
     monkeypatch.setattr(galore_module, "svd_projection", spy_svd)
     for _ in range(3):
         method.step([mixer_batch()], mixer_loss)

@@ -143,7 +143,7 @@ def test_per_sample_buffers_are_b_times_r_times_max_dimension():
     torch.manual_seed(0)
     model, rank = Mixer(), 2
     method = Grape(model, grape_cfg(rank=rank), 1e-3, GaussianMechanism(1.0, 1.0, 6.0, None))
-    taps = method.privatize.taps
+    taps = method.privatizer.taps
     project = {p: reducers.projected(lambda p=p: method.projection(p, 1)) for p in method.sides}
     with taps.recording(taps.zero()) as tape:
         losses = mixer_loss(model, mixer_batch())

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpmem.privacy.mechanism import GaussianMechanism
-from dpmem.methods.clipping import ClippingPlan
+from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.persample import PerSampleGradients, Projection
 

@@ -125,7 +125,7 @@ def test_the_coverage_check_passes_with_lora_dropout(case, clipping):
     model.train()
     method = build_method(dp_cfg(clipping=clipping), model, 1e-2, GaussianMechanism(1.0, 0.5, 3.0, seeded(0)))
     method.step([batch], loss)
-    assert not method.privatize._check_coverage  # it did run
+    assert not method.privatizer._check_coverage  # it did run
 
 
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")  # peft on adapting a tied matrix

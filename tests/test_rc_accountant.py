@@ -9,7 +9,7 @@ from dp_accounting.pld import privacy_loss_mechanism as plm
 from scipy import integrate, stats
 
 from dpmem.privacy import calibrate_sigma, envelope_cdf, epsilon_spent, x_plus
-from dpmem.privacy import rc
+from dpmem.privacy import rc_envelope as rc
 from dpmem.privacy.accounting import PLD_DISCRETIZATION
 
 # DP-SGD-RC (Efficient DP-SGD for LLMs with Randomized Clipping) Table 4 (BBC, full fine-tuning): eps 0.7, delta 1e-5,

@@ -29,7 +29,7 @@ from dpmem.engine.ledger import line_epsilon, resolve_accountant
 from dpmem.engine.summary import (PRIVACY_LEDGER, DiskFull, append_metrics, append_privacy, cut_metrics, json_ready,
                                   most_spent, privacy_records, summary_table, versions, write_summary)
 from dpmem.engine.tracking import NoTracker, open_tracker
-from dpmem.engine.meter import Meter
+from dpmem.engine.run_meters import Meter
 from dpmem.methods import method_class
 from dpmem.methods.subspace import SubspaceProjection, privacy_of
 from dpmem.privacy.randomness import Draws
@@ -182,7 +182,7 @@ class Run:
                   "input and output gradient until the norms are known, which activation checkpointing cannot "
                   "drop; two passes (method.clipping=ghost or mixed; dp-sgd-rc without bookkeeping) are the "
                   "low-memory choice with it", file=sys.stderr)
-        observers = self.method.privatize.observers if self.method.privatize is not None else ()
+        observers = self.method.privatizer.observers if self.method.privatizer is not None else ()
         subspace = next((o for o in observers if isinstance(o, SubspaceProjection)), None)
         if subspace is not None:
             ok, why = privacy_of(subspace.source, cfg.data)

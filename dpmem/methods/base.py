@@ -11,7 +11,7 @@ from torch import nn
 from dpmem import sharding
 from dpmem.config import (Accountant, ConfigError, LossRelease, MethodConfig, Neighbouring, Objective, Sampling,
                           enum_value)
-from dpmem.methods.clipping import ClippingPlan
+from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import os_key
 
@@ -104,7 +104,7 @@ class Method:
     private = False  # clips and noises: Poisson-sampled and accounted
     accountant = "pld"  # what privacy.accountant=auto picks: pld, or rc for randomized clipping
     privatised_gradient = False  # forms the full-dimensional privatised gradient (subspace re-training, spectrum)
-    privatize = None  # first-order private methods: their dpmem.methods.privatize.Privatizer
+    privatizer = None  # first-order private methods: their dpmem.methods.privatize.Privatizer
 
     # a method without per-sample clipping: whether FSDP can run its step (autograd's batch gradient, sharded)
     shardable = False
@@ -207,7 +207,7 @@ class Method:
 
     @classmethod
     def clipping(cls, cfg) -> ClippingPlan | None:
-        """How its per-sample clipping forms the clipped sums (dpmem.methods.clipping); None: it clips none."""
+        """How its per-sample clipping forms the clipped sums (dpmem.methods.clipping_plan); None: it clips none."""
         return None
 
     @classmethod
@@ -230,8 +230,8 @@ class Method:
 
     def close(self) -> None:
         """Remove the hooks the method put on the model."""
-        if self.privatize is not None:
-            self.privatize.close()
+        if self.privatizer is not None:
+            self.privatizer.close()
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Tensors the method keeps between steps (optimiser state), for the memory meter."""
@@ -248,8 +248,8 @@ class Method:
             state["noise"] = {**self.mechanism.draws.state_dict(), "device": self.mechanism.draws.device.type}
         if self.mechanism is not None and self.mechanism.loss_draws is not None:
             state["loss_noise"] = self.mechanism.loss_draws.state_dict()
-        if self.privatize is not None and self.privatize.steps is not None:  # probes', FSDP noise's step keys
-            state["steps"] = self.privatize.steps.state_dict()
+        if self.privatizer is not None and self.privatizer.step_keys is not None:  # probes', FSDP noise's step keys
+            state["steps"] = self.privatizer.step_keys.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -263,7 +263,7 @@ class Method:
         if "loss_noise" in state and self.noise_reseeded is None:
             self.mechanism.loss_draws.load_state_dict(state["loss_noise"])
         if "steps" in state:
-            self.privatize.steps.load_state_dict(state["steps"])
+            self.privatizer.step_keys.load_state_dict(state["steps"])
 
     def restore_noise(self, saved: dict) -> None:
         """The noise's saved draws, if they were drawn on this kind of device. A CUDA draw and a CPU draw of one key

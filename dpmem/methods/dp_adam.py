@@ -8,7 +8,7 @@ from __future__ import annotations
 from dpmem.config import DPAdamConfig, enum_value
 from dpmem.methods.base import Method, direct_fused_adam, fuse, fused_adam_step, make_optimizer, own_step_counts
 from dpmem.privacy.mechanism import GaussianMechanism
-from dpmem.methods.clipping import ClippingPlan
+from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 
 
@@ -16,12 +16,12 @@ class DPAdam(Method):
     config = DPAdamConfig
     private = True
     privatised_gradient = True
-    _compiled = False  # train.compile: `compile` ran
+    _fused = False  # train.compile ran `compile`: the optimiser is fused, its steps taken directly
 
     def __init__(self, model, cfg, lr, mechanism: GaussianMechanism, seed: int = 0, observers=()):
         super().__init__(model, cfg, lr, mechanism, seed)
-        self.privatize = Privatizer(model, mechanism, self.clipping(cfg), cfg.check_coverage, observers)
-        self.params = self.privatize.params
+        self.privatizer = Privatizer(model, mechanism, self.clipping(cfg), cfg.check_coverage, observers)
+        self.params = self.privatizer.params
         self.shapes = {p: p.shape for p in self.params}
         self.optimizer = make_optimizer(self.params, cfg, lr)
 
@@ -36,14 +36,14 @@ class DPAdam(Method):
         step breaks the graph on purpose, `torch.optim.optimizer._use_grad`), in its fused implementation: one
         kernel for all parameters where the for-each one dispatches about ten; Adam's and AdamW's called directly
         once the first (eager) step has made their state (`fused_adam_step`)."""
-        self.privatize.compile(compiler)
+        self.privatizer.compile(compiler)
         fuse(self.optimizer)
         self.optimizer.register_step_pre_hook(own_step_counts)
-        self._compiled = True
+        self._fused = True
 
     def step(self, microbatches, loss_fn):
-        grads, loss_sum = self.privatize.gradient(microbatches, loss_fn, self.shapes)
-        if self._compiled and direct_fused_adam(self.optimizer):
+        grads, loss_sum = self.privatizer.gradient(microbatches, loss_fn, self.shapes)
+        if self._fused and direct_fused_adam(self.optimizer):
             fused_adam_step(self.optimizer, [grads[p] for p in self.params])
             return loss_sum
         for p in self.params:

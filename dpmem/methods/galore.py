@@ -17,7 +17,7 @@ from dpmem.config import GaLoreDPNaiveConfig, ProjectedConfig, enum_value
 from dpmem.data.bundle import real_size, weights
 from dpmem.methods.base import Method, check_positive
 from dpmem.privacy.mechanism import GaussianMechanism
-from dpmem.methods.clipping import ClippingPlan
+from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
 from dpmem.persample import Projection
@@ -107,13 +107,13 @@ class GaLoreDPNaive(GaLore):
     compilable = True
 
     def _parameters(self, model, mechanism, cfg, observers):
-        self.privatize = Privatizer(model, mechanism, self.clipping(cfg), cfg.check_coverage, observers)
-        return self.privatize.params
+        self.privatizer = Privatizer(model, mechanism, self.clipping(cfg), cfg.check_coverage, observers)
+        return self.privatizer.params
 
     def compile(self, compiler) -> None:
         """The private step's micro-batches compiled (`Privatizer.compile`); the SVD refresh and projected Adam stay
         eager."""
-        self.privatize.compile(compiler)
+        self.privatizer.compile(compiler)
 
     def gradient(self, microbatches, loss_fn):
-        return self.privatize.gradient(microbatches, loss_fn, {p: p.shape for p in self.params})
+        return self.privatizer.gradient(microbatches, loss_fn, {p: p.shape for p in self.params})

@@ -21,7 +21,7 @@ from torch import nn
 from dpmem.config import GrapeConfig
 from dpmem.methods.base import Method, check_positive
 from dpmem.privacy.mechanism import GaussianMechanism
-from dpmem.methods.clipping import ClippingPlan
+from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
 from dpmem.persample import Projection, reducers
@@ -43,15 +43,15 @@ class Grape(Method):
 
     def __init__(self, model, cfg, lr, mechanism: GaussianMechanism, seed: int = 0, observers=()):
         super().__init__(model, cfg, lr, mechanism, seed)
-        self.privatize = Privatizer(model, mechanism, self.clipping(cfg), cfg.check_coverage, observers)
-        self.params = self.privatize.params
+        self.privatizer = Privatizer(model, mechanism, self.clipping(cfg), cfg.check_coverage, observers)
+        self.params = self.privatizer.params
         self.rank, self.refresh, self.seed, self.t = cfg.rank, cfg.refresh, seed, 0
         # parameter -> projected side (0 rows, 1 columns)
         self.sides = choose_projected(model, cfg.projected, cfg.rank, embeddings=cfg.project_embeddings)
         self.layer_index = {p: i for i, p in enumerate(self.sides)}
         self.shapes = {p: projected_shape(p, self.sides.get(p), self.rank) for p in self.params}
         self.adam = ProjectedAdam(self.params, self.shapes, cfg.betas, cfg.eps, cfg.weight_decay)
-        self._kept = None  # compiled: the projections' buffers (`compile`)
+        self._projection_buffers = None  # compiled: the projections' buffers (`compile`)
 
     compilable = True
 
@@ -59,21 +59,22 @@ class Grape(Method):
         """The private step's micro-batches compiled (`Privatizer.compile`), given this window's projections: kept
         in one buffer per layer (r·Σm, as GaLore stores them), regenerated on the host when t // F moves on, and
         passed in, so that no generator is made inside a graph. The projected Adam update stays eager."""
-        self.privatize.compile(compiler)
+        self.privatizer.compile(compiler)
         self._window = None  # the t // F whose projections the buffers hold
-        self._kept = {p: Projection(torch.empty(p.shape[side], self.rank, device=p.device, dtype=p.dtype), side)
-                      for p, side in self.sides.items()}
+        self._projection_buffers = {
+            p: Projection(torch.empty(p.shape[side], self.rank, device=p.device, dtype=p.dtype), side)
+            for p, side in self.sides.items()}
 
     def _projections(self, t: int) -> dict:
         """What the step is given: each layer's projection at step t, or what makes it (eager: made when its
         gradient is reduced, one at a time)."""
-        if self._kept is None:
+        if self._projection_buffers is None:
             return {p: (lambda p=p: self.projection(p, t)) for p in self.sides}
         if self._window != t // self.refresh:
             self._window = t // self.refresh
-            for p, kept in self._kept.items():
+            for p, kept in self._projection_buffers.items():
                 kept.P.copy_(self.projection(p, t).P)
-        return self._kept
+        return self._projection_buffers
 
     def projection(self, p: nn.Parameter, t: int) -> Projection:
         """P for parameter p at (1-based) step t: N(0, 1/r), regenerated from (run seed, layer, t // F)."""
@@ -97,7 +98,7 @@ class Grape(Method):
     def step(self, microbatches, loss_fn):
         self.t = t = self.t + 1
         projections = self._projections(t)
-        grads, loss_sum = self.privatize.gradient(microbatches, loss_fn, self.shapes, projections)
+        grads, loss_sum = self.privatizer.gradient(microbatches, loss_fn, self.shapes, projections)
         # eager: one layer's P at a time, regenerated for the update
         self.adam.step(grads, self.lr, t, lambda p: reducers.projection(projections[p]) if p in self.sides else None)
         return loss_sum

@@ -3,7 +3,7 @@
     G̃ = ( Σᵢ min(1, C/‖gᵢ‖)·gᵢ + N(0, σ²C² I) ) / (q·n)
 
 where gᵢ is sample i's gradient over all trainable parameters (projected ones as DP-GRAPE projects them), in
-named stages as Opacus names them: clip and accumulate (over physical micro-batches; `dpmem.methods.clipping` says
+named stages as Opacus names them: clip and accumulate (over physical micro-batches; `dpmem.methods.clipping_plan` says
 how), sum over ranks, release: noise drawn once per logical step, scaled by 1/(q·n) (`dpmem.privacy.mechanism`).
 """
 
@@ -20,7 +20,7 @@ from dpmem.metering import memory_label
 from dpmem.data.bundle import weights
 from dpmem.methods.base import batch_size
 from dpmem.privacy.mechanism import GaussianMechanism
-from dpmem.methods.clipping import ClippingPlan
+from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.coverage import verify_coverage
 from dpmem.models import checkpointed
 from dpmem.persample import PerSampleGradients, Projection, reducers, weighted_sum
@@ -117,11 +117,11 @@ class Privatizer:
         #   draws them again from the step's key, so neither the physical batch size nor the number of ranks
         #   changes them;
         # - under FSDP, each rank's draws of the step's noise on its shards (keyed by the step's key and rank).
-        self.steps = self._probe_draws = None
+        self.step_keys = self._probe_draws = None
         draws = mechanism.draws
         if draws is not None and (plan.estimated or self.sharded):
-            self.steps = Draws(draws.key, "steps", draws.device)
-        if self.steps is not None and plan.estimated:
+            self.step_keys = Draws(draws.key, "steps", draws.device)
+        if self.step_keys is not None and plan.estimated:
             self._probe_draws = Draws(draws.key, "probes", draws.device)
         self._keep_grads = False  # the second pass of two-pass clipping accumulates into .grad
         self._stepping = False  # inside clip_and_accumulate: the only time its hooks act
@@ -247,14 +247,14 @@ class Privatizer:
 
     def _shard_noise(self) -> Draws | None:
         """This rank's draws of the step's noise on its FSDP shards (None on meta, where nothing is drawn)."""
-        if self.steps is None:
+        if self.step_keys is None:
             return None
-        return self.steps.child(f"shard-noise/{distributed.rank()}")
+        return self.step_keys.child(f"shard-noise/{distributed.rank()}")
 
     def _with_step_probes(self, microbatches):
         """The micro-batches, with dp-sgd-rc's probe draws keyed anew for the step before each: the step's probes,
         the same for every micro-batch (and rank)."""
-        key = self.steps.next_key() if self._probe_draws is not None else None
+        key = self.step_keys.next_key() if self._probe_draws is not None else None
         for mb in microbatches:
             if key is not None:
                 self._probe_draws.key, self._probe_draws.count = key, 0

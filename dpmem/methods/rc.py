@@ -21,7 +21,7 @@ from torch import nn
 from dpmem import distributed
 from dpmem.config import ConfigError, DPSGDRCConfig, enum_value
 from dpmem.methods.base import check_positive
-from dpmem.methods.clipping import ClippingPlan
+from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.dp_adam import DPAdam
 from dpmem.persample import factored_weights
 

@@ -1,5 +1,6 @@
-"""Per-sample gradients: hooks capture layer inputs and output gradients; one rule per layer type; the caller's
-reducer per parameter says what is kept of them."""
+"""Per-sample gradients: taps (values returned; one-pass clipping) or callbacks (two-pass clipping, activation
+checkpointing, FSDP) capture layer inputs and output gradients; one rule per layer type; the caller's reducer per
+parameter says what is kept of them."""
 
 from dpmem.persample import reducers
 from dpmem.persample.clipping import clip_factors, per_sample_norms, weighted_sum

@@ -1,6 +1,6 @@
 """Privacy accounting by dp-accounting: epsilon spent for a noise multiplier, and the noise multiplier for a
 target epsilon. One DP event per logical step: a sampled Gaussian mechanism with noise multiplier sigma; with
-accountant "rc" its sensitivity is random (DP-SGD-RC's randomized clipping, dpmem.privacy.rc).
+accountant "rc" its sensitivity is random (DP-SGD-RC's randomized clipping, dpmem.privacy.rc_envelope).
 
 `loss_noise` (c): each step also releases the batch's training loss, Σᵢ min(max(ℓᵢ, 0), L) + N(0, (c·σ·L)²), on the
 same sampled batch. The pair is one Gaussian mechanism on that batch: a record moves the gradient's sum by at most
@@ -17,7 +17,7 @@ import dp_accounting
 from absl import logging as absl_logging
 from dp_accounting import pld, rdp
 
-from dpmem.privacy import rc
+from dpmem.privacy import rc_envelope as rc
 
 NeighborRel = dp_accounting.NeighboringRelation
 RELATIONS = {"add_remove": NeighborRel.ADD_OR_REMOVE_ONE, "replace_one": NeighborRel.REPLACE_ONE}
