@@ -42,7 +42,7 @@ def accounting(method_cfg, model) -> dict:
     from dpmem.methods import method_class
     from dpmem.methods.rc import rc_dimension
 
-    accountant = method_class(method_cfg.name).accountant
+    accountant = method_class(method_cfg.name).spec.accountant
     if accountant != "rc":
         return {"accountant": accountant}
     return {"accountant": "rc", "k": method_cfg.k, "d": rc_dimension(model, "model"),

@@ -196,7 +196,7 @@ def test_adapters_are_projected_only_below_their_rank(method):
     trains could be projected (the head stays whole), and the method is refused rather than run unprojected."""
     cfg = config("model=roberta-tiny", f"method={method}", "method.rank=4")
     data = build_data(cfg.data, cfg.model)
-    noise = GaussianMechanism(1.0, 1.0, 4.0, seeded(0)) if method_class(method).private else None
+    noise = GaussianMechanism(1.0, 1.0, 4.0, seeded(0)) if method_class(method).spec.private else None
     with pytest.raises(ConfigError, match=r"method.rank: 4 is at least .* \(at most 4\).*allowed: 1..3"):
         build_method(cfg.method, build_model(cfg.model, data).train(), 1e-2, noise)
     cfg = config("model=roberta-tiny", f"method={method}", "method.rank=2")

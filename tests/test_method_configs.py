@@ -30,10 +30,10 @@ def test_an_option_of_another_method_is_refused(name):
 
 
 def test_what_a_method_says_about_itself():
-    private = {n for n, c in METHODS.items() if c.private}
+    private = {n for n, c in METHODS.items() if c.spec.private}
     assert private == {"dp-adam", "dp-sgd", "grape", "galore-dp-naive", "dpzero", "dp-sgd-rc"}
-    assert {n for n, c in METHODS.items() if c.privatised_gradient} == {"dp-adam", "dp-sgd", "galore-dp-naive",
+    assert {n for n, c in METHODS.items() if c.spec.privatised_gradient} == {"dp-adam", "dp-sgd", "galore-dp-naive",
                                                                         "dp-sgd-rc"}
-    assert {n for n, c in METHODS.items() if c.accountant == "rc"} == {"dp-sgd-rc"}
+    assert {n for n, c in METHODS.items() if c.spec.accountant == "rc"} == {"dp-sgd-rc"}
     assert all("max_grad_norm" in OPTIONS[n] for n in private)
     assert not any("max_grad_norm" in OPTIONS[n] for n in set(METHODS) - private)

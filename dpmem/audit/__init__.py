@@ -93,7 +93,7 @@ def check(cfg) -> None:
     """The audit's own settings, before any folder is written (dpmem audit checks every point first). Raises
     ConfigError."""
     a, name = cfg.audit, cfg.method.name
-    if not method_class(name).private:
+    if not method_class(name).spec.private:
         raise ConfigError("method.name", f"{name} is not private: there is no claimed epsilon to audit")
     if cfg.privacy.epsilon is None:
         raise ConfigError("privacy", "privacy=none claims no epsilon to audit; choose a budget, e.g. privacy=eps2")
@@ -109,7 +109,7 @@ def check(cfg) -> None:
 def planting(cfg) -> str:
     """Where gradient canaries join the step: audit.plant, with auto resolved to batch where the method's Privatizer
     forms unprojected clipped sums in one process (dp-adam, dp-sgd, galore-dp-naive, dp-sgd-rc), else sum."""
-    plant, able = enum_value(cfg.audit.plant), method_class(cfg.method.name).privatised_gradient
+    plant, able = enum_value(cfg.audit.plant), method_class(cfg.method.name).spec.privatised_gradient
     if plant == "batch" and not able:
         raise ConfigError("audit.plant", f"{cfg.method.name} privatises no unprojected clipped sum for canaries to "
                           "join as samples; use audit.plant=sum (or auto)")

@@ -51,7 +51,7 @@ def assemble(cfg, device: torch.device, data: DataBundle, model: nn.Module | Non
     With `steps` and `sampling` the mechanism is the run's, calibrated by its privacy ledger; without, a stand-in of
     σ = 1 (σ and the draws change values, not memory or time)."""
     t, m = cfg.train, cfg.method
-    method = method_class(m.name)  # (train.fsdp's caller has checked method.check_fsdp)
+    spec = method_class(m.name).spec  # (train.fsdp's caller has checked dpmem.methods.check_fsdp)
     if model is None:
         model = build_model(cfg.model, data).to(device)
     if distributed.world_size() > 1:  # the same initial weights on every rank, but each its own dropout masks
@@ -62,10 +62,10 @@ def assemble(cfg, device: torch.device, data: DataBundle, model: nn.Module | Non
     model.train()
     ledger = mechanism = None
     if steps is not None:
-        ledger = PrivacyLedger(cfg, method, model, data.n_train, steps, sampling)
-        if method.private:
+        ledger = PrivacyLedger(cfg, spec, model, data.n_train, steps, sampling)
+        if spec.private:
             mechanism = ledger.mechanism(m.max_grad_norm, cfg.privacy.noise_seed, device)
-    elif method.private:
+    elif spec.private:
         # no draws where nothing is drawn: on meta, and on the fake tensors of simulated ranks
         draws = None if device.type == "meta" or mesh is not None else Draws(seed_key(0), "noise", device)
         mechanism = GaussianMechanism(1.0, m.max_grad_norm, float(t.batch_size), draws)

@@ -222,7 +222,7 @@ def check_reachable(cfg) -> None:
     from dpmem.methods import method_class
     from dpmem.privacy import UnreachableTarget, calibrate_sigma
 
-    if cfg.privacy.epsilon is None or not method_class(cfg.method.name).private or resolve_accountant(cfg) == "rc":
+    if cfg.privacy.epsilon is None or not method_class(cfg.method.name).spec.private or resolve_accountant(cfg) == "rc":
         return
     try:
         calibrate_sigma(cfg.privacy.epsilon, **accounting_of(cfg))

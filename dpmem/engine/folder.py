@@ -219,7 +219,7 @@ def _ledger_lost(cfg, run_dir: Path, step: int) -> str | None:
     line), in words; None where it can (or the run writes none: its method is not private)."""
     from dpmem.methods import method_class
 
-    if not method_class(cfg.method.name).private:
+    if not method_class(cfg.method.name).spec.private:
         return None
     records, unreadable = read_ledger(run_dir)
     if records:

@@ -13,6 +13,7 @@ from torch import nn
 from dpmem import distributed
 from dpmem.config import ConfigError, enum_value, resolve_delta
 from dpmem.methods import method_class
+from dpmem.methods.base import MethodSpec
 from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.rc import check_probes, max_layer_dimension, rc_dimension
 from dpmem.privacy import UnreachableTarget, calibrate_sigma, epsilon_spent
@@ -38,13 +39,13 @@ def line_epsilon(line: dict) -> float | None:
 def resolve_accountant(cfg) -> str:
     """privacy.accountant, or for auto the one the method names (pld; rc for randomized clipping)."""
     accountant = enum_value(cfg.privacy.accountant)
-    return method_class(cfg.method.name).accountant if accountant == "auto" else accountant
+    return method_class(cfg.method.name).spec.accountant if accountant == "auto" else accountant
 
 
 class PrivacyLedger:
-    def __init__(self, cfg, method: type, model: nn.Module, n: int, steps: int, sampling: str):
+    def __init__(self, cfg, spec: MethodSpec, model: nn.Module, n: int, steps: int, sampling: str):
         p, m = cfg.privacy, cfg.method
-        self.private = method.private
+        self.private = spec.private
         self.accounted = self.private and p.epsilon is not None  # privacy=none: a private method clips only
         # a budget given to a non-private method buys nothing: said once, and kept in the summary, so that a sweep
         # over privacy=eps2,eps8 with method=adam is seen to have run adam twice
@@ -118,7 +119,7 @@ class PrivacyLedger:
             "sample_rate": self.sample_rate, "sampling": sampling,
             "accountant": self.accountant["accountant"] if self.accounted else None,
             "neighbouring": self.accountant["neighbouring"] if self.accounted else None,
-            "clipping": plan.name if (plan := method.clipping(m)) is not None else None, "rc_accountant": rc,
+            "clipping": plan.name if (plan := spec.clipping(m)) is not None else None, "rc_accountant": rc,
         }
 
     def sampler_key(self, seed: int | None, train_seed: int) -> bytes:

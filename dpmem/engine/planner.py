@@ -29,7 +29,7 @@ from dpmem.metering import CUDA_BLOCK, LiveTensorCounter, labelled_forward, memo
 from dpmem.engine.assemble import Parts, assemble
 from dpmem.engine.roofline import OpCounter
 from dpmem.engine.trainer import eval_batch_size, run_length
-from dpmem.methods import method_class
+from dpmem.methods import check_fsdp
 from dpmem.models import build_model
 
 # GPU memory is quoted in binary units whatever the suffix (a "24GB" card and an "80GB" H100 hold 24 and 80 GiB)
@@ -162,7 +162,7 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     world = mem.world_size
     device = torch.device(device or enum_value(mem.device))
     if world > 1:
-        method_class(m.name).check_fsdp(m)
+        check_fsdp(m)
         if device.type != "meta":
             raise ConfigError("memory.device", "a plan over memory.world_size ranks is simulated (meta); to measure "
                               "one, run torchrun --nproc_per_node=N -m dpmem train train.fsdp=true")

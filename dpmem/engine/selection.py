@@ -132,7 +132,7 @@ def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
         raise ConfigError(key, str(e).split(": ", 1)[-1]) from None
     p, t = cfg.privacy, cfg.train
     name = cfg.method.name
-    if not method_class(name).private:
+    if not method_class(name).spec.private:
         raise ConfigError("method", f"{name} is not private: hydra/sweeper=private selects among private runs (for a "
                           "non-private search: hydra/sweeper=search)")
     if p.epsilon is None:

@@ -30,7 +30,7 @@ from dpmem.engine.summary import (PRIVACY_LEDGER, DiskFull, append_metrics, appe
                                   most_spent, privacy_records, summary_table, versions, write_summary)
 from dpmem.engine.tracking import NoTracker, open_tracker
 from dpmem.engine.run_meters import Meter
-from dpmem.methods import method_class
+from dpmem.methods import check_fsdp, method_class
 from dpmem.methods.subspace import SubspaceProjection, privacy_of
 from dpmem.privacy.randomness import Draws
 from dpmem.privacy.sampling import make_batches
@@ -69,7 +69,7 @@ def run_length(cfg, n: int) -> tuple[int, str]:
         raise ConfigError("train.batch_size", f"{t.batch_size} is larger than the training set ({n})")
     steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * n / t.batch_size))
     sampling = enum_value(t.sampling)
-    private = method_class(cfg.method.name).private
+    private = method_class(cfg.method.name).spec.private
     return steps, ("poisson" if private else "shuffle") if sampling == "auto" else sampling
 
 
@@ -160,7 +160,7 @@ class Run:
         self.steps, self.sampling = run_length(cfg, n)
         method = method_class(m.name)
         if t.fsdp:
-            method.check_fsdp(m)
+            check_fsdp(m)
         if t.fsdp and distributed.world_size() == 1:
             raise ConfigError("train.fsdp", "shards over the ranks of a torchrun launch; run torchrun "
                               "--nproc_per_node=N -m dpmem train ... with N > 1, or train.fsdp=false")
@@ -176,14 +176,13 @@ class Run:
                                   "eagerly; with them: train.compile=false")
             self.compiler = Compiler(self.device, t.compile_backend)
             parts.method.compile(self.compiler)
-        plan = method.clipping(m)
+        plan = method.spec.clipping(m)
         if t.activation_checkpointing and plan is not None and plan.bookkeeping:
             print("dpmem: warning: book-keeping (method.clipping=bk, method.bookkeeping=true) keeps every layer's "
                   "input and output gradient until the norms are known, which activation checkpointing cannot "
                   "drop; two passes (method.clipping=ghost or mixed; dp-sgd-rc without bookkeeping) are the "
                   "low-memory choice with it", file=sys.stderr)
-        observers = self.method.privatizer.observers if self.method.privatizer is not None else ()
-        subspace = next((o for o in observers if isinstance(o, SubspaceProjection)), None)
+        subspace = next((o for o in self.method.observers if isinstance(o, SubspaceProjection)), None)
         if subspace is not None:
             ok, why = privacy_of(subspace.source, cfg.data)
             if not ok:

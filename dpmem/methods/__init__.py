@@ -30,10 +30,40 @@ def method_class(name: str) -> type[Method]:
 
 def validate(cfg) -> None:
     """Every check of a run config that its types cannot express: each group's (dpmem.config.validate_groups),
-    then what the method's class requires of the whole config (Method.check). Raises ConfigError."""
+    then what the method's class requires of the whole config (Method.check), and train.compile's. Raises
+    ConfigError."""
     cls = method_class(cfg.method.name)  # an unknown method is reported first
     validate_groups(cfg)
+    if cfg.train.get("compile"):
+        why = compile_refusal(cfg)
+        if why is not None:
+            raise ConfigError("train.compile", why)
     cls.check(cfg)
+
+
+def compile_refusal(cfg) -> str | None:
+    """Why train.compile cannot compile this run's step (None: it can)."""
+    spec = method_class(cfg.method.name).spec
+    if not spec.compiled_step:
+        compiled = ", ".join(n for n, c in METHODS.items() if c.spec.compiled_step)
+        return f"{cfg.method.name} has no compiled step; allowed: {compiled} (or train.compile=false)"
+    return spec.compile_refusal(cfg)
+
+
+def check_fsdp(method_cfg) -> None:
+    """Refuse train.fsdp when the step needs whole parameters or gradients (see dpmem.sharding). Raises
+    ConfigError."""
+    spec = method_class(method_cfg.name).spec
+    if spec.shards(method_cfg):
+        return
+    plan = spec.clipping(method_cfg)
+    at_default = {n: c.spec.shards(method_config(n)) for n, c in METHODS.items()}
+    two_pass = [n for n, c in METHODS.items() if not at_default[n] and c.spec.plan is not None
+                and c.spec.shards(method_config(n, clipping="ghost"))]
+    raise ConfigError("train.fsdp", f"method={method_cfg.name} ({plan.name if plan else 'its step'}) needs whole "
+                      f"parameters or gradients; with FSDP: {', '.join(n for n in at_default if at_default[n])} (at their "
+                      f"defaults), "
+                      f"and {', '.join(two_pass)} with two-pass clipping (method.clipping=fgc, ghost or mixed)")
 
 
 def method_config(name: str, **options):
@@ -50,12 +80,14 @@ def build_method(cfg, model, lr: float, mechanism: GaussianMechanism | None, see
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"{cfg.name}: the model has no trainable parameter (every one has requires_grad=False): "
                          "nothing to train")
-    if observers and not cls.private:
+    if observers and not cls.spec.private:
         raise ConfigError("method.name", f"{cfg.name} is not private: it has no privatised quantity to observe")
-    if cls.privatised_gradient and cfg.subspace.path is not None:
+    if cls.spec.privatised_gradient and cfg.subspace.path is not None:
         observers = (*observers, SubspaceProjection(cfg.subspace, model))
-    return cls(model, cfg, lr, mechanism=mechanism, seed=seed, observers=observers)
+    method = cls(model, cfg, lr, mechanism=mechanism, seed=seed, observers=observers)
+    method.observers = tuple(observers)
+    return method
 
 
-__all__ = ["build_method", "method_class", "method_config", "validate", "Method", "METHODS", "Adam",
+__all__ = ["build_method", "check_fsdp", "compile_refusal", "method_class", "method_config", "validate", "Method", "METHODS", "Adam",
            "DPAdam", "MeZO", "DPZero", "Grape", "GaLore", "GaLoreDPNaive", "DPSGDRC"]

@@ -7,20 +7,18 @@ import torch
 from dpmem import distributed, sharding
 from dpmem.config import OptimizerConfig
 from dpmem.data.bundle import real_size, weights
-from dpmem.methods.base import Method, fuse, make_optimizer
+from dpmem.methods.base import Method, MethodSpec, fuse, make_optimizer
 
 
 class Adam(Method):
     config = OptimizerConfig
+    spec = MethodSpec(shardable=True, compiled_step=True)  # FSDP reduce-scatters autograd's batch gradient
 
     def __init__(self, model, cfg, lr, mechanism=None, seed=0, observers=()):
         super().__init__(model, cfg, lr)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, cfg, lr)
         self._compiled = None  # the micro-batch step, compiled by `compile`
-
-    shardable = True  # FSDP reduce-scatters autograd's batch gradient
-    compilable = True
 
     def compile(self, compiler) -> None:
         """Each micro-batch's forward and backward compiled (the backward as autograd.grad, its gradients added into

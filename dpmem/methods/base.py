@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -17,6 +18,59 @@ from dpmem.privacy.randomness import os_key
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]  # per-sample losses, shape (B,)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What a method is, as the engine, the checks and the tools read it (`method_class(name).spec`).
+
+    Args:
+        private: clips and noises: Poisson-sampled and accounted.
+        accountant: what privacy.accountant=auto picks: pld, or rc for randomized clipping.
+        privatised_gradient: forms the full-dimensional privatised gradient (subspace re-training, spectrum).
+        plan: its clipping plan from its options (`dpmem.methods.clipping_plan`); None: it clips none.
+        shardable: without a clipping plan, whether FSDP can run its step (autograd's batch gradient, sharded);
+            with one, the plan says.
+        compiled_step: train.compile has a compiled step for it (`Method.compile`).
+    """
+    private: bool = False
+    accountant: str = "pld"
+    privatised_gradient: bool = False
+    plan: Callable[[MethodConfig], ClippingPlan] | None = None
+    shardable: bool = False
+    compiled_step: bool = False
+
+    def clipping(self, method_cfg) -> ClippingPlan | None:
+        """How its per-sample clipping forms the clipped sums under these options; None: it clips none."""
+        return self.plan(method_cfg) if self.plan is not None else None
+
+    def shards(self, method_cfg) -> bool:
+        """Whether train.fsdp can run its step: its plan's say, or its own; never where subspace re-training
+        projects the whole privatised gradient."""
+        plan = self.clipping(method_cfg)
+        return (plan.shardable if plan is not None else self.shardable) and not (
+            self.privatised_gradient and method_cfg.subspace.path is not None)
+
+    def compile_refusal(self, cfg) -> str | None:
+        """Why train.compile cannot compile this run's step (None: it can), beyond having no compiled step
+        (`dpmem.methods.compile_refusal`). What must act inside the backward pass (`dpmem.persample.hooks`'
+        callbacks) stays eager."""
+        t, plan = cfg.train, self.clipping(cfg.method)
+        if t.fsdp:
+            return ("FSDP's gathered parameters are met by callbacks in the backward pass, which a graph cannot "
+                    "hold; with train.fsdp: train.compile=false")
+        if enum_value(t.precision) == "tf32":
+            return ("the eager step switches TF32 off around the private arithmetic (norms, clip factors, clipped "
+                    "sums), a process-wide switch that one graph cannot flip; with train.compile: "
+                    "train.precision=fp32 or bf16")
+        if t.activation_checkpointing:
+            return ("activation checkpointing's recompute saves each layer's input again inside the backward pass "
+                    "(callbacks); with it: train.compile=false")
+        if plan is not None and plan.passes != 1:
+            return (f"method.clipping={plan.name} forms its clipped sums in a second backward pass through one graph, "
+                    "with per-layer callbacks; compiled: method.clipping=bk or materialize (dp-sgd-rc: "
+                    "method.bookkeeping=true)")
+        return None
 
 
 def make_optimizer(params: Sequence[nn.Parameter], cfg, lr: float) -> torch.optim.Optimizer:
@@ -101,14 +155,9 @@ class Method:
     step never syncs with the host)."""
 
     config: type = MethodConfig  # its options' schema (dpmem.config); its conf/method/*.yaml names the same one
-    private = False  # clips and noises: Poisson-sampled and accounted
-    accountant = "pld"  # what privacy.accountant=auto picks: pld, or rc for randomized clipping
-    privatised_gradient = False  # forms the full-dimensional privatised gradient (subspace re-training, spectrum)
+    spec = MethodSpec()  # what it is (private, accountant, clipping plan, ...), as the engine reads it
     privatizer = None  # first-order private methods: their dpmem.methods.privatize.Privatizer
-
-    # a method without per-sample clipping: whether FSDP can run its step (autograd's batch gradient, sharded)
-    shardable = False
-    compilable = False  # train.compile: it has a compiled step (`compile`)
+    observers: tuple = ()  # what sees its private step (`build_method` sets them)
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -117,9 +166,6 @@ class Method:
         and an accountant that account for it. A method with options of its own extends it. Raises ConfigError."""
         t, p, m = cfg.train, cfg.privacy, cfg.method
         if t.get("compile"):
-            why = cls.not_compilable(cfg)
-            if why is not None:
-                raise ConfigError("train.compile", why)
             if t.get("static_shapes") is False:
                 raise ConfigError("train.static_shapes", "false: a compiled step has one shape, every micro-batch "
                                   "padded to the physical batch size; leave it unset (null) or true with "
@@ -127,7 +173,7 @@ class Method:
         for key, value in m.items():  # a NaN or infinite option trains garbage that looks fine: none is allowed
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"method.{key}", f"{value} must be a finite number")
-        if not cls.private:
+        if not cls.spec.private:
             return
         if not m.max_grad_norm > 0:
             # for dpzero C bounds the per-sample scalar (L⁺ − L⁻)/2λ, not a gradient norm
@@ -151,7 +197,7 @@ class Method:
                 and p.accountant == Accountant.rdp and p.neighbouring == Neighbouring.replace_one):
             raise ConfigError("privacy.accountant", "rdp accounts Poisson sampling only under add_remove; "
                               "allowed with replace_one: pld")
-        randomized = cls.accountant == "rc"  # the accountant privacy.accountant=auto picks for it
+        randomized = cls.spec.accountant == "rc"  # the accountant privacy.accountant=auto picks for it
         if randomized and p.accountant in (Accountant.pld, Accountant.rdp):
             raise ConfigError("privacy.accountant", f"{m.name} clips with estimated norms, which pld and rdp do not "
                               "account for (epsilon would be understated); allowed: rc, auto")
@@ -161,30 +207,6 @@ class Method:
         if randomized and p.neighbouring != Neighbouring.add_remove:
             raise ConfigError("privacy.neighbouring", f"the rc accountant of {m.name} is for add_remove only; "
                               "allowed: add_remove")
-
-    @classmethod
-    def not_compilable(cls, cfg) -> str | None:
-        """Why train.compile cannot compile this run's step (None: it can). What must act inside the backward pass
-        (`dpmem.persample.hooks`' callbacks) stays eager."""
-        t, plan = cfg.train, cls.clipping(cfg.method)
-        if not cls.compilable:
-            return (f"{cfg.method.name} has no compiled step; allowed: adam, dp-adam, dp-sgd, dp-sgd-rc, grape, "
-                    "galore-dp-naive, dpzero, mezo (or train.compile=false)")
-        if t.fsdp:
-            return ("FSDP's gathered parameters are met by callbacks in the backward pass, which a graph cannot "
-                    "hold; with train.fsdp: train.compile=false")
-        if enum_value(t.precision) == "tf32":
-            return ("the eager step switches TF32 off around the private arithmetic (norms, clip factors, clipped "
-                    "sums), a process-wide switch that one graph cannot flip; with train.compile: "
-                    "train.precision=fp32 or bf16")
-        if t.activation_checkpointing:
-            return ("activation checkpointing's recompute saves each layer's input again inside the backward pass "
-                    "(callbacks); with it: train.compile=false")
-        if plan is not None and plan.passes != 1:
-            return (f"method.clipping={plan.name} forms its clipped sums in a second backward pass through one graph, "
-                    "with per-layer callbacks; compiled: method.clipping=bk or materialize (dp-sgd-rc: "
-                    "method.bookkeeping=true)")
-        return None
 
     def compile(self, compiler) -> None:
         """train.compile: the step's functions compiled by `compiler` (`dpmem.compiling.Compiler`)."""
@@ -196,30 +218,14 @@ class Method:
         runs, and the run goes on)."""
         t, p = cfg.train, cfg.privacy
         said = []
-        if cls.private and p.epsilon is not None and t.lr == 0:
+        if cls.spec.private and p.epsilon is not None and t.lr == 0:
             said.append(f"train.lr: 0 with {cfg.method.name} spends privacy.epsilon={p.epsilon:g} and changes nothing "
                         "(the weights never move); set train.lr > 0, or privacy=none")
-        if cls.private and p.epsilon is not None and enum_value(p.train_loss) == "private" and p.loss_bound < 1e-3:
+        if cls.spec.private and p.epsilon is not None and enum_value(p.train_loss) == "private" and p.loss_bound < 1e-3:
             said.append(f"privacy.loss_bound: {p.loss_bound:g} clips every per-sample loss to at most that, so the "
                         "released training loss (and a search scored by it) says next to nothing; losses are "
                         "typically 0.1-10 (default 5)")
         return said
-
-    @classmethod
-    def clipping(cls, cfg) -> ClippingPlan | None:
-        """How its per-sample clipping forms the clipped sums (dpmem.methods.clipping_plan); None: it clips none."""
-        return None
-
-    @classmethod
-    def check_fsdp(cls, cfg) -> None:
-        """Refuse train.fsdp when the step needs whole parameters or gradients (see dpmem.sharding)."""
-        plan = cls.clipping(cfg)
-        if (plan.shardable if plan is not None else cls.shardable) and not (
-                cls.privatised_gradient and cfg.subspace.path is not None):
-            return
-        raise ConfigError("train.fsdp", f"method={cfg.name} ({plan.name if plan else 'its step'}) needs whole "
-                          "parameters or gradients; with FSDP: adam, grape, and two-pass clipping (dp-adam / dp-sgd "
-                          "with method.clipping=fgc, ghost or mixed; dp-sgd-rc without method.bookkeeping)")
 
     def __init__(self, model: nn.Module, cfg, lr: float, mechanism: GaussianMechanism | None = None, seed: int = 0,
                  observers=()):

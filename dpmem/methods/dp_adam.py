@@ -6,7 +6,7 @@ mixed)."""
 from __future__ import annotations
 
 from dpmem.config import DPAdamConfig, enum_value
-from dpmem.methods.base import Method, direct_fused_adam, fuse, fused_adam_step, make_optimizer, own_step_counts
+from dpmem.methods.base import Method, MethodSpec, direct_fused_adam, fuse, fused_adam_step, make_optimizer, own_step_counts
 from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import Privatizer
@@ -14,22 +14,16 @@ from dpmem.methods.privatize import Privatizer
 
 class DPAdam(Method):
     config = DPAdamConfig
-    private = True
-    privatised_gradient = True
+    spec = MethodSpec(private=True, privatised_gradient=True, compiled_step=True,
+                      plan=lambda m: ClippingPlan.of(enum_value(m.clipping)))
     _fused = False  # train.compile ran `compile`: the optimiser is fused, its steps taken directly
 
     def __init__(self, model, cfg, lr, mechanism: GaussianMechanism, seed: int = 0, observers=()):
         super().__init__(model, cfg, lr, mechanism, seed)
-        self.privatizer = Privatizer(model, mechanism, self.clipping(cfg), cfg.check_coverage, observers)
+        self.privatizer = Privatizer(model, mechanism, self.spec.clipping(cfg), cfg.check_coverage, observers)
         self.params = self.privatizer.params
         self.shapes = {p: p.shape for p in self.params}
         self.optimizer = make_optimizer(self.params, cfg, lr)
-
-    compilable = True
-
-    @classmethod
-    def clipping(cls, cfg) -> ClippingPlan:
-        return ClippingPlan.of(enum_value(cfg.clipping))
 
     def compile(self, compiler) -> None:
         """The private step's micro-batches compiled (`Privatizer.compile`). torch's optimiser steps eagerly (its

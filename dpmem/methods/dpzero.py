@@ -18,7 +18,7 @@ import torch
 from dpmem import distributed
 from dpmem.config import ConfigError, DPZeroConfig, ZerothOrderConfig, enum_value
 from dpmem.data.bundle import real_size, weights
-from dpmem.methods.base import Method
+from dpmem.methods.base import Method, MethodSpec
 from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.privatize import per_sample
 
@@ -27,6 +27,7 @@ class ZerothOrder(Method):
     """MeZO; DPZero is the same step with per-sample clipping and noise."""
 
     config = ZerothOrderConfig
+    spec = MethodSpec(compiled_step=True)  # its forwards compiled (`compile`)
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -73,8 +74,6 @@ class ZerothOrder(Method):
     def _perturb(self, seed: int, alpha) -> None:
         for p, z in self._directions(seed):
             p.add_(z * alpha)
-
-    compilable = True
 
     def compile(self, compiler) -> None:
         """The forward passes compiled (the perturbations, drawn from a generator, stay eager)."""
@@ -142,7 +141,7 @@ class MeZO(ZerothOrder):
 
 class DPZero(ZerothOrder):
     config = DPZeroConfig
-    private = True
+    spec = MethodSpec(private=True, compiled_step=True)
 
     def clipped_sum(self, estimates: torch.Tensor) -> torch.Tensor:
         """The logical batch's sum of scalars clipped to [-C, C] (over every rank: each adds the same noise draw)."""

@@ -15,7 +15,7 @@ import torch
 from dpmem import distributed
 from dpmem.config import GaLoreDPNaiveConfig, ProjectedConfig, enum_value
 from dpmem.data.bundle import real_size, weights
-from dpmem.methods.base import Method, check_positive
+from dpmem.methods.base import Method, MethodSpec, check_positive
 from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import Privatizer
@@ -97,17 +97,11 @@ class GaLore(Method):
 
 class GaLoreDPNaive(GaLore):
     config = GaLoreDPNaiveConfig
-    private = True
-    privatised_gradient = True
-
-    @classmethod
-    def clipping(cls, cfg) -> ClippingPlan:
-        return ClippingPlan.of(enum_value(cfg.clipping))
-
-    compilable = True
+    spec = MethodSpec(private=True, privatised_gradient=True, compiled_step=True,
+                      plan=lambda m: ClippingPlan.of(enum_value(m.clipping)))
 
     def _parameters(self, model, mechanism, cfg, observers):
-        self.privatizer = Privatizer(model, mechanism, self.clipping(cfg), cfg.check_coverage, observers)
+        self.privatizer = Privatizer(model, mechanism, self.spec.clipping(cfg), cfg.check_coverage, observers)
         return self.privatizer.params
 
     def compile(self, compiler) -> None:

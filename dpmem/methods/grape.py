@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dpmem.config import GrapeConfig
-from dpmem.methods.base import Method, check_positive
+from dpmem.methods.base import Method, MethodSpec, check_positive
 from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import Privatizer
@@ -29,21 +29,18 @@ from dpmem.persample import Projection, reducers
 
 class Grape(Method):
     config = GrapeConfig
-    private = True  # its clipped sums live in the projected space: no full privatised gradient
+    # its clipped sums live in the projected space: no full privatised gradient; the projected per-sample gradients
+    # are small: materialised, and all-reduced whole under FSDP
+    spec = MethodSpec(private=True, compiled_step=True, plan=lambda m: ClippingPlan.of("materialize", projected=True))
 
     @classmethod
     def check(cls, cfg) -> None:
         super().check(cfg)
         check_positive(cfg.method, "rank", "refresh")  # the projections' rank r, refreshed every F steps
 
-    @classmethod
-    def clipping(cls, cfg) -> ClippingPlan:
-        # the projected per-sample gradients are small: materialised, and all-reduced whole under FSDP
-        return ClippingPlan.of("materialize", projected=True)
-
     def __init__(self, model, cfg, lr, mechanism: GaussianMechanism, seed: int = 0, observers=()):
         super().__init__(model, cfg, lr, mechanism, seed)
-        self.privatizer = Privatizer(model, mechanism, self.clipping(cfg), cfg.check_coverage, observers)
+        self.privatizer = Privatizer(model, mechanism, self.spec.clipping(cfg), cfg.check_coverage, observers)
         self.params = self.privatizer.params
         self.rank, self.refresh, self.seed, self.t = cfg.rank, cfg.refresh, seed, 0
         # parameter -> projected side (0 rows, 1 columns)
@@ -53,7 +50,6 @@ class Grape(Method):
         self.adam = ProjectedAdam(self.params, self.shapes, cfg.betas, cfg.eps, cfg.weight_decay)
         self._projection_buffers = None  # compiled: the projections' buffers (`compile`)
 
-    compilable = True
 
     def compile(self, compiler) -> None:
         """The private step's micro-batches compiled (`Privatizer.compile`), given this window's projections: kept

@@ -13,6 +13,7 @@ dimension `rc_dimension` gives.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 
@@ -28,16 +29,15 @@ from dpmem.persample import factored_weights
 
 class DPSGDRC(DPAdam):
     config = DPSGDRCConfig
-    accountant = "rc"  # the clipped contribution's norm may exceed C: pld and rdp would understate epsilon
+    # the clipped contribution's norm may exceed C: pld and rdp would understate epsilon; k probes per estimate,
+    # one pass (book-keeping) or two
+    spec = dataclasses.replace(DPAdam.spec, accountant="rc", plan=lambda m: ClippingPlan.of(
+        enum_value(m.estimator), m.k, bookkeeping=m.bookkeeping))
 
     @classmethod
     def check(cls, cfg) -> None:
         super().check(cfg)
         check_positive(cfg.method, "k")  # probes per estimate
-
-    @classmethod
-    def clipping(cls, cfg) -> ClippingPlan:  # k probes per estimate; one pass (book-keeping) or two
-        return ClippingPlan.of(enum_value(cfg.estimator), cfg.k, bookkeeping=cfg.bookkeeping)
 
 
 def estimated_matrices(model: nn.Module) -> list[nn.Parameter]:

@@ -79,8 +79,8 @@ def recorded_parameters(model, patterns) -> list[tuple[str, torch.nn.Parameter]]
 def record(cfg, out: Path) -> tuple[Run, Path]:
     """Run the configured private training with a GradientRecorder on its privatizer; returns the run (its
     summary says how it ended) and the gradients folder."""
-    if not method_class(cfg.method.name).privatised_gradient:
-        allowed = ", ".join(n for n, c in METHODS.items() if c.privatised_gradient)
+    if not method_class(cfg.method.name).spec.privatised_gradient:
+        allowed = ", ".join(n for n, c in METHODS.items() if c.spec.privatised_gradient)
         raise ConfigError("method.name", f"{cfg.method.name} has no full clipped gradient to record; allowed: "
                           f"{allowed}")
     folder = out / "gradients"
