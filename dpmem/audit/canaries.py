@@ -143,9 +143,14 @@ class GradientCanaries(Observer):
         noise = privatizer.mechanism
         self.sigma = noise.sigma
         scale = noise.expected_batch_size / noise.max_grad_norm
-        self.record(released, scale, noise.expected_batch_size)
-        self.record_tensors(released, scale)
+        if self.scored():
+            self.record(released, scale, noise.expected_batch_size)
+        self.record_tensors(released, scale)  # every step, the first too: the whole model's check counts them all
         return released
+
+    def scored(self) -> bool:
+        """Whether this step's release counts in the canaries' scores (it is in the whole model's check anyway)."""
+        return self.where is not None
 
     def record_tensors(self, released: dict, scale: float) -> None:
         """Σ y² of every released tensor this step (y = released·scale = s + σz at every coordinate, s the clipped
@@ -387,8 +392,8 @@ class BatchCanaries(GradientCanaries):
                 self._host[ids], self._flat[ids] = h, flat
         return summed
 
-    def on_noised(self, privatizer, released: dict) -> dict:
-        return super().on_noised(privatizer, released) if self.live else released
+    def scored(self) -> bool:
+        return self.live  # the first step's release: the canaries were placed from it, and none joined it
 
 
 class InputCanaries:
