@@ -21,15 +21,16 @@ from dpmem.data.bundle import Padded
 from dpmem.engine.planner import largest_batch, plan
 from dpmem.methods import build_method, method_config
 from dpmem.methods.base import Method
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import PrivateGradient, Privatizer
 from dpmem.privacy.accounting import calibrate_sigma, epsilon_spent
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, key_of
 from dpmem.privacy.sampling import poisson_batches
 
 __all__ = ["ClippingPlan", "Draws", "GaussianMechanism", "Method", "Padded", "PrivateGradient", "Privatizer",
-           "accounting", "build_method", "calibrate_sigma", "config", "epsilon_spent", "key_of", "largest_batch", "method_config",
+           "accounting", "build_method", "calibrate_sigma", "config", "epsilon_spent", "key_of", "largest_batch",
+           "method_config",
            "plan", "poisson_batches"]
 
 

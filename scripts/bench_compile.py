@@ -34,8 +34,8 @@ from hydra import compose, initialize_config_dir
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import (ADAMW, Contestant, adamw, build, dpmem_method, make_batch, measure,  # noqa: E402
                          opacus_hooks, per_sample_loss, trainable)
-from dpmem.composition import CONF_DIR  # noqa: E402
 from dpmem.compiling import Compiler  # noqa: E402
+from dpmem.composition import CONF_DIR  # noqa: E402
 from dpmem.data import build_data  # noqa: E402
 from dpmem.methods.base import optimizer_state  # noqa: E402
 from dpmem.precision import RunPrecision  # noqa: E402

@@ -26,8 +26,8 @@ from omegaconf import OmegaConf
 
 from dpmem.composition import CONF_DIR
 from dpmem.data import DataBundle, images, text
-from dpmem.metering import LiveTensorCounter
 from dpmem.engine.assemble import assemble
+from dpmem.metering import LiveTensorCounter
 from dpmem.methods import METHODS
 from dpmem.models import build_model
 from dpmem.report import benchmark_page, machine, page_header, write_markdown

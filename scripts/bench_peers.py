@@ -44,8 +44,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpmem.composition import CONF_DIR
 from dpmem.data import build_data
-from dpmem.metering import LiveTensorCounter
 from dpmem.engine.assemble import assemble
+from dpmem.metering import LiveTensorCounter
 from dpmem.methods import method_config
 from dpmem.methods.base import optimizer_state
 from dpmem.models import build_model

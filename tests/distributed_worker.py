@@ -17,8 +17,8 @@ from hydra import compose, initialize_config_dir
 from torch.distributed.fsdp import FSDPModule
 
 from dpmem import distributed, sharding
-from dpmem.data.bundle import real_size
 from dpmem.composition import CONF_DIR
+from dpmem.data.bundle import real_size
 from dpmem.engine.folder import claim
 from dpmem.engine.trainer import Run
 

@@ -11,11 +11,11 @@ from transformers.pytorch_utils import Conv1D
 
 from dpmem.composition import CONF_DIR
 from dpmem.methods import build_method, method_config
-from dpmem.privacy.mechanism import NOISE_BUCKET, GaussianMechanism
 from dpmem.methods.privatize import Privatizer
 from dpmem.persample import PerSampleGradients
 from dpmem.persample.factored import Factored
 from dpmem.precision import RunPrecision
+from dpmem.privacy.mechanism import NOISE_BUCKET, GaussianMechanism
 from dpmem.privacy.randomness import Draws, seed_key
 from tiny_models import tiny_roberta, tiny_vit
 

@@ -15,7 +15,8 @@ from test_docs import example
 
 def test_the_example_calibrates_and_spends_dp_sgd_rc_by_its_own_accountant():
     """`examples/private_loop.py --method dp-sgd-rc` took PLD's σ and reported PLD's ε (7.99 where rc's accountant
-    gives 10.6-11.1): now its σ is rc's for ε = 8, and its ε is rc's own epsilon (dpmem.privacy.rc_envelope) at that σ."""
+    gives 10.6-11.1): now its σ is rc's for ε = 8, and its ε is rc's own epsilon (dpmem.privacy.rc_envelope) at that
+    σ."""
     steps, q = 5, 64 / 1500
     out = example().train(steps=steps, method="dp-sgd-rc", seed=3)
     cfg = api.method_config("dp-sgd-rc")

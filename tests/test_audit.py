@@ -13,18 +13,18 @@ from hydra import compose, initialize_config_dir
 from scipy import optimize, stats
 from torch import nn
 
-import dpmem.methods.privatize as privatize
 from dpmem.audit import quiet_of, run_audit, variants
 from dpmem.audit.bound import audit_bound, epsilon_lower_bound, noise_check, p_value, whole_noise_check
 from dpmem.audit.canaries import BatchCanaries, GradientCanaries
 from dpmem.composition import CONF_DIR
 from dpmem.config import ConfigError
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.clipping_plan import ClippingPlan
+import dpmem.methods.privatize as privatize
 from dpmem.methods.privatize import Privatizer
 from dpmem.persample import PerSampleGradients
 from dpmem.persample import reducers
 from dpmem.privacy import calibrate_sigma
+from dpmem.privacy.mechanism import GaussianMechanism
 from helpers import seeded
 
 

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive, method_config
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.persample import PerSampleGradients, reducers
 from dpmem.persample.factored import Factored
+from dpmem.privacy.mechanism import GaussianMechanism
 from helpers import (B, LargestTensor, Layers, layers_batch, layers_case, layers_loss, method_cfg, roberta_case,
                      run_steps, seeded, vit_case)
 

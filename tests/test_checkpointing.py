@@ -8,10 +8,10 @@ from hydra import compose, initialize_config_dir
 from dpmem.composition import CONF_DIR
 from dpmem.engine.planner import plan
 from dpmem.methods import build_method, method_config
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.models import checkpoint_activations
 from dpmem.persample import PerSampleGradients
 from dpmem.persample.factored import Factored
+from dpmem.privacy.mechanism import GaussianMechanism
 from tiny_models import tiny_llama, tiny_opt, tiny_roberta, tiny_vit
 from helpers import seeded
 

@@ -17,8 +17,8 @@ from dpmem.config import ConfigError
 from dpmem.data.bundle import Padded
 from dpmem.engine.trainer import run_training
 from dpmem.methods import build_method, method_config, validate
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.base import direct_fused_adam, fused_adam_step, own_step_counts
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, seed_key
 from helpers import config, seeded
 from test_lora import roberta_classifier

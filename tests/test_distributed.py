@@ -20,8 +20,8 @@ from hydra import compose, initialize_config_dir
 
 from dpmem.composition import CONF_DIR
 from dpmem.config import ConfigError
-from dpmem.engine.planner import plan
 from dpmem.engine.folder import FolderRefused, claim
+from dpmem.engine.planner import plan
 from dpmem.engine.trainer import Run
 from dpmem.precision import tolerance
 from tests.test_resume import SMALL

@@ -9,10 +9,10 @@ from torch import nn
 
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, method_config
-from dpmem.privacy.mechanism import GaussianMechanism
-from dpmem.privacy import mechanism
 from dpmem.methods.privatize import Observer, Privatizer
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
+from dpmem.privacy import mechanism
+from dpmem.privacy.mechanism import GaussianMechanism
 from helpers import seeded, standard_noise
 from tiny_models import tiny_vit
 

@@ -4,8 +4,8 @@ import math
 
 import torch
 
-import dpmem.methods.galore as galore_module
 from dpmem.methods import GaLore, GaLoreDPNaive
+import dpmem.methods.galore as galore_module
 from dpmem.privacy.mechanism import GaussianMechanism
 from helpers import Mixer, grape_cfg, mixer_batch, mixer_loss, seeded
 

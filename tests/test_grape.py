@@ -10,8 +10,8 @@ from torch import nn
 
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, GaLoreDPNaive, Grape, method_config
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.persample import PerSampleGradients, Projection, reducers
+from dpmem.privacy.mechanism import GaussianMechanism
 from helpers import Mixer, grape_cfg, mixer_batch, mixer_loss, seeded, standard_noise
 
 

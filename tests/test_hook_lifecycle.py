@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.persample import PerSampleGradients, Projection
+from dpmem.privacy.mechanism import GaussianMechanism
 
 C = 0.5
 

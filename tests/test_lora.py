@@ -12,10 +12,10 @@ from dpmem.config import ConfigError, ModelConfig
 from dpmem.data import build_data
 from dpmem.engine.planner import plan
 from dpmem.methods import build_method, method_class, method_config
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.models import build_model
 from dpmem.models.lora import apply_lora
 from dpmem.persample import PerSampleGradients, reducers
+from dpmem.privacy.mechanism import GaussianMechanism
 from helpers import assert_close, engine_grads, loop_grads, seeded
 
 

@@ -13,10 +13,10 @@ from scipy.optimize import brentq
 from dpmem.config import ConfigError
 from dpmem.engine.trainer import run_training
 from dpmem.methods import validate
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.privatize import Privatizer
 from dpmem.privacy import calibrate_sigma, epsilon_spent
 from dpmem.privacy.accounting import PLD_DISCRETIZATION
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, seed_key
 from helpers import Layers, config, layers_batch, layers_loss
 from tests.test_privacy import analytic_gaussian_delta

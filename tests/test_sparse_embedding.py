@@ -10,10 +10,10 @@ from dpmem.composition import CONF_DIR
 from dpmem.data import build_data, example_batch
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, build_method, method_config
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.models import build_model
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, reducers, weighted_sum
 from dpmem.persample.factored import Factored
+from dpmem.privacy.mechanism import GaussianMechanism
 from helpers import LargestTensor, seeded
 
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from dpmem.composition import CONF_DIR, compose_points
 from dpmem.cli import main
+from dpmem.composition import CONF_DIR, compose_points
 from dpmem.config import ConfigError
 from dpmem.engine.trainer import Run
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.subspace import data_identity, privacy_of, save_subspace
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.spectrum import run_spectrum
 from dpmem.spectrum.layer import measure, settings
 from dpmem.spectrum.linalg import orthogonal_iteration, power_law_slope, residual_norms, top_singular_values

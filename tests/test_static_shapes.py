@@ -10,11 +10,11 @@ import torch
 from omegaconf import OmegaConf
 
 from dpmem.data import DataBundle
+from dpmem.data.bundle import Padded, real_size, weights
 from dpmem.engine.trainer import Run
 from dpmem.methods import build_method, method_config
-from dpmem.privacy.mechanism import GaussianMechanism
-from dpmem.data.bundle import Padded, real_size, weights
 from dpmem.methods.base import batch_size
+from dpmem.privacy.mechanism import GaussianMechanism
 from helpers import PRIVATE, config, seeded
 from tiny_models import tiny_vit
 

@@ -10,10 +10,10 @@ from torch import nn
 
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.persample import PerSampleGradients
 from dpmem.persample.factored import Factored
 from dpmem.persample.norms import ghost_is_cheaper, hutchinson, squared_norms
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, seed_key
 from helpers import (B, Layers, layers_batch, layers_case, layers_loss, method_cfg, roberta_case, run_steps, seeded,
                      vit_case)

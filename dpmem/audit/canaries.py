@@ -7,7 +7,9 @@ work to do) on one coordinate of the quantity the method privatises. Each of the
 with probability ½ (the audit's secret bits); an included canary is Poisson-sampled at the run's rate q every
 step, like a real example, and normed, clipped and summed by the Privatizer's own code for real samples. Its score
 is the sum over steps of the released value at its coordinate: the auditor who sees every privatised gradient (the
-threat model DP-SGD's accounting assumes).
+threat model DP-SGD's accounting assumes). Planted in the sum, the real samples' clipped sum there is taken out of
+each step's value first: the white-box auditor sees it, and it does not depend on which canaries are in, so the
+bound stays valid and the score loses the real gradients' background.
 
 Two ways in (`audit.plant`):
 - sum: the canaries' per-sample gradients are handed to the Privatizer's `clipped_sum_of` (given as one-hot
@@ -68,6 +70,7 @@ class GradientCanaries(Observer):
         self.where: dict | None = None  # key -> (canary ids, flat indices), placed at the first step
         self.untouched = False  # every canary placed where the first step's real gradients were zero
         self.background: dict | None = None  # the real clipped sum at the canaries' coordinates (planted in the sum)
+        self.quiet = torch.zeros(m, dtype=torch.bool)  # placed where the first step's real gradient was 0
         # the released values at the left-out canaries' coordinates, in units of C/(q·n): their count and squares
         self.sigma, self.noise_count, self.noise_squares = None, 0, 0.0
         # every released tensor at every step, in the same units: Σ y² over its coordinates (steps × tensors), and
@@ -104,7 +107,6 @@ class GradientCanaries(Observer):
             left -= extra
         ids = torch.randperm(self.m, generator=self.gen).split([shares[key] for key in shapes])
         self.where, self.untouched = {}, untouched is not None
-        self.quiet = torch.zeros(self.m, dtype=torch.bool)  # placed where the first step's real gradient was 0
         for key, mine in zip(shapes, ids):
             if not len(mine):
                 continue

@@ -15,9 +15,9 @@ from dpmem import distributed, sharding
 from dpmem.data import DataBundle
 from dpmem.engine.ledger import PrivacyLedger
 from dpmem.methods import Method, build_method, method_class
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.privatize import Observer
 from dpmem.models import build_model, checkpoint_activations
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, seed_key
 
 

@@ -14,10 +14,10 @@ from dpmem import distributed
 from dpmem.config import ConfigError, enum_value, resolve_delta
 from dpmem.methods import method_class
 from dpmem.methods.base import MethodSpec
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.rc import check_probes, max_layer_dimension, rc_dimension
 from dpmem.privacy import UnreachableTarget, calibrate_sigma, epsilon_spent
 from dpmem.privacy.accounting import joint_sigma
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, key_of, os_key, seed_key
 
 

@@ -25,10 +25,10 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from dpmem import sharding
 from dpmem.config import ConfigError, enum_value
 from dpmem.data import build_data, example_batch
-from dpmem.metering import CUDA_BLOCK, LiveTensorCounter, labelled_forward, memory_label
 from dpmem.engine.assemble import Parts, assemble
 from dpmem.engine.roofline import OpCounter
 from dpmem.engine.trainer import eval_batch_size, run_length
+from dpmem.metering import CUDA_BLOCK, LiveTensorCounter, labelled_forward, memory_label
 from dpmem.methods import check_fsdp
 from dpmem.models import build_model
 

@@ -26,10 +26,10 @@ from dpmem.engine import checkpoint
 from dpmem.engine.assemble import Parts, assemble
 from dpmem.engine.folder import FolderLock, claim, fingerprint, write_config
 from dpmem.engine.ledger import line_epsilon, resolve_accountant
+from dpmem.engine.run_meters import Meter
 from dpmem.engine.summary import (PRIVACY_LEDGER, DiskFull, append_metrics, append_privacy, cut_metrics, json_ready,
                                   most_spent, privacy_records, summary_table, versions, write_summary)
 from dpmem.engine.tracking import NoTracker, open_tracker
-from dpmem.engine.run_meters import Meter
 from dpmem.methods import check_fsdp, method_class
 from dpmem.methods.subspace import SubspaceProjection, privacy_of
 from dpmem.privacy.randomness import Draws

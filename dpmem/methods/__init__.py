@@ -9,7 +9,6 @@ from omegaconf import OmegaConf
 from dpmem.config import ConfigError, validate_groups
 from dpmem.methods.adam import Adam
 from dpmem.methods.base import Method
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.dp_adam import DPAdam
 from dpmem.methods.dpzero import DPZero, MeZO
 from dpmem.methods.galore import GaLore, GaLoreDPNaive
@@ -17,6 +16,7 @@ from dpmem.methods.grape import Grape
 from dpmem.methods.privatize import Observer
 from dpmem.methods.rc import DPSGDRC
 from dpmem.methods.subspace import SubspaceProjection
+from dpmem.privacy.mechanism import GaussianMechanism
 
 METHODS = {"adam": Adam, "dp-adam": DPAdam, "dp-sgd": DPAdam, "mezo": MeZO, "dpzero": DPZero,
            "grape": Grape, "galore": GaLore, "galore-dp-naive": GaLoreDPNaive, "dp-sgd-rc": DPSGDRC}
@@ -57,13 +57,12 @@ def check_fsdp(method_cfg) -> None:
     if spec.shards(method_cfg):
         return
     plan = spec.clipping(method_cfg)
-    at_default = {n: c.spec.shards(method_config(n)) for n, c in METHODS.items()}
-    two_pass = [n for n, c in METHODS.items() if not at_default[n] and c.spec.plan is not None
+    shard = [n for n, c in METHODS.items() if c.spec.shards(method_config(n))]  # at their defaults
+    two_pass = [n for n, c in METHODS.items() if n not in shard and c.spec.plan is not None
                 and c.spec.shards(method_config(n, clipping="ghost"))]
     raise ConfigError("train.fsdp", f"method={method_cfg.name} ({plan.name if plan else 'its step'}) needs whole "
-                      f"parameters or gradients; with FSDP: {', '.join(n for n in at_default if at_default[n])} (at their "
-                      f"defaults), "
-                      f"and {', '.join(two_pass)} with two-pass clipping (method.clipping=fgc, ghost or mixed)")
+                      f"parameters or gradients; with FSDP: {', '.join(shard)} (at their defaults), and "
+                      f"{', '.join(two_pass)} with two-pass clipping (method.clipping=fgc, ghost or mixed)")
 
 
 def method_config(name: str, **options):
@@ -89,5 +88,5 @@ def build_method(cfg, model, lr: float, mechanism: GaussianMechanism | None, see
     return method
 
 
-__all__ = ["build_method", "check_fsdp", "compile_refusal", "method_class", "method_config", "validate", "Method", "METHODS", "Adam",
-           "DPAdam", "MeZO", "DPZero", "Grape", "GaLore", "GaLoreDPNaive", "DPSGDRC"]
+__all__ = ["build_method", "check_fsdp", "compile_refusal", "method_class", "method_config", "validate", "Method",
+           "METHODS", "Adam", "DPAdam", "MeZO", "DPZero", "Grape", "GaLore", "GaLoreDPNaive", "DPSGDRC"]

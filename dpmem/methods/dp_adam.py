@@ -6,10 +6,11 @@ mixed)."""
 from __future__ import annotations
 
 from dpmem.config import DPAdamConfig, enum_value
-from dpmem.methods.base import Method, MethodSpec, direct_fused_adam, fuse, fused_adam_step, make_optimizer, own_step_counts
-from dpmem.privacy.mechanism import GaussianMechanism
+from dpmem.methods.base import (Method, MethodSpec, direct_fused_adam, fuse, fused_adam_step, make_optimizer,
+                                own_step_counts)
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import Privatizer
+from dpmem.privacy.mechanism import GaussianMechanism
 
 
 class DPAdam(Method):

@@ -19,8 +19,8 @@ from dpmem import distributed
 from dpmem.config import ConfigError, DPZeroConfig, ZerothOrderConfig, enum_value
 from dpmem.data.bundle import real_size, weights
 from dpmem.methods.base import Method, MethodSpec
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.privatize import per_sample
+from dpmem.privacy.mechanism import GaussianMechanism
 
 
 class ZerothOrder(Method):

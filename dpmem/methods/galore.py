@@ -16,11 +16,11 @@ from dpmem import distributed
 from dpmem.config import GaLoreDPNaiveConfig, ProjectedConfig, enum_value
 from dpmem.data.bundle import real_size, weights
 from dpmem.methods.base import Method, MethodSpec, check_positive
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
 from dpmem.persample import Projection
+from dpmem.privacy.mechanism import GaussianMechanism
 
 
 def svd_projection(g: torch.Tensor, side: int, rank: int) -> Projection:

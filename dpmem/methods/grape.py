@@ -20,11 +20,11 @@ from torch import nn
 
 from dpmem.config import GrapeConfig
 from dpmem.methods.base import Method, MethodSpec, check_positive
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
 from dpmem.persample import Projection, reducers
+from dpmem.privacy.mechanism import GaussianMechanism
 
 
 class Grape(Method):

@@ -3,8 +3,8 @@
     G̃ = ( Σᵢ min(1, C/‖gᵢ‖)·gᵢ + N(0, σ²C² I) ) / (q·n)
 
 where gᵢ is sample i's gradient over all trainable parameters (projected ones as DP-GRAPE projects them), in
-named stages as Opacus names them: clip and accumulate (over physical micro-batches; `dpmem.methods.clipping_plan` says
-how), sum over ranks, release: noise drawn once per logical step, scaled by 1/(q·n) (`dpmem.privacy.mechanism`).
+named stages as Opacus names them: clip and accumulate (over physical micro-batches; `dpmem.methods.clipping_plan`
+says how), sum over ranks, release: noise drawn once per logical step, scaled by 1/(q·n) (`dpmem.privacy.mechanism`).
 """
 
 from __future__ import annotations
@@ -16,20 +16,21 @@ import torch
 from torch import nn
 
 from dpmem import distributed, sharding
-from dpmem.metering import memory_label
 from dpmem.data.bundle import weights
+from dpmem.metering import memory_label
 from dpmem.methods.base import batch_size
-from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.coverage import verify_coverage
 from dpmem.models import checkpointed
 from dpmem.persample import PerSampleGradients, Projection, reducers, weighted_sum
 from dpmem.persample.clipping import weighted_sums
-from dpmem.persample.norms import exact_squared_norms
 from dpmem.persample.hooks import remove_handles, weakly
+from dpmem.persample.norms import exact_squared_norms
 from dpmem.persample.taps import Taps
 from dpmem.precision import exact_float32
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, Drawn, Recorded
+
 
 class Observer:
     """Sees, and may replace, a private step's quantities; given to the method (and its Privatizer) when it is made.

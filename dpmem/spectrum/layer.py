@@ -14,14 +14,14 @@ from __future__ import annotations
 import torch
 
 from dpmem.config import ConfigError, GrapeConfig
-from dpmem.engine.trainer import Run
 from dpmem.data.bundle import real_size, weights
-from dpmem.privacy.mechanism import GaussianMechanism
+from dpmem.engine.trainer import Run
 from dpmem.methods.projected_adam import choose_projected
 from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum_of
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, seed_key
-from dpmem.spectrum.not_private import mark_not_private
 from dpmem.spectrum.linalg import power_law_slope, top_singular_values
+from dpmem.spectrum.not_private import mark_not_private
 
 Setting = tuple[float | None, float]  # (C, sigma); C None = no clipping
 

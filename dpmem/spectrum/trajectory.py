@@ -23,8 +23,8 @@ from dpmem.engine.trainer import Run
 from dpmem.methods import METHODS, method_class
 from dpmem.methods.privatize import Observer
 from dpmem.methods.subspace import data_identity, save_subspace
-from dpmem.spectrum.not_private import mark_not_private
 from dpmem.spectrum.linalg import orthogonal_iteration, power_law_slope, residual_norms
+from dpmem.spectrum.not_private import mark_not_private
 
 
 class GradientRecorder(Observer):
