@@ -73,6 +73,13 @@ def true_epsilon(name: str, record: dict) -> str:
     return f"{record['epsilon_claimed']:.3g}"
 
 
+def among(record: dict) -> str:
+    """Which canaries the best guesses were among: all, or one weight's (named)."""
+    if record["among"] == "all":
+        return "all"
+    return list(record["canaries_in"])[int(record["among"])]
+
+
 def table(rows: list[tuple[str, dict]]) -> str:
     lines = ["| model | method | variant | plant | claimed ε | true ε | audited ε ≥ (95 %) | correct / guesses (among) "
              "| noise / claimed (p) | least-noised tensor, step | flagged | time (s) |",
@@ -86,7 +93,7 @@ def table(rows: list[tuple[str, dict]]) -> str:
                                 ("noise", r["noise_flagged"]), ("whole-model noise", r["whole_noise_flagged"])) if f]
         lines.append(f"| {r['model']} | {r['method']} | {ROWS[name][0]} | {r['plant']} | {r['epsilon_claimed']:.3g} "
                      f"| {true_epsilon(name, r)} | {r['epsilon_lower_bound']:.2f} "
-                     f"| {r['correct']} / {r['guesses']} ({r['among']}) | {noise} | {whole} "
+                     f"| {r['correct']} / {r['guesses']} ({among(r)}) | {noise} | {whole} "
                      f"| {', '.join(flags) or 'no'} | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 

@@ -52,8 +52,9 @@ def run_audit(cfg, out: Path, mechanism_of=None) -> tuple[dict, str]:
     if inputs is not None:
         inputs.score(parts, batch=max(1, cfg.train.physical_batch_size or cfg.train.batch_size))
     ledger = parts.ledger
+    groups = canaries.groups() if isinstance(canaries, GradientCanaries) else None
     bound = audit_bound(canaries.scores.numpy(), canaries.included.numpy(), delta=ledger.delta, beta=a.beta,
-                        quiet=quiet_of(canaries))
+                        groups=groups.numpy() if groups is not None else None)
     noise = noise_check(canaries.noise_squares, canaries.noise_count, canaries.sigma) \
         if isinstance(canaries, GradientCanaries) else noise_check(0.0, 0, None)
     names: dict[int, str] = {}  # a tied weight by all its names
@@ -79,14 +80,6 @@ def run_audit(cfg, out: Path, mechanism_of=None) -> tuple[dict, str]:
     (out / "audit.md").write_text(text)
     figure(out, record)
     return record, text
-
-
-def quiet_of(canaries):
-    """The canaries whose scores carry no real gradient's background, where some have it: batch canaries placed
-    where the first step's real gradient was 0 (planted in the sum, the background is taken out of every score)."""
-    if not isinstance(canaries, GradientCanaries) or canaries.background is not None or canaries.where is None:
-        return None
-    return canaries.quiet.numpy()
 
 
 def check(cfg) -> None:

@@ -60,13 +60,14 @@ def default_guess_sizes(m: int) -> list[int]:
 
 
 def audit_bound(scores, included, delta: float, beta: float = 0.05, ks: list[int] | None = None,
-                quiet=None) -> dict:
+                groups=None) -> dict:
     """The one-run lower bound from canary `scores` (higher: more likely in) and who was `included`.
 
-    For each k the k highest scores are guessed in, and the k lowest out or none. `quiet` (a bool per canary, fixed
-    before any canary joined: those where no real gradient was) adds the same guesses among the quiet canaries alone,
-    abstaining on the others, whose scores carry the real gradient's background. Each guess is tested at beta over
-    the number of guesses tried, so the maximum over them holds at confidence 1 - beta."""
+    For each k the k highest scores are guessed in, and the k lowest out or none, among all canaries and, with
+    `groups` (a label per canary, fixed before any ran: the weight each lives in), among each group of at least
+    MIN_GROUP alone, abstaining on the rest: a fault in one weight moves its own canaries, whose guesses the others'
+    would dilute. Each guess is tested at beta over the number of guesses tried, so the maximum over them holds at
+    confidence 1 - beta."""
     scores = np.asarray(scores, dtype=np.float64)
     included = np.asarray(included, dtype=bool)
     m = len(scores)
@@ -75,8 +76,10 @@ def audit_bound(scores, included, delta: float, beta: float = 0.05, ks: list[int
     if ks is not None and any(not 1 <= k <= m // 2 for k in ks):
         raise ValueError(f"guess sizes {ks} must lie in [1, m/2 = {m // 2}]")
     among = {"all": np.arange(m)}
-    if quiet is not None and 2 <= int(np.sum(quiet)) < m:
-        among["quiet"] = np.flatnonzero(np.asarray(quiet, dtype=bool))
+    if groups is not None:
+        labels = np.asarray(groups)
+        among.update((str(g), np.flatnonzero(labels == g)) for g in dict.fromkeys(labels.tolist())
+                     if MIN_GROUP <= np.sum(labels == g) < m)
     guesses = [(name, k, out) for name, pool in among.items()
                for k in (ks if ks is not None and name == "all" else default_guess_sizes(len(pool)))
                for out in (k, 0)]  # the bottom k guessed out too, or abstained on
@@ -91,6 +94,9 @@ def audit_bound(scores, included, delta: float, beta: float = 0.05, ks: list[int
     return {"epsilon_lower_bound": best["epsilon"], "k": best["k"], "out": best["out"], "among": best["among"],
             "guesses": best["guesses"], "correct": best["correct"], "canaries": m, "included": int(included.sum()),
             "beta": beta, "delta": delta, "by_k": rows}
+
+
+MIN_GROUP = 50  # canaries a weight needs for guesses among its own: fewer cannot rule out ε = 2 at 95 %
 
 
 NOISE_LEVEL = 1e-6  # the noise check's false alarm rate: it is tight, so at 5 % it would flag 1 correct run in 20

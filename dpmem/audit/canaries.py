@@ -36,9 +36,9 @@ Where the canary lives is where the mechanism looks:
   gradient Pᵀ-lifted from that Dirac is what the projection maps onto it);
 - dpzero: a Dirac gradient c in parameter space, seen through the step's random direction as the scalar ⟨c, z⟩,
   clipped to [-C, C] with the real samples' scalars; its score is Σₜ g̃ₜ·clip(⟨c, zₜ⟩)/C.
-The canaries are spread over the model, an equal share per parameter (a parameter with fewer coordinates takes
-them all, and the others share the rest), so that a fault in any one layer moves some of them, and the bound is
-one audit over all. Within a parameter, first-order canaries go where the first step's real clipped sum is exactly
+The canaries are spread over the model, every parameter holding some (a quarter of them in equal shares, the rest
+in proportion to size), so that a fault in any one layer moves some of them; the bound is one audit over all of
+them, its guesses made among all and among each weight's own (`bound.audit_bound`). Within a parameter, first-order canaries go where the first step's real clipped sum is exactly
 zero, where it has enough such coordinates (rows of unused tokens' embeddings, weights of always-zero inputs), and
 uniformly at random otherwise.
 The choice depends on the real data only, not on which canaries are in, so the bound stays valid; real gradients
@@ -69,8 +69,7 @@ class GradientCanaries(Observer):
         self.scores = torch.zeros(m, dtype=torch.float64)
         self.where: dict | None = None  # key -> (canary ids, flat indices), placed at the first step
         self.untouched = False  # every canary placed where the first step's real gradients were zero
-        self.background: dict | None = None  # the real clipped sum at the canaries' coordinates (planted in the sum)
-        self.quiet = torch.zeros(m, dtype=torch.bool)  # placed where the first step's real gradient was 0
+        self.background: dict | None = None  # the step's real clipped sum at the canaries' coordinates (by key)
         # the released values at the left-out canaries' coordinates, in units of C/(q·n): their count and squares
         self.sigma, self.noise_count, self.noise_squares = None, 0, 0.0
         # every released tensor at every step, in the same units: Σ y² over its coordinates (steps × tensors), and
@@ -79,32 +78,25 @@ class GradientCanaries(Observer):
         self.tensor_sizes: list[int] = []
         self.tensor_keys: list = []
 
-    def place(self, shapes: dict, untouched: dict | None = None, allowed: dict | None = None,
-              prefer: list | None = None) -> None:
+    def place(self, shapes: dict, untouched: dict | None = None, allowed: dict | None = None) -> None:
         """m distinct coordinates spread over every key (a parameter, its shape in `shapes`), so that a fault in any
-        one of them moves some canaries: an equal share each, a key with fewer coordinates (or `allowed` ones: a
-        flat bool mask per key) taking all it has and the others sharing the rest. With `prefer` (keys, best first)
-        half of them are spread so, and the other half go to the preferred keys' `untouched` coordinates in turn,
-        where a canary's score carries no real gradient's background. Within a key, among the `untouched` ones (a
-        flat bool mask per key: the first step's real clipped sum was exactly 0 there) if it has enough of them,
-        uniformly among its allowed ones otherwise."""
+        one of them moves some canaries: a quarter of them in equal shares (FLOOR), the rest in proportion to each
+        key's coordinates (or `allowed` ones: a flat bool mask per key), a key taking at most all it has. Within a key,
+        among the `untouched` ones (a flat bool mask per key: the first step's real clipped sum was exactly 0 there)
+        if it has enough of them, uniformly among its allowed ones otherwise."""
         room = {key: int(allowed[key].sum()) if allowed is not None else int(torch.Size(s).numel())
                 for key, s in shapes.items()}
         if sum(room.values()) < self.m:
             raise ValueError(f"{self.m} canaries need as many coordinates; the method privatises "
                              f"{sum(room.values())} where they can live")
-        quiet = {key: int((untouched[key] & allowed[key]).sum() if allowed is not None else untouched[key].sum())
-                 for key in shapes} if untouched is not None and prefer else {}
-        shares, left = {}, self.m - min(self.m // 2, sum(quiet.values()))
-        for i, key in enumerate(sorted(room, key=room.get)):  # the smallest first: what they cannot hold goes on
-            shares[key] = min(room[key], -(-left // (len(room) - i)))
-            left -= shares[key]
-        left = self.m - sum(shares.values())
-        # the rest where they are quiet, the preferred keys first; then wherever there is room
-        for key, limit in [*((key, quiet[key]) for key in prefer or ()), *room.items()]:
-            extra = min(left, max(0, limit - shares[key]))
+        total = sum(room.values())
+        shares = {key: min(room[key], self.m // (FLOOR * len(room))) for key in room}
+        half = self.m - sum(shares.values())
+        for key in room:  # the rest in proportion to size (a large weight, e.g. a tied embedding, holds many)
+            shares[key] += min(room[key] - shares[key], half * room[key] // total)
+        for key in sorted(room, key=lambda key: shares[key] - room[key]):  # what rounding left, where there is room
+            extra = min(self.m - sum(shares.values()), room[key] - shares[key])
             shares[key] += extra
-            left -= extra
         ids = torch.randperm(self.m, generator=self.gen).split([shares[key] for key in shapes])
         self.where, self.untouched = {}, untouched is not None
         for key, mine in zip(shapes, ids):
@@ -116,7 +108,6 @@ class GradientCanaries(Observer):
                 free = free & allowed[key]
             if free is not None and int(free.sum()) >= len(mine):
                 pool = free.nonzero().flatten()
-                self.quiet[mine] = True
             else:
                 self.untouched = False
                 pool = allowed[key].nonzero().flatten() if allowed is not None else None
@@ -124,6 +115,15 @@ class GradientCanaries(Observer):
             picks = (torch.randperm(count, generator=self.gen)[:len(mine)] if count <= 10**7
                      else self._distinct(count, len(mine)))
             self.where[key] = (mine, pool[picks] if pool is not None else picks)
+
+    def groups(self) -> torch.Tensor | None:
+        """The weight each canary lives in, as an index (the bound's guesses among one weight's canaries)."""
+        if self.where is None:
+            return None
+        labels = torch.zeros(self.m, dtype=torch.long)
+        for i, (ids, _) in enumerate(self.where.values()):
+            labels[ids] = i
+        return labels
 
     def _distinct(self, total: int, k: int) -> torch.Tensor:
         seen: dict[int, None] = {}
@@ -171,15 +171,20 @@ class GradientCanaries(Observer):
             small = sum(s.numel() for s in summed.values()) <= 10**8  # the masks are a byte per coordinate, on the host
             zero = {key: (s == 0).reshape(-1).cpu() for key, s in summed.items()} if small else None
             self.place({key: s.shape for key, s in summed.items()}, zero)
-        # the real samples' clipped sum at the canaries' coordinates, taken out of their scores (`record`): the
-        # white-box auditor sees it, and it does not depend on which canaries are in, so the bound stays valid
-        self.background = {key: summed[key].reshape(-1)[flat.to(summed[key].device)].double().cpu()
-                           for key, (_, flat) in self.where.items()}
+        self.background = self.at_canaries(summed)  # the real samples' clipped sum, before any canary joins it
         sampled = self.sample(rate)
         for key, (ids, flat) in self.where.items():
             hit = flat[sampled[ids]]
             if len(hit):  # each canary lives in one key: its norm there is its whole norm
                 summed[key] += clipped_sum({key: self._diracs(summed[key], hit)})[key].to(summed[key].dtype)
+
+    def at_canaries(self, summed: dict) -> dict:
+        """`summed`'s values at the canaries' coordinates, by key (float64, on the host; 0 where a key is missing).
+        Taken from the real samples' clipped sum, they come out of the canaries' scores (`record`): the white-box
+        auditor sees that sum, and it does not depend on which canaries are in, so the bound stays valid and the
+        scores lose the real gradients' background."""
+        return {key: summed[key].reshape(-1)[flat.to(summed[key].device)].double().cpu() if key in summed
+                else torch.zeros(len(flat), dtype=torch.float64) for key, (_, flat) in self.where.items()}
 
     def _diracs(self, like: torch.Tensor, flat: torch.Tensor):
         """Per-sample gradients of canaries at `flat` coordinates of `like`'s shape, one row each: `norm` there, zero
@@ -200,16 +205,14 @@ class GradientCanaries(Observer):
 
     def record(self, released: dict, scale: float | None = None, divisor: float = 1.0) -> None:
         """Add the step's released values at the canaries' coordinates, less the real samples' clipped sum there
-        over `divisor` (q·n) where it is known (planted in the sum), to their scores; with `scale` (q·n/C), the
-        left-out canaries' squares, in units of C/(q·n), to the noise check's."""
-        known = self.background is not None
+        over `divisor` (q·n), to their scores; with `scale` (q·n/C), the left-out canaries' (the claimed noise
+        alone, under the claim), in units of C/(q·n), to the noise check's squares."""
         for key, (ids, flat) in self.where.items():
             values = released[key].reshape(-1)[flat.to(released[key].device)].double().cpu()
-            if known:
-                values -= self.background[key] / divisor
+            values -= self.background[key] / divisor
             self.scores[ids] += values
-            if scale is not None:  # the left-out canaries where no real gradient was or it is known (else all)
-                out = values[~self.included[ids] & (self.quiet[ids] | known | ~self.quiet.any())] * scale
+            if scale is not None:
+                out = values[~self.included[ids]] * scale
                 self.noise_count += len(out)
                 self.noise_squares += float(out.square().sum())
 
@@ -249,6 +252,7 @@ def _squares(v: torch.Tensor) -> torch.Tensor:
                for i in range(0, flat.numel(), SQUARES_CHUNK))
 
 
+FLOOR = 4  # a share of m / (FLOOR · keys) canaries for every key; the rest in proportion to size
 HOSTS = (nn.Linear, nn.Embedding)  # layers whose weight a canary can be made through (exactly these types)
 
 
@@ -307,16 +311,16 @@ class BatchCanaries(GradientCanaries):
         micro = list(microbatches)
         if self._template is None and micro and batch_size(micro[0]):
             self._template = {k: v[:1].clone() for k, v in micro[0].items()}
-        self.live, self._rows = self.where is not None, {}
+        self.live, self._rows, self._real = self.where is not None, {}, len(micro)
+        self._local = None  # this rank's real clipped sum at the canaries' coordinates (`on_accumulated`)
         if not self.live:
             return micro, loss_fn
         sampled = self.sample(privatizer.mechanism.sample_rate).nonzero().flatten()
         if not len(sampled) or not distributed.is_main():  # one rank holds the canaries, as one holds a sample
             return micro, loss_fn
-        if not micro:  # an empty logical batch: the canaries make a micro-batch of their own
-            micro = [{k: v[:0].to(privatizer.device) for k, v in self._template.items()}]
-        parts = sampled.tensor_split(len(micro))
-        joined = [self._join(mb, ids, privatizer.device) for mb, ids in zip(micro, parts)]
+        # the canaries' own micro-batch, after the real ones: the real clipped sum is read before it joins
+        own = self._join({k: v[:0].to(privatizer.device) for k, v in self._template.items()}, sampled,
+                         privatizer.device)
 
         def with_canaries(model, batch):
             losses = loss_fn(model, batch)
@@ -326,7 +330,11 @@ class BatchCanaries(GradientCanaries):
             made = self._made(len(losses), start, ids, losses.device)
             rows = torch.arange(len(losses), device=losses.device) >= start
             return torch.where(rows, made - made.detach(), losses)  # a canary's loss is 0, its gradient the canary
-        return joined, with_canaries
+        return [*micro, own], with_canaries
+
+    def on_accumulated(self, privatizer, summed: dict, index: int) -> None:
+        if self.live and index == self._real - 1:  # the last real micro-batch's: the canaries' comes next
+            self._local = self.at_canaries(summed)
 
     def _join(self, mb: dict, ids: torch.Tensor, device) -> dict:
         if not len(ids):
@@ -382,16 +390,19 @@ class BatchCanaries(GradientCanaries):
             small = sum(p.numel() for p in self.owners) <= 10**8  # the masks are a byte per coordinate, on the host
             hosts = list(self.owners)
             untouched = {p: (summed[p] == 0).reshape(-1).cpu() for p in hosts} if small else None
-            allowed = {p: self._allowed(p) for p in hosts}
-            # half the canaries quiet: a weight tied between several layers first, then the most untouched room
-            prefer = sorted(hosts, key=lambda p: (-len(self.owners[p]), -int((untouched[p] & allowed[p]).sum())))
-            self.place({p: p.shape for p in hosts}, untouched, allowed, prefer if small else None)
+            self.place({p: p.shape for p in hosts}, untouched, {p: self._allowed(p) for p in hosts})
             self.hosts = [p for p in hosts if p in self.where]
             self._host = torch.full((self.m,), -1, dtype=torch.long)
             self._flat = torch.zeros(self.m, dtype=torch.long)
             for h, p in enumerate(self.hosts):
                 ids, flat = self.where[p]
                 self._host[ids], self._flat[ids] = h, flat
+        elif self.live:  # the real samples' clipped sum at the canaries' coordinates, over every rank
+            local = self._local if self._local is not None else self.at_canaries({})
+            keys = list(local)
+            joined = torch.cat([local[key] for key in keys]).to(privatizer.device)
+            distributed.sum_([joined])
+            self.background = dict(zip(keys, joined.cpu().split([len(local[key]) for key in keys])))
         return summed
 
     def scored(self) -> bool:

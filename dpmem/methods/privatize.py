@@ -47,6 +47,11 @@ class Observer:
         (dpmem audit's canaries join the micro-batches as samples of their own, through the real samples' path)."""
         return microbatches, loss_fn
 
+    def on_accumulated(self, privatizer: "Privatizer", summed: dict, index: int) -> None:
+        """After micro-batch `index` (0-based) of this rank's step: `summed` holds the clipped sums so far (a
+        parameter no micro-batch reached yet is missing). dpmem audit's canaries read the real samples' part there,
+        before their own micro-batch, the last."""
+
     def on_clipped(self, privatizer: "Privatizer", summed: dict) -> dict:
         return summed
 
@@ -268,12 +273,14 @@ class Privatizer:
             return self._compiled_pass(microbatches, loss_fn, shapes, projections)
         summed = {}  # made by the first micro-batch's clipped sums (`_accumulate`)
         loss_sum = torch.zeros((), device=self.device)
-        for mb in self._with_step_probes(microbatches):
+        for i, mb in enumerate(self._with_step_probes(microbatches)):
             probes = Recorded(self._probe_draws) if estimated else None  # a compiled run learns which probes it draws
             loss_sum = loss_sum + self.microbatch(mb, loss_fn, projections, summed, self._zero, self._check_coverage,
                                                   probes)
             self._probe_shapes = probes.shapes if estimated else None
             self._check_coverage = False
+            for observer in self.observers:
+                observer.on_accumulated(self, summed, i)
         return self._completed(summed, shapes), loss_sum
 
     def _compiled_pass(self, microbatches, loss_fn, shapes, projections):
@@ -338,7 +345,7 @@ class Privatizer:
         summed = {}  # the first micro-batch's .grad tensors themselves (`_accumulate`)
         loss_sum = torch.zeros((), device=self.device)
         norm = reducers.norms(self.plan.norms, self.plan.k, self._probe_draws)
-        for mb in self._with_step_probes(microbatches):
+        for i, mb in enumerate(self._with_step_probes(microbatches)):
             check = self._check_coverage
             reduce = dict.fromkeys(self.params, reducers.with_sum(norm) if check else norm)
             with self.persample.capture(batch_size(mb), reduce) as kept:
@@ -364,6 +371,8 @@ class Privatizer:
                 if p.grad is not None:
                     _accumulate(summed, p, p.grad)
                     p.grad = None
+            for observer in self.observers:
+                observer.on_accumulated(self, summed, i)
             loss_sum = loss_sum + (self.mechanism.clipped_losses(losses.detach()) * weights(mb)).sum()
         return self._completed(summed), loss_sum
 
