@@ -337,8 +337,8 @@ def test_dpmem_audit_sees_a_tied_weight_normed_per_use_on_roberta_mlm(tmp_path):
     """Issue 42 (c) end to end: RoBERTa's word embeddings are its MLM head's weight (two uses a sample). Batch canaries
     are 16 uses of their weight (a tied one's owners in turn): normed per use, they pass up to 4 C. Spread over every
     weight, the tied one most (it is the largest), with the real gradients' background out of their scores, they
-    move the bound from 0.29 to 1.46 in these 10 steps, and past the claim over the 240 steps of
-    scripts/audit_variants.py's RoBERTa rows (2.18 at m = 1000; its page). Seeds pinned: deterministic."""
+    move the bound from 0.30 to 1.36 in these 10 steps, and past the claim over the 240 steps of
+    scripts/audit_variants.py's RoBERTa rows (about 2 at m = 1000; its page). Seeds pinned: deterministic."""
     roberta = ["model=roberta-tiny", "model.head=mlm", "data=synthetic", "data.seq_len=16", "train.batch_size=512",
                "audit.canaries=1000", "method=dp-adam"]
     correct, _ = run_audit(config(model=roberta), tmp_path / "correct")

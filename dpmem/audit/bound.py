@@ -79,7 +79,7 @@ def audit_bound(scores, included, delta: float, beta: float = 0.05, ks: list[int
     if groups is not None:
         labels = np.asarray(groups)
         among.update((str(g), np.flatnonzero(labels == g)) for g in dict.fromkeys(labels.tolist())
-                     if MIN_GROUP <= np.sum(labels == g) < m)
+                     if max(MIN_GROUP, GROUP_SHARE * m) <= np.sum(labels == g) < m)
     guesses = [(name, k, out) for name, pool in among.items()
                for k in (ks if ks is not None and name == "all" else default_guess_sizes(len(pool)))
                for out in (k, 0)]  # the bottom k guessed out too, or abstained on
@@ -97,6 +97,7 @@ def audit_bound(scores, included, delta: float, beta: float = 0.05, ks: list[int
 
 
 MIN_GROUP = 50  # canaries a weight needs for guesses among its own: fewer cannot rule out ε = 2 at 95 %
+GROUP_SHARE = 0.1  # and the share of all: each group tried costs every guess some confidence (the union bound)
 
 
 NOISE_LEVEL = 1e-6  # the noise check's false alarm rate: it is tight, so at 5 % it would flag 1 correct run in 20

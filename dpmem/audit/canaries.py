@@ -36,7 +36,7 @@ Where the canary lives is where the mechanism looks:
   gradient Pᵀ-lifted from that Dirac is what the projection maps onto it);
 - dpzero: a Dirac gradient c in parameter space, seen through the step's random direction as the scalar ⟨c, z⟩,
   clipped to [-C, C] with the real samples' scalars; its score is Σₜ g̃ₜ·clip(⟨c, zₜ⟩)/C.
-The canaries are spread over the model, every parameter holding some (a quarter of them in equal shares, the rest
+The canaries are spread over the model, every parameter holding some (half of them in equal shares, the rest
 in proportion to size), so that a fault in any one layer moves some of them; the bound is one audit over all of
 them, its guesses made among all and among each weight's own (`bound.audit_bound`). Within a parameter, first-order canaries go where the first step's real clipped sum is exactly
 zero, where it has enough such coordinates (rows of unused tokens' embeddings, weights of always-zero inputs), and
@@ -80,7 +80,7 @@ class GradientCanaries(Observer):
 
     def place(self, shapes: dict, untouched: dict | None = None, allowed: dict | None = None) -> None:
         """m distinct coordinates spread over every key (a parameter, its shape in `shapes`), so that a fault in any
-        one of them moves some canaries: a quarter of them in equal shares (FLOOR), the rest in proportion to each
+        one of them moves some canaries: half of them in equal shares (FLOOR), the rest in proportion to each
         key's coordinates (or `allowed` ones: a flat bool mask per key), a key taking at most all it has. Within a key,
         among the `untouched` ones (a flat bool mask per key: the first step's real clipped sum was exactly 0 there)
         if it has enough of them, uniformly among its allowed ones otherwise."""
@@ -252,7 +252,7 @@ def _squares(v: torch.Tensor) -> torch.Tensor:
                for i in range(0, flat.numel(), SQUARES_CHUNK))
 
 
-FLOOR = 4  # a share of m / (FLOOR · keys) canaries for every key; the rest in proportion to size
+FLOOR = 2  # a share of m / (FLOOR · keys) canaries for every key; the rest in proportion to size
 HOSTS = (nn.Linear, nn.Embedding)  # layers whose weight a canary can be made through (exactly these types)
 
 
