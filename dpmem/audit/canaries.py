@@ -15,20 +15,20 @@ Two ways in (`audit.plant`):
 - sum: the canaries' per-sample gradients are handed to the Privatizer's `clipped_sum_of` (given as one-hot
   factors) and added to the real clipped sum before the noise. They see the norm rule, the clip factors, the
   weighted sum, the noise and the accounting, but not the path real samples take to them.
-- batch (`BatchCanaries`, the default where the method allows): each sampled canary joins one of the step's
-  micro-batches as a sample of its own, a copy of a real row whose loss is replaced by one whose gradient is the
-  canary: the layers that own its host weight (nn.Linear, nn.Embedding: a tied weight's every owner) are called on
-  one-hot inputs and output gradients, `audit.uses` times, each call contributing norm/uses at the canary's
-  coordinate. So it goes wherever a real sample goes: the layers' hooks and rules, the sum over a weight's uses,
-  the norm of that sum, the clip factors and weighted sums of the micro-batch (one pass or two), the accumulation
-  over micro-batches. A norm taken per use sees 16 uses of norm C·norm/16 each, and lets √16 = 4 times C through.
-  The canaries are placed at the first step (whose micro-batches no canary joins), from its clipped sums, over every
-  trainable nn.Linear and nn.Embedding weight (biases and norms' weights cannot host one).
+- batch (`BatchCanaries`, the default where the method allows): the step's sampled canaries join as a micro-batch of
+  their own, after the real ones, each a sample: a copy of a real row whose loss is replaced by one whose gradient
+  is the canary: the layers that own its host weight (nn.Linear, nn.Embedding: a tied weight's every owner) are
+  called on one-hot inputs and output gradients, `audit.uses` times, each call contributing norm/uses at the
+  canary's coordinate. So it goes wherever a real sample goes: the layers' hooks and rules, the sum over a weight's
+  uses, the norm of that sum, the clip factors and weighted sums of its micro-batch (one pass or two), the
+  accumulation over micro-batches. A norm taken per use sees 16 uses of norm C·norm/16 each, and lets √16 = 4 times
+  C through. The canaries are placed at the first step (whose micro-batches no canary joins), from its clipped sums,
+  over every trainable nn.Linear and nn.Embedding weight (biases and norms' weights cannot host one).
 
-Besides the bound, the released values at the coordinates of the canaries left out (no canary, little or no real
-gradient) are compared with the claimed noise: their mean square, in units of C/(q·n), is at least σ² under the
-claim (real gradients there only add to it), so a chi-squared lower tail below 10⁻⁶ shows noise smaller than
-claimed (`dpmem.audit.bound.noise_check`), whatever stage added it.
+Besides the bound, the released values at the coordinates of the canaries left out, less the real samples' clipped
+sum there, are compared with the claimed noise: their mean square, in units of C/(q·n), is σ² under the claim, so a
+chi-squared lower tail below 10⁻⁶ shows noise smaller than claimed (`dpmem.audit.bound.noise_check`), whatever
+stage added it.
 
 Where the canary lives is where the mechanism looks:
 - dp-adam, dp-sgd, galore-dp-naive, dp-sgd-rc: a coordinate of a parameter's gradient;
@@ -36,13 +36,12 @@ Where the canary lives is where the mechanism looks:
   gradient Pᵀ-lifted from that Dirac is what the projection maps onto it);
 - dpzero: a Dirac gradient c in parameter space, seen through the step's random direction as the scalar ⟨c, z⟩,
   clipped to [-C, C] with the real samples' scalars; its score is Σₜ g̃ₜ·clip(⟨c, zₜ⟩)/C.
-The canaries are spread over the model, every parameter holding some (half of them in equal shares, the rest
-in proportion to size), so that a fault in any one layer moves some of them; the bound is one audit over all of
-them, its guesses made among all and among each weight's own (`bound.audit_bound`). Within a parameter, first-order canaries go where the first step's real clipped sum is exactly
-zero, where it has enough such coordinates (rows of unused tokens' embeddings, weights of always-zero inputs), and
-uniformly at random otherwise.
-The choice depends on the real data only, not on which canaries are in, so the bound stays valid; real gradients
-on a canary's coordinate add background to its score, which weakens the bound but never invalidates it.
+The canaries are spread over the model, every parameter holding some (half of them in equal shares, the rest in
+proportion to size), so that a fault in any one layer moves some of them; the bound is one audit over all of them,
+its guesses made among all and among each weight's own (`bound.audit_bound`). Within a parameter, first-order
+canaries go where the first step's real clipped sum is exactly zero, where it has enough such coordinates (rows of
+unused tokens' embeddings, weights of always-zero inputs), and uniformly at random otherwise.
+The choice depends on the real data only, not on which canaries are in, so the bound stays valid.
 """
 
 from __future__ import annotations
@@ -261,8 +260,9 @@ class BatchCanaries(GradientCanaries):
 
     Placed at the first step's clipped sums (which hold no canary), spread over the weights of every trainable
     nn.Linear and nn.Embedding layer (`hosts`; `place` says how). From the second step on, the step's Poisson sample
-    of the included canaries joins its micro-batches, spread over them in turn (on rank 0): each canary a row copied
-    from its micro-batch, whose loss is replaced by Σ_u ⟨layer_u(x_u), G_u⟩ over `uses` calls of the host weight's
+    of the included canaries joins as a micro-batch of its own, after the real ones (on rank 0; `on_accumulated`
+    reads the real clipped sum at the canaries' coordinates before it runs): each canary a copy of a real row, whose
+    loss is replaced by Σ_u ⟨layer_u(x_u), G_u⟩ over `uses` calls of the host weight's
     layers (its owners in turn), each with a one-hot input and a one-hot output gradient of norm/uses at the
     canary's coordinate (for a Linear, two positions whose output gradients cancel in the bias). Its loss is 0; its
     per-sample gradient is norm·e_(i,j) on the host weight and 0 elsewhere, made by the layers' own hooks."""
