@@ -73,7 +73,8 @@ def run_audit(cfg, out: Path, mechanism_of=None) -> tuple[dict, str]:
               "physical_batch_size": cfg.train.physical_batch_size,
               "epsilon_claimed": summary["epsilon_spent"], "delta": ledger.delta,
               "sigma": summary["sigma"], "steps": summary["steps_done"], "sample_rate": ledger.sample_rate,
-              **bound, **noise, **whole, "flagged": flagged, "confidence": 1 - a.beta, "seconds": time.perf_counter() - start,
+              **bound, **noise, **whole, "flagged": flagged, "confidence": 1 - a.beta,
+              "seconds": time.perf_counter() - start,
               "scores": canaries.scores.tolist(), "in": canaries.included.tolist(), "run_dir": str(out / "run")}
     (out / "audit.json").write_text(json.dumps(json_ready(record), indent=1) + "\n")
     text = table([record])

@@ -78,8 +78,9 @@ def audit_bound(scores, included, delta: float, beta: float = 0.05, ks: list[int
     among = {"all": np.arange(m)}
     if groups is not None:
         labels = np.asarray(groups)
-        among.update((str(g), np.flatnonzero(labels == g)) for g in dict.fromkeys(labels.tolist())
-                     if max(MIN_GROUP, GROUP_SHARE * m) <= np.sum(labels == g) < m)
+        values, counts = np.unique(labels, return_counts=True)
+        among.update((str(g), np.flatnonzero(labels == g)) for g, count in zip(values.tolist(), counts)
+                     if max(MIN_GROUP, GROUP_SHARE * m) <= count < m)
     guesses = [(name, k, out) for name, pool in among.items()
                for k in (ks if ks is not None and name == "all" else default_guess_sizes(len(pool)))
                for out in (k, 0)]  # the bottom k guessed out too, or abstained on

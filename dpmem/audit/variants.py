@@ -70,12 +70,19 @@ def norms_per_use():
 
 
 # -- broken mechanisms: each a GaussianMechanism that a run uses in place of the calibrated one ----------------
-class NoiseCut(GaussianMechanism):
+class BrokenMechanism(GaussianMechanism):
+    """A mechanism with `base`'s σ, C, q·n, rate, draws and loss release, which a subclass breaks."""
+
+    def __init__(self, base: GaussianMechanism):
+        super().__init__(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+
+
+class NoiseCut(BrokenMechanism):
     """Noise of std σC/`factor` (inf: none) on the clipped sums whose key `where(key)` accepts (every one when None:
     DPZero's scalar has key None), at the releases (0-based steps) in `at` (every one when None); σC elsewhere."""
 
     def __init__(self, base: GaussianMechanism, factor: float, where=None, at=None):
-        super().__init__(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+        super().__init__(base)
         self.factor, self.where, self.at = factor, where, at
 
     def noise_std(self, key) -> float:
@@ -84,12 +91,12 @@ class NoiseCut(GaussianMechanism):
         return std / self.factor if cut else std
 
 
-class OneLayerClipping(GaussianMechanism):
+class OneLayerClipping(BrokenMechanism):
     """Clip factors from one parameter's per-sample norm alone (`layer`): every other parameter's gradient goes
     through unclipped (true ε ∞)."""
 
     def __init__(self, base: GaussianMechanism, layer):
-        super().__init__(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+        super().__init__(base)
         self.layer = layer
 
     def clip_factors(self, squares: dict) -> torch.Tensor:

@@ -40,9 +40,8 @@ RANKING = ("Ranked by estimated samples/s within each family of methods: {asked}
 
 def family(method: str) -> str:
     from dpmem.methods import method_class
-    from dpmem.methods.dpzero import ZerothOrder
 
-    return FAMILIES[issubclass(method_class(method), ZerothOrder)]
+    return FAMILIES[method_class(method).spec.zeroth_order]
 
 
 def own_keys(chosen: list[str]) -> set[str]:

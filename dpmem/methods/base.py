@@ -32,6 +32,8 @@ class MethodSpec:
         shardable: without a clipping plan, whether FSDP can run its step (autograd's batch gradient, sharded);
             with one, the plan says.
         compiled_step: train.compile has a compiled step for it (`Method.compile`).
+        zeroth_order: forward passes only, no backward (its samples are cheap, its steps many: dpmem plan ranks it
+            apart, and plans it without checkpointing).
     """
     private: bool = False
     accountant: str = "pld"
@@ -39,6 +41,7 @@ class MethodSpec:
     plan: Callable[[MethodConfig], ClippingPlan] | None = None
     shardable: bool = False
     compiled_step: bool = False
+    zeroth_order: bool = False
 
     def clipping(self, method_cfg) -> ClippingPlan | None:
         """How its per-sample clipping forms the clipped sums under these options; None: it clips none."""

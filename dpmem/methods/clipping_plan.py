@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dpmem.config import enum_value
+
 from dpmem.persample.norms import ESTIMATORS, RULES
 
 CHOICES = ("materialize", "bk") + RULES
@@ -85,3 +87,8 @@ class ClippingPlan:
     @property
     def estimated(self) -> bool:
         return self.norms in ESTIMATORS
+
+
+def configured(method_cfg) -> ClippingPlan:
+    """The plan a method's `clipping` option names (dp-adam, dp-sgd, galore-dp-naive)."""
+    return ClippingPlan.of(enum_value(method_cfg.clipping))

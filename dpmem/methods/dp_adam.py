@@ -5,10 +5,10 @@ mixed)."""
 
 from __future__ import annotations
 
-from dpmem.config import DPAdamConfig, enum_value
+from dpmem.config import DPAdamConfig
 from dpmem.methods.base import (Method, MethodSpec, direct_fused_adam, fuse, fused_adam_step, make_optimizer,
                                 own_step_counts)
-from dpmem.methods.clipping_plan import ClippingPlan
+from dpmem.methods.clipping_plan import configured
 from dpmem.methods.privatize import Privatizer
 from dpmem.privacy.mechanism import GaussianMechanism
 
@@ -16,7 +16,7 @@ from dpmem.privacy.mechanism import GaussianMechanism
 class DPAdam(Method):
     config = DPAdamConfig
     spec = MethodSpec(private=True, privatised_gradient=True, compiled_step=True,
-                      plan=lambda m: ClippingPlan.of(enum_value(m.clipping)))
+                      plan=configured)
     _fused = False  # train.compile ran `compile`: the optimiser is fused, its steps taken directly
 
     def __init__(self, model, cfg, lr, mechanism: GaussianMechanism, seed: int = 0, observers=()):

@@ -27,7 +27,7 @@ class ZerothOrder(Method):
     """MeZO; DPZero is the same step with per-sample clipping and noise."""
 
     config = ZerothOrderConfig
-    spec = MethodSpec(compiled_step=True)  # its forwards compiled (`compile`)
+    spec = MethodSpec(compiled_step=True, zeroth_order=True)  # its forwards compiled (`compile`)
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -141,7 +141,7 @@ class MeZO(ZerothOrder):
 
 class DPZero(ZerothOrder):
     config = DPZeroConfig
-    spec = MethodSpec(private=True, compiled_step=True)
+    spec = MethodSpec(private=True, compiled_step=True, zeroth_order=True)
 
     def clipped_sum(self, estimates: torch.Tensor) -> torch.Tensor:
         """The logical batch's sum of scalars clipped to [-C, C] (over every rank: each adds the same noise draw)."""

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from dpmem import distributed
-from dpmem.config import GaLoreDPNaiveConfig, ProjectedConfig, enum_value
+from dpmem.config import GaLoreDPNaiveConfig, ProjectedConfig
 from dpmem.data.bundle import real_size, weights
 from dpmem.methods.base import Method, MethodSpec, check_positive
-from dpmem.methods.clipping_plan import ClippingPlan
+from dpmem.methods.clipping_plan import configured
 from dpmem.methods.privatize import Privatizer
 from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
 from dpmem.persample import Projection
@@ -98,7 +98,7 @@ class GaLore(Method):
 class GaLoreDPNaive(GaLore):
     config = GaLoreDPNaiveConfig
     spec = MethodSpec(private=True, privatised_gradient=True, compiled_step=True,
-                      plan=lambda m: ClippingPlan.of(enum_value(m.clipping)))
+                      plan=configured)
 
     def _parameters(self, model, mechanism, cfg, observers):
         self.privatizer = Privatizer(model, mechanism, self.spec.clipping(cfg), cfg.check_coverage, observers)

@@ -23,9 +23,8 @@ from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.coverage import verify_coverage
 from dpmem.models import checkpointed
 from dpmem.persample import PerSampleGradients, Projection, reducers, weighted_sum
-from dpmem.persample.clipping import weighted_sums
+from dpmem.persample.clipping import grouped_squares, weighted_sums
 from dpmem.persample.hooks import remove_handles, weakly
-from dpmem.persample.norms import exact_squared_norms
 from dpmem.persample.taps import Taps
 from dpmem.precision import exact_float32
 from dpmem.privacy.mechanism import GaussianMechanism
@@ -400,13 +399,9 @@ def _views(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
 
 
 def _squares(kept: dict) -> dict:
-    """The per-sample squared norms of one-pass clipping's `Normed` values, by parameter; the vector parameters'
-    rows normed together, in one op, under the tuple of their parameters."""
-    squares = {p: r.squares for p, r in kept.items() if r.squares is not None}
-    rows = {p: r.grads for p, r in kept.items() if r.squares is None}
-    if rows:
-        squares[tuple(rows)] = exact_squared_norms(torch.cat(list(rows.values()), 1))
-    return squares
+    """The per-sample squared norms of one-pass clipping's `Normed` values, by parameter (`grouped_squares`)."""
+    return grouped_squares({p: r.squares for p, r in kept.items() if r.squares is not None},
+                           {p: r.grads for p, r in kept.items() if r.squares is None})
 
 
 def _accumulate(summed: dict, p: nn.Parameter, part: torch.Tensor) -> None:

@@ -26,11 +26,13 @@ def per_sample_norms(grads: dict[nn.Parameter, torch.Tensor | Factored], rule: s
     return torch.stack([squared_norms(g, rule) for g in grads.values()]).sum(0).sqrt()
 
 
-def flat_norms(squares: list[torch.Tensor], rows: list[torch.Tensor]) -> torch.Tensor:
-    """sqrt(Σ_p ‖g_p,i‖²), shape (B,), from the squared norms already made and the rows not normed yet."""
+def grouped_squares(squares: dict, rows: dict) -> dict:
+    """Per-sample squared norms (B,) by parameter: those already made (`squares`), and the vector parameters' rows
+    not normed yet (`rows`), normed together in one op under the tuple of their parameters. Their sum over the keys
+    is ‖gᵢ‖² (what `GaussianMechanism.clip_factors` takes)."""
     if rows:
-        squares = [*squares, exact_squared_norms(torch.cat(rows, 1))]
-    return torch.stack(squares).sum(0).sqrt_()
+        squares = {**squares, tuple(rows): exact_squared_norms(torch.cat(list(rows.values()), 1))}
+    return squares
 
 
 def clip_factors(norms: torch.Tensor, max_norm: float) -> torch.Tensor:

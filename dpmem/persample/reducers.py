@@ -60,7 +60,7 @@ def normed(rule: str = "mixed", k: int = 32, draws: Draws | None = None,
     """`Normed`: squared norms and what `then` keeps; one-pass clipping. By default the factors as they are
     (book-keeping), normed now (exactly, ghost or the per-sample product, whichever is smaller; or a DP-SGD-RC
     estimate) and kept for the clipped sum (c ⊙ G)ᵀA once every norm is known; with `then=materialize`, dense
-    gradients. A vector parameter's rows get no norm here (None): `clipping.flat_norms` norms them all at once."""
+    gradients. A vector parameter's rows get no norm here (None): `clipping.grouped_squares` norms them all at once."""
     def reduce(g):
         kept = then(g)
         return Normed(None if is_rows(kept) else squared_norms(kept, rule, k, draws), kept)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dpmem import distributed, sharding
+from dpmem.persample.clipping import clip_factors
 from dpmem.privacy.randomness import Draws, normal
 
 NOISE_BUCKET = 2**24  # elements of noise drawn at once (64 MiB in float32)
@@ -60,10 +61,9 @@ class GaussianMechanism:
 
     # -- clipping -------------------------------------------------------------------------------------------------
     def clip_factors(self, squares: dict) -> torch.Tensor:
-        """min(1, C/‖gᵢ‖) from per-sample squared norms (B,) by group of parameters (`{key: squares}`), with the
-        same small guard against 0/0 as Opacus."""
-        norms = torch.stack(list(squares.values())).sum(0).sqrt_()
-        return (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        """min(1, C/‖gᵢ‖) from per-sample squared norms (B,) by group of parameters (`{key: squares}`,
+        `dpmem.persample.clipping.grouped_squares`)."""
+        return clip_factors(torch.stack(list(squares.values())).sum(0).sqrt_(), self.max_grad_norm)
 
     def clipped_losses(self, losses: torch.Tensor) -> torch.Tensor:
         """Per-sample losses as the loss sum takes them: clipped to [0, L] when the loss is released privately."""
