@@ -79,9 +79,9 @@ def tf32_enabled(device: torch.device) -> bool:
 
 def exact_float32(device: torch.device):
     """Full float32 inside: autocast off, TF32 off. The private arithmetic runs here. The TF32 switches are
-    process-wide; the backward pass runs the hooks that enter this on its own thread while the caller waits, and
-    the previous values come back on exit. Entered per layer in the backward pass: when neither is on for the
-    device (TF32 is CUDA's alone), nothing is switched, at no context's cost."""
+    process-wide; the backward pass runs the taps' reductions that enter this on its own thread while the caller
+    waits, and the previous values come back on exit. Entered per layer in the backward pass: when neither is on for
+    the device (TF32 is CUDA's alone), nothing is switched, at no context's cost."""
     kind = device.type if device.type in ("cuda", "cpu") else "cpu"
     tf32 = device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
     if not tf32 and not torch.is_autocast_enabled(kind):

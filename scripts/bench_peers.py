@@ -193,8 +193,8 @@ def timed(step: Callable[[], torch.Tensor], cuda: bool) -> float:
 def measure(makers: dict[str, Callable[[], Contestant]], size: int, rounds: int, device: torch.device,
             count_ops: bool, warmup: int = 1, metered: Callable[[str], bool] = lambda name: True) -> dict[str, dict]:
     """Each contestant is built and takes `warmup` timed warm-up steps (optimiser state, one-off checks, compiling),
-    then one step with its ops counted (`count_ops`), then one metered step (on CPU, for the names `metered` accepts:
-    the live-tensor counter is a dispatch mode, which a compiled step refuses). On CPU all stay resident and `rounds`
+    then one untimed step and one step with its ops counted (`count_ops`), then one metered step (on CPU, for the
+    names `metered` accepts: the live-tensor counter is a dispatch mode, which a compiled step refuses). On CPU all stay resident and `rounds`
     interleaved rounds of one step each are timed; on CUDA each is timed over `rounds` consecutive steps and freed
     before the next is built, so that max_memory_allocated sees one contestant only."""
     cuda = device.type == "cuda"
@@ -207,6 +207,7 @@ def measure(makers: dict[str, Callable[[], Contestant]], size: int, rounds: int,
         c = make()
         r = out[name] = {"times": [], "warm": [timed(c.step, cuda) for _ in range(warmup)]}
         if count_ops:  # one step, outside the timed ones: the mode's Python call per op slows every op
+            float(c.step())  # the steady state: dpmem's second step still makes what it keeps (streamed zeros)
             with OpCounter() as ops:
                 loss = c.step()
             float(loss)

@@ -12,7 +12,7 @@ from transformers.pytorch_utils import Conv1D
 from dpmem.composition import CONF_DIR
 from dpmem.methods import build_method, method_config
 from dpmem.methods.privatize import Privatizer
-from dpmem.persample import PerSampleGradients
+from dpmem.persample import Taps
 from dpmem.persample.factored import Factored
 from dpmem.precision import RunPrecision
 from dpmem.privacy.mechanism import NOISE_BUCKET, GaussianMechanism
@@ -128,14 +128,10 @@ def mixer_loss(model, b):
 
 # -- per-sample gradients against a loop of one backward per sample
 def engine_grads(model, loss_fn, batch):
-    psg = PerSampleGradients(model)
-    with psg.capture(batch_size=next(iter(batch.values())).shape[0]) as grads:
-        loss_fn(model, batch).sum().backward()
+    with Taps(model) as taps:
+        grads = taps.gradients(lambda: loss_fn(model, batch).sum(), next(iter(batch.values())).shape[0])
     names = {p: n for n, p in model.named_parameters()}
-    out = {names[p]: g.to_dense() if isinstance(g, Factored) else g for p, g in grads.items()}
-    psg.close()
-    model.zero_grad(set_to_none=True)
-    return out
+    return {names[p]: g.to_dense() if isinstance(g, Factored) else g for p, g in grads.items()}
 
 
 def loop_grads(model, loss_fn, batch, size):

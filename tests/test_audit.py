@@ -20,7 +20,7 @@ from dpmem.config import ConfigError
 from dpmem.methods.clipping_plan import ClippingPlan
 import dpmem.methods.privatize as privatize
 from dpmem.methods.privatize import Privatizer
-from dpmem.persample import PerSampleGradients
+from dpmem.persample import taps
 from dpmem.persample import reducers
 from dpmem.privacy import calibrate_sigma
 from dpmem.privacy.mechanism import GaussianMechanism
@@ -271,13 +271,8 @@ def test_a_weight_used_many_times_clipped_on_its_sum_audits_below_its_claimed_ep
 
 
 def test_a_weight_used_many_times_clipped_per_use_is_caught(monkeypatch):
-    real = PerSampleGradients._per_sample
-
-    def per_use(self, owner, saved, grad_output):  # every use is "the last": normed alone, never the sum
-        for p in owner.params.values():
-            self._uses[p] = self._arrived.get(p, 0) + 1
-        real(self, owner, saved, grad_output)
-    monkeypatch.setattr(PerSampleGradients, "_per_sample", per_use)
+    # every use is reduced as if it were the only one: the weight is normed on its first use's gradient alone
+    monkeypatch.setattr(taps, "tied_sum", lambda earlier, later: later)
     with pytest.raises(RuntimeError, match="do not sum to its batch gradient"):
         tied_audit()  # the first step's coverage check sees this bug already
     assert tied_audit(check_coverage=False) > 2.0  # and the audit sees it without that check

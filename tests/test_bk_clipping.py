@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive, method_config
-from dpmem.persample import PerSampleGradients, reducers
+from dpmem.persample import Taps, reducers
 from dpmem.persample.factored import Factored
 from dpmem.privacy.mechanism import GaussianMechanism
 from helpers import (B, LargestTensor, Layers, layers_batch, layers_case, layers_loss, method_cfg, roberta_case,
@@ -42,9 +42,8 @@ def test_dp_sgd_rc_with_bookkeeping_equals_its_two_passes(make, estimator):
 
 def test_a_factored_capture_keeps_linear_like_layers_factored_and_the_rest_dense():
     model, b = Layers().double(), layers_batch()
-    with PerSampleGradients(model) as psg:
-        with psg.capture(B, dict.fromkeys(psg.parameters, reducers.normed())) as kept:
-            layers_loss(model, b).sum().backward()
+    with Taps(model) as taps:
+        kept = taps.gradients(lambda: layers_loss(model, b).sum(), B, dict.fromkeys(taps.parameters, reducers.normed()))
         for m in (model.emb, model.conv, model.flat, model.tokens, model.gpt):
             assert isinstance(kept[m.weight][1], Factored), m
         assert all(isinstance(kept[m.bias][1], torch.Tensor) for m in (model.conv, model.flat, model.gpt))

@@ -9,7 +9,7 @@ from dpmem.composition import CONF_DIR
 from dpmem.engine.planner import plan
 from dpmem.methods import build_method, method_config
 from dpmem.models import checkpoint_activations
-from dpmem.persample import PerSampleGradients
+from dpmem.persample import Taps
 from dpmem.persample.factored import Factored
 from dpmem.privacy.mechanism import GaussianMechanism
 from tiny_models import tiny_llama, tiny_opt, tiny_roberta, tiny_vit
@@ -44,9 +44,8 @@ def blocks_run(model) -> list[int]:
 def per_sample(name, checkpointing):
     model, loss, batch = case(name, checkpointing)
     calls = blocks_run(model)
-    with PerSampleGradients(model) as psg:
-        with psg.capture(3) as kept:
-            loss(model, batch).sum().backward()
+    with Taps(model) as taps:
+        kept = taps.gradients(lambda: loss(model, batch).sum(), 3)
         names = {p: n for n, p in model.named_parameters()}
         grads = {names[p]: g.to_dense() if isinstance(g, Factored) else g for p, g in kept.items()}
     return grads, calls

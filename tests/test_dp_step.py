@@ -10,7 +10,7 @@ from torch import nn
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, method_config
 from dpmem.methods.privatize import Observer, Privatizer
-from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum
+from dpmem.persample import Taps, clip_factors, per_sample_norms, weighted_sum
 from dpmem.privacy import mechanism
 from dpmem.privacy.mechanism import GaussianMechanism
 from helpers import seeded, standard_noise
@@ -52,13 +52,12 @@ def test_clipped_sum_equals_opacus():
     torch.manual_seed(0)
     model, batch, C = Net(), make_batch(), 5.0
     # ours
-    psg = PerSampleGradients(model)
-    with psg.capture(8) as grads:
-        loss_fn(model, batch).sum().backward()
+    taps = Taps(model)
+    grads = taps.gradients(lambda: loss_fn(model, batch).sum(), 8)
     norms = per_sample_norms(grads)
     assert (norms > C).any() and (norms < C).any(), "the batch should be partly clipped"
     ours = weighted_sum(grads, clip_factors(norms, C))
-    psg.close()
+    taps.close()
     model.zero_grad(set_to_none=True)
     # Opacus
     gsm = GradSampleModule(model, loss_reduction="sum")

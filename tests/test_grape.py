@@ -10,18 +10,14 @@ from torch import nn
 
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, GaLoreDPNaive, Grape, method_config
-from dpmem.persample import PerSampleGradients, Projection, reducers
+from dpmem.persample import Projection, Taps, reducers
 from dpmem.privacy.mechanism import GaussianMechanism
 from helpers import Mixer, grape_cfg, mixer_batch, mixer_loss, seeded, standard_noise
 
 
 def full_per_sample(model, b):
-    psg = PerSampleGradients(model)
-    with psg.capture(len(b["y"])) as grads:
-        mixer_loss(model, b).sum().backward()
-    psg.close()
-    model.zero_grad(set_to_none=True)
-    return grads
+    with Taps(model) as taps:
+        return taps.gradients(lambda: mixer_loss(model, b).sum(), len(b["y"]))
 
 
 @pytest.mark.parametrize("layer,side", [("up", 1), ("down", 0), ("conv_wide", 0), ("conv_tall", 1)])
@@ -31,9 +27,8 @@ def test_projected_per_sample_gradients_equal_projected_explicit_ones(layer, sid
     weight = getattr(model, layer).weight
     full = full_per_sample(model, b)[weight]
     P = torch.randn(weight.shape[side], 3, dtype=torch.float64)
-    psg = PerSampleGradients(model)
-    with psg.capture(6, {weight: reducers.projected(lambda: Projection(P, side))}) as kept:
-        mixer_loss(model, b).sum().backward()
+    kept = Taps(model).gradients(lambda: mixer_loss(model, b).sum(), 6,
+                                 {weight: reducers.projected(lambda: Projection(P, side))})
     want = torch.einsum("mr,bmn->brn", P, full) if side == 0 else full @ P
     got = kept[weight]
     assert got.shape == want.shape
@@ -145,8 +140,6 @@ def test_per_sample_buffers_are_b_times_r_times_max_dimension():
     method = Grape(model, grape_cfg(rank=rank), 1e-3, GaussianMechanism(1.0, 1.0, 6.0, None))
     taps = method.privatizer.taps
     project = {p: reducers.projected(lambda p=p: method.projection(p, 1)) for p in method.sides}
-    with taps.recording(taps.zero()) as tape:
-        losses = mixer_loss(model, mixer_batch())
-    kept, _ = taps.per_sample(tape, losses.sum(), 6, project)
+    kept = taps.gradients(lambda: mixer_loss(model, mixer_batch()).sum(), 6, project)
     for p in method.sides:
         assert kept[p].numel() == 6 * rank * max(p.shape)  # never 6·out·in

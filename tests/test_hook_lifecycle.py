@@ -1,4 +1,4 @@
-"""Engine objects clean up after themselves: every hook a Privatizer or PerSampleGradients puts on a model is gone
+"""Engine objects clean up after themselves: every hook a Privatizer or Taps puts on a model is gone
 after `close()` or garbage collection, and several of them on one model do not corrupt each other's sums.
 Oracle: one backward per sample, clipped by hand."""
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import Privatizer
-from dpmem.persample import PerSampleGradients, Projection
+from dpmem.persample import Projection, Taps
 from dpmem.privacy.mechanism import GaussianMechanism
 
 C = 0.5
@@ -113,21 +113,19 @@ def test_hooks_go_when_the_owner_is_garbage_collected():
     model = Net().double()
     before = hook_count(model)
     privatize = Privatizer(model, no_noise(), ClippingPlan.of("ghost"))
-    psg = PerSampleGradients(model)
+    taps = Taps(model)
     assert hook_count(model) > before
-    del privatize, psg
+    del privatize, taps
     gc.collect()
     assert hook_count(model) == before
 
 
 def test_close_is_idempotent_and_a_closed_capture_sees_nothing():
     model, b = Net().double(), batch()
-    psg = PerSampleGradients(model)
-    psg.close()
-    psg.close()
-    with psg.capture(len(b["y"])) as kept:
-        loss_fn(model, b).sum().backward()
-    assert kept == {}
+    taps = Taps(model)
+    taps.close()
+    taps.close()
+    assert taps.gradients(lambda: loss_fn(model, b).sum(), len(b["y"])) == {}
 
 
 class TiedNet(nn.Module):

@@ -14,7 +14,7 @@ from dpmem.engine.planner import plan
 from dpmem.methods import build_method, method_class, method_config
 from dpmem.models import build_model
 from dpmem.models.lora import apply_lora
-from dpmem.persample import PerSampleGradients, reducers
+from dpmem.persample import Taps, reducers
 from dpmem.privacy.mechanism import GaussianMechanism
 from helpers import assert_close, engine_grads, loop_grads, seeded
 
@@ -105,9 +105,8 @@ def test_ghost_norms_of_the_adapters_match_a_loop(case, float64):
     torch.manual_seed(0)
     model, loss, batch = CASES[case]()
     want = sum(g.flatten(1).pow(2).sum(1) for g in loop_grads(model, loss, batch, 3).values())
-    psg = PerSampleGradients(model)
-    with psg.capture(3, dict.fromkeys(psg.parameters, reducers.norms("ghost"))) as kept:
-        loss(model, batch).sum().backward()
+    taps = Taps(model)
+    kept = taps.gradients(lambda: loss(model, batch).sum(), 3, dict.fromkeys(taps.parameters, reducers.norms("ghost")))
     torch.testing.assert_close(sum(kept.values()), want, rtol=1e-8, atol=0)
 
 

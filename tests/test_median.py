@@ -14,7 +14,7 @@ from dpmem.composition import CONF_DIR
 from dpmem.data import build_data
 from dpmem.data.median import diagonal, minimum, objective
 from dpmem.models import build_model
-from dpmem.persample import PerSampleGradients
+from dpmem.persample import Taps
 
 
 def config(*overrides):
@@ -37,10 +37,10 @@ def test_loss_and_per_sample_gradients_equal_their_closed_forms(A):
     dist = ((beta - full) ** 2 * a).sum(1).sqrt()
     want_loss = dist + 0.3 / 2 * beta.pow(2).sum()
     want_grads = a * (beta - full) / dist[:, None] + 0.3 * beta  # ∇fᵢ = A(β − xᵢ)/‖β − xᵢ‖_A + αβ
-    psg = PerSampleGradients(model)
-    with psg.capture(6, {}) as kept:
+    taps = Taps(model)
+    with taps.recording(taps.zero(), 6) as tape:
         losses = data.per_sample_loss(model, {"x": data.train["x"][:6]})
-        losses.sum().backward()
+    kept, _ = taps.per_sample(tape, losses.sum())
     torch.testing.assert_close(losses.double(), want_loss, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(kept[model.beta].double(), want_grads, rtol=1e-5, atol=1e-6)
 

@@ -8,7 +8,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.pytorch_utils import Conv1D
 
-from dpmem.persample import PerSampleGradients
+from dpmem.persample import Taps, reducers
 from helpers import assert_close, engine_grads, loop_grads
 from tiny_models import tiny_opt, tiny_roberta, tiny_vit
 
@@ -105,20 +105,22 @@ def test_in_place_ops_on_a_layer_output_are_legal():
     assert_close(engine_grads(model, mse_loss, batch), loop_grads(model, mse_loss, batch, 5))
 
 
-def test_the_hooks_make_the_backward_copy_no_gradient():
-    """The backward makes as many copies with the hooks as without (an in-place identity on each layer's output,
-    a view of its matmul's 2-D result, made autograd clone and copy the output gradient per layer)."""
+def test_the_taps_make_the_backward_copy_no_gradient():
+    """The backward makes no more copies with the taps than without (an in-place identity on each layer's output,
+    a view of its matmul's 2-D result, made autograd clone and copy the output gradient per layer), streamed or
+    not."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
     x, w = torch.randn(5, 7, 6), torch.randn(5, 7, 3)
     with Copies() as plain:
         (model(x) * w).sum().backward()
-    with PerSampleGradients(model) as psg:
-        with psg.capture(5, {p: (lambda g: None) for p in psg.parameters}):
-            loss = (model(x) * w).sum()
+    for reduce in (lambda g: None, reducers.norms("ghost")):
+        with Taps(model) as taps:
+            with taps.recording(taps.zero(), 5, dict.fromkeys(taps.parameters, reduce)) as tape:
+                loss = (model(x) * w).sum()
             with Copies() as copies:
-                loss.backward()
-    assert copies.count == plain.count
+                taps.per_sample(tape, loss)
+        assert copies.count <= plain.count
 
 
 def test_embedding_with_padding_and_tied_head_matches_torch_func():
@@ -159,7 +161,7 @@ def test_embedding_with_padding_and_tied_head_matches_torch_func():
 def test_unsupported_parameter_is_an_error_naming_it():
     model = nn.Sequential(nn.Linear(3, 3), nn.LSTM(3, 3))
     with pytest.raises(ValueError, match=r"1\.weight_ih_l0.*LSTM"):
-        PerSampleGradients(model)
+        Taps(model)
 
 
 @pytest.mark.parametrize("frozen", [False, True])
@@ -169,12 +171,12 @@ def test_batch_norm_is_refused_frozen_or_not(frozen):
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
     model[1].requires_grad_(not frozen)
     with pytest.raises(ValueError, match=r"^1: BatchNorm1d mixes samples"):
-        PerSampleGradients(model)
+        Taps(model)
 
 
 def test_embedding_options_that_mix_samples_are_refused():
     with pytest.raises(ValueError, match="scale_grad_by_freq"):
-        PerSampleGradients(nn.Sequential(nn.Embedding(5, 3, scale_grad_by_freq=True)))
+        Taps(nn.Sequential(nn.Embedding(5, 3, scale_grad_by_freq=True)))
 
 
 def test_fallback_refuses_active_dropout():
@@ -188,8 +190,8 @@ def test_fallback_refuses_active_dropout():
             return self.drop(x * self.w)
 
     model = Drop()
-    psg = PerSampleGradients(model)
-    with psg.capture(batch_size=2), pytest.raises(ValueError, match="dropout"):
+    taps = Taps(model)
+    with taps.recording(taps.zero(), 2), pytest.raises(ValueError, match="dropout"):
         model(torch.randn(2, 3)).sum().backward()
 
 
@@ -200,3 +202,37 @@ def test_hf_models_match_loop(make):
     model.train()
     size = next(iter(batch.values())).shape[0]
     assert_close(engine_grads(model, loss, batch), loop_grads(model, loss, batch, size))
+
+
+@pytest.mark.parametrize("clipping", ["materialize", "bk", "ghost"])
+def test_a_layer_called_several_times_is_clipped_on_its_summed_gradient_in_every_step(clipping):
+    """One Linear over 4 positions: streamed or not (the first step, with the coverage check, keeps every layer
+    whole; later ones stream, find the repeated layer, and run the micro-batch again with it as pairs), every step
+    equals a loop of one backward per sample, clipped by hand."""
+    from dpmem.methods.clipping_plan import ClippingPlan
+    from dpmem.methods.privatize import Privatizer
+    from dpmem.privacy.mechanism import GaussianMechanism
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.norm = nn.Linear(6, 6), nn.LayerNorm(6)
+
+        def forward(self, x):
+            return sum(self.norm(self.linear(x[:, k])) for k in range(x.shape[1]))
+
+    torch.manual_seed(0)
+    model, x, y = Shared().double(), torch.randn(5, 4, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    loss_fn = lambda m, b: (m(b["x"]) - b["y"]).pow(2).sum(1)  # noqa: E731
+    params = list(model.parameters())
+    per_sample = [torch.autograd.grad(loss_fn(model, {"x": x[i:i + 1], "y": y[i:i + 1]}).sum(), params)
+                  for i in range(5)]
+    norms = torch.stack([torch.cat([g.flatten() for g in gs]).norm() for gs in per_sample])
+    factors = (0.5 / (norms + 1e-6)).clamp(max=1.0)
+    assert (factors < 1).any()
+    want = [sum(f * gs[j] for f, gs in zip(factors, per_sample)) / 5 for j in range(len(params))]
+    with Privatizer(model, GaussianMechanism(0.0, 0.5, 5.0, None), ClippingPlan.of(clipping)) as privatizer:
+        for _ in range(3):
+            got, _ = privatizer.gradient([{"x": x, "y": y}], loss_fn, {p: p.shape for p in params})
+            for p, w in zip(params, want):
+                torch.testing.assert_close(got[p], w, rtol=1e-9, atol=1e-12)

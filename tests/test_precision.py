@@ -10,7 +10,7 @@ from torch import nn
 from dpmem.composition import CONF_DIR
 from dpmem.engine.trainer import run_training
 from dpmem.methods.coverage import verify_coverage
-from dpmem.persample import PerSampleGradients, weighted_sum
+from dpmem.persample import Taps, weighted_sum
 from dpmem.precision import Compute, exact_float32, tolerance, unit_roundoff
 from helpers import PRIVATE, released
 from tiny_models import tiny_roberta, tiny_vit
@@ -79,13 +79,14 @@ def coverage_case(batch_gradient):
     put in `.grad`."""
     torch.manual_seed(0)
     model, x = TwoLinear(), torch.randn(32, 16, 64)
-    psg = PerSampleGradients(model)
-    with psg.capture(32) as kept:
-        model(x).pow(2).sum((1, 2)).sum().backward()
+    taps = Taps(model)
+    with taps.recording(taps.zero(), 32) as tape:
+        loss = model(x).pow(2).sum((1, 2)).sum()
+    kept, grads = taps.per_sample(tape, loss, batch_gradients=True)
     totals = weighted_sum(dict(kept), torch.ones(32))
-    for p in psg.parameters:
-        p.grad = batch_gradient(model, x, p, p.grad)
-    return model, psg.parameters, totals
+    for p in taps.parameters:
+        p.grad = batch_gradient(model, x, p, grads[p])
+    return model, taps.parameters, totals
 
 
 def tf32_weight_gradient(model, x, p, exact):

@@ -11,7 +11,7 @@ from dpmem.data import build_data, example_batch
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPAdam, build_method, method_config
 from dpmem.models import build_model
-from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, reducers, weighted_sum
+from dpmem.persample import Taps, clip_factors, per_sample_norms, reducers, weighted_sum
 from dpmem.persample.factored import Factored
 from dpmem.privacy.mechanism import GaussianMechanism
 from helpers import LargestTensor, seeded
@@ -71,9 +71,7 @@ def test_norms_and_clipped_sums_equal_dense_for_untied_and_tied_embeddings():
     for tied in (False, True):
         torch.manual_seed(0)
         model, b = LM(tied).double(), make_batch()
-        psg = PerSampleGradients(model)
-        with psg.capture(5) as grads:
-            lm_loss(model, b).sum().backward()
+        grads = Taps(model).gradients(lambda: lm_loss(model, b).sum(), 5)
         assert isinstance(grads[model.emb.weight], Factored)  # tied: the head's use joins as factors
         want = dense_oracle(model, b)
         norms = per_sample_norms(grads)
@@ -119,9 +117,8 @@ def test_projected_embeddings_equal_dense_gradients_times_p_with_tied_head():
         sides = choose_projected(model, None, 2, embeddings=True)
         assert sides[model.emb.weight] == 1 and sides[model.head.weight] == 1  # hidden side for both
         P = torch.randn(6, 2, dtype=torch.float64)
-        psg = PerSampleGradients(model)
-        with psg.capture(5, {model.emb.weight: reducers.projected(lambda: Projection(P, 1))}) as kept:
-            lm_loss(model, b).sum().backward()
+        kept = Taps(model).gradients(lambda: lm_loss(model, b).sum(), 5,
+                                     {model.emb.weight: reducers.projected(lambda: Projection(P, 1))})
         got = kept[model.emb.weight]
         got = got.to_dense() if isinstance(got, Factored) else got
         want = dense_oracle(model, b)[model.emb.weight] @ P

@@ -10,7 +10,7 @@ from torch import nn
 
 from dpmem.metering import LiveTensorCounter
 from dpmem.methods import DPSGDRC, DPAdam, GaLoreDPNaive
-from dpmem.persample import PerSampleGradients
+from dpmem.persample import Taps
 from dpmem.persample.factored import Factored
 from dpmem.persample.norms import ghost_is_cheaper, hutchinson, squared_norms
 from dpmem.privacy.mechanism import GaussianMechanism
@@ -38,7 +38,7 @@ def test_exact_rules_equal_the_per_sample_loop(rule):
     model, b = Layers().double(), layers_batch()
     want = loop_squared_norms(model, b)
     got, kinds = {}, {}
-    psg = PerSampleGradients(model)
+    taps = Taps(model)
 
     def record(p):
         def reduce(g):
@@ -46,8 +46,7 @@ def test_exact_rules_equal_the_per_sample_loop(rule):
             return got[p]
         return reduce
 
-    with psg.capture(B, {p: record(p) for p in psg.parameters}) as kept:
-        layers_loss(model, b).sum().backward()
+    kept = taps.gradients(lambda: layers_loss(model, b).sum(), B, {p: record(p) for p in taps.parameters})
     assert kinds[model.emb.weight] is Factored  # embedding + tied head: one factored gradient of two uses
     assert all(kinds[m.weight] is Factored for m in (model.conv, model.flat, model.tokens, model.gpt))
     assert set(got) == set(want)
@@ -96,7 +95,7 @@ def test_hutchpp_has_lower_variance_on_a_low_rank_case():
 def test_estimators_on_ids_and_tied_terms_are_unbiased():
     torch.manual_seed(0)
     model, b = Layers().double(), layers_batch()
-    psg = PerSampleGradients(model)
+    taps = Taps(model)
     tied = {}
 
     def keep(p):
@@ -105,8 +104,7 @@ def test_estimators_on_ids_and_tied_terms_are_unbiased():
             return squared_norms(g, "ghost")
         return reduce
 
-    with psg.capture(B, {p: keep(p) for p in psg.parameters}):
-        layers_loss(model, b).sum().backward()
+    taps.gradients(lambda: layers_loss(model, b).sum(), B, {p: keep(p) for p in taps.parameters})
     g = tied[model.emb.weight]
     assert len(g.terms) == 2 and g.terms[0][0].dim() + g.terms[1][0].dim() == 5  # ids (2-D) and dense (3-D)
     exact = loop_squared_norms(model, b)[model.emb.weight]
@@ -129,7 +127,7 @@ def test_a_two_pass_step_equals_a_materialize_step_given_the_same_noise(make, cl
 @pytest.mark.parametrize("clipping", ["ghost", "hutch"])
 def test_the_first_pass_forms_no_batch_gradient_after_the_coverage_check(clipping):
     """Only the second pass (autograd's Σᵢ fᵢ gᵢ) accumulates into the parameters, once per micro-batch; the first
-    step's first pass also forms the batch gradient that the coverage check compares with."""
+    step's first pass also forms the batch gradient that the coverage check compares with, as a returned value."""
     torch.manual_seed(0)
     model, loss, b = roberta_case()
     cls, cfg = (DPAdam, method_cfg(clipping=clipping)) if clipping == "ghost" else (DPSGDRC, method_cfg("dp-sgd-rc"))
@@ -145,8 +143,9 @@ def test_the_first_pass_forms_no_batch_gradient_after_the_coverage_check(clippin
         accumulated.clear()
     for h in handles:
         h.remove()
-    # step 1: the checked first pass, then two second passes; step 2: the second passes only
-    assert counts == [3 * len(params), 2 * len(params)]
+    # the checked first pass returns its batch gradient (`autograd.grad`) and accumulates none: in each step only
+    # the two second passes accumulate
+    assert counts == [2 * len(params), 2 * len(params)]
 
 
 def test_galore_dp_naive_takes_the_clipping_option():

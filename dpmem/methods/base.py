@@ -56,23 +56,22 @@ class MethodSpec:
 
     def compile_refusal(self, cfg) -> str | None:
         """Why train.compile cannot compile this run's step (None: it can), beyond having no compiled step
-        (`dpmem.methods.compile_refusal`). What must act inside the backward pass (`dpmem.persample.hooks`'
-        callbacks) stays eager."""
+        (`dpmem.methods.compile_refusal`)."""
         t, plan = cfg.train, self.clipping(cfg.method)
         if t.fsdp:
-            return ("FSDP's gathered parameters are met by callbacks in the backward pass, which a graph cannot "
-                    "hold; with train.fsdp: train.compile=false")
+            return ("dynamo breaks the graph at FSDP's unit hooks (autograd.grad through an external grad_fn); with "
+                    "train.fsdp: train.compile=false")
         if enum_value(t.precision) == "tf32":
             return ("the eager step switches TF32 off around the private arithmetic (norms, clip factors, clipped "
                     "sums), a process-wide switch that one graph cannot flip; with train.compile: "
                     "train.precision=fp32 or bf16")
         if t.activation_checkpointing:
-            return ("activation checkpointing's recompute saves each layer's input again inside the backward pass "
-                    "(callbacks); with it: train.compile=false")
+            return ("activation checkpointing's recompute runs the taps again inside the backward pass, which the "
+                    "compiled step does not trace yet; with it: train.compile=false")
         if plan is not None and plan.passes != 1:
-            return (f"method.clipping={plan.name} forms its clipped sums in a second backward pass through one graph, "
-                    "with per-layer callbacks; compiled: method.clipping=bk or materialize (dp-sgd-rc: "
-                    "method.bookkeeping=true)")
+            return (f"method.clipping={plan.name} streams its norms out of a first backward pass and sums in a "
+                    "second backward pass, which the compiled step does not trace yet; compiled: method.clipping=bk "
+                    "or materialize (dp-sgd-rc: method.bookkeeping=true)")
         return None
 
 

@@ -6,8 +6,8 @@
   output gradient G; dense per-sample gradients of the rest), exact norms from them (T×T Gram matrices or the
   layer's per-sample products, whichever is smaller), then the clipped sum (c ⊙ G)ᵀA per layer;
 - fgc | ghost | mixed | hutch | hutchpp: two passes (Opacus' fast gradient clipping). The first backward keeps only
-  per-sample squared norms, one layer at a time (`dpmem.persample.norms` says how each rule gets them), and goes no
-  further than the layers' output gradients (no weight's batch product: `backward_to_hooks`); the second
+  per-sample squared norms, made as it leaves each layer (`dpmem.persample.norms` says how each rule gets them), and
+  goes no further than the layers' output gradients (no weight's batch product: `dpmem.persample.taps`); the second
   back-propagates Σᵢ min(1, C/‖gᵢ‖)·Lᵢ through the same graph, so autograd itself sums the clipped gradients.
   With an estimator (DP-SGD-RC) ‖gᵢ‖ is the square root of the summed estimates; with book-keeping it takes them in
   bk's one pass instead (the same clip factors, the clipped sums from the kept factors).

@@ -9,7 +9,6 @@ says how), sum over ranks, release: noise drawn once per logical step, scaled by
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -22,10 +21,9 @@ from dpmem.methods.base import batch_size
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.coverage import verify_coverage
 from dpmem.models import checkpointed
-from dpmem.persample import PerSampleGradients, Projection, reducers, weighted_sum
+from dpmem.persample import Projection, reducers, weighted_sum
 from dpmem.persample.clipping import grouped_squares, weighted_sums
-from dpmem.persample.hooks import remove_handles, weakly
-from dpmem.persample.taps import Taps
+from dpmem.persample.taps import RepeatedUse, Taps
 from dpmem.precision import exact_float32
 from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, Drawn, Recorded
@@ -79,9 +77,9 @@ def per_sample(losses: torch.Tensor, mb) -> torch.Tensor:
 class Privatizer:
     """The privatised gradient of `model`'s trainable parameters, one logical step per call.
 
-    Its hooks (the per-sample capture's, and one per parameter that drops autograd's batch gradient) are removed
-    by `close()` (or `with Privatizer(...) as privatize:`) and when it is garbage-collected. They act only inside
-    its own call, so several privatizers on one model, or a plain `loss.backward()` beside one, do not interfere.
+    Its taps (the per-sample capture's hooks, `dpmem.persample.taps`) are removed by `close()` (or
+    `with Privatizer(...) as privatize:`). They act only inside its own call, so several privatizers on one model,
+    or a plain `loss.backward()` beside one, do not interfere.
 
     Args:
         model: the model whose trainable parameters (`requires_grad=True`) are privatised; a layer no per-sample
@@ -101,18 +99,14 @@ class Privatizer:
                  observers: Sequence[Observer] = ()):
         self.model, self.mechanism, self.plan, self.observers = model, mechanism, plan, tuple(observers)
         self.sharded = any(sharding.is_sharded(p) for p in model.parameters() if p.requires_grad)  # FSDP
-        # one-pass clipping captures by taps (values returned to the step: it compiles); what must act inside the
-        # backward pass keeps the callbacks (`dpmem.persample.hooks`): two-pass clipping's per-layer norms,
-        # activation checkpointing's recompute (which saves each layer's input again), FSDP's stand-ins
-        self.taps = None if plan.passes != 1 or self.sharded or checkpointed(model) else Taps(model)
-        self.persample = PerSampleGradients(model) if self.taps is None else None
-        self.params = (self.taps or self.persample).parameters
+        self.taps = Taps(model, (lambda q: sharding.full(q).detach()) if self.sharded else None)
+        self.params = self.taps.parameters
         if not self.params:
             raise ValueError("the model has no trainable parameter (every one has requires_grad=False): nothing to "
                              "privatise")
         self.device = self.params[0].device
         self._check_coverage = check_coverage
-        self._zero = self.taps.zero() if self.taps is not None else None  # the probes' leaf (`Taps.zero`)
+        self._zero = self.taps.zero()  # the probes' leaf (`Taps.zero`)
         self._compiled = None  # the micro-batch, compiled by `compile`
         self._probe_shapes = None  # the (shape, dtype) of each probe draw of a step, in order (compiled dp-sgd-rc)
         self._flat = None  # the compiled step's clipped sums, one flat tensor (`_compiled_pass`), until released
@@ -128,20 +122,6 @@ class Privatizer:
             self.step_keys = Draws(draws.key, "steps", draws.device)
         if self.step_keys is not None and plan.estimated:
             self._probe_draws = Draws(draws.key, "probes", draws.device)
-        self._keep_grads = False  # the second pass of two-pass clipping accumulates into .grad
-        self._stepping = False  # inside clip_and_accumulate: the only time its hooks act
-        # autograd's batch gradient is a by-product of the backward pass: drop each as soon as it is made
-        # (taps form none: their backward runs to the probes alone)
-        drop = weakly(self._drop_grad)
-        self._handles = [p.register_post_accumulate_grad_hook(drop) for p in self.params] if self.taps is None else []
-        self._close = weakref.finalize(self, remove_handles, self._handles)
-        if self.sharded:
-            # FSDP: a layer computes with gathered stand-ins of its parameters, and autograd's batch gradient lands
-            # on those; dropped there before FSDP reduce-scatters what it finds, it costs no communication
-            self._stand_ins: dict[int, torch.Tensor] = {}  # by id (tensors compare elementwise); FSDP keeps them
-            watch = weakly(self._watch_stand_ins)
-            self._handles += [m.register_forward_pre_hook(watch) for m in model.modules()
-                              if any(p.requires_grad for p in m.parameters(recurse=False))]
         for observer in self.observers:
             observer.attach(self)
 
@@ -149,7 +129,7 @@ class Privatizer:
         """train.compile: each micro-batch of one-pass clipping (forward, per-sample backward, norms, clip factors,
         clipped sums) compiled whole (`dpmem.compiling`); the release adds the noise, drawn outside, to the flat sum.
         The first step, with the coverage check, stays eager."""
-        if self.taps is None or self.observers:
+        if self.plan.passes != 1 or self.sharded or checkpointed(self.model) or self.observers:
             raise ValueError("a compiled private step needs one-pass clipping, no FSDP, no activation checkpointing "
                              "and no observers (dpmem audit)")
         if len({p.dtype for p in self.params}) > 1:
@@ -158,26 +138,15 @@ class Privatizer:
         self._compiled = compiler(self._microbatch_flat, "microbatch")
         self._copy_first = compiler.reuses_outputs
 
-    def _watch_stand_ins(self, module: nn.Module, args) -> None:
-        for q in module.parameters(recurse=False):
-            if q.requires_grad and not sharding.is_sharded(q) and id(q) not in self._stand_ins:
-                self._stand_ins[id(q)] = q
-                self._handles.append(q.register_post_accumulate_grad_hook(weakly(self._drop_grad)))
-
     def close(self) -> None:
         """Remove every hook it put on the model (idempotent)."""
-        self._close()
-        (self.taps or self.persample).close()
+        self.taps.close()
 
     def __enter__(self) -> "Privatizer":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _drop_grad(self, p: nn.Parameter) -> None:
-        if self._stepping and not self._check_coverage and not self._keep_grads:
-            p.grad = None
 
     def gradient(self, microbatches, loss_fn, shapes: dict[nn.Parameter, torch.Size],
                  projections: dict[nn.Parameter, Callable[[], Projection]] | None = None) -> PrivateGradient:
@@ -220,13 +189,9 @@ class Privatizer:
         the clipping plan says."""
         if projections and self.plan.passes != 1:
             raise ValueError(f"projected per-sample gradients need one-pass clipping, not {self.plan.name!r}")
-        self._stepping = True
-        try:
-            if self.plan.passes == 1:
-                return self._one_pass(microbatches, loss_fn, shapes, projections or {})
-            return self._two_pass(microbatches, loss_fn)
-        finally:
-            self._stepping = False
+        if self.plan.passes == 1:
+            return self._one_pass(microbatches, loss_fn, shapes, projections or {})
+        return self._two_pass(microbatches, loss_fn)
 
     def sum_over_ranks(self, summed: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         """The clipped sums of the whole logical batch, on every rank (FSDP's shards are reduced already)."""
@@ -275,7 +240,7 @@ class Privatizer:
         for i, mb in enumerate(self._with_step_probes(microbatches)):
             probes = Recorded(self._probe_draws) if estimated else None  # a compiled run learns which probes it draws
             loss_sum = loss_sum + self.microbatch(mb, loss_fn, projections, summed, self._zero, self._check_coverage,
-                                                  probes)
+                                                  probes, shapes)
             self._probe_shapes = probes.shapes if estimated else None
             self._check_coverage = False
             for observer in self.observers:
@@ -303,26 +268,18 @@ class Privatizer:
             self._noise_runs = self.mechanism.flat_runs(summed)
         return summed, loss_sum
 
-    def microbatch(self, mb, loss_fn, projections, summed, zero, check=False, probes=None) -> torch.Tensor:
+    def microbatch(self, mb, loss_fn, projections, summed, zero, check=False, probes=None, shapes=None) -> torch.Tensor:
         """One micro-batch of one-pass clipping: forward, the per-sample backward to the taps' probes, norms, clip
         factors, and Σᵢ min(1, C/‖gᵢ‖)·wᵢ·gᵢ added into `summed` (in place; a parameter's first part becomes its
         sum). Returns the micro-batch's clipped loss sum. Ordinary tensor code: `train.compile` compiles it whole.
         `projections` (DP-GRAPE): a parameter's `Projection`, or what makes it. `check` (the first micro-batch,
-        eager): compare with autograd's batch gradient (its projections). `probes`: the estimators' draws."""
+        eager): compare with autograd's batch gradient (its projections). `probes`: the estimators' draws.
+        `shapes`: each parameter's kept shape, given where the layers' values stream (eager: none compiled)."""
         keep = self._reducer(probes)  # materialize: dense per-sample gradients; book-keeping: the factors
         reduce = {p: reducers.projected(projections[p], keep) if p in projections else keep for p in self.params}
-        if self.taps is not None:
-            with self.taps.recording(zero) as tape:
-                losses = per_sample(loss_fn(self.model, mb), mb)
-            kept, batch_grads = self.taps.per_sample(tape, losses.sum(), batch_size(mb), reduce, check)
-            for p, g in batch_grads.items():
-                p.grad = g
-        else:  # activation checkpointing, FSDP (eager): the callbacks reduce each layer in the backward pass
-            # autograd's batch gradient is needed only by the coverage check: otherwise the hooks' per-sample
-            # gradients are all there is, and the backward skips the weights' batch products
-            with self.persample.capture(batch_size(mb), reduce, batch_gradients=check) as kept:
-                losses = per_sample(loss_fn(self.model, mb), mb)
-                losses.sum().backward()
+        losses, (kept, batch_grads) = self._backward(mb, loss_fn, zero, reduce, check, shapes)
+        for p, g in batch_grads.items():
+            p.grad = g
         # no_grad: the taps' kept layer inputs are the forward's own tensors (not detached); nothing here is recorded
         with exact_float32(self.device), torch.no_grad():
             squares = _squares(kept)  # the squared norms made as each parameter was reduced (the rows' now)
@@ -332,13 +289,33 @@ class Privatizer:
                 ones = torch.ones(batch_size(mb), device=self.device)
                 verify_coverage(self.model, self.params, weighted_sum(grads, ones),
                                 lambda p, g: reducers.projection(projections[p]).project(g) if p in projections else g,
-                                (self.taps or self.persample).compute)
+                                self.taps.compute)
             factors = self.mechanism.clip_factors(squares) * weights(mb)
             with memory_label("gradients"):
                 for p, part in weighted_sums(grads, factors):
                     _accumulate(summed, p, part)
             del grads
         return (self.mechanism.clipped_losses(losses.detach()) * weights(mb)).sum()
+
+    def _backward(self, mb, loss_fn, zero, reduce, check, shapes, retain_graph=False):
+        """(the micro-batch's per-sample losses, `Taps.per_sample`'s (kept, batch gradients)): the forward recorded
+        and one backward pass to the taps' probes, where each layer's reduced values stream unless `shapes` is None
+        (a compiled step) or `check` (the coverage check's first micro-batch, which compares with autograd's batch
+        gradient: under FSDP that is the reduce-scattered `.grad`, from a backward pass of its own)."""
+        while True:
+            with self.taps.recording(zero, batch_size(mb), reduce, shapes, stream=shapes is not None and not check) \
+                    as tape:
+                losses = per_sample(loss_fn(self.model, mb), mb)
+            sharded_check = check and self.sharded
+            if sharded_check:
+                losses.sum().backward(retain_graph=True)
+                zero.grad = None
+            try:
+                kept, batch_grads = self.taps.per_sample(tape, losses.sum(), check and not sharded_check,
+                                                         retain_graph)
+            except RepeatedUse:  # a layer called twice: run again, its uses summed before they are reduced
+                continue
+            return losses, (kept, {p: p.grad for p in self.params} if sharded_check else batch_grads)
 
     def _two_pass(self, microbatches, loss_fn):
         summed = {}  # the first micro-batch's .grad tensors themselves (`_accumulate`)
@@ -347,25 +324,21 @@ class Privatizer:
         for i, mb in enumerate(self._with_step_probes(microbatches)):
             check = self._check_coverage
             reduce = dict.fromkeys(self.params, reducers.with_sum(norm) if check else norm)
-            with self.persample.capture(batch_size(mb), reduce) as kept:
-                losses = per_sample(loss_fn(self.model, mb), mb)
-                if check or self.sharded:  # the coverage check compares with the batch gradient; FSDP gets its own
-                    losses.sum().backward(retain_graph=True)
-                else:  # first pass: norms only, without the weights' batch products
-                    self.persample.backward_to_hooks(losses.sum(), retain_graph=True)
+            # first pass: norms only, streamed layer by layer, without the weights' batch products
+            losses, (kept, batch_grads) = self._backward(mb, loss_fn, self._zero, reduce, check, {}, True)
             with exact_float32(self.device):
                 if check:
                     self._check_coverage = False
+                    for p, g in batch_grads.items():
+                        p.grad = g
                     verify_coverage(self.model, self.params, {p: r.total for p, r in kept.items()},
-                                    compute=self.persample.compute)
+                                    compute=self.taps.compute)
                     kept = {p: r.value for p, r in kept.items()}
                 factors = self.mechanism.clip_factors(kept) * weights(mb)
-            self._keep_grads = True
-            try:  # second pass: autograd forms Σᵢ fᵢ gᵢ in .grad, in the model's own precision
-                wide = torch.promote_types(losses.dtype, factors.dtype)  # a bf16 loss is weighed in float32
-                (losses.to(wide) * factors.to(wide)).sum().backward()
-            finally:
-                self._keep_grads = False
+            # second pass: autograd forms Σᵢ fᵢ gᵢ in .grad, in the model's own precision
+            wide = torch.promote_types(losses.dtype, factors.dtype)  # a bf16 loss is weighed in float32
+            (losses.to(wide) * factors.to(wide)).sum().backward()
+            self._zero.grad = None  # what the second pass sent the whole layers' probes
             for p in self.params:  # out of .grad before the next first pass drops it
                 if p.grad is not None:
                     _accumulate(summed, p, p.grad)
@@ -379,7 +352,7 @@ class Privatizer:
         """`microbatch` with its clipped sums returned as one flat tensor, in the parameters' order (the compiled
         step's: one output, not one per parameter), and its clipped loss sum."""
         summed = {}
-        loss = self.microbatch(mb, loss_fn, projections, summed, zero, False, probes)
+        loss = self.microbatch(mb, loss_fn, projections, summed, zero, False, probes)  # no shapes: nothing streams
         return torch.cat([summed[p].reshape(-1) if p in summed else torch.zeros(s.numel(), device=self.device,
                                                                                  dtype=self.params[0].dtype)
                           for p, s in zip(self.params, self._sum_shapes)]), loss

@@ -133,7 +133,7 @@ def build_model(cfg, data: DataBundle, weights: bool = True) -> nn.Module:
 def checkpoint_activations(model: nn.Module, recompute: Callable[[], ContextManager] | None = None) -> nn.Module:
     """train.activation_checkpointing: keep only each block's input in the forward pass and recompute the block
     in the backward (Hugging Face's gradient checkpointing, non-reentrant: the recompute runs inside the backward,
-    so dpmem's per-sample hooks save their layer inputs again there; see dpmem.persample.hooks). Only in training
+    so dpmem's per-sample taps save their layer inputs again there; see dpmem.persample.taps). Only in training
     mode, as Hugging Face applies it. The recompute runs inside `recompute()` (the memory planner's attention
     kernels: a mode entered around the forward is off in the backward pass), and its tensors count as
     activations."""

@@ -23,21 +23,25 @@ def capture_call(module, args, kwargs, output, scope):
     return tuple(detach(a) for a in args), {k: detach(v) for k, v in kwargs.items()}
 
 
-def fallback_grads(module: nn.Module, names: list[str], call: tuple,
-                   grad_output: torch.Tensor) -> dict[str, torch.Tensor]:
+def fallback_grads(module: nn.Module, names: list[str], call: tuple, grad_output: torch.Tensor,
+                   fixed: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Per-sample gradients of `module`'s parameters `names`; `fixed`: values for any of its (sub)modules'
+    parameters in place of theirs (FSDP's shards gathered whole, as the forward saw them)."""
     args, kwargs = call
+    fixed = fixed or {}
     batch = grad_output.shape[0]
     batched = lambda x: isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch  # noqa: E731
     arg_dims = tuple(0 if batched(a) else None for a in args)
     kw_names = [k for k, v in kwargs.items() if batched(v)]
     fixed_kwargs = {k: v for k, v in kwargs.items() if k not in kw_names}
-    params = {n: getattr(module, n).detach() for n in names}
+    params = {n: fixed[n] if n in fixed else getattr(module, n).detach() for n in names}
+    fixed = {n: t for n, t in fixed.items() if n not in params}
 
     def sample_loss(p, sample_args, sample_kwargs, g):
         one = lambda x, d: x.unsqueeze(0) if d == 0 else x  # noqa: E731
         a = tuple(one(x, d) for x, d in zip(sample_args, arg_dims))
         kw = {**fixed_kwargs, **{k: v.unsqueeze(0) for k, v in sample_kwargs.items()}}
-        out = functional_call(module, p, a, kw)
+        out = functional_call(module, {**fixed, **p}, a, kw)
         return (out * g.unsqueeze(0)).sum()
 
     # randomness="same" is safe: check_deterministic refused any dropout that is active.

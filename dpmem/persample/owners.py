@@ -1,10 +1,9 @@
-"""Which module owns each trainable parameter's per-sample gradient, and by which rule: shared by both capture
-mechanisms (`taps`, the step's values; `hooks`, the backward's callbacks)."""
+"""Which module owns each trainable parameter's per-sample gradient, and by which rule (read by the taps, and by the
+plans and checks that ask which layers a model's rules cover)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
@@ -25,7 +24,6 @@ class Owner:
     params: dict[str, nn.Parameter]  # attribute name -> parameter (trainable, direct, owned here)
     rule: Rule | None  # None = generic fallback (`dpmem.persample.fallback`)
     scopes: list = field(default_factory=list)  # a rule's forward scopes, entered by the pre-hook
-    on_grad: Callable | None = None  # (saved, output gradient) -> per-sample gradients (the hooks' callback)
 
 
 def find_owners(model: nn.Module) -> list[Owner]:

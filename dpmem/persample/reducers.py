@@ -7,13 +7,14 @@ then, one layer at a time.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import torch
 
 from dpmem.persample.clipping import is_rows
-from dpmem.persample.factored import Factored, weighted_sum_of
-from dpmem.persample.norms import squared_norms
+from dpmem.persample.factored import Factored, at_least_float32, weighted_sum_of
+from dpmem.persample.norms import exact_squared_norms, squared_norms
 from dpmem.persample.projection import Projection
 from dpmem.privacy.randomness import Draws
 
@@ -33,6 +34,44 @@ class Summed(NamedTuple):
     total: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Stream:
+    """A reducer whose value is tensors of shapes known before the backward pass, so that a layer's backward can
+    return it (`dpmem.persample.taps` streams it there, and frees the layer's output gradient at once):
+
+    - norms: squared per-sample norms (B,);
+    - dense: `Normed`, dense per-sample gradients (B, *kept shape), streamed alone (one zero fewer per layer) and
+      normed when unpacked; a vector parameter's rows are normed later, all at once. Only for layers with float
+      inputs unless `any_input` (an embedding's dense per-sample gradient would be B×vocab×D, so `materialize`
+      keeps it factored), and only for layers whose gradient comes out dense unless `densifies` (book-keeping
+      keeps a linear layer's factors: those stream as the layer's pair, `dpmem.persample.taps`)."""
+    reduce: Reducer  # the value, where the layer does not stream
+    kept: Callable[[Any], torch.Tensor]  # what streams: the squared norms, or the dense per-sample gradients
+    kind: str
+    any_input: bool = True
+    densifies: bool = True
+
+    def __call__(self, g):
+        return self.reduce(g)
+
+    def shapes(self, batch: int, kept: torch.Size, dtype: torch.dtype, float_input: bool,
+               factored: bool) -> list[tuple] | None:
+        """(shape, dtype) per tensor of the value, for a parameter of `dtype` whose kept per-sample gradient is of
+        shape `kept` (the rules form it in the parameter's dtype, norms in at least float32); None where this
+        layer's value cannot stream."""
+        if self.kind == "norms":
+            return [((batch,), at_least_float32(dtype))]
+        if not (float_input or self.any_input) or (factored and not self.densifies):
+            return None
+        return [((batch, *kept), dtype)]
+
+    def unpack(self, parts: list) -> tuple[Any, list]:
+        """(the value, the parts after its own)."""
+        value = parts[0] if self.kind == "norms" else Normed(None if is_rows(parts[0]) else
+                                                             exact_squared_norms(parts[0]), parts[0])
+        return value, parts[1:]
+
+
 def materialize(g):
     """Dense per-sample gradients (B, *shape); an embedding's stay factored (dense they would be B×vocab×D)."""
     return g.to_dense() if isinstance(g, Factored) and not g.sparse else g
@@ -47,12 +86,17 @@ def projected(made: Projection | Callable[[], Projection], then: Reducer = mater
     """DP-GRAPE: P applied to the factors, then `then` (by default the small (B, r, cols) or (B, rows, r) product).
     Given as what makes it, the projection is made when the layer's gradient is reduced and dropped after it; a
     compiled step is given the projection itself."""
-    return lambda g: then(g.project(projection(made)))
+    reduce = lambda g: then(g.project(projection(made)))  # noqa: E731
+    if not isinstance(then, Stream):
+        return reduce
+    return Stream(reduce, lambda g: then.kept(g.project(projection(made))), then.kind, then.any_input,
+                  then.densifies)
 
 
 def norms(rule: str, k: int = 32, draws: Draws | None = None) -> Reducer:
     """Squared per-sample norms (B,) by a rule of `dpmem.persample.norms` (two-pass clipping's first pass)."""
-    return lambda g: squared_norms(g, rule, k, draws)
+    reduce = lambda g: squared_norms(g, rule, k, draws)  # noqa: E731
+    return Stream(reduce, reduce, "norms")
 
 
 def normed(rule: str = "mixed", k: int = 32, draws: Draws | None = None,
@@ -64,7 +108,9 @@ def normed(rule: str = "mixed", k: int = 32, draws: Draws | None = None,
     def reduce(g):
         kept = then(g)
         return Normed(None if is_rows(kept) else squared_norms(kept, rule, k, draws), kept)
-    return reduce
+    if then is materialize:
+        return Stream(reduce, materialize, "dense", any_input=False)
+    return Stream(reduce, then, "dense", any_input=False, densifies=False)
 
 
 def with_sum(reducer: Reducer) -> Reducer:

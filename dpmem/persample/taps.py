@@ -1,22 +1,31 @@
-"""Per-sample capture that returns values, so that the private step is ordinary tensor code and compiles whole.
+"""Per-sample capture that returns values: the one capture of dpmem's private step, and of the spectrum analysis.
 
-Each covered layer gets one forward hook (a "tap") that, inside `Taps.recording`, writes what its rule needs (its
-input, or an embedding's ids) onto the step's `Tape` and adds a zero probe to its output: an expanded view of one
-scalar leaf, so it costs no memory and changes no value. The layers' output gradients are then the gradients of the
-summed per-sample loss with respect to the probes, returned by one `torch.autograd.grad` call that computes no
-parameter's batch gradient (autograd runs only what leads to the probes), and the layer rules, `Factored`, the
-reducers, norms and clip factors consume them as returned tensors. Nothing mutates state inside the backward pass,
-so `torch.compile(fullgraph=True)` captures forward, per-sample backward and clipping as one graph; eager and
-compiled steps are the same code.
+Each covered layer gets one forward hook (a "tap") that, inside `Taps.recording`, notes the layer on the step's `Tape`
+and ties a probe to its output, so that one `torch.autograd.grad` call to the probes returns every layer's part and
+computes no parameter's batch gradient (autograd runs only what leads to the probes). A layer's part is one of:
 
-The scalar leaf is made outside any compiled region (dynamo makes no grad-requiring tensor) and passed in. A
-probe is a separate autograd node, so a later in-place op on the layer's output changes nothing of its gradient."""
+- streamed: the probe is a custom autograd function (`_Stream`) that saves the layer's input with `save_for_backward`
+  and whose backward applies the layer rule and the parameters' reducers (`dpmem.persample.reducers.Stream`: squared
+  norms, dense or projected per-sample gradients) and returns the result as the gradients of zero tensors of its
+  shape. Each layer's output gradient is then freed as the backward pass leaves the layer, and activation
+  checkpointing's recompute saves the input again (the tap re-applies the function there);
+- a pair: where the value cannot stream (book-keeping keeps a linear layer's factors; a weight used several times
+  is normed on the sum of its uses), the same function returns the layer's output gradient and input as they are,
+  reduced after the backward pass; checkpointing still drops the input in between;
+- whole: a zero added to the output, whose gradient is the layer's output gradient itself; the layer's input is kept
+  on the tape: an embedding's ids, the generic fallback's layers, the coverage check's first step, a compiled step.
+
+The zeros are expanded views of one scalar leaf made outside any compiled region (dynamo makes no grad-requiring
+tensor) and passed in: they cost no memory and change no value. Nothing mutates state inside the backward pass, so a
+whole-part step compiles into one graph (`torch.compile(fullgraph=True)`); eager and compiled steps are the same
+code."""
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -25,46 +34,78 @@ from dpmem.metering import memory_label
 from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads
 from dpmem.persample.owners import (Owner, batch_first, enter_scope, find_owners, leave_scope, owned_parameters,
                                     tied_sum)
-from dpmem.persample.reducers import Reducer, materialize
+from dpmem.persample.reducers import Reducer, Stream, materialize
 from dpmem.precision import Compute, exact_float32, tf32_enabled
 
 
-class Tape:
-    """One forward pass's records, in call order: the layer (a shared one once per use), what its rule keeps, and
-    the probe added to its output."""
+def remove_handles(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
 
-    def __init__(self, zero: torch.Tensor):
+
+class Tape:
+    """One forward pass's records, in call order: the layer (a shared one once per use), what its rule keeps (None
+    where streamed) and its probes; and what is streamed, by layer."""
+
+    def __init__(self, zero: torch.Tensor, batch: int, reducers: dict, streams: dict[int, tuple]):
         self.zeros = {zero.dtype: zero}  # the leaf, and its casts to the outputs' dtypes (one op per dtype)
+        self.batch, self.reducers, self.streams = batch, reducers, streams
         self.owners: list[Owner] = []
         self.saved: list[Any] = []
-        self.probes: list[torch.Tensor] = []
+        self.probes: list[list[torch.Tensor]] = []
+        self.dtypes: dict[torch.dtype, None] = {}  # the outputs' (the coverage check's tolerance; a dict: dynamo
+        # traces no set)
+        self.armed = True  # the streamed values are asked for: the first backward pass (a second, two-pass
+        # clipping's, passes through)
+        self.seen: dict[int, int] = {}  # calls so far of each streaming layer
+        self.repeated: list[Owner] = []  # streamed layers called twice (found in the forward pass)
+
+    def zeros_like(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        zero = self.zeros.get(dtype)
+        if zero is None:
+            zero = self.zeros[dtype] = next(iter(self.zeros.values())).to(dtype)
+        return zero.expand(shape)
+
+
+class RepeatedUse(Exception):
+    """A streamed layer was called more than once in one forward pass: its uses must be summed before they are
+    reduced, so the micro-batch runs again with the layer whole (`Taps.per_sample` raises it before any backward)."""
 
 
 class Taps:
     """Per-sample gradients of every trainable parameter of `model`, as values:
 
-        with taps.recording(zero) as tape:
+        with taps.recording(zero, batch_size, reducers) as tape:
             losses = loss_fn(model, batch)
-        kept, batch_grads = taps.per_sample(tape, losses.sum(), batch_size, reducers)
+        kept, batch_grads = taps.per_sample(tape, losses.sum())
 
     `kept` holds, per parameter, its reducer (`dpmem.persample.reducers`; `materialize` by default) applied to its
     per-sample gradient summed over every use (a tied weight is one gradient). `zero` is `taps.zero()`, a scalar
-    leaf made once outside any compiled function. The hooks act only inside `recording`; `close()` removes them.
-    Layer inputs are kept as the forward's own tensors, not detached: what consumes `kept` runs under no_grad."""
+    leaf made once outside any compiled function. Reducers that are a `Stream` run inside the backward pass where
+    they can (`stream=False`: never, as a compiled step needs). The hooks act only inside `recording` (and a
+    checkpoint's recompute of a recorded forward); `close()` removes them, as does garbage collection. Several Taps
+    on one model do not interfere. `taps.gradients(...)` does it all in one call."""
 
-    def __init__(self, model: nn.Module):
-        self.model = model
+    def __init__(self, model: nn.Module, whole: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.model, self.whole = model, whole  # whole: a sharded parameter gathered whole (FSDP's, given by the step)
         self.owners = find_owners(model)
         self.parameters = owned_parameters(self.owners)
+        # a parameter owned by several layers (a tied LM head) is normed on the sum of its uses: never streamed
+        owned = Counter(p for owner in self.owners for p in owner.params.values())
+        # ids: dynamo traces no set of tensors
+        self._shared = {id(owner) for owner in self.owners if any(owned[p] > 1 for p in owner.params.values())}
+        self._repeated: set[int] = set()  # layers found called twice in a forward pass: never streamed
         self.compute = Compute()  # what the last step's backward computed in (the coverage check's tolerance)
-        self._tape: Tape | None = None
+        self._hooks = hooks = _Hooks()
         self._handles = []
+        self._close = weakref.finalize(self, remove_handles, self._handles)
         for owner in self.owners:
             if owner.rule is not None and owner.rule.scope is not None:
                 self._handles.append(owner.module.register_forward_pre_hook(
-                    functools.partial(self._enter_scope, owner), with_kwargs=True))
+                    functools.partial(hooks.enter_scope, owner), with_kwargs=True))
             self._handles.append(owner.module.register_forward_hook(
-                functools.partial(self._tap, owner), with_kwargs=True))
+                functools.partial(hooks.tap, owner), with_kwargs=True))
 
     def zero(self) -> torch.Tensor:
         """The probes' scalar leaf (float32; each probe takes its output's dtype)."""
@@ -73,9 +114,7 @@ class Taps:
 
     def close(self) -> None:
         """Remove the taps from the model (idempotent)."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._close()
 
     def __enter__(self) -> "Taps":
         return self
@@ -83,91 +122,249 @@ class Taps:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def gradients(self, forward, batch: int, reducers: dict[nn.Parameter, Reducer] | None = None) -> dict:
+        """{parameter: its reducer's value} of the summed per-sample loss that `forward()` returns."""
+        with self.recording(self.zero(), batch, reducers) as tape:
+            loss = forward()
+        return self.per_sample(tape, loss)[0]
+
     # -- recording -----------------------------------------------------------------------------------------
-    def start(self, zero: torch.Tensor) -> Tape:
-        self._tape = Tape(zero)
-        return self._tape
+    def recording(self, zero: torch.Tensor, batch: int, reducers: dict[nn.Parameter, Reducer] | None = None,
+                  shapes: dict | None = None, stream: bool = True) -> "_Recording":
+        """Record one forward pass of `batch` samples. `shapes`: each parameter's kept shape where it differs from
+        its own (DP-GRAPE's projections)."""
+        return _Recording(self, zero, batch, reducers or {}, shapes or {}, stream)
+
+    def start(self, zero, batch, reducers, shapes, stream) -> Tape:
+        streams = self._streams(batch, reducers, shapes) if stream else {}
+        self._hooks.tape = self._hooks.recorded = Tape(zero, batch, reducers, streams)
+        return self._hooks.tape
 
     def stop(self) -> None:
-        self._tape = None
+        self._hooks.tape = None
 
-    def recording(self, zero: torch.Tensor) -> "_Recording":
-        return _Recording(self, zero)
-
-    def _enter_scope(self, owner: Owner, mod, args, kwargs):
-        if self._tape is not None:
-            enter_scope(owner, mod)
-
-    def _tap(self, owner: Owner, mod, args, kwargs, output):
-        tape = self._tape
-        if tape is None:
-            return None
-        rule, scope = owner.rule, leave_scope(owner, mod, output)
-        if rule is None:
-            check_deterministic(owner.name, mod)
-            saved = capture_call(mod, args, kwargs, output, None)
-        else:
-            saved = rule.capture(mod, args, kwargs, output, scope)
-        zero = tape.zeros.get(output.dtype)
-        if zero is None:
-            zero = tape.zeros[output.dtype] = next(iter(tape.zeros.values())).to(output.dtype)
-        probe = zero.expand(output.shape)
-        tape.owners.append(owner)
-        tape.saved.append(saved)
-        tape.probes.append(probe)
-        return output + probe
+    def _streams(self, batch: int, reducers: dict, shapes: dict) -> dict[int, tuple]:
+        """What streams out of the backward pass, by layer: id(owner) -> (its parameters' reducers, the probes'
+        (shape, dtype)) where every reducer streams its value, else (None, None) where the layer's input is a float
+        tensor: its output gradient and input stream out as they are (a pair), to be reduced after the backward."""
+        out = {}
+        for owner in self.owners:
+            if owner.rule is None:
+                continue
+            if owner.rule.float_input:
+                out[id(owner)] = (None, None)
+            if id(owner) in self._repeated or id(owner) in self._shared:
+                continue
+            kinds, probes = [], []
+            for p in owner.params.values():
+                stream = reducers.get(p)
+                kept = shapes.get(p, p.shape)
+                made = stream.shapes(batch, kept, p.dtype, owner.rule.float_input, owner.rule.factored(owner.module)) \
+                    if isinstance(stream, Stream) else None
+                if made is None:
+                    break
+                kinds.append(stream)
+                probes += made
+            else:
+                out[id(owner)] = (kinds, probes)
+        return out
 
     # -- per-sample gradients -------------------------------------------------------------------------------
-    def per_sample(self, tape: Tape, loss: torch.Tensor, batch: int, reducers: dict[nn.Parameter, Reducer],
-                   batch_gradients: bool = False) -> tuple[dict, dict]:
+    def per_sample(self, tape: Tape, loss: torch.Tensor, batch_gradients: bool = False,
+                   retain_graph: bool = False) -> tuple[dict, dict]:
         """({parameter: its reducer's value}, {parameter: autograd's batch gradient} if `batch_gradients` (the
-        coverage check) else {}), from one backward pass of `loss`, the summed per-sample loss of `batch`
-        samples recorded on `tape`. A parameter is reduced once every use's gradient is in (uses taken last to
-        first), and each layer's output gradient dropped as soon as its rule has used it."""
+        coverage check) else {}), from one backward pass of `loss`, the summed per-sample loss recorded on `tape`.
+        A whole part is reduced once every use's gradient is in (uses taken last to first, as a backward pass
+        reaches them), and each layer's output gradient dropped as soon as its rule has used it."""
+        if tape.repeated:
+            self._repeated.update(id(owner) for owner in tape.repeated)
+            raise RepeatedUse(", ".join(dict.fromkeys(owner.name for owner in tape.repeated)))
         params = self.parameters if batch_gradients else []
-        grads = list(torch.autograd.grad(loss, [*tape.probes, *params], allow_unused=True))
-        batch_grads = dict(zip(params, grads[len(tape.probes):]))
-        del grads[len(tape.probes):]
+        probes = [probe for use in tape.probes for probe in use]
+        if not probes and not params:  # closed: nothing recorded
+            return {}, {}
+        grads = list(torch.autograd.grad(loss, [*probes, *params], allow_unused=True, retain_graph=retain_graph))
+        tape.armed = False
+        batch_grads = dict(zip(params, grads[len(probes):]))
+        del grads[len(probes):]
         self.compute = Compute(tf32=tf32_enabled(loss.device))
+        for dtype in tape.dtypes:
+            self.compute = self.compute.lowered(dtype)
+        starts = [0]
+        for use in tape.probes:
+            starts.append(starts[-1] + len(use))
         uses = Counter(p for owner in tape.owners for p in owner.params.values())
         pending: dict[nn.Parameter, Any] = {}
         kept: dict[nn.Parameter, Any] = {}
         # no_grad: the rules' products on the kept inputs (not detached: an op fewer per layer) record no graph
         with memory_label("per_sample"), exact_float32(loss.device), torch.no_grad():
-            # last use first, the order a backward pass reaches them (and the callbacks reduce them): estimators'
-            # probes are drawn in that order
-            for i in reversed(range(len(tape.owners))):
-                owner = tape.owners[i]
-                g, saved = grads[i], tape.saved[i]
-                grads[i] = tape.saved[i] = None
-                if g is not None:  # None: this use's output did not reach the loss
-                    self.compute = self.compute.lowered(g.dtype)
-                    for name, part in self._gradients(owner, saved, g, batch).items():
+            for i in self._order(tape):
+                owner, saved = tape.owners[i], tape.saved[i]
+                parts = grads[starts[i]:starts[i + 1]]
+                grads[starts[i]:starts[i + 1]] = [None] * len(parts)
+                tape.saved[i] = None
+                kinds = tape.streams.get(id(owner), (None,))[0]
+                if kinds is not None:
+                    if parts and parts[0] is not None:  # None: this use's output did not reach the loss
+                        for stream, p in zip(kinds, owner.params.values()):
+                            kept[p], parts = stream.unpack(parts)
+                    continue
+                if id(owner) in tape.streams:  # a pair: (output gradient, input)
+                    saved = parts[1]
+                if parts[0] is not None:
+                    for name, part in self._gradients(owner, saved, parts[0], tape.batch):
                         p = owner.params.get(name)
                         if p is not None:  # None: a frozen parameter of a rule-covered module
                             pending[p] = part if p not in pending else tied_sum(pending[p], part)
                 for p in owner.params.values():
                     uses[p] -= 1
                     if uses[p] == 0 and p in pending:  # every use is in: reduce it, free the rest
-                        kept[p] = reducers.get(p, materialize)(pending.pop(p))
+                        kept[p] = tape.reducers.get(p, materialize)(pending.pop(p))
         return kept, batch_grads
 
-    @staticmethod
-    def _gradients(owner: Owner, saved, grad_output: torch.Tensor, batch: int) -> dict:
+    def _order(self, tape: Tape) -> list[int]:
+        """The uses in the order they are reduced, the same whether or not they streamed (an estimator draws its
+        probes in it): last to first, as the backward pass reaches the layers that can stream, then those that
+        cannot (a weight used several times, the fallback's layers)."""
+        calls = Counter(id(owner) for owner in tape.owners)
+        alone = [owner.rule is not None and calls[id(owner)] == 1 and id(owner) not in self._shared
+                 for owner in tape.owners]
+        last_first = list(reversed(range(len(tape.owners))))
+        return [i for i in last_first if alone[i]] + [i for i in last_first if not alone[i]]
+
+    def _gradients(self, owner: Owner, saved, grad_output: torch.Tensor, batch: int):
         saved, grad_output = batch_first(owner, saved, grad_output, batch)
-        if owner.rule is None:
-            return fallback_grads(owner.module, list(owner.params), saved, grad_output)
-        return owner.rule.gradients(owner.module, saved, grad_output)
+        if owner.rule is not None:
+            return owner.rule.gradients(owner.module, saved, grad_output).items()
+        self._hooks.replaying = True
+        try:
+            # sharded (FSDP resharded the module after the backward), its replay runs on the parameters made whole
+            whole = None if self.whole is None else {n: self.whole(q) for n, q in owner.module.named_parameters()}
+            return fallback_grads(owner.module, list(owner.params), saved, grad_output, whole).items()
+        finally:
+            self._hooks.replaying = False
+
+
+class _Hooks:
+    """The taps' forward hooks and what they share: the tape being recorded, the last recorded one (for a checkpoint's
+    recompute) and the fallback's replay. The model's hooks hold this, not the `Taps`, so that dropping a Taps removes
+    them (its finalizer); dynamo traces them as plain methods."""
+
+    def __init__(self):
+        self.tape: Tape | None = None
+        self.recorded: Tape | None = None  # the last forward proper's, whose streams a recompute saves again
+        self.replaying = False  # the fallback's replay of a layer, whose submodules' taps stay out of it
+        # each streamed layer's zeros, made once per shape and leaf and kept: views made outside any graph serve
+        # every step (a gradient is captured where it enters them; what made them never runs)
+        self.zeros: dict[tuple, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+
+    def enter_scope(self, owner: Owner, mod, args, kwargs):
+        if self.tape is not None or self.recomputing():
+            enter_scope(owner, mod)
+
+    def recomputing(self) -> bool:
+        """Activation checkpointing's recompute (a forward inside a backward pass) of a recorded forward."""
+        if self.replaying:
+            return False
+        if torch._C._current_graph_task_id() == -1:  # a forward pass proper
+            self.recorded = None
+            return False
+        return self.recorded is not None
+
+    def tap(self, owner: Owner, mod, args, kwargs, output):
+        tape = self.tape
+        if tape is None:
+            if not self.recomputing():
+                return None
+            tape = self.recorded
+            if id(owner) not in tape.streams:  # whole: its input is on the tape, its zero adds no saved tensor
+                leave_scope(owner, mod, output)
+                return None
+            saved = owner.rule.capture(mod, args, kwargs, output, leave_scope(owner, mod, output))
+            # saves what the forward saved (zeros of its own: their gradients are never asked for)
+            return _Stream.apply(output, saved, None, *self.probes(tape, owner, output, saved, -1))
+        rule, scope = owner.rule, leave_scope(owner, mod, output)
+        tape.dtypes[output.dtype] = None
+        if rule is None:
+            check_deterministic(owner.name, mod)
+            saved = capture_call(mod, args, kwargs, output, None)
+        else:
+            saved = rule.capture(mod, args, kwargs, output, scope)
+        tape.owners.append(owner)
+        if id(owner) in tape.streams:
+            use = tape.seen.get(id(owner), 0)
+            tape.seen[id(owner)] = use + 1
+            if use and tape.streams[id(owner)][0] is not None:  # its values: once per forward pass
+                tape.repeated.append(owner)
+            probes = self.probes(tape, owner, output, saved, use)
+            tape.saved.append(None)
+            tape.probes.append(probes)
+            return _Stream.apply(output, saved, functools.partial(self.reduce, tape, owner), *probes)
+        probe = tape.zeros_like(output.shape, output.dtype)
+        tape.saved.append(saved)
+        tape.probes.append([probe])
+        return output + probe
+
+    def probes(self, tape: Tape, owner: Owner, output: torch.Tensor, saved: torch.Tensor,
+               use: int) -> list[torch.Tensor]:
+        """The zeros of a layer's `use`-th call in the forward pass (each call its own: autograd sums what two
+        calls send one tensor)."""
+        shapes = tape.streams[id(owner)][1] or [(output.shape, output.dtype), (saved.shape, saved.dtype)]
+        leaf = tape.zeros[torch.float32] if torch.float32 in tape.zeros else next(iter(tape.zeros.values()))
+        key = (id(owner), use, *shapes)
+        made = self.zeros.get(key)
+        if made is None or made[0] is not leaf:
+            with torch.enable_grad():
+                made = self.zeros[key] = (leaf, [leaf.to(dtype).expand(shape) for shape, dtype in shapes])
+        return made[1]
+
+    @staticmethod
+    def reduce(tape: Tape, owner: Owner, saved, grad_output: torch.Tensor) -> list[torch.Tensor]:
+        """A streamed layer's reducers' values, inside the backward pass, as tensors in its probes' order, or its pair
+        (output gradient, input); None after the first backward pass."""
+        kinds = tape.streams[id(owner)][0]
+        if not tape.armed:
+            return [None] * (2 if kinds is None else len(kinds))
+        if kinds is None:
+            return [grad_output, saved]
+        with memory_label("per_sample"), exact_float32(grad_output.device):
+            saved, grad_output = batch_first(owner, saved, grad_output, tape.batch)
+            grads = owner.rule.gradients(owner.module, saved, grad_output)
+            values = []
+            for stream, (name, p) in zip(kinds, owner.params.items()):
+                values.append(stream.kept(grads[name]))
+            return values
+
+
+class _Stream(torch.autograd.Function):
+    """The identity on a layer's output that saves the layer's input (what its rule keeps) for the backward pass,
+    where `reduce(input, output gradient)` gives the layer's reduced values (or its pair): the gradients of
+    `probes`. A saved tensor, unlike a Python reference, is what activation checkpointing drops after the forward
+    and recomputes in the backward. `reduce` None: a recompute, which only saves again what the forward saved.
+
+    The output is a detached alias of the layer's output: a new autograd output, not a view of an input, so later
+    in-place ops on it stay legal (marking it dirty made autograd treat it as a modified view of the matmul's
+    result, and every backward copied each output gradient four times)."""
+
+    @staticmethod
+    def forward(ctx, output, saved, reduce, *probes):
+        ctx.save_for_backward(saved)
+        ctx.reduce = reduce
+        return output.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return (grad_output, None, None, *ctx.reduce(ctx.saved_tensors[0], grad_output))
 
 
 class _Recording:
-    """`with taps.recording(zero) as tape:` (a class, not a generator: dynamo traces it plainly)."""
+    """`with taps.recording(...) as tape:` (a class, not a generator: dynamo traces it plainly)."""
 
-    def __init__(self, taps: Taps, zero: torch.Tensor):
-        self.taps, self.zero = taps, zero
+    def __init__(self, taps: Taps, *args):
+        self.taps, self.args = taps, args
 
     def __enter__(self) -> Tape:
-        return self.taps.start(self.zero)
+        return self.taps.start(*self.args)
 
     def __exit__(self, *exc) -> None:
         self.taps.stop()

@@ -17,7 +17,7 @@ from dpmem.config import ConfigError, GrapeConfig
 from dpmem.data.bundle import real_size, weights
 from dpmem.engine.trainer import Run
 from dpmem.methods.projected_adam import choose_projected
-from dpmem.persample import PerSampleGradients, clip_factors, per_sample_norms, weighted_sum_of
+from dpmem.persample import Taps, clip_factors, per_sample_norms, weighted_sum_of
 from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, seed_key
 from dpmem.spectrum.linalg import power_law_slope, top_singular_values
@@ -53,23 +53,20 @@ def label(setting: Setting) -> str:
 def measure(model, microbatches, loss_fn, layers: dict[str, torch.nn.Parameter], chosen: list[Setting],
             expected_batch_size: float, top: int, seed: int) -> list[dict]:
     """Per setting: {clip, sigma, label, per_layer: {name: top singular values}, mean, mean_normalized, slope}."""
-    persample = PerSampleGradients(model)
+    taps = Taps(model)
     clips = list(dict.fromkeys(c for c, _ in chosen))
     sums = {c: {n: torch.zeros_like(p) for n, p in layers.items()} for c in clips}
     try:
         for mb in microbatches:
-            with persample.capture(len(next(iter(mb.values())))) as grads:
-                loss_fn(model, mb).sum().backward()
+            grads = taps.gradients(lambda: loss_fn(model, mb).sum(), len(next(iter(mb.values()))))
             norms = per_sample_norms(grads)
             for c in clips:
                 factors = (torch.ones_like(norms) if c is None else clip_factors(norms, c)) * weights(mb)
                 for n, p in layers.items():
                     sums[c][n] += weighted_sum_of(grads[p], factors)
             del grads
-            for p in model.parameters():
-                p.grad = None
     finally:
-        persample.close()
+        taps.close()
     results = []
     for c, s in chosen:
         # the same z for every setting: draws keyed by one seed, from the first
