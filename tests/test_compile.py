@@ -37,7 +37,10 @@ MODELS = {"roberta-mlm": tiny_roberta, "vit": lambda: tiny_vit("eager"), "opt": 
           "lora": roberta_classifier, "mlp": small_mlp}
 OPTIONS = {"dp-adam": {"clipping": "bk"}, "dp-sgd-materialize": {"clipping": "materialize"}, "grape": {"rank": 2},
            "galore-dp-naive": {"rank": 2, "refresh": 1}, "dp-sgd-rc": {"bookkeeping": True, "k": 4},
-           "adam": {}, "dpzero": {}, "mezo": {}}
+           "adam": {}, "dpzero": {}, "mezo": {},
+           # two-pass clipping: norms streamed out of the first backward pass, the sums from a second
+           "dp-adam-ghost": {"clipping": "ghost"}, "dp-sgd-mixed": {"clipping": "mixed"},
+           "dp-sgd-rc-two-pass": {"k": 4}}
 PRIVATE = {"dp-adam", "dp-sgd", "grape", "galore-dp-naive", "dp-sgd-rc", "dpzero"}
 
 
@@ -62,7 +65,8 @@ def three_steps(model_name, name, backend=None, device="cpu", micro_batches=2):
              for mb in micro[:1] * (micro_batches - 2) + micro]
     model = model.to(device)
     options = OPTIONS[name]
-    method_name = name.removesuffix("-materialize")
+    method_name = name.removesuffix("-materialize").removesuffix("-ghost").removesuffix("-mixed").removesuffix(
+        "-two-pass")
     private = method_name in PRIVATE
     cfg = method_config(method_name, **options, **({"max_grad_norm": 0.5} if private else {}))
     noise = GaussianMechanism(1.0, 0.5, 3.0, Draws(seed_key(7), "noise", device)) if private else None
@@ -78,7 +82,8 @@ def three_steps(model_name, name, backend=None, device="cpu", micro_batches=2):
     return trained, None if compiler is None else compiler.capture()
 
 
-CASES = [(m, "dp-adam") for m in MODELS if m != "mlp"] + [("roberta-mlm", n) for n in OPTIONS if n != "dp-adam"]
+CASES = [(m, n) for m in MODELS if m != "mlp" for n in ("dp-adam", "dp-adam-ghost")] + [
+    ("roberta-mlm", n) for n in OPTIONS if n not in ("dp-adam", "dp-adam-ghost")]
 
 
 @pytest.mark.parametrize("model_name,name", CASES)
@@ -90,10 +95,11 @@ def test_the_compiled_step_is_one_graph_per_function_and_equals_the_eager_step(m
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("name,function", [("dp-adam", "microbatch"), ("grape", "microbatch"), ("dpzero", "forward")])
+@pytest.mark.parametrize("name,function", [("dp-adam", "microbatch"), ("grape", "microbatch"),
+                                           ("dp-adam-ghost", "microbatch"), ("dpzero", "forward")])
 def test_inductor_code_equals_the_eager_step(name, function):
-    """Inductor's kernels and its C++ wrapper (`Compiler`'s CPU options), for the per-sample step, a projected one
-    and a forward-only one."""
+    """Inductor's kernels and its C++ wrapper (`Compiler`'s CPU options), for the per-sample step, a projected one,
+    a two-pass one and a forward-only one."""
     want, _ = three_steps("mlp", name)
     got, capture = three_steps("mlp", name, "inductor")
     assert capture["graphs_per_function"] == {function: 1}, capture
@@ -167,9 +173,8 @@ def test_a_compiled_run_with_dropout_trains_spends_and_reports_as_the_eager_one(
 
 
 @pytest.mark.parametrize("override,why", [
-    ("method=dp-adam method.clipping=ghost", "second backward pass"),
     ("train.activation_checkpointing=true", "recompute"), ("train.precision=tf32", "switches TF32 off"),
-    ("method=dp-sgd-rc", "second backward pass"), ("method=galore", "has no compiled step")])
+    ("method=galore", "has no compiled step")])
 def test_what_stays_eager_is_refused_in_one_line(override, why):
     cfg = config("model=vit-tiny", "data.image_size=8", "train.compile=true", *override.split())
     with pytest.raises(ConfigError, match=why):

@@ -126,15 +126,15 @@ def test_a_two_pass_step_equals_a_materialize_step_given_the_same_noise(make, cl
 
 @pytest.mark.parametrize("clipping", ["ghost", "hutch"])
 def test_the_first_pass_forms_no_batch_gradient_after_the_coverage_check(clipping):
-    """Only the second pass (autograd's Σᵢ fᵢ gᵢ) accumulates into the parameters, once per micro-batch; the first
-    step's first pass also forms the batch gradient that the coverage check compares with, as a returned value."""
+    """Only the second pass (autograd's Σᵢ fᵢ gᵢ) forms the parameters' gradients, once per micro-batch; the first
+    step's first pass also forms the batch gradient that the coverage check compares with."""
     torch.manual_seed(0)
     model, loss, b = roberta_case()
     cls, cfg = (DPAdam, method_cfg(clipping=clipping)) if clipping == "ghost" else (DPSGDRC, method_cfg("dp-sgd-rc"))
     method = cls(model, cfg, lr=0.05, mechanism=GaussianMechanism(1.0, 0.5, 3.0, seeded(7)))
     params = [p for p in model.parameters() if p.requires_grad]
     accumulated = []
-    handles = [p.register_post_accumulate_grad_hook(lambda p: accumulated.append(p)) for p in params]
+    handles = [p.register_hook(lambda g: accumulated.append(g)) for p in params]
     micro = [{k: v[i::2] for k, v in b.items()} for i in range(2)]
     counts = []
     for _ in range(2):
@@ -143,9 +143,9 @@ def test_the_first_pass_forms_no_batch_gradient_after_the_coverage_check(clippin
         accumulated.clear()
     for h in handles:
         h.remove()
-    # the checked first pass returns its batch gradient (`autograd.grad`) and accumulates none: in each step only
-    # the two second passes accumulate
-    assert counts == [2 * len(params), 2 * len(params)]
+    # step 1: the checked first pass, then two second passes; step 2: the second passes only
+    assert counts == [3 * len(params), 2 * len(params)]
+    assert all(p.grad is None for p in params)  # every gradient returned as a value
 
 
 def test_galore_dp_naive_takes_the_clipping_option():

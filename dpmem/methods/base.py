@@ -57,7 +57,7 @@ class MethodSpec:
     def compile_refusal(self, cfg) -> str | None:
         """Why train.compile cannot compile this run's step (None: it can), beyond having no compiled step
         (`dpmem.methods.compile_refusal`)."""
-        t, plan = cfg.train, self.clipping(cfg.method)
+        t = cfg.train
         if t.fsdp:
             return ("dynamo breaks the graph at FSDP's unit hooks (autograd.grad through an external grad_fn); with "
                     "train.fsdp: train.compile=false")
@@ -66,12 +66,8 @@ class MethodSpec:
                     "sums), a process-wide switch that one graph cannot flip; with train.compile: "
                     "train.precision=fp32 or bf16")
         if t.activation_checkpointing:
-            return ("activation checkpointing's recompute runs the taps again inside the backward pass, which the "
-                    "compiled step does not trace yet; with it: train.compile=false")
-        if plan is not None and plan.passes != 1:
-            return (f"method.clipping={plan.name} streams its norms out of a first backward pass and sums in a "
-                    "second backward pass, which the compiled step does not trace yet; compiled: method.clipping=bk "
-                    "or materialize (dp-sgd-rc: method.bookkeeping=true)")
+            return ("activation checkpointing's recompute: inductor recomputes one region per forward-loss-backward "
+                    "graph, and a checkpointed model has one per block; with it: train.compile=false")
         return None
 
 

@@ -126,12 +126,13 @@ class Privatizer:
             observer.attach(self)
 
     def compile(self, compiler) -> None:
-        """train.compile: each micro-batch of one-pass clipping (forward, per-sample backward, norms, clip factors,
-        clipped sums) compiled whole (`dpmem.compiling`); the release adds the noise, drawn outside, to the flat sum.
-        The first step, with the coverage check, stays eager."""
-        if self.plan.passes != 1 or self.sharded or checkpointed(self.model) or self.observers:
-            raise ValueError("a compiled private step needs one-pass clipping, no FSDP, no activation checkpointing "
-                             "and no observers (dpmem audit)")
+        """train.compile: each micro-batch (forward, per-sample backward with its streamed norms or per-sample
+        gradients, clip factors, clipped sums; two-pass clipping's second backward pass) compiled whole
+        (`dpmem.compiling`); the release adds the noise, drawn outside, to the flat sum. The first step, with the
+        coverage check, stays eager."""
+        if self.sharded or checkpointed(self.model) or self.observers:
+            raise ValueError("a compiled private step needs no FSDP, no activation checkpointing and no observers "
+                             "(dpmem audit)")
         if len({p.dtype for p in self.params}) > 1:
             raise ValueError("a compiled private step needs the trainable parameters in one dtype (its clipped sums "
                              "are one flat buffer)")
@@ -189,9 +190,22 @@ class Privatizer:
         the clipping plan says."""
         if projections and self.plan.passes != 1:
             raise ValueError(f"projected per-sample gradients need one-pass clipping, not {self.plan.name!r}")
-        if self.plan.passes == 1:
-            return self._one_pass(microbatches, loss_fn, shapes, projections or {})
-        return self._two_pass(microbatches, loss_fn)
+        projections, estimated = projections or {}, self._probe_draws is not None
+        compiled = self._compiled is not None and (self._probe_shapes is not None or not estimated)
+        if compiled and not self._check_coverage:
+            return self._compiled_pass(microbatches, loss_fn, shapes, projections)
+        summed = {}  # made by the first micro-batch's clipped sums (`_accumulate`)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, mb in enumerate(self._with_step_probes(microbatches)):
+            probes = Recorded(self._probe_draws) if estimated else None  # a compiled run learns which probes it draws
+            loss_sum = loss_sum + self.microbatch(mb, loss_fn, projections, summed, self._zero, self._check_coverage,
+                                                  probes, shapes)
+            self._probe_shapes = probes.shapes if estimated else None
+            self._check_coverage = False
+            for observer in self.observers:
+                observer.on_accumulated(self, summed, i)
+        # two passes: .grad's sums, FSDP's shards
+        return self._completed(summed, shapes if self.plan.passes == 1 else None), loss_sum
 
     def sum_over_ranks(self, summed: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         """The clipped sums of the whole logical batch, on every rank (FSDP's shards are reduced already)."""
@@ -230,23 +244,6 @@ class Privatizer:
                 self._probe_draws.key, self._probe_draws.count = key, 0
             yield mb
 
-    def _one_pass(self, microbatches, loss_fn, shapes, projections):
-        estimated = self._probe_draws is not None
-        compiled = self._compiled is not None and (self._probe_shapes is not None or not estimated)
-        if compiled and not self._check_coverage:
-            return self._compiled_pass(microbatches, loss_fn, shapes, projections)
-        summed = {}  # made by the first micro-batch's clipped sums (`_accumulate`)
-        loss_sum = torch.zeros((), device=self.device)
-        for i, mb in enumerate(self._with_step_probes(microbatches)):
-            probes = Recorded(self._probe_draws) if estimated else None  # a compiled run learns which probes it draws
-            loss_sum = loss_sum + self.microbatch(mb, loss_fn, projections, summed, self._zero, self._check_coverage,
-                                                  probes, shapes)
-            self._probe_shapes = probes.shapes if estimated else None
-            self._check_coverage = False
-            for observer in self.observers:
-                observer.on_accumulated(self, summed, i)
-        return self._completed(summed, shapes), loss_sum
-
     def _compiled_pass(self, microbatches, loss_fn, shapes, projections):
         """One-pass clipping by the compiled micro-batch: every parameter's clipped sum in one flat tensor (the first
         micro-batch's own, later ones added in place), kept for the release and returned as views."""
@@ -268,43 +265,75 @@ class Privatizer:
             self._noise_runs = self.mechanism.flat_runs(summed)
         return summed, loss_sum
 
-    def microbatch(self, mb, loss_fn, projections, summed, zero, check=False, probes=None, shapes=None) -> torch.Tensor:
-        """One micro-batch of one-pass clipping: forward, the per-sample backward to the taps' probes, norms, clip
-        factors, and Σᵢ min(1, C/‖gᵢ‖)·wᵢ·gᵢ added into `summed` (in place; a parameter's first part becomes its
-        sum). Returns the micro-batch's clipped loss sum. Ordinary tensor code: `train.compile` compiles it whole.
+    def microbatch(self, mb, loss_fn, projections, summed, zero, check, probes, shapes) -> torch.Tensor:
+        """One micro-batch: forward, the per-sample backward to the taps' probes, norms, clip factors, and
+        Σᵢ min(1, C/‖gᵢ‖)·wᵢ·gᵢ added into `summed` (in place; a parameter's first part becomes its sum). Returns the
+        micro-batch's clipped loss sum. One pass keeps per-sample gradients (dense, factors or projections) and
+        weighs them; two passes keep norms only, and a second backward pass of Σᵢ fᵢ·Lᵢ sums the clipped gradients
+        in `.grad`. One-pass clipping's is ordinary tensor code: `train.compile` compiles it whole.
         `projections` (DP-GRAPE): a parameter's `Projection`, or what makes it. `check` (the first micro-batch,
         eager): compare with autograd's batch gradient (its projections). `probes`: the estimators' draws.
-        `shapes`: each parameter's kept shape, given where the layers' values stream (eager: none compiled)."""
-        keep = self._reducer(probes)  # materialize: dense per-sample gradients; book-keeping: the factors
+        `shapes`: each parameter's kept shape (a projection's for DP-GRAPE), which a streamed value takes."""
+        two_pass = self.plan.passes == 2
+        if two_pass:  # norms only; with the check, Σᵢ gᵢ too
+            norm = reducers.norms(self.plan.norms, self.plan.k, probes or self._probe_draws)
+            keep = reducers.with_sum(norm) if check else norm
+        else:
+            keep = self._reducer(probes)  # materialize: dense per-sample gradients; book-keeping: the factors
         reduce = {p: reducers.projected(projections[p], keep) if p in projections else keep for p in self.params}
-        losses, (kept, batch_grads) = self._backward(mb, loss_fn, zero, reduce, check, shapes)
+        losses, (kept, batch_grads) = self._backward(mb, loss_fn, zero, reduce, check, shapes, two_pass)
         for p, g in batch_grads.items():
             p.grad = g
         # no_grad: the taps' kept layer inputs are the forward's own tensors (not detached); nothing here is recorded
         with exact_float32(self.device), torch.no_grad():
-            squares = _squares(kept)  # the squared norms made as each parameter was reduced (the rows' now)
-            grads = {p: r.grads for p, r in kept.items()}
+            if two_pass:
+                if check:
+                    verify_coverage(self.model, self.params, {p: r.total for p, r in kept.items()},
+                                    compute=self.taps.compute)
+                    kept = {p: r.value for p, r in kept.items()}
+                squares, grads = kept, {}
+            else:
+                squares = _squares(kept)  # the squared norms made as each parameter was reduced (the rows' now)
+                grads = {p: r.grads for p, r in kept.items()}
+                if check:
+                    ones = torch.ones(batch_size(mb), device=self.device)
+                    verify_coverage(self.model, self.params, weighted_sum(grads, ones),
+                                    lambda p, g: reducers.projection(projections[p]).project(g) if p in projections
+                                    else g, self.taps.compute)
             del kept
-            if check:
-                ones = torch.ones(batch_size(mb), device=self.device)
-                verify_coverage(self.model, self.params, weighted_sum(grads, ones),
-                                lambda p, g: reducers.projection(projections[p]).project(g) if p in projections else g,
-                                self.taps.compute)
             factors = self.mechanism.clip_factors(squares) * weights(mb)
             with memory_label("gradients"):
                 for p, part in weighted_sums(grads, factors):
                     _accumulate(summed, p, part)
             del grads
+        if two_pass:
+            self._second_pass(losses, factors, summed)
         return (self.mechanism.clipped_losses(losses.detach()) * weights(mb)).sum()
+
+    def _second_pass(self, losses, factors, summed) -> None:
+        """Two-pass clipping's second backward pass: autograd forms Σᵢ fᵢ gᵢ, in the model's own precision, added
+        into `summed`: returned as values, or under FSDP in .grad, reduce-scattered into the shards."""
+        wide = torch.promote_types(losses.dtype, factors.dtype)  # a bf16 loss is weighed in float32
+        weighted = (losses.to(wide) * factors.to(wide)).sum()
+        if not self.sharded:
+            for p, g in zip(self.params, torch.autograd.grad(weighted, self.params, allow_unused=True)):
+                if g is not None:
+                    _accumulate(summed, p, g)
+            return
+        weighted.backward()
+        self._zero.grad = None  # what the second pass sent the whole layers' probes
+        for p in self.params:  # out of .grad before the next micro-batch
+            if p.grad is not None:
+                _accumulate(summed, p, p.grad)
+                p.grad = None
 
     def _backward(self, mb, loss_fn, zero, reduce, check, shapes, retain_graph=False):
         """(the micro-batch's per-sample losses, `Taps.per_sample`'s (kept, batch gradients)): the forward recorded
-        and one backward pass to the taps' probes, where each layer's reduced values stream unless `shapes` is None
-        (a compiled step) or `check` (the coverage check's first micro-batch, which compares with autograd's batch
-        gradient: under FSDP that is the reduce-scattered `.grad`, from a backward pass of its own)."""
+        and one backward pass to the taps' probes, where each layer's reduced values stream unless `check` (the
+        coverage check's first micro-batch, which compares with autograd's batch gradient: under FSDP that is the
+        reduce-scattered `.grad`, from a backward pass of its own)."""
         while True:
-            with self.taps.recording(zero, batch_size(mb), reduce, shapes, stream=shapes is not None and not check) \
-                    as tape:
+            with self.taps.recording(zero, batch_size(mb), reduce, shapes, stream=not check) as tape:
                 losses = per_sample(loss_fn(self.model, mb), mb)
             sharded_check = check and self.sharded
             if sharded_check:
@@ -317,42 +346,12 @@ class Privatizer:
                 continue
             return losses, (kept, {p: p.grad for p in self.params} if sharded_check else batch_grads)
 
-    def _two_pass(self, microbatches, loss_fn):
-        summed = {}  # the first micro-batch's .grad tensors themselves (`_accumulate`)
-        loss_sum = torch.zeros((), device=self.device)
-        norm = reducers.norms(self.plan.norms, self.plan.k, self._probe_draws)
-        for i, mb in enumerate(self._with_step_probes(microbatches)):
-            check = self._check_coverage
-            reduce = dict.fromkeys(self.params, reducers.with_sum(norm) if check else norm)
-            # first pass: norms only, streamed layer by layer, without the weights' batch products
-            losses, (kept, batch_grads) = self._backward(mb, loss_fn, self._zero, reduce, check, {}, True)
-            with exact_float32(self.device):
-                if check:
-                    self._check_coverage = False
-                    for p, g in batch_grads.items():
-                        p.grad = g
-                    verify_coverage(self.model, self.params, {p: r.total for p, r in kept.items()},
-                                    compute=self.taps.compute)
-                    kept = {p: r.value for p, r in kept.items()}
-                factors = self.mechanism.clip_factors(kept) * weights(mb)
-            # second pass: autograd forms Σᵢ fᵢ gᵢ in .grad, in the model's own precision
-            wide = torch.promote_types(losses.dtype, factors.dtype)  # a bf16 loss is weighed in float32
-            (losses.to(wide) * factors.to(wide)).sum().backward()
-            self._zero.grad = None  # what the second pass sent the whole layers' probes
-            for p in self.params:  # out of .grad before the next first pass drops it
-                if p.grad is not None:
-                    _accumulate(summed, p, p.grad)
-                    p.grad = None
-            for observer in self.observers:
-                observer.on_accumulated(self, summed, i)
-            loss_sum = loss_sum + (self.mechanism.clipped_losses(losses.detach()) * weights(mb)).sum()
-        return self._completed(summed), loss_sum
-
     def _microbatch_flat(self, mb, loss_fn, projections, zero, probes) -> tuple[torch.Tensor, torch.Tensor]:
         """`microbatch` with its clipped sums returned as one flat tensor, in the parameters' order (the compiled
         step's: one output, not one per parameter), and its clipped loss sum."""
         summed = {}
-        loss = self.microbatch(mb, loss_fn, projections, summed, zero, False, probes)  # no shapes: nothing streams
+        loss = self.microbatch(mb, loss_fn, projections, summed, zero, False, probes, dict(zip(self.params,
+                                                                                         self._sum_shapes)))
         return torch.cat([summed[p].reshape(-1) if p in summed else torch.zeros(s.numel(), device=self.device,
                                                                                  dtype=self.params[0].dtype)
                           for p, s in zip(self.params, self._sum_shapes)]), loss

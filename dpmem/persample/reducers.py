@@ -14,7 +14,7 @@ import torch
 
 from dpmem.persample.clipping import is_rows
 from dpmem.persample.factored import Factored, at_least_float32, weighted_sum_of
-from dpmem.persample.norms import exact_squared_norms, squared_norms
+from dpmem.persample.norms import ESTIMATORS, exact_squared_norms, squared_norms
 from dpmem.persample.projection import Projection
 from dpmem.privacy.randomness import Draws
 
@@ -50,6 +50,7 @@ class Stream:
     kind: str
     any_input: bool = True
     densifies: bool = True
+    draws: bool = False  # an estimator's probes are drawn in it: a compiled backward cannot (it streams the pair)
 
     def __call__(self, g):
         return self.reduce(g)
@@ -96,7 +97,7 @@ def projected(made: Projection | Callable[[], Projection], then: Reducer = mater
 def norms(rule: str, k: int = 32, draws: Draws | None = None) -> Reducer:
     """Squared per-sample norms (B,) by a rule of `dpmem.persample.norms` (two-pass clipping's first pass)."""
     reduce = lambda g: squared_norms(g, rule, k, draws)  # noqa: E731
-    return Stream(reduce, reduce, "norms")
+    return Stream(reduce, reduce, "norms", draws=rule in ESTIMATORS)
 
 
 def normed(rule: str = "mixed", k: int = 32, draws: Draws | None = None,

@@ -13,12 +13,13 @@ computes no parameter's batch gradient (autograd runs only what leads to the pro
   is normed on the sum of its uses), the same function returns the layer's output gradient and input as they are,
   reduced after the backward pass; checkpointing still drops the input in between;
 - whole: a zero added to the output, whose gradient is the layer's output gradient itself; the layer's input is kept
-  on the tape: an embedding's ids, the generic fallback's layers, the coverage check's first step, a compiled step.
+  on the tape: an embedding's ids, the generic fallback's layers, and every layer in the coverage check's first
+  step.
 
 The zeros are expanded views of one scalar leaf made outside any compiled region (dynamo makes no grad-requiring
-tensor) and passed in: they cost no memory and change no value. Nothing mutates state inside the backward pass, so a
-whole-part step compiles into one graph (`torch.compile(fullgraph=True)`); eager and compiled steps are the same
-code."""
+tensor) and passed in: they cost no memory and change no value. Nothing mutates state inside the backward pass, so
+the step compiles into one graph (`torch.compile(fullgraph=True)`, the streamed layers' functions traced with it);
+eager and compiled steps are the same code."""
 
 from __future__ import annotations
 
@@ -137,8 +138,10 @@ class Taps:
 
     def start(self, zero, batch, reducers, shapes, stream) -> Tape:
         streams = self._streams(batch, reducers, shapes) if stream else {}
-        self._hooks.tape = self._hooks.recorded = Tape(zero, batch, reducers, streams)
-        return self._hooks.tape
+        self._hooks.tape = tape = Tape(zero, batch, reducers, streams)
+        # kept for a checkpoint's recompute; a compiled step's would carry its graph's tensors out of it
+        self._hooks.recorded = None if torch.compiler.is_compiling() else tape
+        return tape
 
     def stop(self) -> None:
         self._hooks.tape = None
@@ -160,7 +163,7 @@ class Taps:
                 stream = reducers.get(p)
                 kept = shapes.get(p, p.shape)
                 made = stream.shapes(batch, kept, p.dtype, owner.rule.float_input, owner.rule.factored(owner.module)) \
-                    if isinstance(stream, Stream) else None
+                    if isinstance(stream, Stream) and not (stream.draws and torch.compiler.is_compiling()) else None
                 if made is None:
                     break
                 kinds.append(stream)
@@ -311,6 +314,8 @@ class _Hooks:
         calls send one tensor)."""
         shapes = tape.streams[id(owner)][1] or [(output.shape, output.dtype), (saved.shape, saved.dtype)]
         leaf = tape.zeros[torch.float32] if torch.float32 in tape.zeros else next(iter(tape.zeros.values()))
+        if torch.compiler.is_compiling():  # made in the graph: one made outside is an autograd edge dynamo refuses
+            return [tape.zeros_like(shape, dtype) for shape, dtype in shapes]
         key = (id(owner), use, *shapes)
         made = self.zeros.get(key)
         if made is None or made[0] is not leaf:
