@@ -1,6 +1,7 @@
 """dpmem's compiled private step (train.compile) beside its eager one and its peers, interleaved in one process: torch
 AdamW eager and compiled (the model compiled, as PyTorch users compile it), Opacus' per-sample hooks, and dpmem's
-dp-adam (bk) and grape, eager and compiled. At two shapes of a RoBERTa classifier (embeddings frozen):
+dp-adam (bk, and two-pass ghost) and grape, eager and compiled. At two shapes of a RoBERTa classifier (embeddings
+frozen):
 
     host-bound      12 blocks, width 32,  B = 2,  T = 8
     compute-bound   4 blocks,  width 256, B = 16, T = 64
@@ -87,6 +88,8 @@ def contestants(cfg, data, batch, size, prec, device, backend) -> dict:
             "Opacus hooks": lambda m: opacus_hooks(m, batch, size, prec),
             "dpmem dp-adam (bk)": lambda m: dp(m, "dp-adam", {"clipping": "bk"}),
             "dpmem dp-adam (bk), compiled": lambda m: dpc(m, "dp-adam", {"clipping": "bk"}),
+            "dpmem dp-adam (ghost)": lambda m: dp(m, "dp-adam", {"clipping": "ghost"}),
+            "dpmem dp-adam (ghost), compiled": lambda m: dpc(m, "dp-adam", {"clipping": "ghost"}),
             "dpmem grape": lambda m: dp(m, "grape", {}),
             "dpmem grape, compiled": lambda m: dpc(m, "grape", {})}
 

@@ -1,6 +1,8 @@
 """Runs dpmem `Run`s in one process or, under torchrun, in each rank (tests/test_distributed.py launches it both
 ways and compares). Usage: python distributed_worker.py OUT_DIR JOBS.json, where JOBS.json is a list of
-{"name": ..., "overrides": [...], "die_at_step": k, "resume": bool} (the last two optional). For each job, rank 0
+{"name": ..., "overrides": [...], "die_at_step": k, "resume": bool, "force_compile": bool} (the last three
+optional; force_compile compiles the private step past train.compile's refusal and writes what stopped it, if
+anything, to OUT_DIR/NAME.compile.txt, the run going on eagerly). For each job, rank 0
 saves the initial and final parameters to OUT_DIR/NAME.init.pt and NAME.pt (and, with train.fsdp=true, what FSDP
 did per step to NAME.fsdp.json); the run folder is OUT_DIR/NAME/. `die_at_step` makes every rank's
 method raise at that step (a crash after a checkpoint); unless "resume" is false the job is then run again in the
@@ -17,6 +19,7 @@ from hydra import compose, initialize_config_dir
 from torch.distributed.fsdp import FSDPModule
 
 from dpmem import distributed, sharding
+from dpmem.compiling import Compiler
 from dpmem.composition import CONF_DIR
 from dpmem.data.bundle import real_size
 from dpmem.engine.folder import claim
@@ -32,11 +35,13 @@ def parameters(model) -> dict:
     return {n: sharding.full(p.detach()).cpu().clone() for n, p in model.named_parameters()}
 
 
-def run(cfg, folder: Path, die_at_step: int | None = None) -> Run:
+def run(cfg, folder: Path, die_at_step: int | None = None, force_compile: bool = False) -> Run:
     if distributed.is_main():
         folder.mkdir(parents=True, exist_ok=True)
     run = Run(cfg, folder, checkpoint=claim(cfg, folder))
     run.prepare()
+    if force_compile:
+        forced(run, folder)
     initial = parameters(run.model)
     if distributed.is_main():
         torch.save(initial, folder.parent / f"{folder.name}.init.pt")
@@ -56,6 +61,30 @@ def run(cfg, folder: Path, die_at_step: int | None = None) -> Run:
         if log is not None:
             log.close()
     return run
+
+
+def forced(run: Run, folder: Path) -> None:
+    """The private step's micro-batch compiled (aot_eager) past the refusal, for the method's first compiled step:
+    what dynamo raised (every rank traces the same graph, so every rank raises alike), or "compiled", is written
+    down, and the step goes back to eager."""
+    privatizer, real = run.method.privatizer, run.method.step
+    privatizer._compiled = Compiler(torch.device("cpu"), "aot_eager")(privatizer._microbatch_flat, "microbatch")
+    privatizer._copy_first, calls = False, []
+
+    def step(micro, loss_fn):
+        calls.append(1)
+        if len(calls) != 2:  # the first step is eager (the coverage check); the second compiles
+            return real(micro, loss_fn)
+        try:
+            out, said = real(micro, loss_fn), "compiled"
+        except Exception as e:  # noqa: BLE001  (whatever stopped it is the finding)
+            privatizer._compiled, privatizer._flat = None, None
+            out, said = real(micro, loss_fn), f"{type(e).__name__}: {e}"
+        if distributed.is_main():
+            (folder.parent / f"{folder.name}.compile.txt").write_text(said)
+        privatizer._compiled = None
+        return out
+    run.method.step = step
 
 
 class FSDPWatch:
@@ -97,7 +126,7 @@ def main(out: Path, jobs: list[dict]) -> None:
         cfgs = [compose("config", overrides=job["overrides"]) for job in jobs]
     for job, cfg in zip(jobs, cfgs):
         folder = out / job["name"]
-        done = run(cfg, folder, job.get("die_at_step"))
+        done = run(cfg, folder, job.get("die_at_step"), job.get("force_compile", False))
         if job.get("die_at_step") is not None and job.get("resume", True):
             done = run(cfg, folder)
         final = parameters(done.model)

@@ -124,6 +124,9 @@ def runs(request, tmp_path_factory):
     # a text model whose task calls its parts (base model, then tied LM head), with dropout: data-parallel and FSDP
     text = {"name": "roberta", "overrides": [o for o in COMMON if o not in SMALL] + [f"train.device={device}", *TEXT]}
     sharded += [text, {"name": "fsdp-roberta", "overrides": text["overrides"] + ["train.fsdp=true"]}]
+    # train.compile's refusal under FSDP, still needed? The step compiled past it
+    sharded += [{"name": "fsdp-compiled", "overrides": by_name["dp-adam-ghost"] + ["train.fsdp=true"],
+                 "force_compile": True}]
     (pair / "jobs.json").write_text(json.dumps(jobs(device) + resumed + sharded))
     worker = str(HERE / "distributed_worker.py")
     one = subprocess.Popen([sys.executable, worker, str(single), str(single / "jobs.json")], env=env(),
@@ -295,6 +298,14 @@ def test_fsdp_reduce_scatters_only_what_the_update_needs(runs, name):
             coverage = units if t == 0 and name != "adam" else 0
             expected = 0 if name == "grape" else units * step["micro"]
             assert step["reduce_scatters"] == expected + coverage, (t, step)
+
+
+def test_fsdp_still_breaks_the_compiled_step(runs):
+    """train.compile refuses train.fsdp in one line. This is why it must, still: the private step compiled past the
+    refusal, on two FSDP ranks, stops where dynamo meets FSDP's hooks. When it compiles, lift the refusal."""
+    _, pair = runs
+    said = (pair / "fsdp-compiled.compile.txt").read_text()
+    assert said.startswith("Unsupported") and "_fsdp" in said, said[:500]  # stopped by dynamo, in FSDP's code
 
 
 def test_fsdp_noise_is_one_draw_per_coordinate_each_rank_its_own(runs):

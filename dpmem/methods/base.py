@@ -59,8 +59,8 @@ class MethodSpec:
         (`dpmem.methods.compile_refusal`)."""
         t = cfg.train
         if t.fsdp:
-            return ("dynamo breaks the graph at FSDP's unit hooks (autograd.grad through an external grad_fn); with "
-                    "train.fsdp: train.compile=false")
+            return ("dynamo stops at FSDP2's forward hooks, which torch keeps out of graphs (torch._dynamo.disable); "
+                    "with train.fsdp: train.compile=false")
         if enum_value(t.precision) == "tf32":
             return ("the eager step switches TF32 off around the private arithmetic (norms, clip factors, clipped "
                     "sums), a process-wide switch that one graph cannot flip; with train.compile: "

@@ -99,7 +99,7 @@ class Privatizer:
                  observers: Sequence[Observer] = ()):
         self.model, self.mechanism, self.plan, self.observers = model, mechanism, plan, tuple(observers)
         self.sharded = any(sharding.is_sharded(p) for p in model.parameters() if p.requires_grad)  # FSDP
-        self.taps = Taps(model, (lambda q: sharding.full(q).detach()) if self.sharded else None)
+        self.taps = Taps(model, (lambda q: sharding.full(q).detach()) if self.sharded else None, checkpointed(model))
         self.params = self.taps.parameters
         if not self.params:
             raise ValueError("the model has no trainable parameter (every one has requires_grad=False): nothing to "
@@ -273,7 +273,8 @@ class Privatizer:
         in `.grad`. One-pass clipping's is ordinary tensor code: `train.compile` compiles it whole.
         `projections` (DP-GRAPE): a parameter's `Projection`, or what makes it. `check` (the first micro-batch,
         eager): compare with autograd's batch gradient (its projections). `probes`: the estimators' draws.
-        `shapes`: each parameter's kept shape (a projection's for DP-GRAPE), which a streamed value takes."""
+        `shapes`: each parameter's kept shape (a projection's for DP-GRAPE), which a streamed value takes; None:
+        nothing streams (a compiled one-pass step)."""
         two_pass = self.plan.passes == 2
         if two_pass:  # norms only; with the check, Σᵢ gᵢ too
             norm = reducers.norms(self.plan.norms, self.plan.k, probes or self._probe_draws)
@@ -329,11 +330,12 @@ class Privatizer:
 
     def _backward(self, mb, loss_fn, zero, reduce, check, shapes, retain_graph=False):
         """(the micro-batch's per-sample losses, `Taps.per_sample`'s (kept, batch gradients)): the forward recorded
-        and one backward pass to the taps' probes, where each layer's reduced values stream unless `check` (the
-        coverage check's first micro-batch, which compares with autograd's batch gradient: under FSDP that is the
-        reduce-scattered `.grad`, from a backward pass of its own)."""
+        and one backward pass to the taps' probes, where each layer's reduced values stream unless `shapes` is None
+        or `check` (the coverage check's first micro-batch, which compares with autograd's batch gradient: under
+        FSDP that is the reduce-scattered `.grad`, from a backward pass of its own)."""
         while True:
-            with self.taps.recording(zero, batch_size(mb), reduce, shapes, stream=not check) as tape:
+            with self.taps.recording(zero, batch_size(mb), reduce, shapes, stream=shapes is not None and not check) \
+                    as tape:
                 losses = per_sample(loss_fn(self.model, mb), mb)
             sharded_check = check and self.sharded
             if sharded_check:
@@ -350,8 +352,10 @@ class Privatizer:
         """`microbatch` with its clipped sums returned as one flat tensor, in the parameters' order (the compiled
         step's: one output, not one per parameter), and its clipped loss sum."""
         summed = {}
-        loss = self.microbatch(mb, loss_fn, projections, summed, zero, False, probes, dict(zip(self.params,
-                                                                                         self._sum_shapes)))
+        # one pass keeps its layers whole: a graph with a function per layer ran host-bound grape at 0.83× compiled
+        # AdamW's samples/s, 0.91× without (docs/benchmarks/compile.md); two passes stream their norms
+        shapes = dict(zip(self.params, self._sum_shapes)) if self.plan.passes == 2 else None
+        loss = self.microbatch(mb, loss_fn, projections, summed, zero, False, probes, shapes)
         return torch.cat([summed[p].reshape(-1) if p in summed else torch.zeros(s.numel(), device=self.device,
                                                                                  dtype=self.params[0].dtype)
                           for p, s in zip(self.params, self._sum_shapes)]), loss

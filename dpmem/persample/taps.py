@@ -9,12 +9,13 @@ computes no parameter's batch gradient (autograd runs only what leads to the pro
   norms, dense or projected per-sample gradients) and returns the result as the gradients of zero tensors of its
   shape. Each layer's output gradient is then freed as the backward pass leaves the layer, and activation
   checkpointing's recompute saves the input again (the tap re-applies the function there);
-- a pair: where the value cannot stream (book-keeping keeps a linear layer's factors; a weight used several times
-  is normed on the sum of its uses), the same function returns the layer's output gradient and input as they are,
-  reduced after the backward pass; checkpointing still drops the input in between;
+- a pair (`Taps(pairs=True)`, under activation checkpointing): where the value cannot stream (book-keeping keeps a
+  linear layer's factors; a weight used several times is normed on the sum of its uses), the same function returns
+  the layer's output gradient and input as they are, reduced after the backward pass; checkpointing still drops
+  the input in between;
 - whole: a zero added to the output, whose gradient is the layer's output gradient itself; the layer's input is kept
-  on the tape: an embedding's ids, the generic fallback's layers, and every layer in the coverage check's first
-  step.
+  on the tape: an embedding's ids, the generic fallback's layers, and every layer where the caller streams nothing
+  (the coverage check's first step, a compiled one-pass step).
 
 The zeros are expanded views of one scalar leaf made outside any compiled region (dynamo makes no grad-requiring
 tensor) and passed in: they cost no memory and change no value. Nothing mutates state inside the backward pass, so
@@ -84,12 +85,16 @@ class Taps:
     `kept` holds, per parameter, its reducer (`dpmem.persample.reducers`; `materialize` by default) applied to its
     per-sample gradient summed over every use (a tied weight is one gradient). `zero` is `taps.zero()`, a scalar
     leaf made once outside any compiled function. Reducers that are a `Stream` run inside the backward pass where
-    they can (`stream=False`: never, as a compiled step needs). The hooks act only inside `recording` (and a
+    they can (`stream=False`: never). The hooks act only inside `recording` (and a
     checkpoint's recompute of a recorded forward); `close()` removes them, as does garbage collection. Several Taps
     on one model do not interfere. `taps.gradients(...)` does it all in one call."""
 
-    def __init__(self, model: nn.Module, whole: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, model: nn.Module, whole: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 pairs: bool = False):
         self.model, self.whole = model, whole  # whole: a sharded parameter gathered whole (FSDP's, given by the step)
+        # pairs: stream the layers whose values cannot (their output gradient and input), so that activation
+        # checkpointing drops the input in between; without it they cost a Python function per layer and save nothing
+        self.pairs = pairs
         self.owners = find_owners(model)
         self.parameters = owned_parameters(self.owners)
         # a parameter owned by several layers (a tied LM head) is normed on the sum of its uses: never streamed
@@ -148,13 +153,14 @@ class Taps:
 
     def _streams(self, batch: int, reducers: dict, shapes: dict) -> dict[int, tuple]:
         """What streams out of the backward pass, by layer: id(owner) -> (its parameters' reducers, the probes'
-        (shape, dtype)) where every reducer streams its value, else (None, None) where the layer's input is a float
-        tensor: its output gradient and input stream out as they are (a pair), to be reduced after the backward."""
+        (shape, dtype)) where every reducer streams its value, else, with `pairs`, (None, None) where the layer's
+        input is a float tensor: its output gradient and input stream out as they are, to be reduced after the
+        backward."""
         out = {}
         for owner in self.owners:
             if owner.rule is None:
                 continue
-            if owner.rule.float_input:
+            if owner.rule.float_input and self.pairs:
                 out[id(owner)] = (None, None)
             if id(owner) in self._repeated or id(owner) in self._shared:
                 continue
