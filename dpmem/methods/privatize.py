@@ -269,8 +269,8 @@ class Privatizer:
         """One micro-batch: forward, the per-sample backward to the taps' probes, norms, clip factors, and
         Σᵢ min(1, C/‖gᵢ‖)·wᵢ·gᵢ added into `summed` (in place; a parameter's first part becomes its sum). Returns the
         micro-batch's clipped loss sum. One pass keeps per-sample gradients (dense, factors or projections) and
-        weighs them; two passes keep norms only, and a second backward pass of Σᵢ fᵢ·Lᵢ sums the clipped gradients
-        in `.grad`. One-pass clipping's is ordinary tensor code: `train.compile` compiles it whole.
+        weighs them; two passes keep norms only, and a second backward pass of Σᵢ fᵢ·Lᵢ forms the clipped sums.
+        Ordinary tensor code: `train.compile` compiles it whole.
         `projections` (DP-GRAPE): a parameter's `Projection`, or what makes it. `check` (the first micro-batch,
         eager): compare with autograd's batch gradient (its projections). `probes`: the estimators' draws.
         `shapes`: each parameter's kept shape (a projection's for DP-GRAPE), which a streamed value takes; None:
@@ -282,7 +282,7 @@ class Privatizer:
         else:
             keep = self._reducer(probes)  # materialize: dense per-sample gradients; book-keeping: the factors
         reduce = {p: reducers.projected(projections[p], keep) if p in projections else keep for p in self.params}
-        losses, (kept, batch_grads) = self._backward(mb, loss_fn, zero, reduce, check, shapes, two_pass)
+        losses, kept, batch_grads = self._backward(mb, loss_fn, zero, reduce, check, shapes, two_pass)
         for p, g in batch_grads.items():
             p.grad = g
         # no_grad: the taps' kept layer inputs are the forward's own tensors (not detached); nothing here is recorded
@@ -329,10 +329,10 @@ class Privatizer:
                 p.grad = None
 
     def _backward(self, mb, loss_fn, zero, reduce, check, shapes, retain_graph=False):
-        """(the micro-batch's per-sample losses, `Taps.per_sample`'s (kept, batch gradients)): the forward recorded
-        and one backward pass to the taps' probes, where each layer's reduced values stream unless `shapes` is None
-        or `check` (the coverage check's first micro-batch, which compares with autograd's batch gradient: under
-        FSDP that is the reduce-scattered `.grad`, from a backward pass of its own)."""
+        """(the micro-batch's per-sample losses, `Taps.per_sample`'s kept values, its batch gradients): the forward
+        recorded and one backward pass to the taps' probes, where each layer's reduced values stream unless `shapes`
+        is None or `check` (the coverage check's first micro-batch, which compares with autograd's batch gradient:
+        under FSDP that is the reduce-scattered `.grad`, from a backward pass of its own)."""
         while True:
             with self.taps.recording(zero, batch_size(mb), reduce, shapes, stream=shapes is not None and not check) \
                     as tape:
@@ -346,7 +346,7 @@ class Privatizer:
                                                          retain_graph)
             except RepeatedUse:  # a layer called twice: run again, its uses summed before they are reduced
                 continue
-            return losses, (kept, {p: p.grad for p in self.params} if sharded_check else batch_grads)
+            return losses, kept, batch_grads  # under FSDP the batch gradient is in .grad already
 
     def _microbatch_flat(self, mb, loss_fn, projections, zero, probes) -> tuple[torch.Tensor, torch.Tensor]:
         """`microbatch` with its clipped sums returned as one flat tensor, in the parameters' order (the compiled

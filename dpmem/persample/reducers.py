@@ -87,10 +87,10 @@ def projected(made: Projection | Callable[[], Projection], then: Reducer = mater
     """DP-GRAPE: P applied to the factors, then `then` (by default the small (B, r, cols) or (B, rows, r) product).
     Given as what makes it, the projection is made when the layer's gradient is reduced and dropped after it; a
     compiled step is given the projection itself."""
-    reduce = lambda g: then(g.project(projection(made)))  # noqa: E731
+    project = lambda g: g.project(projection(made))  # noqa: E731
     if not isinstance(then, Stream):
-        return reduce
-    return Stream(reduce, lambda g: then.kept(g.project(projection(made))), then.kind, then.any_input,
+        return lambda g: then(project(g))
+    return Stream(lambda g: then(project(g)), lambda g: then.kept(project(g)), then.kind, then.any_input,
                   then.densifies)
 
 

@@ -40,6 +40,13 @@ from dpmem.persample.reducers import Reducer, Stream, materialize
 from dpmem.precision import Compute, exact_float32, tf32_enabled
 
 
+def rule_gradients(owner: Owner, saved, grad_output: torch.Tensor, batch: int) -> dict:
+    """A rule-covered layer's per-sample gradients by parameter name, from its input and output gradient made
+    batch-first (streamed in the backward pass, or after it)."""
+    saved, grad_output = batch_first(owner, saved, grad_output, batch)
+    return owner.rule.gradients(owner.module, saved, grad_output)
+
+
 def remove_handles(handles: list) -> None:
     for h in handles:
         h.remove()
@@ -51,6 +58,7 @@ class Tape:
     where streamed) and its probes; and what is streamed, by layer."""
 
     def __init__(self, zero: torch.Tensor, batch: int, reducers: dict, streams: dict[int, tuple]):
+        self.leaf = zero
         self.zeros = {zero.dtype: zero}  # the leaf, and its casts to the outputs' dtypes (one op per dtype)
         self.batch, self.reducers, self.streams = batch, reducers, streams
         self.owners: list[Owner] = []
@@ -60,13 +68,13 @@ class Tape:
         # traces no set)
         self.armed = True  # the streamed values are asked for: the first backward pass (a second, two-pass
         # clipping's, passes through)
-        self.seen: dict[int, int] = {}  # calls so far of each streaming layer
+        self.calls: dict[int, int] = {}  # calls so far of each layer (by id: a plain dict, as dynamo traces it)
         self.repeated: list[Owner] = []  # streamed layers called twice (found in the forward pass)
 
     def zeros_like(self, shape, dtype: torch.dtype) -> torch.Tensor:
         zero = self.zeros.get(dtype)
         if zero is None:
-            zero = self.zeros[dtype] = next(iter(self.zeros.values())).to(dtype)
+            zero = self.zeros[dtype] = self.leaf.to(dtype)
         return zero.expand(shape)
 
 
@@ -156,7 +164,7 @@ class Taps:
         (shape, dtype)) where every reducer streams its value, else, with `pairs`, (None, None) where the layer's
         input is a float tensor: its output gradient and input stream out as they are, to be reduced after the
         backward."""
-        out = {}
+        out, compiling = {}, torch.compiler.is_compiling()
         for owner in self.owners:
             if owner.rule is None:
                 continue
@@ -169,7 +177,7 @@ class Taps:
                 stream = reducers.get(p)
                 kept = shapes.get(p, p.shape)
                 made = stream.shapes(batch, kept, p.dtype, owner.rule.float_input, owner.rule.factored(owner.module)) \
-                    if isinstance(stream, Stream) and not (stream.draws and torch.compiler.is_compiling()) else None
+                    if isinstance(stream, Stream) and not (stream.draws and compiling) else None
                 if made is None:
                     break
                 kinds.append(stream)
@@ -235,16 +243,14 @@ class Taps:
         """The uses in the order they are reduced, the same whether or not they streamed (an estimator draws its
         probes in it): last to first, as the backward pass reaches the layers that can stream, then those that
         cannot (a weight used several times, the fallback's layers)."""
-        calls = Counter(id(owner) for owner in tape.owners)
-        alone = [owner.rule is not None and calls[id(owner)] == 1 and id(owner) not in self._shared
+        alone = [owner.rule is not None and tape.calls[id(owner)] == 1 and id(owner) not in self._shared
                  for owner in tape.owners]
         last_first = list(reversed(range(len(tape.owners))))
         return [i for i in last_first if alone[i]] + [i for i in last_first if not alone[i]]
 
     def _gradients(self, owner: Owner, saved, grad_output: torch.Tensor, batch: int):
-        saved, grad_output = batch_first(owner, saved, grad_output, batch)
         if owner.rule is not None:
-            return owner.rule.gradients(owner.module, saved, grad_output).items()
+            return rule_gradients(owner, saved, grad_output, batch).items()
         self._hooks.replaying = True
         try:
             # sharded (FSDP resharded the module after the backward), its replay runs on the parameters made whole
@@ -300,10 +306,9 @@ class _Hooks:
         else:
             saved = rule.capture(mod, args, kwargs, output, scope)
         tape.owners.append(owner)
+        use = tape.calls[id(owner)] = tape.calls.get(id(owner), 0) + 1
         if id(owner) in tape.streams:
-            use = tape.seen.get(id(owner), 0)
-            tape.seen[id(owner)] = use + 1
-            if use and tape.streams[id(owner)][0] is not None:  # its values: once per forward pass
+            if use > 1 and tape.streams[id(owner)][0] is not None:  # its values: once per forward pass
                 tape.repeated.append(owner)
             probes = self.probes(tape, owner, output, saved, use)
             tape.saved.append(None)
@@ -319,7 +324,7 @@ class _Hooks:
         """The zeros of a layer's `use`-th call in the forward pass (each call its own: autograd sums what two
         calls send one tensor)."""
         shapes = tape.streams[id(owner)][1] or [(output.shape, output.dtype), (saved.shape, saved.dtype)]
-        leaf = tape.zeros[torch.float32] if torch.float32 in tape.zeros else next(iter(tape.zeros.values()))
+        leaf = tape.leaf
         if torch.compiler.is_compiling():  # made in the graph: one made outside is an autograd edge dynamo refuses
             return [tape.zeros_like(shape, dtype) for shape, dtype in shapes]
         key = (id(owner), use, *shapes)
@@ -339,12 +344,8 @@ class _Hooks:
         if kinds is None:
             return [grad_output, saved]
         with memory_label("per_sample"), exact_float32(grad_output.device):
-            saved, grad_output = batch_first(owner, saved, grad_output, tape.batch)
-            grads = owner.rule.gradients(owner.module, saved, grad_output)
-            values = []
-            for stream, (name, p) in zip(kinds, owner.params.items()):
-                values.append(stream.kept(grads[name]))
-            return values
+            grads = rule_gradients(owner, saved, grad_output, tape.batch)
+            return [stream.kept(grads[name]) for stream, name in zip(kinds, owner.params)]
 
 
 class _Stream(torch.autograd.Function):
