@@ -6,14 +6,15 @@ elsewhere): what each audits to, beside the correct run, with gradient canaries 
     OMP_NUM_THREADS=1 python scripts/audit_variants.py --rows vit-correct vit-a
     python scripts/audit_variants.py --canaries 5000
 
-The variants (dpmem/audit/variants.py, which tests/test_audit.py uses too):
-- a: clipping skipped on the real samples' path only (one pass: the micro-batch's weighted sum takes weight 1;
-  two passes: every norm 0).
-- b: noise of std σC/k added to each of a step's k micro-batches instead of σC once (k = B / physical batch size
+The variants (dpmem/audit/variants.py, which tests/test_audit.py uses too), each a mechanism the run uses in place
+of the calibrated one:
+- a: clip factors of 1 for the step's micro-batches (the real samples' path); the canaries planted in the sum
+  clipped.
+- b: noise of std σC/k on each of a step's k micro-batches instead of σC once (k = B / physical batch size
   at the expected batch size B, one more for a Poisson batch above it: the true ε is given for both).
-- c: a weight used several times normed per use: ghost norms' ‖Σ_u g_u‖² taken as Σ_u ‖g_u‖².
-- broken mechanisms (each a GaussianMechanism the run uses in place of the calibrated one): noise σC/2 on every
-  tensor without a canary; the clip factor from one layer's norm; the noise skipped on one step; DPZero's noise σC/4.
+- c: a weight used several times normed per use: ghost norms' ‖Σ_u g_u‖² taken as Σ_u ‖g_u‖² (the plan's rule).
+- noise σC/2 on every tensor without a canary; the clip factor from one layer's norm; the noise skipped on one
+  step; DPZero's noise σC/4.
 ViT rows: the digits ViT at `dpmem train`'s defaults (B = 256, 337 steps, q = 0.18), dp-adam (bk); RoBERTa rows:
 roberta-tiny with its MLM head (word embeddings tied to the head) on synthetic text; dpzero on the digits ViT.
 ε = 2, m canaries per run. Trailing key=value arguments are dpmem overrides for every row.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 from dpmem.audit import run_audit
@@ -37,21 +37,21 @@ ROBERTA = ("model=roberta-tiny", "model.head=mlm", "data=synthetic", "data.seq_l
 FC1 = "vit.layers.0.mlp.fc1.weight"  # where every batch canary lived before they were spread over the model
 
 
-# name -> (what, context, mechanism_of, overrides); k = 256 / physical batch size for b
+# name -> (what, mechanism_of, overrides); k = 256 / physical batch size for b
 ROWS = {
-    "vit-correct-sum": ("correct", nullcontext, None, ("audit.plant=sum",)),
-    "vit-correct": ("correct", nullcontext, None, ()),
-    "vit-a": ("a: real samples unclipped", skip_real_clipping, None, ()),
-    "vit-b4": ("b: noise per micro-batch, k = 4", noise_per_microbatch, None, ("train.physical_batch_size=64",)),
-    "vit-b16": ("b: noise per micro-batch, k = 16", noise_per_microbatch, None, ("train.physical_batch_size=16",)),
-    "vit-cut": ("noise σ/2 on the tensors without canaries", nullcontext, noise_cut_away_from(), ()),
-    "vit-one-layer": (f"clip factor from {FC1} alone", nullcontext, clipping_from(FC1), ()),
-    "vit-one-layer-sum": (f"clip factor from {FC1} alone", nullcontext, clipping_from(FC1), ("audit.plant=sum",)),
-    "vit-skip": ("noise skipped on step 200 of 337", nullcontext, noise_skipped_on(200), ()),
-    "roberta-correct": ("correct", nullcontext, None, ROBERTA),
-    "roberta-c": ("c: tied weight normed per use", norms_per_use, None, ROBERTA),
-    "dpzero-correct": ("correct", nullcontext, None, ("method=dpzero",)),
-    "dpzero-quarter": ("noise σ/4", nullcontext, noise_divided_by(4), ("method=dpzero",)),
+    "vit-correct-sum": ("correct", None, ("audit.plant=sum",)),
+    "vit-correct": ("correct", None, ()),
+    "vit-a": ("a: real samples unclipped", skip_real_clipping(), ()),
+    "vit-b4": ("b: noise per micro-batch, k = 4", noise_per_microbatch(), ("train.physical_batch_size=64",)),
+    "vit-b16": ("b: noise per micro-batch, k = 16", noise_per_microbatch(), ("train.physical_batch_size=16",)),
+    "vit-cut": ("noise σ/2 on the tensors without canaries", noise_cut_away_from(), ()),
+    "vit-one-layer": (f"clip factor from {FC1} alone", clipping_from(FC1), ()),
+    "vit-one-layer-sum": (f"clip factor from {FC1} alone", clipping_from(FC1), ("audit.plant=sum",)),
+    "vit-skip": ("noise skipped on step 200 of 337", noise_skipped_on(200), ()),
+    "roberta-correct": ("correct", None, ROBERTA),
+    "roberta-c": ("c: tied weight normed per use", norms_per_use(), ROBERTA),
+    "dpzero-correct": ("correct", None, ("method=dpzero",)),
+    "dpzero-quarter": ("noise σ/4", noise_divided_by(4), ("method=dpzero",)),
 }
 
 
@@ -108,14 +108,13 @@ def main() -> None:
     args, overrides = ap.parse_known_args()
     started, rows = time.time(), []
     for name in args.rows:
-        _, variant, mechanism_of, own = ROWS[name]
+        _, mechanism_of, own = ROWS[name]
         point = ("method=dp-adam", f"privacy.epsilon={args.epsilon:g}", f"audit.canaries={args.canaries}",
                  "logging.progress=false", *own, *overrides)
         (cfg,) = compose_points([point])
         folder = args.dir / name
         folder.mkdir(parents=True, exist_ok=True)
-        with variant():
-            record, _ = run_audit(cfg, folder, mechanism_of=mechanism_of)
+        record, _ = run_audit(cfg, folder, mechanism_of=mechanism_of)
         record["batch_size"] = cfg.train.batch_size
         rows.append((name, record))
         print(table(rows[-1:]).splitlines()[-1], flush=True)

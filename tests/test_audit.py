@@ -18,10 +18,8 @@ from dpmem.audit.canaries import BatchCanaries, GradientCanaries
 from dpmem.composition import CONF_DIR
 from dpmem.config import ConfigError
 from dpmem.methods.clipping_plan import ClippingPlan
-import dpmem.methods.privatize as privatize
 from dpmem.methods.privatize import Privatizer
 from dpmem.persample import taps
-from dpmem.persample import reducers
 from dpmem.privacy import calibrate_sigma
 from dpmem.privacy.mechanism import GaussianMechanism
 from helpers import seeded
@@ -113,10 +111,11 @@ def privatizer_audit(clipping="materialize", eps=2.0, m=1000, n=512, batch=256, 
     gen = torch.Generator().manual_seed(seed)
     canaries = (GradientCanaries(m, norm=10.0, seed=seed) if plant == "sum"
                 else BatchCanaries(m, norm=10.0, seed=seed, uses=uses))
-    noise = GaussianMechanism(sigma, 1.0, q * n, seeded(seed), sample_rate=q)
+    noise = GaussianMechanism(sigma, 1.0, q * n, seeded(seed), sample_rate=q, observers=(canaries,),
+                              plan=ClippingPlan.of(clipping))
     if mechanism_of is not None:
         noise = mechanism_of(noise, model, canaries)
-    with Privatizer(model, noise, ClippingPlan.of(clipping), observers=(canaries,)) as privatizer:
+    with Privatizer(model, noise, noise.plan) as privatizer:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(steps):
             idx = (torch.rand(n, generator=gen) < q).nonzero().flatten()
@@ -168,32 +167,22 @@ def test_no_clipping_is_caught():
 
 
 @pytest.mark.parametrize("clipping", ["materialize", "ghost", "hutch"])
-def test_per_sample_norms_that_never_clip_real_samples_are_caught(monkeypatch, clipping):
+def test_per_sample_norms_that_never_clip_real_samples_are_caught(clipping):
     """Issue 34: the canaries' norms come from the norm rule the real samples' do (one pass or the first of two),
     so a rule that returns 0 for every sample, which leaves every real gradient unclipped, leaves them unclipped
     too: the audit sees 10 C where C was claimed."""
     assert lower_bound(clipping=clipping) < 2.0
-    monkeypatch.setattr(reducers, "squared_norms", lambda g, *args, **kwargs: torch.zeros(g.shape[0]))
-    assert lower_bound(clipping=clipping) > 2.0
+    assert lower_bound(clipping=clipping, mechanism_of=variants.norms_by(lambda g: torch.zeros(g.shape[0]))) > 2.0
 
 
 # -- issue 42's three variants that canaries planted in the clipped sum miss
-def skip_real_clipping(monkeypatch, clipping):
-    """(a) Clipping skipped on the real samples' path only: one pass sums the micro-batch's per-sample gradients
-    with weight 1 (its `weighted_sums`), two passes take every norm as 0 (its `reducers.norms`). The Privatizer's
-    `clipped_sum_of`, which clips the planted canaries, is left as it was."""
-    if ClippingPlan.of(clipping).passes == 1:
-        real = privatize.weighted_sums
-        monkeypatch.setattr(privatize, "weighted_sums", lambda grads, factors: real(grads, torch.ones_like(factors)))
-    else:
-        monkeypatch.setattr(reducers, "norms", lambda *args, **kwargs: lambda g: torch.zeros(g.shape[0]))
-
-
 @pytest.mark.parametrize("clipping", ["materialize", "bk", "ghost"])
-def test_clipping_skipped_for_real_samples_only_is_caught_by_canaries_in_the_batch(monkeypatch, clipping):
-    skip_real_clipping(monkeypatch, clipping)
-    assert lower_bound(clipping=clipping) < 2.0  # the variant spares the planted canaries: they audit it correct
-    assert lower_bound(clipping=clipping, plant="batch", chunks=2) > 2.0  # canaries in the batch are not clipped
+def test_clipping_skipped_for_real_samples_only_is_caught_by_canaries_in_the_batch(clipping):
+    """(a) The step's micro-batches unclipped (clip factors of 1); the planted canaries, clipped after them by the
+    Privatizer's `clipped_sum_of`, clipped."""
+    skip = variants.skip_real_clipping()
+    assert lower_bound(clipping=clipping, mechanism_of=skip) < 2.0  # the planted canaries audit it correct
+    assert lower_bound(clipping=clipping, plant="batch", chunks=2, mechanism_of=skip) > 2.0  # the batch's are not
 
 
 def test_noise_per_microbatch_is_caught_by_the_noise_check():
@@ -201,8 +190,8 @@ def test_noise_per_microbatch_is_caught_by_the_noise_check():
     at m = 1000 (a bare Gaussian mechanism of that ε audits below 2 too), not beyond the noise check's: the
     released values where no canary is vary by σ/√5, not σ (the canaries' own micro-batch is a fifth)."""
     assert not privatizer_audit(plant="batch", chunks=4, uses=1)["noise_flagged"]
-    with variants.noise_per_microbatch():
-        record = privatizer_audit(plant="batch", chunks=4, uses=1)  # a canary's uses do not matter to the noise
+    # a canary's uses do not matter to the noise
+    record = privatizer_audit(plant="batch", chunks=4, uses=1, mechanism_of=variants.noise_per_microbatch())
     assert record["noise_flagged"] and record["noise_ratio"] == pytest.approx(5 ** -0.5, abs=0.03)
     assert record["epsilon_lower_bound"] < 2.0  # what the bound alone says: not caught at this k
 
@@ -210,17 +199,16 @@ def test_noise_per_microbatch_is_caught_by_the_noise_check():
 def test_noise_per_microbatch_over_many_microbatches_is_caught_by_the_bound():
     """k = 32 micro-batches: noise σ/√32 in all; the bound alone passes the claimed ε (at k = 16 it reaches 1.8 to
     2.2 over seeds: the smallest break of this kind that m = 1000 canaries show is about there)."""
-    with variants.noise_per_microbatch():
-        assert lower_bound(plant="batch", chunks=32, uses=1) > 2.0
+    assert lower_bound(plant="batch", chunks=32, uses=1, mechanism_of=variants.noise_per_microbatch()) > 2.0
 
 
 def test_norms_per_use_are_caught_by_canaries_in_the_batch():
     """The issue's weight shared 16 times (by the real samples too). Each batch canary is 16 uses of its weight:
     normed per use, it passes 4 C where C was claimed. Planted in the sum it is one use, and audits as correct."""
     assert lower_bound(clipping="ghost", plant="batch", positions=16) < 2.0
-    with variants.norms_per_use():
-        assert lower_bound(clipping="ghost", positions=16) < 2.0
-        assert lower_bound(clipping="ghost", plant="batch", positions=16) > 2.0
+    per_use = variants.norms_per_use()
+    assert lower_bound(clipping="ghost", positions=16, mechanism_of=per_use) < 2.0
+    assert lower_bound(clipping="ghost", plant="batch", positions=16, mechanism_of=per_use) > 2.0
 
 
 # -- input canaries through a weight used K times (one shared Linear over K positions), two-pass clipping
@@ -336,8 +324,7 @@ def test_dpmem_audit_sees_a_tied_weight_normed_per_use_on_roberta_mlm(tmp_path):
     tied = "roberta.embeddings.word_embeddings.weight = lm_head.decoder.weight"
     assert len(correct["canaries_in"]) == 16 and max(correct["canaries_in"].values()) == correct["canaries_in"][tied]
     assert correct["epsilon_lower_bound"] < correct["epsilon_claimed"] and not correct["flagged"]
-    with variants.norms_per_use():
-        broken, _ = run_audit(config(model=roberta), tmp_path / "broken")
+    broken, _ = run_audit(config(model=roberta), tmp_path / "broken", mechanism_of=variants.norms_per_use())
     assert broken["clipping"] == "bk" and broken["epsilon_lower_bound"] > correct["epsilon_lower_bound"] + 0.8
 
 

@@ -202,7 +202,7 @@ class Recording(Observer):
 
 
 def test_observers_see_the_clipped_sums_in_order_and_the_release_in_reverse():
-    """An observer given at construction sees the clipped sums (Opacus' oracle) and may replace them: the release is
+    """An observer on the mechanism sees the clipped sums (Opacus' oracle) and may replace them: the release is
     (its replacement + the same noise) / (q·n), and observers after it see the replacement; after the noise they
     are called in reverse order, the first seeing the final release."""
     torch.manual_seed(0)
@@ -210,8 +210,8 @@ def test_observers_see_the_clipped_sums_in_order_and_the_release_in_reverse():
     sigma, C, expected = 0.7, 5.0, 10.0
     calls = []
     first, second = Recording("first", calls, factor=2.0), Recording("second", calls)
-    with Privatizer(model, GaussianMechanism(sigma, C, expected, seeded(123)),
-                    observers=(first, second)) as privatizer:
+    with Privatizer(model, GaussianMechanism(sigma, C, expected, seeded(123), observers=(first, second))) \
+            as privatizer:
         released, _ = privatizer.gradient([batch], loss_fn, {p: p.shape for p in privatizer.params})
     assert calls == [("clipped", "first"), ("clipped", "second"), ("noised", "second"), ("noised", "first")]
     reference = GradSampleModule(Net(), loss_reduction="sum")

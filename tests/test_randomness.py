@@ -60,7 +60,8 @@ def test_an_accounted_run_without_seeds_draws_its_keys_from_the_os(tmp_path):
     runs = [Run(config("method=dp-adam", "train.device=cpu"), tmp_path) for _ in range(2)]
     for run in runs:
         run.prepare()
-    assert runs[0].sampler.key != runs[1].sampler.key and len(runs[0].sampler.key) * 8 >= 128
+    first, second = (run.mechanism.sampler.key for run in runs)
+    assert first != second and len(first) * 8 >= 128
     assert runs[0].method.mechanism.draws.key != runs[1].method.mechanism.draws.key
 
 

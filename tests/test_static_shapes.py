@@ -124,11 +124,11 @@ def test_a_static_shape_run_trains_and_spends_as_the_plain_one(tmp_path, monkeyp
         summary = r.execute()
         monkeypatch.undo()
         assert summary["status"] == "ok", summary["error"]
-        return summary, torch.cat([p.detach().flatten() for p in r.model.parameters()]), r.ledger
+        return summary, torch.cat([p.detach().flatten() for p in r.model.parameters()]), r.mechanism
 
-    plain, plain_params, plain_ledger = run(False)
+    plain, plain_params, plain_mechanism = run(False)
     plain_sizes, sizes[:] = list(sizes), []
-    static, static_params, static_ledger = run(True)
+    static, static_params, static_mechanism = run(True)
     assert [sum(r for _, r in step) for step in sizes] == [sum(b for b, _ in step) for step in plain_sizes]
     assert all(b == 10 for step in sizes for b, _ in step)  # every micro-batch at the physical size
     assert any(r < b for step in sizes for b, r in step)  # and some of them padded
@@ -138,4 +138,4 @@ def test_a_static_shape_run_trains_and_spends_as_the_plain_one(tmp_path, monkeyp
     assert static["metric_final"] == plain["metric_final"]
     for key in ("epsilon_spent", "sample_rate", "sigma", "steps_done", "samples_seen"):  # the accountant's view
         assert static[key] == plain[key], key
-    assert static_ledger.expected_batch_size == plain_ledger.expected_batch_size
+    assert static_mechanism.expected_batch_size == plain_mechanism.expected_batch_size

@@ -51,9 +51,9 @@ def run_audit(cfg, out: Path, mechanism_of=None) -> tuple[dict, str]:
         raise RuntimeError(f"the audited run ended {summary['status']}: {summary['error']}")
     if inputs is not None:
         inputs.score(parts, batch=max(1, cfg.train.physical_batch_size or cfg.train.batch_size))
-    ledger = parts.ledger
+    mechanism = parts.mechanism
     groups = canaries.groups() if isinstance(canaries, GradientCanaries) else None
-    bound = audit_bound(canaries.scores.numpy(), canaries.included.numpy(), delta=ledger.delta, beta=a.beta,
+    bound = audit_bound(canaries.scores.numpy(), canaries.included.numpy(), delta=mechanism.delta, beta=a.beta,
                         groups=groups.numpy() if groups is not None else None)
     noise = noise_check(canaries.noise_squares, canaries.noise_count, canaries.sigma) \
         if isinstance(canaries, GradientCanaries) else noise_check(0.0, 0, None)
@@ -71,8 +71,8 @@ def run_audit(cfg, out: Path, mechanism_of=None) -> tuple[dict, str]:
               "kind": kind, "plant": plant, "uses": a.uses if plant == "batch" else None, "canaries_in": where,
               "untouched": getattr(canaries, "untouched", None),
               "physical_batch_size": cfg.train.physical_batch_size,
-              "epsilon_claimed": summary["epsilon_spent"], "delta": ledger.delta,
-              "sigma": summary["sigma"], "steps": summary["steps_done"], "sample_rate": ledger.sample_rate,
+              "epsilon_claimed": summary["epsilon_spent"], "delta": mechanism.delta,
+              "sigma": summary["sigma"], "steps": summary["steps_done"], "sample_rate": mechanism.sample_rate,
               **bound, **noise, **whole, "flagged": flagged, "confidence": 1 - a.beta,
               "seconds": time.perf_counter() - start,
               "scores": canaries.scores.tolist(), "in": canaries.included.tolist(), "run_dir": str(out / "run")}

@@ -1,16 +1,18 @@
-"""The broken privatizers `dpmem audit` must catch. Issue 42's three are substitutions into the real code for as long
-as their context lasts. `tests/test_audit.py` asserts it does, `scripts/audit_variants.py` measures how far.
+"""The broken privatizers `dpmem audit` must catch, each a mechanism (or its clipping plan) that a run uses in place
+of the calibrated one: each function below returns a `mechanism_of(mechanism, model, canaries)` for
+`run_audit(..., mechanism_of=...)` (and tests/test_audit.py's `privatizer_audit`). `tests/test_audit.py` asserts the
+audit catches each, `scripts/audit_variants.py` measures how far.
 
-- skip_real_clipping: clipping skipped on the real samples' path only (one pass: the micro-batch's weighted sum
-  takes weight 1; two passes: every norm 0); the Privatizer's `clipped_sum_of`, which clips canaries planted in the
-  sum, unchanged.
-- noise_per_microbatch: noise of std σC/k added to each of a step's k micro-batches (in sum σC/√k), none once per
-  step.
-- norms_per_use: a weight used several times normed per use: ghost norms' ‖Σ_u g_u‖² taken as Σ_u ‖g_u‖² (the
-  cross terms between uses dropped), so a sample whose uses agree is clipped as if √uses times smaller.
+Issue 42's three:
+- skip_real_clipping(): clip factors of 1 while the step's micro-batches are clipped (the real samples', and batch
+  canaries' that join them); the canaries planted in the sum, clipped after them (`Privatizer.clipped_sum_of`),
+  are clipped.
+- noise_per_microbatch(): noise of std σC/k on each of a step's k micro-batches, none once per step: in sum σC/√k,
+  which the release draws at once (k draws of std σC/k add up to one of σC/√k).
+- norms_per_use(): a weight used several times normed per use: its norm ‖Σ_u g_u‖² taken as Σ_u ‖g_u‖² (ghost,
+  the cross terms between uses dropped), so a sample whose uses agree is clipped as if √uses times smaller.
 
-Issue 54's four are broken mechanisms (`NoiseCut`, `OneLayerClipping`) that a run uses in place of the calibrated
-one: each function below returns a `mechanism_of(mechanism, model, canaries)` for `run_audit(..., mechanism_of=...)`:
+Issue 54's four:
 - noise_cut_away_from(): noise of std σC/2 on every clipped sum that holds no canary;
 - clipping_from(name): the clip factor from one parameter's norm (where the canaries lived before they were spread);
 - noise_skipped_on(step): the noise left out of the release of one step (0-based) in the run, and only that one;
@@ -18,63 +20,23 @@ one: each function below returns a `mechanism_of(mechanism, model, canaries)` fo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from unittest import mock
 
 import torch
 
-import dpmem.methods.privatize as privatize
-from dpmem.methods.privatize import Privatizer
-from dpmem.persample import reducers
+from dpmem.methods.privatize import Observer
 from dpmem.persample.factored import Factored
+from dpmem.persample.norms import exact_squared_norms
 from dpmem.privacy.mechanism import GaussianMechanism
 
 
-@contextlib.contextmanager
-def skip_real_clipping():
-    weighted_sums = privatize.weighted_sums
-    with mock.patch.object(privatize, "weighted_sums", lambda grads, f: weighted_sums(grads, torch.ones_like(f))), \
-            mock.patch.object(reducers, "norms", lambda *args, **kwargs: lambda g: torch.zeros(g.shape[0])):
-        yield
-
-
-@contextlib.contextmanager
-def noise_per_microbatch():
-    accumulate = Privatizer.clip_and_accumulate
-
-    def noised(self, microbatches, loss_fn, shapes, projections=None):
-        if not isinstance(self.mechanism, NoiseCut):  # the step's own release adds none
-            self.mechanism = NoiseCut(self.mechanism, math.inf)
-        m, micro, total, loss_sum = self.mechanism, list(microbatches), {}, 0.0
-        for mb in micro:
-            summed, loss = accumulate(self, [mb], loss_fn, shapes, projections)
-            GaussianMechanism(m.sigma / len(micro), m.max_grad_norm, 1.0, m.draws).release(summed)
-            total = summed if not total else {p: total[p] + summed[p] for p in total}
-            loss_sum = loss_sum + loss
-        return total, loss_sum
-    with mock.patch.object(Privatizer, "clip_and_accumulate", noised):
-        yield
-
-
-@contextlib.contextmanager
-def norms_per_use():
-    squared_norms = Factored.squared_norms
-
-    def per_use(self):
-        return torch.stack([squared_norms(Factored([t], self.rows, self.cols, self.param_shape))
-                            for t in self.terms]).sum(0)
-    with mock.patch.object(Factored, "squared_norms", per_use):
-        yield
-
-
-# -- broken mechanisms: each a GaussianMechanism that a run uses in place of the calibrated one ----------------
 class BrokenMechanism(GaussianMechanism):
-    """A mechanism with `base`'s σ, C, q·n, rate, draws and loss release, which a subclass breaks."""
+    """`base` itself (σ, C, q·n, draws, loss release, observers, plan, accounting: one state), which a subclass
+    breaks."""
 
     def __init__(self, base: GaussianMechanism):
-        super().__init__(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+        self.__dict__.update(base.__dict__)
 
 
 class NoiseCut(BrokenMechanism):
@@ -124,3 +86,86 @@ def noise_divided_by(factor: float):
 def clipping_from(name: str):
     """Clip factors from the per-sample norm of the model's parameter `name` alone."""
     return lambda mechanism, model, canaries: OneLayerClipping(mechanism, model.get_parameter(name))
+
+
+class SkippedClipping(BrokenMechanism):
+    """Clip factors of 1 from a step's start until its clipped sums are complete: its micro-batches go unclipped;
+    what is clipped after them (the canaries planted in the sum) is clipped. It learns where the step is from an
+    observer of its own, the first."""
+
+    def __init__(self, base: GaussianMechanism):
+        super().__init__(base)
+        self.skipping = False
+        self.observers = (_Phase(self), *self.observers)
+
+    def clip_factors(self, squares: dict) -> torch.Tensor:
+        factors = super().clip_factors(squares)
+        return torch.ones_like(factors) if self.skipping else factors
+
+
+class _Phase(Observer):
+    def __init__(self, mechanism: SkippedClipping):
+        self.mechanism = mechanism
+
+    def on_microbatches(self, privatizer, microbatches, loss_fn):
+        self.mechanism.skipping = True
+        return microbatches, loss_fn
+
+    def on_clipped(self, privatizer, summed):
+        self.mechanism.skipping = False
+        return summed
+
+
+class NoisePerMicrobatch(BrokenMechanism):
+    """Noise σC/k on each of a step's k micro-batches, none once per step: σC/√k at the release. It counts the
+    micro-batches with an observer of its own, the last (so batch canaries' micro-batch counts)."""
+
+    def __init__(self, base: GaussianMechanism):
+        super().__init__(base)
+        self.microbatches = 1
+        self.observers = (*self.observers, _Count(self))
+
+    def noise_std(self, key) -> float:
+        return super().noise_std(key) / math.sqrt(max(self.microbatches, 1))
+
+
+class _Count(Observer):
+    def __init__(self, mechanism: NoisePerMicrobatch):
+        self.mechanism = mechanism
+
+    def on_microbatches(self, privatizer, microbatches, loss_fn):
+        microbatches = list(microbatches)
+        self.mechanism.microbatches = len(microbatches)
+        return microbatches, loss_fn
+
+
+def per_use_norms(g) -> torch.Tensor:
+    """Σ_u ‖g_u‖² over a factored gradient's uses (its terms), each normed alone (ghost): the cross terms dropped.
+    A dense gradient is normed exactly."""
+    if not isinstance(g, Factored):
+        return exact_squared_norms(g)
+    return torch.stack([Factored([t], g.rows, g.cols, g.param_shape).squared_norms() for t in g.terms]).sum(0)
+
+
+def skip_real_clipping():
+    """The step's micro-batches unclipped; the canaries planted in the sum clipped."""
+    return lambda mechanism, model, canaries: SkippedClipping(mechanism)
+
+
+def noise_per_microbatch():
+    """Noise σC/k on each of a step's k micro-batches instead of σC once."""
+    return lambda mechanism, model, canaries: NoisePerMicrobatch(mechanism)
+
+
+def norms_per_use():
+    """The mechanism's plan with every factored gradient normed per use (`per_use_norms`)."""
+    return norms_by(per_use_norms)
+
+
+def norms_by(rule):
+    """The mechanism's plan with its norm rule replaced by `rule`, a function of a per-sample gradient."""
+    def broken(mechanism, model, canaries):
+        mechanism = BrokenMechanism(mechanism)
+        mechanism.plan = dataclasses.replace(mechanism.plan, norms=rule)
+        return mechanism
+    return broken

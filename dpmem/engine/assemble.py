@@ -12,12 +12,13 @@ import torch
 from torch import nn
 
 from dpmem import distributed, sharding
+from dpmem.config import ConfigError, enum_value
 from dpmem.data import DataBundle
-from dpmem.engine.ledger import PrivacyLedger
 from dpmem.methods import Method, build_method, method_class
 from dpmem.methods.privatize import Observer
+from dpmem.methods.rc import check_probes, max_layer_dimension, rc_dimension
 from dpmem.models import build_model, checkpoint_activations
-from dpmem.privacy.mechanism import GaussianMechanism
+from dpmem.privacy.mechanism import GaussianMechanism, accountant_of, calibrate
 from dpmem.privacy.randomness import Draws, seed_key
 
 
@@ -27,7 +28,8 @@ class Parts:
     model: nn.Module
     method: Method
     device: torch.device
-    ledger: PrivacyLedger | None  # a run's privacy accounting; None where the mechanism is a stand-in (plans)
+    # the run's, calibrated (its accounting, and for a non-private method what it releases); a plan's stand-in
+    mechanism: GaussianMechanism | None
     root: sharding.Root | None = None  # under FSDP, what the task's functions are called through
     autocast: Callable = field(default=contextlib.nullcontext)  # a forward pass's context (train.precision)
 
@@ -46,10 +48,11 @@ def assemble(cfg, device: torch.device, data: DataBundle, model: nn.Module | Non
     """The parts of `cfg` on `device`. `model`: one built already (a plan's, without weights); otherwise the
     model is built with its weights and moved to `device`. `mesh`: shard it over those ranks (train.fsdp).
     `recompute`: the context activation checkpointing's recompute runs in (a plan's attention kernels).
-    `mechanism_of(mechanism, model)`: the mechanism to use in place of the calibrated one (dpmem audit's variants).
+    `observers` see the private step (they hang on the mechanism). `mechanism_of(mechanism, model)`: the mechanism
+    to use in place of the calibrated one (dpmem audit's variants).
 
-    With `steps` and `sampling` the mechanism is the run's, calibrated by its privacy ledger; without, a stand-in of
-    σ = 1 (σ and the draws change values, not memory or time)."""
+    With `steps` and `sampling` the mechanism is the run's, calibrated (`dpmem.privacy.mechanism.calibrate`);
+    without, a stand-in of σ = 1 (σ and the draws change values, not memory or time), accounting nothing."""
     t, m = cfg.train, cfg.method
     spec = method_class(m.name).spec  # (train.fsdp's caller has checked dpmem.methods.check_fsdp)
     if model is None:
@@ -60,16 +63,30 @@ def assemble(cfg, device: torch.device, data: DataBundle, model: nn.Module | Non
         checkpoint_activations(model, recompute)
     root = sharding.shard_model(model, mesh) if mesh is not None else None
     model.train()
-    ledger = mechanism = None
+    if observers and not spec.private:
+        raise ConfigError("method.name", f"{m.name} is not private: it has no privatised quantity to observe")
     if steps is not None:
-        ledger = PrivacyLedger(cfg, spec, model, data.n_train, steps, sampling)
-        if spec.private:
-            mechanism = ledger.mechanism(m.max_grad_norm, cfg.privacy.noise_seed, device)
-    elif spec.private:
+        rc = envelope(cfg, model) if accountant_of(cfg.privacy, spec) == "rc" else None
+        mechanism = calibrate(cfg, spec, data.n_train, steps, sampling, device, rc, tuple(observers))
+    else:
         # no draws where nothing is drawn: on meta, and on the fake tensors of simulated ranks
         draws = None if device.type == "meta" or mesh is not None else Draws(seed_key(0), "noise", device)
-        mechanism = GaussianMechanism(1.0, m.max_grad_norm, float(t.batch_size), draws)
+        mechanism = (GaussianMechanism(1.0, m.max_grad_norm, float(t.batch_size), draws, observers=tuple(observers),
+                                       plan=spec.clipping(m)) if spec.private else None)
     if mechanism_of is not None:
         mechanism = mechanism_of(mechanism, model)
-    return Parts(data, model, build_method(m, model, t.lr, mechanism, seed=t.seed, observers=observers), device,
-                 ledger, root)
+    method = build_method(m, model, t.lr, mechanism if spec.private else None, seed=t.seed)
+    return Parts(data, model, method, device, mechanism, root)
+
+
+def envelope(cfg, model: nn.Module) -> dict:
+    """Randomized clipping's envelope, which depends on the model: k probes (method.k, checked against its
+    layers), the dimension d (privacy.rc_dimension; inf: the whole model's envelope, `rc_dimension`), the DP-SGD-RC
+    paper's max over layers of min(p, d) for comparison, and the estimator."""
+    m = cfg.method
+    check_probes(model, m.k)  # a run's k (a test may build the method with more, to near exact clipping)
+    try:
+        d, d_max_layer = rc_dimension(model, cfg.privacy.rc_dimension), max_layer_dimension(model)
+    except ValueError as e:
+        raise ConfigError("method.name", f"{m.name}: {e}") from None
+    return {"k": m.k, "d": d, "d_max_layer": d_max_layer, "estimator": enum_value(m.estimator)}

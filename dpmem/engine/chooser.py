@@ -216,8 +216,7 @@ def check_reachable(cfg) -> None:
     """The base config's privacy.epsilon, calibrated once before any candidate is planned: a budget no noise meets
     (or one so loose it protects nothing) is refused under its key at once, not after every candidate. Raises
     ConfigError."""
-    from dpmem.engine.ledger import resolve_accountant
-    from dpmem.engine.trainer import accounting_of
+    from dpmem.engine.trainer import accounting_of, resolve_accountant
     from dpmem.methods import method_class
     from dpmem.privacy import UnreachableTarget, calibrate_sigma
 

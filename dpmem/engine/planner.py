@@ -174,7 +174,7 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     tic = time.perf_counter()
     torch.manual_seed(t.seed)
     data = build_data(cfg.data, cfg.model)
-    # the run's noise and its ledger (σ calibrated for its steps) where asked; else a stand-in, as σ changes no memory
+    # the run's mechanism (σ calibrated for its steps) where asked; else a stand-in, as σ changes no memory
     length = dict(zip(("steps", "sampling"), run_length(cfg, data.n_train))) if account and world == 1 else {}
     with torch.device("meta" if world > 1 else device):
         model = build_model(cfg.model, data, weights=False)
@@ -233,7 +233,7 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
         "guessed_truth_values": unknown.guessed,  # asked of meta tensors in the steps and evaluation (UnknownValues)
         "micro_batches": len(sizes), "micro_batches_run": min(len(sizes), first_micro_batches or len(sizes)),
         "roofline": [ops.summary() for ops in counted] if counted else None,
-        "privacy": parts.ledger.fields if parts.ledger is not None else None,
+        "privacy": (parts.mechanism.summary or None) if parts.mechanism is not None else None,
         "wall_s": time.perf_counter() - tic, **cuda,
     }
 

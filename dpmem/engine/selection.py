@@ -118,8 +118,7 @@ class Search:
 def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
     """Check a private search of the base config `cfg` (with `arguments`, the command line's overrides) and
     calibrate its trials' noise. Raises ConfigError naming the key."""
-    from dpmem.engine.ledger import resolve_accountant
-    from dpmem.engine.trainer import accounting_of
+    from dpmem.engine.trainer import accounting_of, resolve_accountant
     from dpmem.methods import method_class
     from dpmem.privacy import UnreachableTarget, epsilon_spent
     from dpmem.privacy.selection import calibrate_selection, check_law

@@ -19,19 +19,19 @@ from tqdm import tqdm
 
 from dpmem import distributed, precision, sharding
 from dpmem.compiling import Compiler
-from dpmem.config import ConfigError, enum_value, resolve_delta
+from dpmem.config import ConfigError, enum_value
 from dpmem.data import build_data
 from dpmem.data.bundle import Padded
 from dpmem.engine import checkpoint
 from dpmem.engine.assemble import Parts, assemble
 from dpmem.engine.folder import FolderLock, claim, fingerprint, write_config
-from dpmem.engine.ledger import line_epsilon, resolve_accountant
 from dpmem.engine.run_meters import Meter
 from dpmem.engine.summary import (PRIVACY_LEDGER, DiskFull, append_metrics, append_privacy, cut_metrics, json_ready,
                                   most_spent, privacy_records, summary_table, versions, write_summary)
 from dpmem.engine.tracking import NoTracker, open_tracker
 from dpmem.methods import check_fsdp, method_class
 from dpmem.methods.subspace import SubspaceProjection, privacy_of
+from dpmem.privacy.mechanism import accountant_of, accounting, line_epsilon
 from dpmem.privacy.randomness import Draws
 from dpmem.privacy.sampling import make_batches
 
@@ -77,13 +77,14 @@ def accounting_of(cfg) -> dict:
     """What a run of `cfg` is accounted with, from its data's size alone (no model: rc's envelope aside): the
     keyword arguments of calibrate_sigma and epsilon_spent after (ε, δ, q, steps). What a plan and a private
     search calibrate before anything is built."""
-    p = cfg.privacy
     n = build_data(cfg.data, cfg.model).n_train
     steps, sampling = run_length(cfg, n)
-    return {"delta": resolve_delta(p.delta, n), "sample_rate": cfg.train.batch_size / n, "steps": steps,
-            "accountant": resolve_accountant(cfg), "neighbouring": enum_value(p.neighbouring),
-            "sampling": sampling, "dataset_size": n,
-            "loss_noise": p.loss_noise if enum_value(p.train_loss) == "private" else None}
+    return accounting(cfg.privacy, method_class(cfg.method.name).spec, n, cfg.train.batch_size, steps, sampling)
+
+
+def resolve_accountant(cfg) -> str:
+    """privacy.accountant, or for auto the one the method names (pld; rc for randomized clipping)."""
+    return accountant_of(cfg.privacy, method_class(cfg.method.name).spec)
 
 
 def eval_batch_size(t) -> int:
@@ -146,7 +147,7 @@ class Run:
     def prepare(self) -> Parts:
         """Build the run's parts (dpmem.engine.assemble) and its summary; returns the parts."""
         cfg = self.cfg
-        t, p, m = cfg.train, cfg.privacy, cfg.method
+        t, m = cfg.train, cfg.method
         self.device = resolve_device(enum_value(t.device))
         why = precision.unsupported(enum_value(t.precision), self.device)
         if why is not None:
@@ -186,15 +187,13 @@ class Run:
         if subspace is not None:
             ok, why = privacy_of(subspace.source, cfg.data)
             if not ok:
-                self.ledger.mark_leak(why)
-        # the batches' draws: their key is kept in the checkpoint alone
-        self.sampler = Draws(self.ledger.sampler_key(p.sampler_seed, t.seed), "batches")
+                self.mechanism.mark_leak(why)
         self.summary = {
             "status": "running", "method": m.name, "model": cfg.model.name, "data": cfg.data.name,
             "data_public": cfg.data.public,
-            "seed": t.seed, "device": str(self.device), "precision": self.precision.name, **self.ledger.fields,
+            "seed": t.seed, "device": str(self.device), "precision": self.precision.name, **self.mechanism.summary,
             "steps": self.steps, "steps_done": 0, "batch_size": t.batch_size,
-            **({"samples_seen": None, "samples_expected": 0.0} if self.ledger.accounted else {"samples_seen": 0}),
+            **({"samples_seen": None, "samples_expected": 0.0} if self.mechanism.accounted else {"samples_seen": 0}),
             "physical_batch_size": t.physical_batch_size or t.batch_size, "n_train": n, "lr": t.lr,
             "world_size": distributed.world_size(), "backend": distributed.backend(), "fsdp": t.fsdp,
             "metric_name": self.data.metric_name, "metric_final": None, "metric_best": None, "train_loss": None,
@@ -202,8 +201,8 @@ class Run:
             "throughput_samples_per_s": None, "wall_time_s": None, "error": None,
             "versions": versions(), "run_dir": str(self.run_dir),
         }
-        if self.ledger.accounted:
-            self.summary["released_outside_epsilon"] = outside_epsilon(cfg, self.ledger)
+        if self.mechanism.accounted:
+            self.summary["released_outside_epsilon"] = self.mechanism.outside_epsilon(self.static_shapes)
         if subspace is not None:
             self.summary["subspace"] = {"path": m.subspace.path, "k": subspace.k, "where": subspace.where,
                                         "private": ok, "why": why}
@@ -213,7 +212,7 @@ class Run:
     data = property(lambda self: self.parts.data)
     model = property(lambda self: self.parts.model)
     method = property(lambda self: self.parts.method)
-    ledger = property(lambda self: self.parts.ledger)
+    mechanism = property(lambda self: self.parts.mechanism)
 
     def _write_summary(self) -> None:
         if self.compiler is not None:  # how the step was captured: graphs, breaks, recompiles, compile seconds
@@ -255,7 +254,7 @@ class Run:
             self.summary["wall_time_s"] = time.perf_counter() - start
             done = self.summary["steps_done"]
             if done != self._eps_steps:
-                self.summary["epsilon_spent"] = self.ledger.epsilon(done)
+                self.summary["epsilon_spent"] = self.mechanism.epsilon(done)
             # each record written if it can be: a full disk (here, or what failed the run) leaves the earlier lines
             # and summary whole, and ends the run failed, naming the file
             for write in (lambda: self._spent(event="end", status=self.summary["status"]), self._write_summary):
@@ -274,15 +273,12 @@ class Run:
     def _spent(self, **fields) -> None:
         """A line of privacy.jsonl (dpmem.engine.summary.append_privacy): ε spent after the steps done, with what it
         was computed from. Private methods only; rank 0 writes it."""
-        if not (self.main and self.ledger.private):
+        if not (self.main and self.mechanism.private):
             return
         s = self.summary
-        append_privacy(self.run_dir, {
-            "attempt": self._attempt, **fields, "steps_done": s["steps_done"],
-            "epsilon": s["epsilon_spent"], "delta": s["delta"], "sigma": s["sigma"],
-            "sigma_accounted": s["sigma_accounted"], "sample_rate": s["sample_rate"],
-            "accountant": s["accountant"], "neighbouring": s["neighbouring"], "sampling": s["sampling"],
-            "dataset_size": s["n_train"], "config": self._config_hash})  # what `dpmem report` composes it from
+        append_privacy(self.run_dir, {  # what `dpmem report` composes it from
+            "attempt": self._attempt, **fields, "steps_done": s["steps_done"], "epsilon": s["epsilon_spent"],
+            **self.mechanism.ledger_fields(), "config": self._config_hash})
 
     def _record(self, record: dict) -> None:
         if self.main:
@@ -324,7 +320,7 @@ class Run:
         done = self._resume() if self.checkpoint is not None else 0
         bar.update(done)
         # the batches' sizes are counts of the private data: an accounted run counts the expected q·n per step
-        expected = self.ledger.expected_batch_size if self.ledger.accounted else None
+        expected = self.mechanism.expected_batch_size if self.mechanism.accounted else None
         samples, loss_sum, loss_count = s["samples_expected" if expected else "samples_seen"], None, 0
         # compiled: no live-tensor counter on the CPU (dynamo refuses a dispatch mode); CUDA's allocator counts
         self.meter = meter = Meter(self.device, self.steps, 0 if self.compiler is not None else log_cfg.memory_steps)
@@ -345,7 +341,7 @@ class Run:
                 last = step + 1 == self.steps
                 record = {}
                 if (step + 1) % log_cfg.every == 0 or last:
-                    s["epsilon_spent"] = self.ledger.epsilon(step + 1)
+                    s["epsilon_spent"] = self.mechanism.epsilon(step + 1)
                     self._eps_steps = step + 1
                     self._spent()
                     s["throughput_samples_per_s"] = meter.throughput(samples)
@@ -388,10 +384,10 @@ class Run:
     def loss_key(self) -> str | None:
         """The training loss's key in the records: loss (a non-private run's, or released privately), or
         loss_outside_epsilon (an accounted run's, exact: privacy.train_loss=exact); None: not released."""
-        release = self.ledger.loss_release
+        release = self.mechanism.loss_release
         if release == "none":
             return None
-        return "loss_outside_epsilon" if release == "exact" and self.ledger.accounted else "loss"
+        return "loss_outside_epsilon" if release == "exact" and self.mechanism.accounted else "loss"
 
     def _check_finite(self, mean_loss: float | None, step: int) -> None:
         """A NaN or infinite loss (or, where no loss is released, weights: a function of what was released) ends
@@ -410,7 +406,7 @@ class Run:
 
     # -- checkpoints (dpmem.engine.checkpoint) -------------------------------------------------------------
     def _checkpoint(self, step: int) -> None:
-        checkpoint.save(self.run_dir, step, self.cfg, self.parts, self.sampler.key,
+        checkpoint.save(self.run_dir, step, self.cfg, self.parts, self.mechanism.sampler.key,
                         {k: self.summary[k] for k in RESUMED if k in self.summary})
 
     def _resume(self) -> int:
@@ -420,7 +416,7 @@ class Run:
         state = self.checkpoint
         self.checkpoint = None  # not kept beside the model it was loaded into
         step = checkpoint.restore(state, self.cfg, self.parts)
-        self.sampler = Draws(bytes.fromhex(state["sampler_key"]), "batches")  # the batches the lost run drew
+        self.mechanism.sampler = Draws(bytes.fromhex(state["sampler_key"]), "batches")  # the lost run's batches
         self.summary.update(state["summary"], resumed_from_step=step)
         if self.main:
             print(f"dpmem: resuming {self.run_dir} from its checkpoint at step {step}", file=sys.stderr)
@@ -434,8 +430,8 @@ class Run:
         # (its lines that cannot be read skipped, and said so; dpmem.engine.folder.claim refused a private run whose
         # ledger is missing or unreadable), and never less than the folder's summary said
         if self.main:
-            self.ledger.released = max(self._ledger_epsilon(), self._summarised_epsilon())
-        self.summary["epsilon_spent"], self._eps_steps = self.ledger.epsilon(step), step
+            self.mechanism.released = max(self._ledger_epsilon(), self._summarised_epsilon())
+        self.summary["epsilon_spent"], self._eps_steps = self.mechanism.epsilon(step), step
         self._spent(event="resume", from_step=step)
         if self.main:  # records of the lost steps are written again (and lines cut short dropped)
             cut_metrics(self.run_dir, step)
@@ -502,8 +498,9 @@ class Run:
     def batches(self):
         """The logical batches of the run's `steps` steps, as the sampler draws them."""
         t = self.cfg.train
-        self.sampler.count = 0  # step t's batch is draw t
-        return make_batches(self.sampling, self.data.n_train, t.batch_size, self.steps, self.sampler)
+        sampler = self.mechanism.sampler
+        sampler.count = 0  # step t's batch is draw t
+        return make_batches(self.sampling, self.data.n_train, t.batch_size, self.steps, sampler)
 
     # -- the way in for tools that drive the steps themselves (dpmem spectrum's layer mode) -----------------
     def steps_on_device(self):
@@ -515,7 +512,7 @@ class Run:
     def finish(self, status: str, steps_done: int) -> dict:
         """Record how a driven run ended (ε for the steps done) and take the method's hooks off the model."""
         self.method.close()
-        self.summary.update(status=status, steps_done=steps_done, epsilon_spent=self.ledger.epsilon(steps_done))
+        self.summary.update(status=status, steps_done=steps_done, epsilon_spent=self.mechanism.epsilon(steps_done))
         self._write_summary()
         return self.summary
 
@@ -535,23 +532,6 @@ class Run:
 
 RESUMED = ("steps_done", "samples_seen", "samples_expected", "metric_best", "peak_memory_bytes",
            "peak_memory_allocated_bytes", "peak_memory_source")  # summary fields a resumed run carries over
-
-
-def outside_epsilon(cfg, ledger) -> dict[str, str]:
-    """What an accounted run's folder (and wandb, and its progress bar) shows that ε does not cover, and why. The
-    rest is covered: the weights and everything computed from them, the noised training loss (privacy.train_loss=
-    private), ε itself (a function of the configuration), the expected sample counts."""
-    out = {"metric_final, metric_best, metrics": "evaluated on the held-out split, which epsilon does not protect "
-                                                 "(it protects the training set)",
-           "wall_time_s, throughput_samples_per_s, samples_per_s": "timings, which depend on the sampled batches' "
-                                                                   "sizes (a side channel)"}
-    if not (cfg.train.static_shapes or cfg.train.compile):
-        out["peak_memory_bytes, peak_memory_allocated_bytes, memory_bytes"] = (
-            "peaks, which depend on the largest sampled micro-batch (train.static_shapes=true pads every micro-batch "
-            "to one size: then they do not)")
-    if ledger.loss_release == "exact":
-        out["train_loss_outside_epsilon, loss_outside_epsilon"] = "the exact training loss (privacy.train_loss=exact)"
-    return out
 
 
 def run_training(cfg, run_dir: Path) -> dict:

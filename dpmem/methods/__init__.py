@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Sequence
-
 from omegaconf import OmegaConf
 
 from dpmem.config import ConfigError, validate_groups
@@ -13,7 +11,6 @@ from dpmem.methods.dp_adam import DPAdam
 from dpmem.methods.dpzero import DPZero, MeZO
 from dpmem.methods.galore import GaLore, GaLoreDPNaive
 from dpmem.methods.grape import Grape
-from dpmem.methods.privatize import Observer
 from dpmem.methods.rc import DPSGDRC
 from dpmem.methods.subspace import SubspaceProjection
 from dpmem.privacy.mechanism import GaussianMechanism
@@ -70,22 +67,17 @@ def method_config(name: str, **options):
     return OmegaConf.merge(OmegaConf.structured(method_class(name).config), {"name": name, **options})
 
 
-def build_method(cfg, model, lr: float, mechanism: GaussianMechanism | None, seed: int = 0,
-                 observers: Sequence[Observer] = ()) -> Method:
-    """The method of `cfg`; `observers` see its private step (dpmem.methods.privatize.Observer). Subspace re-training's
-    projection (method.subspace.path) is the innermost one: they see the clipped sums before it projects them, and
-    the release after."""
+def build_method(cfg, model, lr: float, mechanism: GaussianMechanism | None, seed: int = 0) -> Method:
+    """The method of `cfg`, privatised by `mechanism` (None for a non-private method). Subspace re-training's
+    projection (method.subspace.path) joins the mechanism's observers as the innermost one: they see the clipped
+    sums before it projects them, and the release after."""
     cls = method_class(cfg.name)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"{cfg.name}: the model has no trainable parameter (every one has requires_grad=False): "
                          "nothing to train")
-    if observers and not cls.spec.private:
-        raise ConfigError("method.name", f"{cfg.name} is not private: it has no privatised quantity to observe")
     if cls.spec.privatised_gradient and cfg.subspace.path is not None:
-        observers = (*observers, SubspaceProjection(cfg.subspace, model))
-    method = cls(model, cfg, lr, mechanism=mechanism, seed=seed, observers=observers)
-    method.observers = tuple(observers)
-    return method
+        mechanism.observers = (*mechanism.observers, SubspaceProjection(cfg.subspace, model))
+    return cls(model, cfg, lr, mechanism=mechanism, seed=seed)
 
 
 __all__ = ["build_method", "check_fsdp", "compile_refusal", "method_class", "method_config", "validate", "Method",

@@ -14,7 +14,7 @@ class Adam(Method):
     config = OptimizerConfig
     spec = MethodSpec(shardable=True, compiled_step=True)  # FSDP reduce-scatters autograd's batch gradient
 
-    def __init__(self, model, cfg, lr, mechanism=None, seed=0, observers=()):
+    def __init__(self, model, cfg, lr, mechanism=None, seed=0):
         super().__init__(model, cfg, lr)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, cfg, lr)

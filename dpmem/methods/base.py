@@ -155,7 +155,6 @@ class Method:
     config: type = MethodConfig  # its options' schema (dpmem.config); its conf/method/*.yaml names the same one
     spec = MethodSpec()  # what it is (private, accountant, clipping plan, ...), as the engine reads it
     privatizer = None  # first-order private methods: their dpmem.methods.privatize.Privatizer
-    observers: tuple = ()  # what sees its private step (`build_method` sets them)
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -225,12 +224,16 @@ class Method:
                         "typically 0.1-10 (default 5)")
         return said
 
-    def __init__(self, model: nn.Module, cfg, lr: float, mechanism: GaussianMechanism | None = None, seed: int = 0,
-                 observers=()):
-        """`observers` see the private step (`dpmem.methods.privatize.Observer`; built by `build_method`)."""
+    def __init__(self, model: nn.Module, cfg, lr: float, mechanism: GaussianMechanism | None = None, seed: int = 0):
+        """`mechanism` privatises the step (None for a non-private method); its observers see the private step."""
         self.model, self.cfg, self.lr, self.mechanism = model, cfg, lr, mechanism
         self.optimizer: torch.optim.Optimizer | None = None  # methods with their own update leave it None
         self.noise_reseeded: str | None = None  # why a resumed run's noise generator could not take its saved state
+
+    @property
+    def observers(self) -> tuple:
+        """What sees its private step (the mechanism's, `dpmem.methods.privatize.Observer`)."""
+        return self.mechanism.observers if self.mechanism is not None else ()
 
     def close(self) -> None:
         """Remove the hooks the method put on the model."""

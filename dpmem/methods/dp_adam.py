@@ -19,9 +19,9 @@ class DPAdam(Method):
                       plan=configured)
     _fused = False  # train.compile ran `compile`: the optimiser is fused, its steps taken directly
 
-    def __init__(self, model, cfg, lr, mechanism: GaussianMechanism, seed: int = 0, observers=()):
+    def __init__(self, model, cfg, lr, mechanism: GaussianMechanism, seed: int = 0):
         super().__init__(model, cfg, lr, mechanism, seed)
-        self.privatizer = Privatizer(model, mechanism, self.spec.clipping(cfg), cfg.check_coverage, observers)
+        self.privatizer = Privatizer(model, mechanism, mechanism.plan or self.spec.clipping(cfg), cfg.check_coverage)
         self.params = self.privatizer.params
         self.shapes = {p: p.shape for p in self.params}
         self.optimizer = make_optimizer(self.params, cfg, lr)

@@ -35,7 +35,7 @@ class ZerothOrder(Method):
         if not cfg.method.zo_eps > 0:  # the perturbation size lambda
             raise ConfigError("method.zo_eps", f"{cfg.method.zo_eps} must be > 0")
 
-    def __init__(self, model, cfg, lr, mechanism: GaussianMechanism | None = None, seed: int = 0, observers=()):
+    def __init__(self, model, cfg, lr, mechanism: GaussianMechanism | None = None, seed: int = 0):
         super().__init__(model, cfg, lr, mechanism, seed)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.eps, self.direction = cfg.zo_eps, enum_value(cfg.direction)
@@ -43,6 +43,7 @@ class ZerothOrder(Method):
         self.seeds = torch.Generator().manual_seed(seed)  # direction seeds, reproducible from the run seed
         self.dim = sum(p.numel() for p in self.params)
         # dpmem audit's GradientCanaries (DPZero): scalars along the step's direction, clipped with the real ones
+        observers = mechanism.observers if mechanism is not None else ()
         if len(observers) > 1:
             raise ValueError(f"{cfg.name} takes one observer, dpmem audit's canaries; given {len(observers)}")
         self.canaries = observers[0] if observers else None

@@ -38,16 +38,16 @@ class GaLore(Method):
         super().check(cfg)
         check_positive(cfg.method, "rank", "refresh")  # the projections' rank r, refreshed every F steps
 
-    def __init__(self, model, cfg, lr, mechanism: GaussianMechanism | None = None, seed: int = 0, observers=()):
+    def __init__(self, model, cfg, lr, mechanism: GaussianMechanism | None = None, seed: int = 0):
         super().__init__(model, cfg, lr, mechanism, seed)
         self.rank, self.refresh, self.t = cfg.rank, cfg.refresh, 0
-        self.params = self._parameters(model, mechanism, cfg, observers)
+        self.params = self._parameters(model, mechanism, cfg)
         self.sides = choose_projected(model, cfg.projected, cfg.rank)
         self.projections: dict[torch.nn.Parameter, Projection] = {}  # stored: r·Σm, as in the paper's Table 2
         shapes = {p: projected_shape(p, self.sides.get(p), self.rank) for p in self.params}
         self.adam = ProjectedAdam(self.params, shapes, cfg.betas, cfg.eps, cfg.weight_decay)
 
-    def _parameters(self, model, mechanism, cfg, observers) -> list[torch.nn.Parameter]:
+    def _parameters(self, model, mechanism, cfg) -> list[torch.nn.Parameter]:
         return [p for p in model.parameters() if p.requires_grad]
 
     def gradient(self, microbatches, loss_fn) -> tuple[dict | None, torch.Tensor]:
@@ -100,8 +100,8 @@ class GaLoreDPNaive(GaLore):
     spec = MethodSpec(private=True, privatised_gradient=True, compiled_step=True,
                       plan=configured)
 
-    def _parameters(self, model, mechanism, cfg, observers):
-        self.privatizer = Privatizer(model, mechanism, self.spec.clipping(cfg), cfg.check_coverage, observers)
+    def _parameters(self, model, mechanism, cfg):
+        self.privatizer = Privatizer(model, mechanism, mechanism.plan or self.spec.clipping(cfg), cfg.check_coverage)
         return self.privatizer.params
 
     def compile(self, compiler) -> None:

@@ -9,7 +9,7 @@ says how), sum over ranks, release: noise drawn once per logical step, scaled by
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from dpmem.privacy.randomness import Draws, Drawn, Recorded
 
 
 class Observer:
-    """Sees, and may replace, a private step's quantities; given to the method (and its Privatizer) when it is made.
+    """Sees, and may replace, a private step's quantities; it hangs on the mechanism (`GaussianMechanism.observers`).
     `on_clipped` gets the clipped sums of the whole logical batch (over every rank) before the noise, `on_noised`
     the privatised gradient. Observers are called in their list's order before the noise and in the reverse order
     after it, so the first one sees the rawest sums and the final release. A tensor they keep must be copied: the
@@ -91,13 +91,13 @@ class Privatizer:
             default in `dpmem train`: one pass, each layer's input and output gradient kept instead.
         check_coverage: on the first step, check that the per-sample gradients sum to autograd's batch gradient
             (a parameter used outside the module that owns it fails it).
-        observers: hooks called at each stage of the step (as `dpmem audit`'s canaries use them).
+
+    The mechanism's observers are called at each stage of the step (as `dpmem audit`'s canaries use them).
     """
 
     def __init__(self, model: nn.Module, mechanism: GaussianMechanism,
-                 plan: ClippingPlan = ClippingPlan.of("materialize"), check_coverage: bool = True,
-                 observers: Sequence[Observer] = ()):
-        self.model, self.mechanism, self.plan, self.observers = model, mechanism, plan, tuple(observers)
+                 plan: ClippingPlan = ClippingPlan.of("materialize"), check_coverage: bool = True):
+        self.model, self.mechanism, self.plan, self.observers = model, mechanism, plan, tuple(mechanism.observers)
         self.sharded = any(sharding.is_sharded(p) for p in model.parameters() if p.requires_grad)  # FSDP
         self.taps = Taps(model, (lambda q: sharding.full(q).detach()) if self.sharded else None, checkpointed(model))
         self.params = self.taps.parameters

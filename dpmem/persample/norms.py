@@ -66,8 +66,11 @@ def hutchinson(g: Factored, k: int, draws: Draws | None = None, plus_plus: bool 
     return head.pow(2).sum((1, 2)) + residual.pow(2).sum((1, 2))
 
 
-def squared_norms(g, rule: str, k: int = 32, draws: Draws | None = None) -> torch.Tensor:
-    """‖gᵢ‖² (exact, or estimated for factored gradients under an estimator rule), shape (B,)."""
+def squared_norms(g, rule, k: int = 32, draws: Draws | None = None) -> torch.Tensor:
+    """‖gᵢ‖² (exact, or estimated for factored gradients under an estimator rule), shape (B,). `rule`: one of
+    RULES, or a function of the per-sample gradient (a broken plan's: `dpmem.audit.variants`)."""
+    if callable(rule):
+        return rule(g)
     if not isinstance(g, Factored):
         return exact_squared_norms(g)
     if rule in ESTIMATORS:

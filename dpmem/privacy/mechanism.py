@@ -7,18 +7,27 @@ release (privacy.train_loss=private: each per-sample loss clipped to [0, L], N(0
 turns per-sample squared norms into clip factors, and a clipped sum into its release: a dict of tensors (eager,
 FSDP shards), one flat tensor (the compiled step), or one scalar (DPZero). The Privatizer forms the clipped sums;
 the mechanism alone adds noise to them, so a broken mechanism (`dpmem.audit.variants`) is a subclass, not a patch.
+
+A run's mechanism is calibrated once from its configuration (`calibrate`): δ resolved, the accountant, σ, the
+batches' sampler, what is released outside ε, whether a leak voids ε, and ε spent after t steps. The run's summary
+and its append-only ledger (privacy.jsonl) write what it holds; `line_epsilon` reads a ledger line back. An infinite
+ε (no privacy: a non-private method, privacy=none, a leaking subspace) is math.inf here and "inf" in summary.json
+and metrics.jsonl (JSON has no infinity; `float("inf")` reads it back).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 
 import torch
 
 from dpmem import distributed, sharding
+from dpmem.config import ConfigError, enum_value, resolve_delta
 from dpmem.persample.clipping import clip_factors
-from dpmem.privacy.randomness import Draws, normal
+from dpmem.privacy.accounting import UnreachableTarget, calibrate_sigma, epsilon_spent, joint_sigma
+from dpmem.privacy.randomness import Draws, key_of, normal, os_key, seed_key
 
 NOISE_BUCKET = 2**24  # elements of noise drawn at once (64 MiB in float32)
 
@@ -39,6 +48,12 @@ class GaussianMechanism:
         sample_rate: q, the rate at which a record joins a step.
         loss_bound: L, each per-sample loss clipped to [0, L]; inf: the loss is summed as it is.
         loss_sigma: the loss's noise multiplier (0: not noised).
+        observers: what sees the private step, in order (`dpmem.methods.privatize.Observer`: dpmem audit's
+            canaries, dpmem spectrum's recorder, a subspace's projection).
+        plan: how the clipped sums are formed (`dpmem.methods.clipping_plan.ClippingPlan`), a run's (`calibrate`)
+            or a broken one (`dpmem.audit.variants`); None: the method's configured plan (DPZero clips a scalar).
+
+    A run's mechanism (`calibrate`) also holds its accounting; one built by hand accounts nothing (`accounted`).
     """
     sigma: float
     max_grad_norm: float
@@ -47,12 +62,66 @@ class GaussianMechanism:
     sample_rate: float | None = None  # q, the rate at which a record joins a step (dpmem audit's canaries join at it)
     loss_bound: float = math.inf  # L; inf: the loss is summed as it is (not released privately)
     loss_sigma: float = 0.0
+    observers: tuple = ()
+    plan: object = None
+    # -- a run's accounting (`calibrate`) ------------------------------------------------------------------------
+    private: bool = True  # False: a non-private method's run, which is given no mechanism (ε ∞, nothing released)
+    delta: float | None = None  # privacy.delta resolved; None: nothing accounted (privacy=none, by hand, a plan)
+    accountant: dict = field(default_factory=dict)  # epsilon_spent's keywords after (σ, δ, q, steps)
+    loss_release: str = "exact"  # the training loss: private (in ε), exact (outside it) or none
+    summary: dict = field(default_factory=dict)  # the run summary's privacy fields
+    sampler: Draws | None = None  # the batches' draws: their key is kept in the checkpoint alone
 
     def __post_init__(self):
         # the loss's draws apart from the gradient's: only rank 0 draws them (`released_loss`)
         self.loss_draws = (Draws(self.draws.key, "loss", self.draws.device)
                            if self.draws is not None and self.loss_sigma > 0 else None)
         self.releases = 0  # gradient releases so far (steps), counted by `release`, `release_flat`, `release_scalar`
+        self.leak: str | None = None  # why a private run is not private after all (a subspace from its own data)
+        self.released = 0.0  # the most ε an earlier attempt of this run recorded (privacy.jsonl): already spent
+
+    # -- accounting -----------------------------------------------------------------------------------------------
+    @property
+    def accounted(self) -> bool:
+        return self.delta is not None
+
+    def epsilon(self, steps: int) -> float:
+        """ε spent after `steps` steps, and no less than an earlier attempt of the run released: math.inf when
+        nothing is accounted or the run leaks; NaN on torchrun's ranks other than 0, which write no summary."""
+        if not self.accounted or self.leak is not None:
+            return math.inf
+        if not distributed.is_main():
+            return math.nan
+        return max(epsilon_spent(self.sigma, self.delta, self.sample_rate, steps, **self.accountant), self.released)
+
+    def mark_leak(self, why: str) -> None:
+        """ε is void: the run releases what its own data chose (a subspace computed from the training set)."""
+        self.leak = why
+        self.summary.update(private=False, epsilon_spent=math.inf)
+
+    def ledger_fields(self) -> dict:
+        """What a privacy.jsonl line records beside its ε and steps: what ε is computed from (`line_epsilon`)."""
+        s = self.summary
+        return {"delta": self.delta, "sigma": s["sigma"], "sigma_accounted": s["sigma_accounted"],
+                "sample_rate": self.sample_rate, "accountant": s["accountant"], "neighbouring": s["neighbouring"],
+                "sampling": s["sampling"], "dataset_size": self.accountant["dataset_size"]}
+
+    def outside_epsilon(self, static_shapes: bool) -> dict[str, str]:
+        """What an accounted run's folder (and wandb, and its progress bar) shows that ε does not cover, and why. The
+        rest is covered: the weights and everything computed from them, the noised training loss (privacy.train_loss=
+        private), ε itself (a function of the configuration), the expected sample counts."""
+        out = {"metric_final, metric_best, metrics": "evaluated on the held-out split, which epsilon does not "
+                                                     "protect (it protects the training set)",
+               "wall_time_s, throughput_samples_per_s, samples_per_s": "timings, which depend on the sampled "
+                                                                       "batches' sizes (a side channel)"}
+        if not static_shapes:
+            out["peak_memory_bytes, peak_memory_allocated_bytes, memory_bytes"] = (
+                "peaks, which depend on the largest sampled micro-batch (train.static_shapes=true pads every "
+                "micro-batch to one size: then they do not)")
+        if self.loss_release == "exact":
+            out["train_loss_outside_epsilon, loss_outside_epsilon"] = ("the exact training loss "
+                                                                       "(privacy.train_loss=exact)")
+        return out
 
     def noise_std(self, key) -> float:
         """The std of the noise on the clipped sum of `key` (a parameter; None for DPZero's scalar): σC. A broken
@@ -144,3 +213,124 @@ class GaussianMechanism:
 def _draw(run: list) -> torch.Tensor:
     first, draws, _ = run[0]
     return normal(draws, (sum(p.numel() for p, *_ in run),), first.device, first.dtype)
+
+
+# -- calibration from a run's configuration -------------------------------------------------------------------------
+def accountant_of(privacy, spec) -> str:
+    """privacy.accountant, or for auto the one the method names (`spec`, its MethodSpec: pld; rc for randomized
+    clipping)."""
+    accountant = enum_value(privacy.accountant)
+    return spec.accountant if accountant == "auto" else accountant
+
+
+def accounting(privacy, spec, n: int, batch_size: int, steps: int, sampling: str) -> dict:
+    """What a run is accounted with, from its data's size alone (rc's envelope aside): the keyword arguments of
+    calibrate_sigma and epsilon_spent after ε. What a plan and a private search calibrate before anything is
+    built."""
+    return {"delta": resolve_delta(privacy.delta, n), "sample_rate": batch_size / n, "steps": steps,
+            **_accountant_keywords(privacy, spec, n, sampling, enum_value(privacy.train_loss))}
+
+
+def _accountant_keywords(privacy, spec, n: int, sampling: str, loss_release: str) -> dict:
+    """epsilon_spent's keywords after (σ, δ, q, steps): the accountant, the neighbouring relation, the sampling, n,
+    and the loss's noise multiplier where the loss is released in ε."""
+    return {"accountant": accountant_of(privacy, spec), "neighbouring": enum_value(privacy.neighbouring),
+            "sampling": sampling, "dataset_size": n,
+            "loss_noise": privacy.loss_noise if loss_release == "private" else None}
+
+
+def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device, rc: dict | None = None,
+              observers: tuple = ()) -> GaussianMechanism:
+    """The mechanism of a run of `cfg` (its method's MethodSpec `spec`) over `n` records for `steps` steps: σ
+    calibrated to privacy.epsilon at δ (under torchrun on rank 0, every rank taking its σ or its error), the noise
+    keyed from the OS unless privacy.noise_seed is given (rank 0's key on every rank: each adds the same draw to the
+    same all-reduced sum), the batches' sampler, the clipping plan, and the summary's privacy fields. `rc`:
+    randomized clipping's envelope ({k, d, d_max_layer, estimator}, from the model) where the accountant is rc. A
+    non-private method's is `private=False`: it says what the run releases, and draws nothing. Raises ConfigError
+    naming the key."""
+    p, m, t = cfg.privacy, cfg.method, cfg.train
+    accounted = spec.private and p.epsilon is not None  # privacy=none: a private method clips only
+    # a budget given to a non-private method buys nothing: said once, and kept in the summary, so that a sweep
+    # over privacy=eps2,eps8 with method=adam is seen to have run adam twice
+    ignored = (f"privacy.epsilon={p.epsilon:g} has no effect: {m.name} is not private"
+               if not spec.private and p.epsilon is not None else None)
+    if ignored and distributed.is_main():
+        print(f"dpmem: warning: {ignored}", file=sys.stderr)
+    q, delta = t.batch_size / n, resolve_delta(p.delta, n) if accounted else None
+    if accounted and delta * n >= 1:
+        print(f"dpmem: warning: delta = {delta:.3g} is at least 1/n = {1 / n:.3g}: at that delta a mechanism "
+              "that publishes one random training record whole is still (epsilon, delta)-DP; the default "
+              "privacy.delta=auto is min(1e-5, 1/n^1.1)", file=sys.stderr)
+    # the training loss: released with the gradient, in ε (loss_noise), outside it, or not at all;
+    # a non-private run's loss is exact, or none where privacy.train_loss=none asks for no loss at all
+    loss_release = (enum_value(p.train_loss) if accounted
+                    else "none" if enum_value(p.train_loss) == "none" else "exact")
+    keywords = _accountant_keywords(p, spec, n, sampling, loss_release)
+    if keywords["accountant"] == "rc":  # the envelope of randomized clipping depends on the model
+        if accounted and q >= 1:
+            raise ConfigError("train.batch_size", f"{t.batch_size} samples every record at every step "
+                              f"(sampling rate {q:g}): the rc accountant needs a rate below 1 (a logical batch "
+                              "smaller than the training set)")
+        keywords.update(k=rc["k"], d=rc["d"], estimator=rc["estimator"])
+    sigma = 0.0
+    if accounted:
+        found = None
+        if distributed.is_main():
+            try:
+                found = calibrate_sigma(p.epsilon, delta, q, steps, **keywords)
+            except UnreachableTarget as e:
+                found = str(e)
+        found = distributed.from_main(found)
+        if isinstance(found, str):
+            raise ConfigError("privacy.epsilon", found)
+        sigma = found
+    # what an adversary holding config.yaml can replay: ε does not hold against one
+    derivable = [what for what, seed in (("batches", p.sampler_seed), ("noise", p.noise_seed)) if seed is not None]
+    if accounted and derivable and distributed.is_main():
+        print(f"dpmem: warning: privacy.{'sampler' if 'batches' in derivable else 'noise'}_seed is set: the run's "
+              f"{' and '.join(derivable)} can be derived from its config, and epsilon does not hold against "
+              "anyone who has it (for debugging and tests)", file=sys.stderr)
+    private_loss = loss_release == "private"
+    loss_sigma = sigma * p.loss_noise if private_loss else None
+    plan = spec.clipping(m)
+    summary = {
+        "private": spec.private, "epsilon_target": p.epsilon if accounted else None, "privacy_ignored": ignored,
+        "derivable_from_config": derivable if accounted else None,
+        "epsilon_spent": 0.0 if accounted else math.inf, "delta": delta,
+        "delta_times_n": delta * n if accounted else None, "sigma": sigma if spec.private else None,
+        # the multiplier dp-accounting composes per step: the gradient's and the loss's releases as one
+        "sigma_accounted": (joint_sigma(sigma, keywords["loss_noise"])
+                            if accounted and keywords["accountant"] != "rc" else None),
+        "train_loss_release": loss_release if accounted else None,
+        "loss_bound": p.loss_bound if private_loss else None, "loss_sigma": loss_sigma,
+        "max_grad_norm": m.max_grad_norm if spec.private else None, "sample_rate": q, "sampling": sampling,
+        "accountant": keywords["accountant"] if accounted else None,
+        "neighbouring": keywords["neighbouring"] if accounted else None,
+        "clipping": plan.name if plan is not None else None,
+        "rc_accountant": rc if keywords["accountant"] == "rc" else None,
+    }
+    # the batches' key: from privacy.sampler_seed if given; for an accounted run from the OS (rank 0's, on every
+    # rank), since ε assumes nobody knows which steps held a record; otherwise from the run seed (a baseline's
+    # batches reproduce)
+    seed = p.sampler_seed
+    sampler = Draws(seed_key(seed if seed is not None else t.seed) if seed is not None or not accounted else os_key(),
+                    "batches")
+    draws = Draws(key_of(p.noise_seed), "noise", device) if spec.private and device.type != "meta" else None
+    return GaussianMechanism(sigma, m.max_grad_norm if spec.private else math.inf, q * n, draws, q,
+                             p.loss_bound if private_loss else math.inf, loss_sigma or 0.0, tuple(observers), plan,
+                             spec.private, delta, keywords, loss_release, summary, sampler)
+
+
+def line_epsilon(line: dict) -> float | None:
+    """ε recomputed from what a privacy.jsonl line says it was computed from (`ledger_fields`: σ accounted per
+    step, q, δ, steps, the accountant): what a damaged or edited ε field cannot lower. None where the line cannot
+    say (rc, whose envelope the line does not hold, or a field missing)."""
+    try:
+        if line.get("accountant") not in ("pld", "rdp") or not line.get("steps_done"):
+            return None
+        sigma = float(line.get("sigma_accounted") or line["sigma"])
+        return epsilon_spent(sigma, float(line["delta"]), float(line["sample_rate"]), int(line["steps_done"]),
+                             line["accountant"], line.get("neighbouring") or "add_remove",
+                             line.get("sampling") or "poisson", line.get("dataset_size"))
+    except (KeyError, TypeError, ValueError):
+        return None

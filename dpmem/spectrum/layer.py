@@ -99,10 +99,10 @@ def run_layer_mode(cfg, out) -> dict:
     run = Run(cfg, out)
     parts = run.prepare()
     mark_not_private(run, "layer")
-    ledger, model = parts.ledger, parts.model
+    calibrated, model = parts.mechanism, parts.model
     if steps[-1] > run.steps:
         raise ConfigError("spectrum.steps", f"{steps[-1]} is beyond the run's {run.steps} steps")
-    chosen = settings(sp, m.max_grad_norm if ledger.private else None, ledger.sigma)
+    chosen = settings(sp, m.max_grad_norm if calibrated.private else None, calibrated.sigma)
     sides = choose_projected(model, sp.layers, GrapeConfig.rank, key="spectrum.layers")
     names = {p: n for n, p in model.named_parameters()}
     layers = {names[p]: p for p in sides}
@@ -115,13 +115,13 @@ def run_layer_mode(cfg, out) -> dict:
         if step in steps:
             with parts.autocast():
                 rows = measure(model, micro, parts.per_sample_loss, layers, chosen,
-                               ledger.expected_batch_size, sp.top, sp.seed)
+                               calibrated.expected_batch_size, sp.top, sp.seed)
             measured.append({"step": step, "batch_size": sum(real_size(mb) for mb in micro), "settings": rows})
         if step == steps[-1]:
             break
         run.train_step(index, micro)
     run.finish("ok", steps_done=steps[-1] - 1)  # the updates between measurements
     return {"mode": "layer", "model": cfg.model.name, "data": cfg.data.name, "method": m.name,
-            "sigma_from_privacy": ledger.sigma, "expected_batch_size": ledger.expected_batch_size,
+            "sigma_from_privacy": calibrated.sigma, "expected_batch_size": calibrated.expected_batch_size,
             "top": sp.top,
             "layers": list(layers), "steps": measured}

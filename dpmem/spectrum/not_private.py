@@ -20,5 +20,5 @@ def mark_not_private(run, mode: str) -> None:
     """A spectrum run's summary and privacy.jsonl as what its folder is: an analysis, not private (ε inf, the
     reason beside it), from its first line; `dpmem report` keeps it out of private results."""
     why = NOT_PRIVATE[mode]
-    run.ledger.mark_leak(f"a spectrum folder: {why}")
+    run.mechanism.mark_leak(f"a spectrum folder: {why}")
     run.summary.update(private=False, epsilon_spent=math.inf, analysis="spectrum", not_private_because=why)
