@@ -18,6 +18,18 @@ if _workers > 1:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
+
+@pytest.fixture(autouse=True)
+def stream_every_layer(request, monkeypatch):
+    """The tests' tiny layers stream as a large model's do: an eager step keeps a layer whole below
+    `taps.STREAM_MIN_ELEMENTS` (tests/test_persample.py checks that default). Runs in subprocesses keep the default,
+    and so does a test marked default_streaming that compares with one."""
+    from dpmem.persample import taps
+
+    if request.node.get_closest_marker("default_streaming") is None:
+        monkeypatch.setattr(taps, "STREAM_MIN_ELEMENTS", 0)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked cuda run where a GPU is, and are skipped elsewhere."""
     import torch

@@ -326,6 +326,7 @@ def test_fsdp_noise_is_one_draw_per_coordinate_each_rank_its_own(runs):
         assert not torch.allclose(z[k], ddp_z[k], atol=1e-3 * float(z[k].abs().max())), k
 
 
+@pytest.mark.default_streaming  # the runs are torchrun's processes
 def test_the_per_rank_plan_equals_rank_0s_counted_peak(runs):
     """`dpmem memory memory.world_size=2` simulates rank 0 of two in one process (fake process group and tensors);
     a real two-rank FSDP run counts its live tensors on CPU: the peak planned, plus what the trainer holds beside

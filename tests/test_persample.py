@@ -123,6 +123,25 @@ def test_the_taps_make_the_backward_copy_no_gradient():
         assert copies.count <= plain.count
 
 
+def test_an_eager_step_streams_only_a_layer_whose_output_gradient_is_large(monkeypatch):
+    """At the default STREAM_MIN_ELEMENTS (the suite streams every layer): the first Linear's output gradient
+    (5·50·300 elements) streams, the second's (5·50·3) stays whole; both layers' squared norms equal a loop's."""
+    from dpmem.persample import taps as taps_module
+
+    monkeypatch.setattr(taps_module, "STREAM_MIN_ELEMENTS", 2**16)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 300), nn.Tanh(), nn.Linear(300, 3)).double()
+    batch = {"x": torch.randn(5, 50, 6, dtype=torch.float64), "y": torch.randn(5, 50, 3, dtype=torch.float64)}
+    want = {n: g.flatten(1).pow(2).sum(1) for n, g in loop_grads(model, mse_loss, batch, 5).items()}
+    with Taps(model) as taps:
+        with taps.recording(taps.zero(), 5, dict.fromkeys(taps.parameters, reducers.norms("ghost"))) as tape:
+            loss = mse_loss(model, batch).sum()
+        got, _ = taps.per_sample(tape, loss)
+    assert tape.streamed == [True, False]
+    names = {p: n for n, p in model.named_parameters()}
+    assert_close({names[p]: v for p, v in got.items()}, want)
+
+
 def test_embedding_with_padding_and_tied_head_matches_torch_func():
     torch.manual_seed(0)
 

@@ -8,7 +8,8 @@ computes no parameter's batch gradient (autograd runs only what leads to the pro
   and whose backward applies the layer rule and the parameters' reducers (`dpmem.persample.reducers.Stream`: squared
   norms, dense or projected per-sample gradients) and returns the result as the gradients of zero tensors of its
   shape. Each layer's output gradient is then freed as the backward pass leaves the layer, and activation
-  checkpointing's recompute saves the input again (the tap re-applies the function there);
+  checkpointing's recompute saves the input again (the tap re-applies the function there). An eager step streams
+  only layers whose output gradient is large (`STREAM_MIN_ELEMENTS`);
 - a pair (`Taps(pairs=True)`, under activation checkpointing): where the value cannot stream (book-keeping keeps a
   linear layer's factors; a weight used several times is normed on the sum of its uses), the same function returns
   the layer's output gradient and input as they are, reduced after the backward pass; checkpointing still drops
@@ -39,6 +40,12 @@ from dpmem.persample.owners import (Owner, batch_first, enter_scope, find_owners
 from dpmem.persample.reducers import Reducer, Stream, materialize
 from dpmem.precision import Compute, exact_float32, tf32_enabled
 
+# An eager step streams a layer only where its output gradient has at least this many elements: streaming frees at
+# most that (256 KiB in float32) per layer early, and its autograd function costs the host about 80 µs a layer
+# (host-bound grape ran 17 % slower streaming every layer of issue 32's 12-block proxy). A compiled step, which pays
+# no such cost, streams every layer it can.
+STREAM_MIN_ELEMENTS = 2**16
+
 
 def rule_gradients(owner: Owner, saved, grad_output: torch.Tensor, batch: int) -> dict:
     """A rule-covered layer's per-sample gradients by parameter name, from its input and output gradient made
@@ -64,6 +71,7 @@ class Tape:
         self.owners: list[Owner] = []
         self.saved: list[Any] = []
         self.probes: list[list[torch.Tensor]] = []
+        self.streamed: list[bool] = []  # whether each use streamed (its values or its pair), else it is whole
         self.dtypes: dict[torch.dtype, None] = {}  # the outputs' (the coverage check's tolerance; a dict: dynamo
         # traces no set)
         self.armed = True  # the streamed values are asked for: the first backward pass (a second, two-pass
@@ -220,13 +228,13 @@ class Taps:
                 parts = grads[starts[i]:starts[i + 1]]
                 grads[starts[i]:starts[i + 1]] = [None] * len(parts)
                 tape.saved[i] = None
-                kinds = tape.streams.get(id(owner), (None,))[0]
+                kinds = tape.streams[id(owner)][0] if tape.streamed[i] else None
                 if kinds is not None:
                     if parts and parts[0] is not None:  # None: this use's output did not reach the loss
                         for stream, p in zip(kinds, owner.params.values()):
                             kept[p], parts = stream.unpack(parts)
                     continue
-                if id(owner) in tape.streams:  # a pair: (output gradient, input)
+                if tape.streamed[i]:  # a pair: (output gradient, input)
                     saved = parts[1]
                 if parts[0] is not None:
                     for name, part in self._gradients(owner, saved, parts[0], tape.batch):
@@ -292,7 +300,7 @@ class _Hooks:
             if not self.recomputing():
                 return None
             tape = self.recorded
-            if id(owner) not in tape.streams:  # whole: its input is on the tape, its zero adds no saved tensor
+            if not streams(tape, owner, output):  # whole: its input is on the tape, its zero adds no saved tensor
                 leave_scope(owner, mod, output)
                 return None
             saved = owner.rule.capture(mod, args, kwargs, output, leave_scope(owner, mod, output))
@@ -307,9 +315,11 @@ class _Hooks:
             saved = rule.capture(mod, args, kwargs, output, scope)
         tape.owners.append(owner)
         use = tape.calls[id(owner)] = tape.calls.get(id(owner), 0) + 1
-        if id(owner) in tape.streams:
-            if use > 1 and tape.streams[id(owner)][0] is not None:  # its values: once per forward pass
-                tape.repeated.append(owner)
+        if use > 1 and tape.streams.get(id(owner), (None,))[0] is not None:  # its values: once per forward pass
+            tape.repeated.append(owner)
+        streamed = streams(tape, owner, output)
+        tape.streamed.append(streamed)
+        if streamed:
             probes = self.probes(tape, owner, output, saved, use)
             tape.saved.append(None)
             tape.probes.append(probes)
@@ -346,6 +356,13 @@ class _Hooks:
         with memory_label("per_sample"), exact_float32(grad_output.device):
             grads = rule_gradients(owner, saved, grad_output, tape.batch)
             return [stream.kept(grads[name]) for stream, name in zip(kinds, owner.params)]
+
+
+def streams(tape: Tape, owner: Owner, output: torch.Tensor) -> bool:
+    """Whether this use of a layer streams (its values or its pair): where it can, and in an eager step only where
+    its output gradient is large enough for the memory to matter (`STREAM_MIN_ELEMENTS`); the same in a
+    checkpoint's recompute, which sees the same shapes."""
+    return id(owner) in tape.streams and (output.numel() >= STREAM_MIN_ELEMENTS or torch.compiler.is_compiling())
 
 
 class _Stream(torch.autograd.Function):
