@@ -88,54 +88,43 @@ def clipping_from(name: str):
     return lambda mechanism, model, canaries: OneLayerClipping(mechanism, model.get_parameter(name))
 
 
-class SkippedClipping(BrokenMechanism):
+class SkippedClipping(BrokenMechanism, Observer):
     """Clip factors of 1 from a step's start until its clipped sums are complete: its micro-batches go unclipped;
-    what is clipped after them (the canaries planted in the sum) is clipped. It learns where the step is from an
-    observer of its own, the first."""
+    what is clipped after them (the canaries planted in the sum) is clipped. It observes the step itself, first."""
 
     def __init__(self, base: GaussianMechanism):
         super().__init__(base)
         self.skipping = False
-        self.observers = (_Phase(self), *self.observers)
+        self.observers = (self, *self.observers)
 
     def clip_factors(self, squares: dict) -> torch.Tensor:
         factors = super().clip_factors(squares)
         return torch.ones_like(factors) if self.skipping else factors
 
-
-class _Phase(Observer):
-    def __init__(self, mechanism: SkippedClipping):
-        self.mechanism = mechanism
-
     def on_microbatches(self, privatizer, microbatches, loss_fn):
-        self.mechanism.skipping = True
+        self.skipping = True
         return microbatches, loss_fn
 
     def on_clipped(self, privatizer, summed):
-        self.mechanism.skipping = False
+        self.skipping = False
         return summed
 
 
-class NoisePerMicrobatch(BrokenMechanism):
-    """Noise σC/k on each of a step's k micro-batches, none once per step: σC/√k at the release. It counts the
-    micro-batches with an observer of its own, the last (so batch canaries' micro-batch counts)."""
+class NoisePerMicrobatch(BrokenMechanism, Observer):
+    """Noise σC/k on each of a step's k micro-batches, none once per step: σC/√k at the release. It observes the
+    step itself, last, to count the micro-batches (so batch canaries' micro-batch counts)."""
 
     def __init__(self, base: GaussianMechanism):
         super().__init__(base)
         self.microbatches = 1
-        self.observers = (*self.observers, _Count(self))
+        self.observers = (*self.observers, self)
 
     def noise_std(self, key) -> float:
         return super().noise_std(key) / math.sqrt(max(self.microbatches, 1))
 
-
-class _Count(Observer):
-    def __init__(self, mechanism: NoisePerMicrobatch):
-        self.mechanism = mechanism
-
     def on_microbatches(self, privatizer, microbatches, loss_fn):
         microbatches = list(microbatches)
-        self.mechanism.microbatches = len(microbatches)
+        self.microbatches = len(microbatches)
         return microbatches, loss_fn
 
 

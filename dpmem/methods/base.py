@@ -230,6 +230,11 @@ class Method:
         self.optimizer: torch.optim.Optimizer | None = None  # methods with their own update leave it None
         self.noise_reseeded: str | None = None  # why a resumed run's noise generator could not take its saved state
 
+    def clipping_plan(self, cfg):
+        """How its private step clips: the mechanism's plan (a run's, or a broken one), else its configured one (a
+        mechanism built by hand has none)."""
+        return self.mechanism.plan or self.spec.clipping(cfg)
+
     @property
     def observers(self) -> tuple:
         """What sees its private step (the mechanism's, `dpmem.methods.privatize.Observer`)."""

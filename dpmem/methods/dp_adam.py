@@ -21,7 +21,7 @@ class DPAdam(Method):
 
     def __init__(self, model, cfg, lr, mechanism: GaussianMechanism, seed: int = 0):
         super().__init__(model, cfg, lr, mechanism, seed)
-        self.privatizer = Privatizer(model, mechanism, mechanism.plan or self.spec.clipping(cfg), cfg.check_coverage)
+        self.privatizer = Privatizer(model, mechanism, self.clipping_plan(cfg), cfg.check_coverage)
         self.params = self.privatizer.params
         self.shapes = {p: p.shape for p in self.params}
         self.optimizer = make_optimizer(self.params, cfg, lr)

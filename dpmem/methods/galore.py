@@ -101,7 +101,7 @@ class GaLoreDPNaive(GaLore):
                       plan=configured)
 
     def _parameters(self, model, mechanism, cfg):
-        self.privatizer = Privatizer(model, mechanism, mechanism.plan or self.spec.clipping(cfg), cfg.check_coverage)
+        self.privatizer = Privatizer(model, mechanism, self.clipping_plan(cfg), cfg.check_coverage)
         return self.privatizer.params
 
     def compile(self, compiler) -> None:

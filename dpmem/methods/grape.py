@@ -40,7 +40,7 @@ class Grape(Method):
 
     def __init__(self, model, cfg, lr, mechanism: GaussianMechanism, seed: int = 0):
         super().__init__(model, cfg, lr, mechanism, seed)
-        self.privatizer = Privatizer(model, mechanism, mechanism.plan or self.spec.clipping(cfg), cfg.check_coverage)
+        self.privatizer = Privatizer(model, mechanism, self.clipping_plan(cfg), cfg.check_coverage)
         self.params = self.privatizer.params
         self.rank, self.refresh, self.seed, self.t = cfg.rank, cfg.refresh, seed, 0
         # parameter -> projected side (0 rows, 1 columns)

@@ -64,10 +64,11 @@ class Tape:
     """One forward pass's records, in call order: the layer (a shared one once per use), what its rule keeps (None
     where streamed) and its probes; and what is streamed, by layer."""
 
-    def __init__(self, zero: torch.Tensor, batch: int, reducers: dict, streams: dict[int, tuple]):
+    def __init__(self, zero: torch.Tensor, batch: int, reducers: dict, streams: dict[int, tuple], min_elements: int):
         self.leaf = zero
         self.zeros = {zero.dtype: zero}  # the leaf, and its casts to the outputs' dtypes (one op per dtype)
         self.batch, self.reducers, self.streams = batch, reducers, streams
+        self.min_elements = min_elements  # the smallest output gradient that streams (`STREAM_MIN_ELEMENTS`)
         self.owners: list[Owner] = []
         self.saved: list[Any] = []
         self.probes: list[list[torch.Tensor]] = []
@@ -158,21 +159,23 @@ class Taps:
         return _Recording(self, zero, batch, reducers or {}, shapes or {}, stream)
 
     def start(self, zero, batch, reducers, shapes, stream) -> Tape:
-        streams = self._streams(batch, reducers, shapes) if stream else {}
-        self._hooks.tape = tape = Tape(zero, batch, reducers, streams)
+        compiling = torch.compiler.is_compiling()
+        streams = self._streams(batch, reducers, shapes, compiling) if stream else {}
+        # a compiled step, which pays no host time per function, streams every layer it can
+        self._hooks.tape = tape = Tape(zero, batch, reducers, streams, 0 if compiling else STREAM_MIN_ELEMENTS)
         # kept for a checkpoint's recompute; a compiled step's would carry its graph's tensors out of it
-        self._hooks.recorded = None if torch.compiler.is_compiling() else tape
+        self._hooks.recorded = None if compiling else tape
         return tape
 
     def stop(self) -> None:
         self._hooks.tape = None
 
-    def _streams(self, batch: int, reducers: dict, shapes: dict) -> dict[int, tuple]:
+    def _streams(self, batch: int, reducers: dict, shapes: dict, compiling: bool) -> dict[int, tuple]:
         """What streams out of the backward pass, by layer: id(owner) -> (its parameters' reducers, the probes'
         (shape, dtype)) where every reducer streams its value, else, with `pairs`, (None, None) where the layer's
         input is a float tensor: its output gradient and input stream out as they are, to be reduced after the
         backward."""
-        out, compiling = {}, torch.compiler.is_compiling()
+        out = {}
         for owner in self.owners:
             if owner.rule is None:
                 continue
@@ -359,10 +362,10 @@ class _Hooks:
 
 
 def streams(tape: Tape, owner: Owner, output: torch.Tensor) -> bool:
-    """Whether this use of a layer streams (its values or its pair): where it can, and in an eager step only where
-    its output gradient is large enough for the memory to matter (`STREAM_MIN_ELEMENTS`); the same in a
-    checkpoint's recompute, which sees the same shapes."""
-    return id(owner) in tape.streams and (output.numel() >= STREAM_MIN_ELEMENTS or torch.compiler.is_compiling())
+    """Whether this use of a layer streams (its values or its pair): where it can, and only where its output
+    gradient is large enough for the memory to matter (`Tape.min_elements`); the same in a checkpoint's recompute,
+    which sees the same shapes."""
+    return id(owner) in tape.streams and output.numel() >= tape.min_elements
 
 
 class _Stream(torch.autograd.Function):
