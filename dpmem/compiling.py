@@ -76,8 +76,10 @@ class Compiler:
 
         def call(*args, **kwargs):
             before, tic = _stats(), time.perf_counter()
-            # the per-sample backward runs inside the graph (`dpmem.persample.taps`): dynamo traces autograd.grad
-            with torch._dynamo.config.patch(trace_autograd_ops=True):
+            # the per-sample backward runs inside the graph (`dpmem.persample.taps`): dynamo traces autograd.grad;
+            # a checkpointed block's taps record in the forward and not again in its recompute
+            with torch._dynamo.config.patch(trace_autograd_ops=True,
+                                             skip_fwd_side_effects_in_bwd_under_checkpoint=True):
                 out = compiled(*args, **kwargs)
             after = _stats()
             if after[0] > before[0]:  # this call traced (and compiled) a graph

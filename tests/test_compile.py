@@ -10,14 +10,18 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from functorch.compile import make_boxed_func
 from torch import nn
+from torch._dynamo.backends.common import aot_autograd
 
+from dpmem import compiling
 from dpmem.compiling import Compiler
 from dpmem.config import ConfigError
 from dpmem.data.bundle import Padded
 from dpmem.engine.trainer import run_training
-from dpmem.methods import build_method, method_config, validate
+from dpmem.methods import build_method, method_config, privatize, validate
 from dpmem.methods.base import direct_fused_adam, fused_adam_step, own_step_counts
+from dpmem.models import checkpoint_activations
 from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, seed_key
 from helpers import config, seeded
@@ -57,10 +61,13 @@ def case(model_name):
     return model, loss, micro
 
 
-def three_steps(model_name, name, backend=None, device="cpu", micro_batches=2):
+def three_steps(model_name, name, backend=None, device="cpu", micro_batches=2, checkpointed=False):
     """The trainable parameters after three steps (eager, or compiled with `backend`) on `device`, each of
-    `micro_batches` (2, or 3: the first repeated ahead), and the capture."""
+    `micro_batches` (2, or 3: the first repeated ahead), and the capture; `checkpointed`: with activation
+    checkpointing."""
     model, loss, micro = case(model_name)
+    if checkpointed:
+        checkpoint_activations(model, compiled=backend is not None)
     micro = [Padded({k: v.to(device) for k, v in mb.items()}, mb.real)
              for mb in micro[:1] * (micro_batches - 2) + micro]
     model = model.to(device)
@@ -93,6 +100,37 @@ def test_the_compiled_step_is_one_graph_per_function_and_equals_the_eager_step(m
     assert capture["graph_breaks"] == 0 and capture["recompiles"] == 0, capture
     assert all(n == 1 for n in capture["graphs_per_function"].values()), capture
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("model_name,name", [(m, n) for m in ("vit", "roberta-mlm")
+                                             for n in ("dp-adam-ghost", "grape")])
+def test_a_checkpointed_models_compiled_forward_is_one_graph_and_equals_the_eager_step(model_name, name):
+    """Activation checkpointing: the forward compiled with its taps (AOTAutograd's backward, its partitioner's
+    recompute), from the first step's second micro-batch on (the first's eager forward makes its probes)."""
+    want, _ = three_steps(model_name, name, checkpointed=True)
+    got, capture = three_steps(model_name, name, "aot_eager", checkpointed=True)
+    assert capture["graphs_per_function"] == {"forward": 1}, capture
+    assert capture["graph_breaks"] == 0, capture
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_checkpointed_compiled_forward_saves_less_for_its_backward(monkeypatch):
+    """The partitioner recomputes the checkpointed blocks in the compiled backward: the compiled forward returns
+    fewer bytes for it (beside the losses) than the same compiled forward without checkpointing."""
+    saved = []
+
+    def forward_compiler(gm, inputs):
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        saved.append(sum(v.numel() * v.element_size() for v in (o.meta.get("val") for o in out if o is not None)
+                         if isinstance(v, torch.Tensor)))
+        return make_boxed_func(gm.forward)
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm.forward))
+    monkeypatch.setattr(compiling, "BACKENDS", (backend,))
+    monkeypatch.setattr(privatize, "checkpointed", lambda model: True)  # the forward compiled alone in both
+    ours, _ = three_steps("vit", "dp-adam-ghost", backend, checkpointed=True)
+    plain, _ = three_steps("vit", "dp-adam-ghost", backend)
+    assert len(saved) == 2 and saved[0] < 0.5 * saved[1], saved
+    torch.testing.assert_close(ours, plain, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("name,function", [("dp-adam", "microbatch"), ("grape", "microbatch"),
@@ -172,8 +210,23 @@ def test_a_compiled_run_with_dropout_trains_spends_and_reports_as_the_eager_one(
     assert capture["graph_breaks"] == 0 and capture["recompiles"] == 0 and capture["compile_seconds"] > 0
 
 
-@pytest.mark.parametrize("override,why", [
-    ("train.activation_checkpointing=true", "recompute"), ("train.precision=tf32", "switches TF32 off"),
+def test_a_compiled_checkpointed_run_with_dropout_trains_and_spends_as_the_eager_one(tmp_path):
+    """Activation checkpointing in a run (dropout on, two-pass clipping, the model built by the trainer): the
+    forward compiled alone, one graph, no recompile, and ε as the eager run's."""
+    roberta = ("model=roberta-tiny", "data=synthetic", "data.seq_len=8")
+    ghost = ("method=dp-adam", "method.clipping=ghost", "train.activation_checkpointing=true")
+    eager = run(tmp_path, "eager", "train.static_shapes=true", *ghost, model=roberta)
+    compiled = run(tmp_path, "compiled", "train.compile=true", "train.compile_backend=aot_eager", *ghost,
+                   model=roberta)
+    assert eager["status"] == compiled["status"] == "ok", compiled.get("error")
+    assert compiled["epsilon_spent"] == eager["epsilon_spent"] and compiled["steps_done"] == eager["steps_done"]
+    assert math.isfinite(compiled["train_loss"])
+    capture = json.loads((tmp_path / "compiled" / "summary.json").read_text())["compiled"]
+    assert capture["graphs_per_function"] == {"forward": 1}, capture
+    assert capture["graph_breaks"] == 0 and capture["recompiles"] == 0
+
+
+@pytest.mark.parametrize("override,why", [("train.precision=tf32", "switches TF32 off"),
     ("method=galore", "has no compiled step")])
 def test_what_stays_eager_is_refused_in_one_line(override, why):
     cfg = config("model=vit-tiny", "data.image_size=8", "train.compile=true", *override.split())

@@ -65,9 +65,6 @@ class MethodSpec:
             return ("the eager step switches TF32 off around the private arithmetic (norms, clip factors, clipped "
                     "sums), a process-wide switch that one graph cannot flip; with train.compile: "
                     "train.precision=fp32 or bf16")
-        if t.activation_checkpointing:
-            return ("activation checkpointing's recompute: inductor recomputes one region per forward-loss-backward "
-                    "graph, and a checkpointed model has one per block; with it: train.compile=false")
         return None
 
 

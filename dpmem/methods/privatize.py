@@ -108,6 +108,8 @@ class Privatizer:
         self._check_coverage = check_coverage
         self._zero = self.taps.zero()  # the probes' leaf (`Taps.zero`)
         self._compiled = None  # the micro-batch, compiled by `compile`
+        self._compiled_forward = None  # a checkpointed model's forward, compiled by `compile` in its place
+        self._probes_made = False  # an eager forward has made the compiled forward's probes (`_backward`)
         self._probe_shapes = None  # the (shape, dtype) of each probe draw of a step, in order (compiled dp-sgd-rc)
         self._flat = None  # the compiled step's clipped sums, one flat tensor (`_compiled_pass`), until released
         self._sum_shapes = self._noise_runs = None  # the compiled step's: each sum's shape, the noise's runs' sizes
@@ -129,10 +131,18 @@ class Privatizer:
         """train.compile: each micro-batch (forward, per-sample backward with its streamed norms or per-sample
         gradients, clip factors, clipped sums; two-pass clipping's second backward pass) compiled whole
         (`dpmem.compiling`); the release adds the noise, drawn outside, to the flat sum. The first step, with the
-        coverage check, stays eager."""
-        if self.sharded or checkpointed(self.model) or self.observers:
-            raise ValueError("a compiled private step needs no FSDP, no activation checkpointing and no observers "
-                             "(dpmem audit)")
+        coverage check, stays eager.
+
+        A checkpointed model's forward is compiled instead, with its taps: AOTAutograd makes its backward, the
+        streamed reductions in it, and its partitioner recomputes each block there. In one graph with the backward,
+        inductor recomputes one region only (a checkpointed model has one per block). The rest of the micro-batch
+        (clip factors, clipped sums, two-pass clipping's second backward pass through the same compiled backward)
+        stays eager."""
+        if self.sharded or self.observers:
+            raise ValueError("a compiled private step needs no FSDP and no observers (dpmem audit)")
+        if checkpointed(self.model):
+            self._compiled_forward = compiler(self._forward, "forward")
+            return
         if len({p.dtype for p in self.params}) > 1:
             raise ValueError("a compiled private step needs the trainable parameters in one dtype (its clipped sums "
                              "are one flat buffer)")
@@ -333,10 +343,13 @@ class Privatizer:
         recorded and one backward pass to the taps' probes, where each layer's reduced values stream unless `shapes`
         is None or `check` (the coverage check's first micro-batch, which compares with autograd's batch gradient:
         under FSDP that is the reduce-scattered `.grad`, from a backward pass of its own)."""
+        # a compiled forward (a checkpointed model's) runs once an eager one has made its probes
+        compiled = self._compiled_forward is not None and not check
+        forward = self._compiled_forward if compiled and self._probes_made else self._forward
         while True:
-            with self.taps.recording(zero, batch_size(mb), reduce, shapes, stream=shapes is not None and not check) \
-                    as tape:
-                losses = per_sample(loss_fn(self.model, mb), mb)
+            with self.taps.recording(zero, batch_size(mb), reduce, shapes, shapes is not None and not check,
+                                     compiled) as tape:
+                losses = per_sample(forward(mb, loss_fn), mb)
             sharded_check = check and self.sharded
             if sharded_check:
                 losses.sum().backward(retain_graph=True)
@@ -346,7 +359,12 @@ class Privatizer:
                                                          retain_graph)
             except RepeatedUse:  # a layer called twice: run again, its uses summed before they are reduced
                 continue
+            self._probes_made = self._probes_made or compiled
             return losses, kept, batch_grads  # under FSDP the batch gradient is in .grad already
+
+    def _forward(self, mb, loss_fn) -> torch.Tensor:
+        """The model's per-sample losses on `mb` (the compiled function of a checkpointed model's step)."""
+        return loss_fn(self.model, mb)
 
     def _microbatch_flat(self, mb, loss_fn, projections, zero, probes) -> tuple[torch.Tensor, torch.Tensor]:
         """`microbatch` with its clipped sums returned as one flat tensor, in the parameters' order (the compiled

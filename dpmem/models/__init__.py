@@ -130,24 +130,29 @@ def build_model(cfg, data: DataBundle, weights: bool = True) -> nn.Module:
     return _freeze_all_but(cfg.trainable, apply_lora(cfg, FAMILIES[cfg.family](cfg, data, weights)))
 
 
-def checkpoint_activations(model: nn.Module, recompute: Callable[[], ContextManager] | None = None) -> nn.Module:
+def checkpoint_activations(model: nn.Module, recompute: Callable[[], ContextManager] | None = None,
+                           compiled: bool = False) -> nn.Module:
     """train.activation_checkpointing: keep only each block's input in the forward pass and recompute the block
     in the backward (Hugging Face's gradient checkpointing, non-reentrant: the recompute runs inside the backward,
     so dpmem's per-sample taps save their layer inputs again there; see dpmem.persample.taps). Only in training
     mode, as Hugging Face applies it. The recompute runs inside `recompute()` (the memory planner's attention
     kernels: a mode entered around the forward is off in the backward pass), and its tensors count as
-    activations."""
+    activations. `compiled` (train.compile): the forward is compiled, and AOTAutograd's partitioner recomputes the
+    blocks; dynamo takes no context there but two dispatch modes, and refuses Hugging Face's hook that makes the
+    embeddings' output require grad (reentrant checkpointing's need, not this one's)."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError("train.activation_checkpointing", f"{type(model).__name__} does not support gradient "
                           "checkpointing")
 
     def contexts():
         return contextlib.nullcontext(), _Recomputing(recompute)
-    kwargs = {"use_reentrant": False, "context_fn": contexts}
+    kwargs = {"use_reentrant": False, **({} if compiled else {"context_fn": contexts})}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the older name is deprecated
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if compiled:
+        model.disable_input_require_grads()
     if getattr(model.config, "use_cache", False):
         model.config.use_cache = False  # a key/value cache is for generation, and is refused with checkpointing
     return model

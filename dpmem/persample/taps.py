@@ -21,7 +21,8 @@ computes no parameter's batch gradient (autograd runs only what leads to the pro
 The zeros are expanded views of one scalar leaf made outside any compiled region (dynamo makes no grad-requiring
 tensor) and passed in: they cost no memory and change no value. Nothing mutates state inside the backward pass, so
 the step compiles into one graph (`torch.compile(fullgraph=True)`, the streamed layers' functions traced with it);
-eager and compiled steps are the same code."""
+eager and compiled steps are the same code. A checkpointed model's forward compiles alone (`recording(compiled=
+True)`: AOTAutograd's backward recomputes its blocks), and its probes are views made outside it, passed in."""
 
 from __future__ import annotations
 
@@ -64,11 +65,15 @@ class Tape:
     """One forward pass's records, in call order: the layer (a shared one once per use), what its rule keeps (None
     where streamed) and its probes; and what is streamed, by layer."""
 
-    def __init__(self, zero: torch.Tensor, batch: int, reducers: dict, streams: dict[int, tuple], min_elements: int):
+    def __init__(self, zero: torch.Tensor, batch: int, reducers: dict, streams: dict[int, tuple], min_elements: int,
+                 in_graph: bool):
         self.leaf = zero
         self.zeros = {zero.dtype: zero}  # the leaf, and its casts to the outputs' dtypes (one op per dtype)
         self.batch, self.reducers, self.streams = batch, reducers, streams
         self.min_elements = min_elements  # the smallest output gradient that streams (`STREAM_MIN_ELEMENTS`)
+        # recorded inside a compiled graph, which makes its probes there; else they are views made outside (an
+        # eager forward's, and a compiled forward's inputs, `_Hooks.probes`)
+        self.in_graph = in_graph
         self.owners: list[Owner] = []
         self.saved: list[Any] = []
         self.probes: list[list[torch.Tensor]] = []
@@ -153,24 +158,26 @@ class Taps:
 
     # -- recording -----------------------------------------------------------------------------------------
     def recording(self, zero: torch.Tensor, batch: int, reducers: dict[nn.Parameter, Reducer] | None = None,
-                  shapes: dict | None = None, stream: bool = True) -> "_Recording":
+                  shapes: dict | None = None, stream: bool = True, compiled: bool = False) -> "_Recording":
         """Record one forward pass of `batch` samples. `shapes`: each parameter's kept shape where it differs from
-        its own (DP-GRAPE's projections)."""
-        return _Recording(self, zero, batch, reducers or {}, shapes or {}, stream)
+        its own (DP-GRAPE's projections). `compiled`: the forward is a compiled function of its own (its backward
+        AOTAutograd's, a checkpointed model's), or an eager one that makes its probes for it."""
+        return _Recording(self, zero, batch, reducers or {}, shapes or {}, stream, compiled)
 
-    def start(self, zero, batch, reducers, shapes, stream) -> Tape:
-        compiling = torch.compiler.is_compiling()
-        streams = self._streams(batch, reducers, shapes, compiling) if stream else {}
+    def start(self, zero, batch, reducers, shapes, stream, compiled) -> Tape:
+        in_graph = torch.compiler.is_compiling()
+        compiled = compiled or in_graph
+        streams = self._streams(batch, reducers, shapes, compiled) if stream else {}
         # a compiled step, which pays no host time per function, streams every layer it can
-        self._hooks.tape = tape = Tape(zero, batch, reducers, streams, 0 if compiling else STREAM_MIN_ELEMENTS)
+        self._hooks.tape = tape = Tape(zero, batch, reducers, streams, 0 if compiled else STREAM_MIN_ELEMENTS, in_graph)
         # kept for a checkpoint's recompute; a compiled step's would carry its graph's tensors out of it
-        self._hooks.recorded = None if compiling else tape
+        self._hooks.recorded = None if in_graph else tape
         return tape
 
     def stop(self) -> None:
         self._hooks.tape = None
 
-    def _streams(self, batch: int, reducers: dict, shapes: dict, compiling: bool) -> dict[int, tuple]:
+    def _streams(self, batch: int, reducers: dict, shapes: dict, compiled: bool) -> dict[int, tuple]:
         """What streams out of the backward pass, by layer: id(owner) -> (its parameters' reducers, the probes'
         (shape, dtype)) where every reducer streams its value, else, with `pairs`, (None, None) where the layer's
         input is a float tensor: its output gradient and input stream out as they are, to be reduced after the
@@ -188,7 +195,7 @@ class Taps:
                 stream = reducers.get(p)
                 kept = shapes.get(p, p.shape)
                 made = stream.shapes(batch, kept, p.dtype, owner.rule.float_input, owner.rule.factored(owner.module)) \
-                    if isinstance(stream, Stream) and not (stream.draws and compiling) else None
+                    if isinstance(stream, Stream) and not (stream.draws and compiled) else None
                 if made is None:
                     break
                 kinds.append(stream)
@@ -308,7 +315,8 @@ class _Hooks:
                 return None
             saved = owner.rule.capture(mod, args, kwargs, output, leave_scope(owner, mod, output))
             # saves what the forward saved (zeros of its own: their gradients are never asked for)
-            return _Stream.apply(output, saved, None, *self.probes(tape, owner, output, saved, -1))
+            probes = self.probes(tape, owner, _shapes(tape, owner, output, saved), -1)
+            return _Stream.apply(output, saved, None, *probes)
         rule, scope = owner.rule, leave_scope(owner, mod, output)
         tape.dtypes[output.dtype] = None
         if rule is None:
@@ -323,26 +331,26 @@ class _Hooks:
         streamed = streams(tape, owner, output)
         tape.streamed.append(streamed)
         if streamed:
-            probes = self.probes(tape, owner, output, saved, use)
+            probes = self.probes(tape, owner, _shapes(tape, owner, output, saved), use)
             tape.saved.append(None)
             tape.probes.append(probes)
             return _Stream.apply(output, saved, functools.partial(self.reduce, tape, owner), *probes)
-        probe = tape.zeros_like(output.shape, output.dtype)
+        probes = self.probes(tape, owner, [(output.shape, output.dtype)], use)
         tape.saved.append(saved)
-        tape.probes.append([probe])
-        return output + probe
+        tape.probes.append(probes)
+        return output + probes[0]
 
-    def probes(self, tape: Tape, owner: Owner, output: torch.Tensor, saved: torch.Tensor,
-               use: int) -> list[torch.Tensor]:
+    def probes(self, tape: Tape, owner: Owner, shapes: list, use: int) -> list[torch.Tensor]:
         """The zeros of a layer's `use`-th call in the forward pass (each call its own: autograd sums what two
-        calls send one tensor)."""
-        shapes = tape.streams[id(owner)][1] or [(output.shape, output.dtype), (saved.shape, saved.dtype)]
+        calls send one tensor), of `shapes` ((shape, dtype) each)."""
         leaf = tape.leaf
-        if torch.compiler.is_compiling():  # made in the graph: one made outside is an autograd edge dynamo refuses
+        if tape.in_graph:  # made in the graph: one made outside is an autograd edge dynamo refuses there
             return [tape.zeros_like(shape, dtype) for shape, dtype in shapes]
         key = (id(owner), use, *shapes)
         made = self.zeros.get(key)
         if made is None or made[0] is not leaf:
+            if torch.compiler.is_compiling():  # a compiled forward's own would be outputs, not what autograd reaches
+                raise RuntimeError("a compiled forward's probes are made by an eager forward of its shapes first")
             with torch.enable_grad():
                 made = self.zeros[key] = (leaf, [leaf.to(dtype).expand(shape) for shape, dtype in shapes])
         return made[1]
@@ -359,6 +367,11 @@ class _Hooks:
         with memory_label("per_sample"), exact_float32(grad_output.device):
             grads = rule_gradients(owner, saved, grad_output, tape.batch)
             return [stream.kept(grads[name]) for stream, name in zip(kinds, owner.params)]
+
+
+def _shapes(tape: Tape, owner: Owner, output: torch.Tensor, saved: torch.Tensor) -> list:
+    """A streamed use's probes' (shape, dtype): its values', or its pair's (output gradient, input)."""
+    return tape.streams[id(owner)][1] or [(output.shape, output.dtype), (saved.shape, saved.dtype)]
 
 
 def streams(tape: Tape, owner: Owner, output: torch.Tensor) -> bool:
