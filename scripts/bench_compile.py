@@ -1,7 +1,7 @@
 """dpmem's compiled private step (train.compile) beside its eager one and its peers, interleaved in one process: torch
 AdamW eager and compiled (the model compiled, as PyTorch users compile it), Opacus' per-sample hooks, and dpmem's
-dp-adam (bk, and two-pass ghost) and grape, eager and compiled. At two shapes of a RoBERTa classifier (embeddings
-frozen):
+dp-adam (bk, and two-pass ghost, also with activation checkpointing) and grape, eager and compiled. At two shapes
+of a RoBERTa classifier (embeddings frozen):
 
     host-bound      12 blocks, width 32,  B = 2,  T = 8
     compute-bound   4 blocks,  width 256, B = 16, T = 64
@@ -64,8 +64,8 @@ def adamw_compiled(model, batch, backend="inductor") -> Contestant:
     return Contestant(model, step, lambda: optimizer_state(opt))
 
 
-def dpmem_compiled(cfg, data, model, batch, size, name, options, prec, device, backend) -> Contestant:
-    c = dpmem_method(cfg, data, model, batch, size, name, options, prec)
+def dpmem_compiled(cfg, data, model, batch, size, name, options, prec, device, backend, train=None) -> Contestant:
+    c = dpmem_method(cfg, data, model, batch, size, name, options, prec, {**(train or {}), "compile": True})
     c.method.compile(Compiler(device, backend))
     return c
 
@@ -82,14 +82,18 @@ def cold_inductor_cache(device: torch.device) -> str:
 
 
 def contestants(cfg, data, batch, size, prec, device, backend) -> dict:
-    dp = lambda m, n, o: dpmem_method(cfg, data, m, batch, size, n, o, prec)  # noqa: E731
-    dpc = lambda m, n, o: dpmem_compiled(cfg, data, m, batch, size, n, o, prec, device, backend)  # noqa: E731
+    dp = lambda m, n, o, t=None: dpmem_method(cfg, data, m, batch, size, n, o, prec, t)  # noqa: E731
+    dpc = lambda m, n, o, t=None: dpmem_compiled(cfg, data, m, batch, size, n, o, prec, device, backend, t)  # noqa
+    checkpointed = {"activation_checkpointing": True}
     return {ADAMW: lambda m: adamw(m, batch, prec), ADAMW_COMPILED: lambda m: adamw_compiled(m, batch, backend),
             "Opacus hooks": lambda m: opacus_hooks(m, batch, size, prec),
             "dpmem dp-adam (bk)": lambda m: dp(m, "dp-adam", {"clipping": "bk"}),
             "dpmem dp-adam (bk), compiled": lambda m: dpc(m, "dp-adam", {"clipping": "bk"}),
             "dpmem dp-adam (ghost)": lambda m: dp(m, "dp-adam", {"clipping": "ghost"}),
             "dpmem dp-adam (ghost), compiled": lambda m: dpc(m, "dp-adam", {"clipping": "ghost"}),
+            "dpmem dp-adam (ghost), checkpointed": lambda m: dp(m, "dp-adam", {"clipping": "ghost"}, checkpointed),
+            "dpmem dp-adam (ghost), checkpointed, compiled": lambda m: dpc(m, "dp-adam", {"clipping": "ghost"},
+                                                                          checkpointed),
             "dpmem grape": lambda m: dp(m, "grape", {}),
             "dpmem grape, compiled": lambda m: dpc(m, "grape", {})}
 
@@ -131,8 +135,9 @@ def main() -> None:
             peers = contestants(cfg, data, batch, s["batch"], prec, device, args.backend)
             makers = {name: (lambda make=peers[name]: make(build(cfg, data, ("embeddings.",), state, device)))
                       for name in args.contestants or list(peers)}
-            # dpmem's warm-up: the eager coverage check, the step that compiles, one compiled step
-            results = measure(makers, s["batch"], args.steps, device, False, warmup=3,
+            # dpmem's warm-up: the eager coverage check, (checkpointed: an eager forward that makes the compiled
+            # one's probes), the step that compiles, one compiled step
+            results = measure(makers, s["batch"], args.steps, device, False, warmup=4,
                               metered=lambda name: "compiled" not in name)
             for r in results.values():
                 r["compile"] = max(r["warm"]) - statistics.median(r["times"])

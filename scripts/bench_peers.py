@@ -156,10 +156,12 @@ def opacus_ghost(model, batch, size: int, prec: RunPrecision) -> Contestant:
                       lambda: optimizer_state(opt.original_optimizer))
 
 
-def dpmem_method(cfg, data, model, batch, size: int, name: str, options: dict, prec: RunPrecision) -> Contestant:
+def dpmem_method(cfg, data, model, batch, size: int, name: str, options: dict, prec: RunPrecision,
+                 train: dict | None = None) -> Contestant:
+    """dpmem's `name` with method `options` (and `train` keys: activation checkpointing) on one batch."""
     method_cfg = method_config(name, max_grad_norm=1.0,
                                **({"optimizer": "adamw"} if name in ("dp-adam", "dp-sgd-rc") else {}), **options)
-    cfg = OmegaConf.merge(cfg, {"train": {"lr": LR, "batch_size": size}})
+    cfg = OmegaConf.merge(cfg, {"train": {"lr": LR, "batch_size": size, **(train or {})}})
     cfg.method = method_cfg
     method = assemble(cfg, prec.device, data, model).method  # stand-in noise: sigma = 1
     loss_fn = prec.forward(per_sample_loss)  # the forward under autocast (bf16), as `dpmem train` runs it
