@@ -49,10 +49,13 @@ class Compiler:
     """Compiles functions for one run and records their capture. `compiler(fn, name)` is `fn` compiled; its calls
     that compile (a graph is made) count their wall time as compile seconds."""
 
-    def __init__(self, device: torch.device, backend: str = "inductor"):
+    def __init__(self, device: torch.device, backend: str = "inductor", tf32: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"compile backend {backend!r}: allowed {', '.join(BACKENDS)}")
         self.backend = backend
+        # the run's matmuls in TF32 (train.precision=tf32): a graph runs in the mode it was compiled in, so the
+        # private arithmetic is left out of graphs (`Privatizer.compile`)
+        self.tf32 = tf32
         # On CUDA, inductor replays CUDA graphs (what mode="reduce-overhead" asks for; torch.compile takes a mode or
         # options, not both, and the guard filter is an option). A graph replays into static output buffers: a
         # function's output is overwritten by its next call, so a caller that keeps one across calls (a sum over

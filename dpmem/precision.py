@@ -86,7 +86,7 @@ def exact_float32(device: torch.device):
     tf32 = device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
     if not tf32 and not torch.is_autocast_enabled(kind):
         return contextlib.nullcontext()
-    if torch.compiler.is_compiling():  # a graph cannot flip the process-wide TF32 switches (train.compile refuses tf32)
+    if torch.compiler.is_compiling():  # a graph cannot flip the TF32 switches (a TF32 run reduces outside graphs)
         return torch.autocast(kind, enabled=False)
     return _exact_float32(kind)
 

@@ -66,7 +66,7 @@ def adamw_compiled(model, batch, backend="inductor") -> Contestant:
 
 def dpmem_compiled(cfg, data, model, batch, size, name, options, prec, device, backend, train=None) -> Contestant:
     c = dpmem_method(cfg, data, model, batch, size, name, options, prec, {**(train or {}), "compile": True})
-    c.method.compile(Compiler(device, backend))
+    c.method.compile(Compiler(device, backend, prec.tf32))
     return c
 
 

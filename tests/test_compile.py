@@ -22,6 +22,7 @@ from dpmem.engine.trainer import run_training
 from dpmem.methods import build_method, method_config, privatize, validate
 from dpmem.methods.base import direct_fused_adam, fused_adam_step, own_step_counts
 from dpmem.models import checkpoint_activations
+from dpmem.persample import taps
 from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, seed_key
 from helpers import config, seeded
@@ -61,10 +62,10 @@ def case(model_name):
     return model, loss, micro
 
 
-def three_steps(model_name, name, backend=None, device="cpu", micro_batches=2, checkpointed=False):
+def three_steps(model_name, name, backend=None, device="cpu", micro_batches=2, checkpointed=False, tf32=False):
     """The trainable parameters after three steps (eager, or compiled with `backend`) on `device`, each of
     `micro_batches` (2, or 3: the first repeated ahead), and the capture; `checkpointed`: with activation
-    checkpointing."""
+    checkpointing; `tf32`: compiled as for a TF32 run."""
     model, loss, micro = case(model_name)
     if checkpointed:
         checkpoint_activations(model, compiled=backend is not None)
@@ -80,7 +81,7 @@ def three_steps(model_name, name, backend=None, device="cpu", micro_batches=2, c
     method = build_method(cfg, model, 0.05, noise, seed=3)
     compiler = None
     if backend is not None:
-        compiler = Compiler(torch.device(device), backend)
+        compiler = Compiler(torch.device(device), backend, tf32)
         method.compile(compiler)
     for _ in range(3):
         method.step(micro, loss)
@@ -226,8 +227,33 @@ def test_a_compiled_checkpointed_run_with_dropout_trains_and_spends_as_the_eager
     assert capture["graph_breaks"] == 0 and capture["recompiles"] == 0
 
 
-@pytest.mark.parametrize("override,why", [("train.precision=tf32", "switches TF32 off"),
-    ("method=galore", "has no compiled step")])
+@pytest.mark.parametrize("model_name,name,checkpointed", [
+    ("roberta-mlm", "dp-adam", False), ("roberta-mlm", "dp-adam-ghost", False), ("roberta-mlm", "grape", False),
+    ("vit", "dp-adam-ghost", True)])
+def test_a_tf32_compiled_step_reduces_after_its_backward_and_equals_the_eager_step(model_name, name, checkpointed,
+                                                                                     monkeypatch):
+    """TF32, with the compiler's flag standing in (the CPU has none): a graph keeps the TF32 mode it was compiled
+    in, so the forward is compiled alone and its backward reduces nothing (no layer's values stream out of it);
+    the layers come out whole (or as pairs, checkpointed) and are reduced eagerly, where TF32 is switched off."""
+    streams = []  # each recorded forward's streams: True where a layer's values stream, False for a pair
+    start = taps.Taps.start
+
+    def recorded(self, *args):
+        tape = start(self, *args)
+        streams.append([kinds is not None for kinds, _ in tape.streams.values()])
+        return tape
+    monkeypatch.setattr(taps.Taps, "start", recorded)
+    want, _ = three_steps(model_name, name, checkpointed=checkpointed)
+    assert any(map(any, streams))  # the eager step streams values
+    streams.clear()
+    got, capture = three_steps(model_name, name, "aot_eager", checkpointed=checkpointed, tf32=True)
+    assert capture["graphs_per_function"] == {"forward": 1} and capture["graph_breaks"] == 0, capture
+    assert not any(map(any, streams)), streams
+    assert any(map(len, streams)) == checkpointed, streams  # checkpointed: pairs stream (the inputs dropped)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("override,why", [("method=galore", "has no compiled step")])
 def test_what_stays_eager_is_refused_in_one_line(override, why):
     cfg = config("model=vit-tiny", "data.image_size=8", "train.compile=true", *override.split())
     with pytest.raises(ConfigError, match=why):

@@ -175,7 +175,7 @@ class Run:
             if self.observers:
                 raise ConfigError("train.compile", "dpmem audit's canaries and dpmem spectrum observe the step "
                                   "eagerly; with them: train.compile=false")
-            self.compiler = Compiler(self.device, t.compile_backend)
+            self.compiler = Compiler(self.device, t.compile_backend, self.precision.tf32)
             parts.method.compile(self.compiler)
         plan = method.spec.clipping(m)
         if t.activation_checkpointing and plan is not None and plan.bookkeeping:

@@ -61,10 +61,6 @@ class MethodSpec:
         if t.fsdp:
             return ("dynamo stops at FSDP2's forward hooks, which torch keeps out of graphs (torch._dynamo.disable); "
                     "with train.fsdp: train.compile=false")
-        if enum_value(t.precision) == "tf32":
-            return ("the eager step switches TF32 off around the private arithmetic (norms, clip factors, clipped "
-                    "sums), a process-wide switch that one graph cannot flip; with train.compile: "
-                    "train.precision=fp32 or bf16")
         return None
 
 

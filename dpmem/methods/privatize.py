@@ -108,7 +108,8 @@ class Privatizer:
         self._check_coverage = check_coverage
         self._zero = self.taps.zero()  # the probes' leaf (`Taps.zero`)
         self._compiled = None  # the micro-batch, compiled by `compile`
-        self._compiled_forward = None  # a checkpointed model's forward, compiled by `compile` in its place
+        self._compiled_forward = None  # a checkpointed model's forward (or a TF32 run's), compiled by `compile`
+        self._values_stream = True  # False: a compiled TF32 backward, where no reduction can run exactly
         self._probes_made = False  # an eager forward has made the compiled forward's probes (`_backward`)
         self._probe_shapes = None  # the (shape, dtype) of each probe draw of a step, in order (compiled dp-sgd-rc)
         self._flat = None  # the compiled step's clipped sums, one flat tensor (`_compiled_pass`), until released
@@ -137,11 +138,17 @@ class Privatizer:
         streamed reductions in it, and its partitioner recomputes each block there. In one graph with the backward,
         inductor recomputes one region only (a checkpointed model has one per block). The rest of the micro-batch
         (clip factors, clipped sums, two-pass clipping's second backward pass through the same compiled backward)
-        stays eager."""
+        stays eager.
+
+        Under TF32 (`compiler.tf32`) the forward is compiled alone too, and no reduction runs in its backward: a
+        graph runs in the TF32 mode it was compiled in, and the private arithmetic (norms, clip factors, clipped
+        sums) must run in full float32. The layers' output gradients and inputs come out of the backward pass whole
+        (or as pairs, checkpointed) and are reduced eagerly, with TF32 switched off."""
         if self.sharded or self.observers:
             raise ValueError("a compiled private step needs no FSDP and no observers (dpmem audit)")
-        if checkpointed(self.model):
+        if checkpointed(self.model) or compiler.tf32:
             self._compiled_forward = compiler(self._forward, "forward")
+            self._values_stream = not compiler.tf32
             return
         if len({p.dtype for p in self.params}) > 1:
             raise ValueError("a compiled private step needs the trainable parameters in one dtype (its clipped sums "
@@ -348,7 +355,7 @@ class Privatizer:
         forward = self._compiled_forward if compiled and self._probes_made else self._forward
         while True:
             with self.taps.recording(zero, batch_size(mb), reduce, shapes, shapes is not None and not check,
-                                     compiled) as tape:
+                                     compiled, self._values_stream) as tape:
                 losses = per_sample(forward(mb, loss_fn), mb)
             sharded_check = check and self.sharded
             if sharded_check:
