@@ -60,7 +60,8 @@ def assemble(cfg, device: torch.device, data: DataBundle, model: nn.Module | Non
     if distributed.world_size() > 1:  # the same initial weights on every rank, but each its own dropout masks
         torch.manual_seed(t.seed + 1_000_003 * distributed.rank())
     if t.activation_checkpointing:
-        checkpoint_activations(model, recompute, bool(t.get("compile")))
+        # a plan (`recompute` given) counts the eager step's recompute, compiled or not
+        checkpoint_activations(model, recompute, bool(t.get("compile")) and recompute is None)
     root = sharding.shard_model(model, mesh) if mesh is not None else None
     model.train()
     if observers and not spec.private:

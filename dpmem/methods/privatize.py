@@ -109,7 +109,7 @@ class Privatizer:
         self._zero = self.taps.zero()  # the probes' leaf (`Taps.zero`)
         self._compiled = None  # the micro-batch, compiled by `compile`
         self._compiled_forward = None  # a checkpointed model's forward (or a TF32 run's), compiled by `compile`
-        self._values_stream = True  # False: a compiled TF32 backward, where no reduction can run exactly
+        self._streamed = "values"  # what streams out of the backward: "pairs" in a compiled TF32 one (`compile`)
         self._probes_made = False  # an eager forward has made the compiled forward's probes (`_backward`)
         self._probe_shapes = None  # the (shape, dtype) of each probe draw of a step, in order (compiled dp-sgd-rc)
         self._flat = None  # the compiled step's clipped sums, one flat tensor (`_compiled_pass`), until released
@@ -148,7 +148,7 @@ class Privatizer:
             raise ValueError("a compiled private step needs no FSDP and no observers (dpmem audit)")
         if checkpointed(self.model) or compiler.tf32:
             self._compiled_forward = compiler(self._forward, "forward")
-            self._values_stream = not compiler.tf32
+            self._streamed = "pairs" if compiler.tf32 else "values"
             return
         if len({p.dtype for p in self.params}) > 1:
             raise ValueError("a compiled private step needs the trainable parameters in one dtype (its clipped sums "
@@ -350,12 +350,12 @@ class Privatizer:
         recorded and one backward pass to the taps' probes, where each layer's reduced values stream unless `shapes`
         is None or `check` (the coverage check's first micro-batch, which compares with autograd's batch gradient:
         under FSDP that is the reduce-scattered `.grad`, from a backward pass of its own)."""
-        # a compiled forward (a checkpointed model's) runs once an eager one has made its probes
+        # a compiled forward (a checkpointed model's, a TF32 run's) runs once an eager one has made its probes
         compiled = self._compiled_forward is not None and not check
         forward = self._compiled_forward if compiled and self._probes_made else self._forward
+        stream = None if shapes is None or check else self._streamed
         while True:
-            with self.taps.recording(zero, batch_size(mb), reduce, shapes, shapes is not None and not check,
-                                     compiled, self._values_stream) as tape:
+            with self.taps.recording(zero, batch_size(mb), reduce, shapes, stream, compiled) as tape:
                 losses = per_sample(forward(mb, loss_fn), mb)
             sharded_check = check and self.sharded
             if sharded_check:
@@ -370,7 +370,8 @@ class Privatizer:
             return losses, kept, batch_grads  # under FSDP the batch gradient is in .grad already
 
     def _forward(self, mb, loss_fn) -> torch.Tensor:
-        """The model's per-sample losses on `mb` (the compiled function of a checkpointed model's step)."""
+        """The model's per-sample losses on `mb` (the compiled function of a checkpointed model's or TF32 run's
+        step)."""
         return loss_fn(self.model, mb)
 
     def _microbatch_flat(self, mb, loss_fn, projections, zero, probes) -> tuple[torch.Tensor, torch.Tensor]:

@@ -158,21 +158,21 @@ class Taps:
 
     # -- recording -----------------------------------------------------------------------------------------
     def recording(self, zero: torch.Tensor, batch: int, reducers: dict[nn.Parameter, Reducer] | None = None,
-                  shapes: dict | None = None, stream: bool = True, compiled: bool = False,
-                  values: bool = True) -> "_Recording":
+                  shapes: dict | None = None, stream: str | None = "values", compiled: bool = False) -> "_Recording":
         """Record one forward pass of `batch` samples. `shapes`: each parameter's kept shape where it differs from
-        its own (DP-GRAPE's projections). `compiled`: the forward is a compiled function of its own (its backward
-        AOTAutograd's: a checkpointed model's, a TF32 run's), or an eager one that makes its probes for it.
-        `values`: reduced values may stream (False: pairs only, reduced after the backward pass, outside a TF32
-        graph)."""
-        return _Recording(self, zero, batch, reducers or {}, shapes or {}, stream, compiled, values)
+        its own (DP-GRAPE's projections). `stream`: what may stream out of the backward pass: "values" (reduced
+        values, else pairs), "pairs" (reduced after the backward pass: outside a TF32 graph), None (nothing).
+        `compiled`: the forward is a compiled function of its own (its backward AOTAutograd's: a checkpointed
+        model's, a TF32 run's), or an eager one that makes its probes for it."""
+        return _Recording(self, zero, batch, reducers or {}, shapes or {}, stream, compiled)
 
-    def start(self, zero, batch, reducers, shapes, stream, compiled, values) -> Tape:
+    def start(self, zero, batch, reducers, shapes, stream, compiled) -> Tape:
         in_graph = torch.compiler.is_compiling()
         compiled = compiled or in_graph
-        streams = self._streams(batch, reducers, shapes, compiled, values) if stream else {}
+        streams = self._streams(batch, reducers, shapes, compiled, stream == "values") if stream else {}
         # a compiled step, which pays no host time per function, streams every layer it can
-        self._hooks.tape = tape = Tape(zero, batch, reducers, streams, 0 if compiled else STREAM_MIN_ELEMENTS, in_graph)
+        tape = Tape(zero, batch, reducers, streams, 0 if compiled else STREAM_MIN_ELEMENTS, in_graph)
+        self._hooks.tape = tape
         # kept for a checkpoint's recompute; a compiled step's would carry its graph's tensors out of it
         self._hooks.recorded = None if in_graph else tape
         return tape
@@ -182,9 +182,9 @@ class Taps:
 
     def _streams(self, batch: int, reducers: dict, shapes: dict, compiled: bool, values: bool) -> dict[int, tuple]:
         """What streams out of the backward pass, by layer: id(owner) -> (its parameters' reducers, the probes'
-        (shape, dtype)) where every reducer streams its value, else, with `pairs`, (None, None) where the layer's
-        input is a float tensor: its output gradient and input stream out as they are, to be reduced after the
-        backward."""
+        (shape, dtype)) where every reducer streams its value (and `values`), else, with `pairs`, (None, None) where
+        the layer's input is a float tensor: its output gradient and input stream out as they are, to be reduced
+        after the backward."""
         out = {}
         for owner in self.owners:
             if owner.rule is None:
