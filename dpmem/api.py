@@ -30,8 +30,7 @@ from dpmem.privacy.sampling import poisson_batches
 
 __all__ = ["ClippingPlan", "Draws", "GaussianMechanism", "Method", "Padded", "PrivateGradient", "Privatizer",
            "accounting", "build_method", "calibrate_sigma", "config", "epsilon_spent", "key_of", "largest_batch",
-           "method_config",
-           "plan", "poisson_batches"]
+           "method_config", "plan", "poisson_batches"]
 
 
 def accounting(method_cfg, model) -> dict:

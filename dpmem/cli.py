@@ -1,9 +1,5 @@
-"""`dpmem VERB [hydra overrides]`: one Hydra app per verb, kept thin.
-
-Before Hydra runs, the overrides are checked against the config groups and composed once per sweep point
-(`dpmem.composition`), so a bad value ends in one line that names the key and what is allowed (exit 2), not a
-traceback. `debug=true` shows the traceback instead.
-"""
+"""`dpmem VERB [hydra overrides]`: one Hydra app per verb, kept thin. The overrides are composed first
+(`dpmem.composition`), so a bad value ends in one line, exit 2 (`debug=true` shows the traceback instead)."""
 
 from __future__ import annotations
 
@@ -40,8 +36,11 @@ def main(argv: list[str] | None = None) -> None:
     if verb not in ("train", "report") and distributed.launched():
         raise error(f"dpmem {verb} runs in one process; only dpmem train runs under torchrun")
     tools = {"memory": _memory, "plan": _plan, "spectrum": _spectrum, "audit": _audit, "report": _report}
-    if verb in tools:
-        return tools[verb](rest)
+    if verb in tools and any(a in ("-h", "--help") for a in rest):  # the usage, and the page of the docs about it
+        print(USAGE + f"\ndpmem {verb}: {VERB_DOCS[verb]}\n", end="")
+        return
+    if verb in tools:  # the verbs but report sweep comma lists themselves (or take one setting): -m is implied
+        return tools[verb](rest if verb == "report" else [a for a in rest if a not in ("-m", "--multirun")])
     if verb != "train":
         raise error(f"unknown command {verb!r}; allowed: train, {', '.join(tools)}")
     distributed.init_from_env()
@@ -69,8 +68,7 @@ def _train_help(rest: list[str]) -> None:
 def _train_main(rest: list[str]) -> None:
     if any(a in ("-h", "--help") for a in rest):
         return _train_help(rest)
-    if not any(a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith("--cfg") or a == "-c"
-               for a in rest):
+    if not any(a in ("--hydra-help", "--info", "-i", "-c") or a.startswith("--cfg") for a in rest):  # (-h: above)
         with _one_line_errors(rest):
             preflight(rest)
             if distributed.is_main():
@@ -85,20 +83,6 @@ def _train_main(rest: list[str]) -> None:
         raise error(f"{len(job.failed)} run(s) did not finish ok: {', '.join(job.failed)}")
 
 
-def _verb_help(verb: str) -> None:
-    """A verb's --help: the usage, and the page of the documentation about it."""
-    print(USAGE + f"\ndpmem {verb}: {VERB_DOCS[verb]}\n", end="")
-
-
-def _sweep_overrides(argv: list[str], verb: str) -> list[str] | None:
-    """The overrides of a verb that sweeps comma lists itself (memory, spectrum, audit: -m is implied), or None
-    after printing the verb's help for -h/--help."""
-    if any(a in ("-h", "--help") for a in argv):
-        _verb_help(verb)
-        return None
-    return [a for a in argv if a not in ("-m", "--multirun")]
-
-
 @contextlib.contextmanager
 def _one_line_errors(args: list[str]):
     """A ConfigError ends the command with one line (exit 2); debug=true among `args` shows its traceback instead."""
@@ -110,15 +94,12 @@ def _one_line_errors(args: list[str]):
         raise error(str(e)) from None
 
 
-def _memory(argv: list[str]) -> None:
+def _memory(overrides: list[str]) -> None:
     """`dpmem memory`: plan every point of the sweep (comma lists, with or without -m) into one folder."""
     from dpmem.engine.folder import tool_dir, tool_folder
     from dpmem.engine.planner import SEARCH_LIMIT, largest_batch, parse_bytes, plan
     from dpmem.report import memory as report
 
-    overrides = _sweep_overrides(argv, "memory")
-    if overrides is None:
-        return
     with _one_line_errors(overrides), contextlib.ExitStack() as held:
         points = sweep_points(overrides)
         cfgs = compose_points(points)
@@ -137,8 +118,7 @@ def _memory(argv: list[str]) -> None:
         else:
             budget, found = parse_bytes(mem.budget), []
             for label in dict.fromkeys(names):  # batch sizes are searched, not taken from the overrides
-                cfg = cfgs[names.index(label)]
-                batch, at = largest_batch(cfg, budget)
+                batch, at = largest_batch(cfgs[names.index(label)], budget)
                 capped = batch >= SEARCH_LIMIT
                 found.append({"label": label, "largest_batch": batch, "capped": capped, "plan": {"label": label, **at}})
                 print(f"dpmem memory: {label}: largest batch {batch}" + (
@@ -149,7 +129,7 @@ def _memory(argv: list[str]) -> None:
           f"to {out}", file=sys.stderr)
 
 
-def _plan(argv: list[str]) -> None:
+def _plan(overrides: list[str]) -> None:
     """`dpmem plan`: the candidates of one setting, planned, timed and ranked into one folder."""
     from dpmem.engine.chooser import check_reachable, choose, host_memory, nothing_fits
     from dpmem.engine.folder import mark, tool_dir, tool_folder
@@ -157,9 +137,6 @@ def _plan(argv: list[str]) -> None:
     from dpmem.engine.roofline import device as plan_device
     from dpmem.report import plan as report
 
-    overrides = _sweep_overrides(argv, "plan")
-    if overrides is None:
-        return
     with _one_line_errors(overrides), contextlib.ExitStack() as held:
         if len(sweep_points(overrides)) > 1:
             raise ConfigError("override", "dpmem plan plans one setting (no comma lists): the configurations it "
@@ -195,15 +172,12 @@ def _plan(argv: list[str]) -> None:
           f"to {out}", file=sys.stderr)
 
 
-def _audit(argv: list[str]) -> None:
+def _audit(overrides: list[str]) -> None:
     """`dpmem audit`: each sweep point trained with canaries into its own folder, and one table of the bounds."""
     from dpmem.audit import check, run_audit, table
     from dpmem.engine.folder import check_owner, mark, tool_dir, tool_folder
     from dpmem.report.labels import file_name
 
-    overrides = _sweep_overrides(argv, "audit")
-    if overrides is None:
-        return
     records = []
     with _one_line_errors(overrides), contextlib.ExitStack() as held:
         points = sweep_points(overrides)
@@ -232,14 +206,11 @@ def _audit(argv: list[str]) -> None:
     print(f"dpmem audit: wrote {out}/audit.md", file=sys.stderr)
 
 
-def _spectrum(argv: list[str]) -> None:
+def _spectrum(overrides: list[str]) -> None:
     """`dpmem spectrum`: one configuration (the C and sigma lists are swept inside), into one folder."""
     from dpmem.engine.folder import tool_dir, tool_folder
     from dpmem.spectrum import run_spectrum
 
-    overrides = _sweep_overrides(argv, "spectrum")
-    if overrides is None:
-        return
     overrides = [("spectrum." + a) if a.startswith("mode=") else a for a in overrides]  # mode= for spectrum.mode=
     with _one_line_errors(overrides):
         points = sweep_points(overrides)
@@ -262,13 +233,9 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def _report(argv: list[str]) -> None:
-    """`dpmem report PATH... [--out DIR] [--published] [--select top3]`: tables of every summary.json under the
-    paths."""
+    """`dpmem report`: tables of every summary.json under the paths."""
     from dpmem.report import runs
 
-    if any(a in ("-h", "--help") for a in argv):
-        _verb_help("report")
-        return
     ap = _OneLineParser(prog="dpmem report", add_help=False)
     ap.add_argument("paths", nargs="*", type=Path)
     ap.add_argument("--out", type=Path, help="the folder the report goes to (default: PATH/report)")

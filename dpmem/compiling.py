@@ -3,9 +3,8 @@ captured (graphs, graph breaks, recompiles, compile seconds) for the run's summa
 
 fullgraph=True makes any graph break an error, so "one graph" is checked on every call rather than hoped for.
 dynamic=False: train.compile implies train.static_shapes, so every micro-batch has one shape and a new shape is a
-recompile that `capture()` counts. On CUDA, inductor replays CUDA graphs (reduce-overhead's option); on the CPU,
-inductor's C++ kernels, called from a C++ wrapper (`train.compile_backend=aot_eager` or `eager` trace the same graph
-without generating code: the tests')."""
+recompile that `capture()` counts. `train.compile_backend=aot_eager` or `eager` trace the same graph without
+generating code (the tests'); inductor's options on CUDA and on the CPU are `Compiler`'s."""
 
 from __future__ import annotations
 
@@ -69,8 +68,7 @@ class Compiler:
                         else {"cpp_wrapper": True, "cpp_wrapper_build_separate": True,
                               "aot_inductor.compile_wrapper_opt_level": "O2"} if backend == "inductor" else {})
         self.functions: dict[str, int] = {}  # name -> graphs made for it
-        self.breaks = 0
-        self.seconds = 0.0
+        self.breaks, self.seconds = 0, 0.0
 
     def __call__(self, fn: Callable, name: str) -> Callable:
         compiled = torch.compile(_own_code(fn), fullgraph=True, dynamic=False, backend=self.backend,

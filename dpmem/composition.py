@@ -4,6 +4,7 @@ composed and validated once, so that a bad value ends in one ConfigError that na
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import sys
@@ -125,10 +126,17 @@ def compose_point(point: list[str]) -> DictConfig:
 
 def compose_points(points: list[list[str]]) -> list[DictConfig]:
     """The validated config of each sweep point, outside any Hydra app. Raises ConfigError."""
+    with initialized():
+        return [compose_point(point) for point in points]
+
+
+@contextlib.contextmanager
+def initialized():
+    """Hydra initialised on dpmem's config groups within, outside any Hydra app (and cleared before and after)."""
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            return [compose_point(point) for point in points]
+            yield
     finally:
         GlobalHydra.instance().clear()
 
@@ -150,12 +158,10 @@ def first_line(e: Exception) -> str:
 
 
 def key_message(e: OmegaConfBaseException) -> str:
-    """OmegaConf's message; for an unknown key, the keys its section allows (a method's own options, for
-    method.KEY)."""
-    if not isinstance(e, (ConfigAttributeError, ConfigKeyError)):
-        return first_line(e)
+    """OmegaConf's message; for an unknown key, the keys its section allows (a method's own, for method.KEY)."""
     schema = getattr(e, "object_type", None)
-    if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+    if not (isinstance(e, (ConfigAttributeError, ConfigKeyError)) and isinstance(schema, type)
+            and dataclasses.is_dataclass(schema)):
         return first_line(e)
     allowed = "; allowed: " + ", ".join(sorted(f.name for f in dataclasses.fields(schema)))
     node = getattr(e, "parent_node", None)

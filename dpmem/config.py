@@ -69,9 +69,7 @@ class Direction(Enum):
 
 class Clipping(Enum):
     materialize = "materialize"  # one backward pass keeps every parameter's per-sample gradients
-    # one backward pass (book-keeping) keeps linear-like layers' factors (input, output gradient): exact norms
-    # from them, clipped sums (c ⊙ G)ᵀA
-    bk = "bk"
+    bk = "bk"  # one pass (book-keeping) keeps linear-like layers' inputs A, output gradients G: exact norms, (c ⊙ G)ᵀA
     fgc = "fgc"  # two passes; each layer's per-sample gradient materialised for its norm only, then freed
     ghost = "ghost"  # two passes; norms of linear-like layers from T×T Gram matrices (ghost clipping)
     mixed = "mixed"  # two passes; per layer the cheaper of fgc and ghost (rows·cols vs 2T²)
@@ -269,7 +267,7 @@ METHOD_SCHEMAS = {"optimizer": OptimizerConfig, "dp-adam": DPAdamConfig, "dp-sgd
 
 
 class LossRelease(Enum):
-    private = "private"  # clipped to [0, loss_bound], noised, composed into epsilon with the gradient (accounting.py)
+    private = "private"  # per-sample losses clipped to [0, loss_bound], summed, noised, in epsilon (accounting.py)
     exact = "exact"  # outside epsilon: recorded as train_loss_outside_epsilon, never a search's objective
     none = "none"  # not computed into any record
 
@@ -282,20 +280,17 @@ class PrivacyConfig:
     delta: Any = "auto"
     accountant: Accountant = Accountant.auto
     neighbouring: Neighbouring = Neighbouring.add_remove
-    # rc: d of the envelope. model = sound for the whole model (inf unless one matrix is trained alone);
-    # max_layer = the DP-SGD-RC paper's max over estimated layers of min(p, d); or a positive integer
-    # (dpmem.methods.rc.rc_dimension)
+    # rc: d of the envelope. model = sound for the whole model (inf unless one matrix is trained alone); max_layer =
+    # the DP-SGD-RC paper's max over estimated layers of min(p, d); a positive integer (dpmem.methods.rc.rc_dimension)
     rc_dimension: Any = "model"
     noise_seed: Optional[int] = None  # None = seeded from the OS so the noise cannot be replayed
     # None = a private run's Poisson sampler is seeded from the OS, so which steps held a record stays secret (what
     # amplification by subsampling assumes); a number makes the batches reproducible, and derivable from the config
     sampler_seed: Optional[int] = None
-    # a private run's training loss (metrics, summary, progress bar, wandb, a search's objective): by default each
-    # step's per-sample losses, clipped to [0, loss_bound], summed and noised with loss_noise times the gradient's
-    # noise multiplier, in the same epsilon (c = 10 costs the gradient 0.5% more noise)
+    # a private run's training loss (metrics, summary, progress bar, wandb, a search's objective): LossRelease
     train_loss: LossRelease = LossRelease.private
-    loss_bound: float = 5.0
-    loss_noise: float = 10.0
+    loss_bound: float = 5.0  # L: each per-sample loss is clipped to [0, L]
+    loss_noise: float = 10.0  # c: std c·σ·L on the loss sum, σ the gradient noise multiplier (c = 10: 0.5% more σ)
 
 
 class Objective(Enum):
@@ -515,8 +510,9 @@ def resolve_delta(delta: Any, n: int) -> float:
     return delta
 
 
-def check_train(t: Any) -> None:
-    """The train group's ranges, and its precision for its device."""
+def validate_groups(cfg: Any) -> None:
+    """The groups' checks (the module's docstring), spectrum's and memory's where the config has them."""
+    t = cfg.train
     if t.steps is None and t.epochs is None:
         raise ConfigError("train.steps", "set train.steps or train.epochs")
     if t.steps is not None and t.steps <= 0:
@@ -529,9 +525,8 @@ def check_train(t: Any) -> None:
         if t.physical_batch_size <= 0:
             raise ConfigError("train.physical_batch_size", f"{t.physical_batch_size} must be positive")
         if t.physical_batch_size > t.batch_size:
-            raise ConfigError("train.physical_batch_size",
-                              f"{t.physical_batch_size} is larger than train.batch_size={t.batch_size}; "
-                              "allowed: 1..train.batch_size")
+            raise ConfigError("train.physical_batch_size", f"{t.physical_batch_size} is larger than "
+                              f"train.batch_size={t.batch_size}; allowed: 1..train.batch_size")
     if not 0 <= t.lr < math.inf:
         raise ConfigError("train.lr", f"{t.lr} must be a finite number >= 0")
     if t.checkpoint_every < 0:
@@ -544,29 +539,16 @@ def check_train(t: Any) -> None:
         raise ConfigError("train.compile_backend", f"{t.compile_backend!r}: allowed inductor, aot_eager, eager")
     if t.precision == Precision.tf32 and t.device == Device.cpu:
         raise ConfigError("train.precision", "tf32 is a mode of CUDA GPUs' matmuls; allowed on cpu: fp32, bf16")
-
-
-def check_model(model: Any) -> None:
-    arch = model.arch
-    hidden, heads = arch.get("hidden_size"), arch.get("num_attention_heads")
+    hidden, heads = cfg.model.arch.get("hidden_size"), cfg.model.arch.get("num_attention_heads")
     if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads:
         # older transformers' Llama took hidden // heads dimensions per head and dropped the rest
         raise ConfigError("model.arch.num_attention_heads", f"{heads} heads do not divide hidden_size={hidden}; "
                           f"allowed: a divisor of {hidden}")
-
-
-def check_logging(log: Any) -> None:
-    if log.every < 1:
-        raise ConfigError("logging.every", f"{log.every} must be a positive number of steps")
-
-
-def check_data(d: Any) -> None:
-    if not 0 < d.test_fraction < 1:
-        raise ConfigError("data.test_fraction", f"{d.test_fraction}: the held-out share, allowed 0 < x < 1")
-
-
-def check_privacy(p: Any) -> None:
-    """The privacy group's own values; how they fit the method is the method's check (Method.check)."""
+    if cfg.logging.every < 1:
+        raise ConfigError("logging.every", f"{cfg.logging.every} must be a positive number of steps")
+    if not 0 < cfg.data.test_fraction < 1:
+        raise ConfigError("data.test_fraction", f"{cfg.data.test_fraction}: the held-out share, allowed 0 < x < 1")
+    p = cfg.privacy  # its own values; how they fit the method is the method's check (Method.check)
     if p.epsilon is not None and not 0 < p.epsilon < math.inf:
         raise ConfigError("privacy.epsilon", f"{p.epsilon} must be a finite number > 0 (or null for non-private)")
     if p.epsilon is not None:
@@ -577,35 +559,16 @@ def check_privacy(p: Any) -> None:
     d = p.rc_dimension
     if d not in ("model", "max_layer") and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
         raise ConfigError("privacy.rc_dimension", f"{d!r}: allowed model, max_layer or a positive integer")
-
-
-def check_spectrum(sp: Any) -> None:
-    for key in ("top", "chunk", "k"):
-        if sp[key] < 1:
-            raise ConfigError(f"spectrum.{key}", f"{sp[key]} must be a positive integer")
-    if sp.iterations < 0:
-        raise ConfigError("spectrum.iterations", f"{sp.iterations} must be >= 0")
-    if not sp.steps or min(sp.steps) < 1:
-        raise ConfigError("spectrum.steps", f"{list(sp.steps)}: 1-based step numbers, e.g. [1]")
-
-
-def check_memory(mem: Any) -> None:
-    if mem.steps < 2:
-        raise ConfigError("memory.steps", f"{mem.steps}: at least 2 (the first creates the optimiser state)")
-    if not mem.allocator_overhead >= 0:
-        raise ConfigError("memory.allocator_overhead", f"{mem.allocator_overhead} must be >= 0 (a fraction)")
-
-
-def validate_groups(cfg: Any) -> None:
-    """Range and cross-field checks that the types cannot express, group by group (spectrum and memory where the
-    config has them). What depends on the method (its options, private or not, its accountant) is checked by its
-    class: `dpmem.methods.validate` runs both. Raises ConfigError."""
-    check_train(cfg.train)
-    check_model(cfg.model)
-    check_logging(cfg.logging)
-    check_data(cfg.data)
-    check_privacy(cfg.privacy)
     if (sp := cfg.get("spectrum")) is not None:
-        check_spectrum(sp)
+        for key in ("top", "chunk", "k"):
+            if sp[key] < 1:
+                raise ConfigError(f"spectrum.{key}", f"{sp[key]} must be a positive integer")
+        if sp.iterations < 0:
+            raise ConfigError("spectrum.iterations", f"{sp.iterations} must be >= 0")
+        if not sp.steps or min(sp.steps) < 1:
+            raise ConfigError("spectrum.steps", f"{list(sp.steps)}: 1-based step numbers, e.g. [1]")
     if (mem := cfg.get("memory")) is not None:
-        check_memory(mem)
+        if mem.steps < 2:
+            raise ConfigError("memory.steps", f"{mem.steps}: at least 2 (the first creates the optimiser state)")
+        if not mem.allocator_overhead >= 0:
+            raise ConfigError("memory.allocator_overhead", f"{mem.allocator_overhead} must be >= 0 (a fraction)")

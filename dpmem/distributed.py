@@ -4,11 +4,11 @@ no-op, so a single-process run is unchanged.
 
 What the ranks share and what they split:
 - Every rank composes the same config, builds the same model from the same seed and draws the same logical batch
-  (the sampler's seed is rank 0's); rank r trains on positions r, r+N, r+2N, ... of it. The batch is
-  the one a single process would draw, so the accountant sees the same q and steps.
+  (from rank 0's key); rank r trains on positions r, r+N, r+2N, ... of it (`shard`). The batch is the one a
+  single process would draw, so the accountant sees the same q and steps.
 - Private methods all-reduce their clipped sums (grape: its r-dimensional projected sums), and every rank then
-  adds the same Gaussian draw: the noise generator has one seed, rank 0's, so N(0, σ²C²) enters the aggregate
-  once, as in a single process, and the ranks stay identical replicas without a second collective.
+  adds the same Gaussian draw (one key, rank 0's), so N(0, σ²C²) enters the aggregate once, as in a single
+  process, and the ranks stay identical replicas without a second collective.
 - Non-private methods all-reduce their summed gradients; zeroth-order methods all-reduce scalars only.
 """
 
@@ -98,8 +98,7 @@ def backend() -> str | None:
 
 
 def shard(index: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a logical batch: every N-th position, so the parts are disjoint, cover the batch and
-    differ in size by at most one."""
+    """This rank's part of a logical batch: disjoint, covering it, and at most one smaller than another rank's."""
     return index[rank()::world_size()] if dist.is_initialized() else index
 
 
@@ -107,7 +106,6 @@ def sum_(tensors) -> None:
     """All-reduce (sum) the tensors in place across ranks, in flat buckets of about BUCKET_BYTES."""
     if world_size() == 1:
         return
-    tensors = list(tensors)
     bucket, size = [], 0
     for t in tensors:
         bucket.append(t)

@@ -1,10 +1,13 @@
-"""Memory and throughput meters. On CUDA the allocator's peaks; elsewhere (CPU, meta) a TorchDispatchMode that
-counts the bytes of live tensor storages, which is exact and device-independent, and says what they were at the
-peak: parameters, gradients, per-sample state, optimiser state, activations and temporaries."""
+"""What a run measures besides its metric: `Meter`, its peak memory and training throughput; and the live-tensor
+counter it reads on the CPU and meta (on CUDA, the allocator's peaks): a TorchDispatchMode that counts the bytes of
+live tensor storages, exact and device-independent, and says what they were at the peak, by CATEGORIES, which
+`memory_label` assigns."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import time
 import weakref
 from typing import Iterable
 
@@ -60,8 +63,7 @@ class LiveTensorCounter(TorchDispatchMode):
         self.block = block
         self._live: dict[int, tuple[weakref.ref, int, str]] = {}
         self._params: list[torch.nn.Parameter] = []
-        self.current = 0
-        self.peak = 0
+        self.current = self.peak = 0
         self.by_category = dict.fromkeys(CATEGORIES, 0)
         self.peak_breakdown = dict.fromkeys(CATEGORIES, 0)
 
@@ -78,9 +80,8 @@ class LiveTensorCounter(TorchDispatchMode):
         return self.track(method.state_tensors() if method is not None else [], "optimizer_state")
 
     def _add(self, t, category: str) -> None:
-        if not isinstance(t, torch.Tensor) or t.is_sparse:
-            return
-        self._add_storage(sharding.local(t).untyped_storage(), category)  # an FSDP shard: what this rank holds
+        if isinstance(t, torch.Tensor) and not t.is_sparse:  # an FSDP shard: what this rank holds
+            self._add_storage(sharding.local(t).untyped_storage(), category)
 
     def _add_storage(self, storage, category: str) -> None:
         key = id(storage)
@@ -150,3 +151,57 @@ class LiveTensorCounter(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             self._add(t, category)
         return out
+
+
+class Meter:
+    """Peak memory: CUDA's allocator statistics, or on CPU/meta the live-tensor counter over `memory_steps` steps
+    (it slows every op). Metering starts at the second step: the first runs a one-off coverage check that keeps the
+    batch gradient. Throughput: samples per second of training, evaluation time left out."""
+
+    def __init__(self, device: torch.device, steps: int, memory_steps: int):
+        self.device = device
+        self.start, self.stop = min(1, steps - 1), min(1, steps - 1) + memory_steps
+        self.counter: LiveTensorCounter | None = None
+        self.peak: int | None = None
+        self._began, self._paused = time.perf_counter(), 0.0
+
+    def step_begins(self, step: int, model, method) -> None:
+        if step != self.start:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.stop > self.start:
+            self.counter = LiveTensorCounter().track_state(model, method)
+            self.counter.__enter__()
+
+    def step_ends(self, step: int) -> None:
+        if self.counter is not None and step + 1 == self.stop:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the counter (at the end of the metered steps, or when the run ends before)."""
+        if self.counter is not None:
+            self.counter.__exit__(None, None, None)
+            self.peak, self.counter = self.counter.peak, None
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time inside (evaluation) does not count as training time."""
+        tic = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused += time.perf_counter() - tic
+
+    def throughput(self, samples: int) -> float:
+        return samples / max(time.perf_counter() - self._began - self._paused, 1e-9)
+
+    def fields(self) -> dict:
+        """The summary's memory fields as measured so far (none before the first measurement)."""
+        if self.device.type == "cuda":
+            return {"peak_memory_bytes": torch.cuda.max_memory_reserved(self.device),
+                    "peak_memory_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
+                    "peak_memory_source": "cuda_max_reserved"}
+        if self.peak is not None:
+            return {"peak_memory_bytes": self.peak, "peak_memory_source": "live_tensors"}
+        return {}

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-# unit roundoff 2^-p of each format's p-bit significand (the implicit bit counted): float32 24, TF32 11 (10
-# stored), float16 11, bfloat16 8 (7 stored)
+# each format's significand bits p, the implicit bit counted (TF32 and bfloat16 store 10 and 7)
 _SIGNIFICAND_BITS = {torch.float32: 24, torch.float64: 53, torch.float16: 11, torch.bfloat16: 8}
 TF32_BITS = 11
 
@@ -29,10 +28,7 @@ TF32_BITS = 11
 def unit_roundoff(dtype: torch.dtype, tf32: bool = False) -> float:
     """The relative error of rounding to the format products are computed from: 2^-p for a p-bit significand. A
     float32 product under TF32 rounds its inputs to 11 bits."""
-    bits = _SIGNIFICAND_BITS[dtype]
-    if tf32 and dtype == torch.float32:
-        bits = TF32_BITS
-    return 2.0 ** -bits
+    return 2.0 ** -(TF32_BITS if tf32 and dtype == torch.float32 else _SIGNIFICAND_BITS[dtype])
 
 
 def tolerance(dtype: torch.dtype, tf32: bool = False) -> float:
@@ -40,9 +36,8 @@ def tolerance(dtype: torch.dtype, tf32: bool = False) -> float:
     in `dtype` (inputs, outputs or both rounded to it), count as equal: 16 unit roundoffs (a product rounds each of
     its two inputs, a sum accumulates, and a backward pass chains layers). bf16 6.3e-2, TF32 7.8e-3, float32 9.5e-7.
 
-    It bounds what two-pass clipping's second backward, which runs in the compute precision, adds to a clipped
-    per-sample gradient's norm: ‖clipped gᵢ‖ ≤ C·(1 + tolerance). One-pass clipping norms and sums in float32, so
-    there the float32 tolerance holds (tests/test_precision.py measures both)."""
+    Under two-pass clipping (the module's docstring), ‖clipped gᵢ‖ ≤ C·(1 + tolerance); under one-pass clipping the
+    float32 tolerance holds (tests/test_precision.py measures both)."""
     return 16 * unit_roundoff(dtype, tf32)
 
 
@@ -60,10 +55,6 @@ class Compute:
     @property
     def unit_roundoff(self) -> float:
         return unit_roundoff(self.dtype, self.tf32)
-
-    @property
-    def tolerance(self) -> float:
-        return tolerance(self.dtype, self.tf32)
 
     def lowered(self, dtype: torch.dtype) -> "Compute":
         """This, or `dtype` if that has fewer significand bits."""
@@ -107,11 +98,7 @@ class RunPrecision:
     back what was there); `autocast()` is the context a forward pass runs in."""
 
     def __init__(self, name: str, device: torch.device):
-        self.name, self.device = name, device
-
-    @property
-    def tf32(self) -> bool:
-        return self.name == "tf32"
+        self.name, self.device, self.tf32 = name, device, name == "tf32"
 
     def autocast(self):
         if self.name == "bf16":

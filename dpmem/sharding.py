@@ -30,6 +30,7 @@ from torch import nn
 from dpmem import distributed
 from dpmem.data.bundle import real_size
 
+
 @contextlib.contextmanager
 def simulated_ranks(world_size: int):
     """Rank 0 of `world_size` ranks, in this process, with tensors that have shapes but no data: torch's fake
@@ -57,10 +58,9 @@ def mesh(device_type: str):
 
 
 class Root(nn.Module):
-    """FSDP's root unit: the model, and a forward that runs a task's function of it (a loss, a prediction), since
-    tasks call its parts (`base_model(...)`, then `lm_head(...)`) rather than its own forward. FSDP gathers the
-    root's parameters (those outside the blocks: embeddings, a head tied to them) when its forward begins, and
-    runs its lazy initialisation and end-of-backward work from it, whatever parts the function calls."""
+    """FSDP's root unit: the model, with a forward that runs a task's function of it (a loss, a prediction; tasks
+    call its parts, `base_model(...)` then `lm_head(...)`, not its forward), so that FSDP gathers the root's
+    parameters, and runs its lazy initialisation and end-of-backward work, whatever parts the function calls."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -133,9 +133,8 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def full_rows(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Every rank's `part` (its rows of a tensor shaped and sharded as `like`), gathered whole (a collective)."""
-    from torch.distributed.tensor import DTensor
-    return DTensor.from_local(part, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                              stride=like.stride()).full_tensor()
+    return _dtensor().from_local(part, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                 stride=like.stride()).full_tensor()
 
 
 def model_sharded(model: nn.Module) -> bool:

@@ -48,18 +48,14 @@ def looks_like_path(name: str) -> bool:
             or name.rstrip("/").count("/") > 1 or Path(name).is_absolute())
 
 
-def hub_endpoint() -> str:
-    from huggingface_hub import constants
-    return constants.ENDPOINT
-
-
 def fetching(what: str) -> str | None:
     """Before `what` is loaded from the hub (downloads on): say so at once, and ask the hub's endpoint once, for at
     most HUB_PROBE_TIMEOUT_S (the hub's libraries retry an unreachable hub for half a minute or more per file).
     Returns None where the hub answers (any HTTP status), else why not: the caller then loads from the local cache
     alone (`cache_only`), as the libraries would after their retries."""
+    from huggingface_hub import constants
     from huggingface_hub.utils import get_session
-    endpoint = hub_endpoint()
+    endpoint = constants.ENDPOINT
     if distributed.is_main():
         print(f"dpmem: fetching {what} from the hub ({endpoint}; HF_HUB_OFFLINE=1 reads the local cache only)",
               file=sys.stderr)
@@ -74,8 +70,9 @@ def fetching(what: str) -> str | None:
 def why_not_loaded(unreachable: str | None, error: BaseException) -> str:
     """Why a load failed, in a line: the hub did not answer (fetching's reason) and the cache had no copy, or the
     library's error."""
+    from huggingface_hub import constants
     if unreachable is not None:
-        return f"the hub at {hub_endpoint()} did not answer ({unreachable}) and the local cache has no copy"
+        return f"the hub at {constants.ENDPOINT} did not answer ({unreachable}) and the local cache has no copy"
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
 
 

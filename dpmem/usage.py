@@ -36,6 +36,5 @@ Documentation (Markdown in the repository's docs/; `mkdocs serve` shows it as a 
   docs/reproductions.md     the papers' experiments (experiment=...), dpmem spectrum
   docs/api.md               the Python API for a training loop of your own
 """
-# the page each verb's --help points to
 VERB_DOCS = {"train": "docs/getting-started.md", "memory": "docs/memory.md", "plan": "docs/plan.md",
              "spectrum": "docs/reproductions.md", "audit": "docs/privacy.md", "report": "docs/getting-started.md"}

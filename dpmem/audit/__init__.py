@@ -1,10 +1,7 @@
-"""`dpmem audit`: train one run with m canaries, each in the training set with probability ½, score them, and turn
-the scores into an empirical lower bound on epsilon (one-run auditing: Steinke, Nasr, Jagielski, NeurIPS 2023,
-arXiv 2305.08846). A bound above the run's claimed epsilon proves the run is not as private as claimed; a bound
-below it is what a correct method gives (a one-run audit of the Gaussian mechanism reaches about half of the
-true epsilon at m = 10⁵ canaries: tests/test_audit.py). Beside the bound, gradient canaries give a noise check
-(`dpmem.audit.bound.noise_check`): noise smaller than the claimed σC, which the bound lacks the power to see
-unless it is much smaller, fails it."""
+"""`dpmem audit` (docs/privacy.md, "Auditing"): train one run with m canaries, each in the training set with
+probability ½, score them, and turn the scores into an empirical lower bound on epsilon (`dpmem.audit.bound`) and,
+for gradient canaries, noise checks: noise below the claimed σC, which the bound lacks the power to see unless it
+is much smaller, fails them."""
 
 from __future__ import annotations
 
@@ -35,8 +32,6 @@ def run_audit(cfg, out: Path, mechanism_of=None) -> tuple[dict, str]:
     kind = enum_value(a.kind)
     plant = planting(cfg) if kind == "gradient" else None
     start = time.perf_counter()
-    # gradient canaries join the method's micro-batches (plant=batch) or its privatised quantity (the Privatizer's
-    # clipped sums, DPZero's scalars); input canaries its training set
     inputs = InputCanaries(a.canaries, a.seed) if kind == "input" else None
     norm = a.norm * cfg.method.max_grad_norm
     canaries = inputs or (BatchCanaries(a.canaries, norm, a.seed, a.uses) if plant == "batch"
@@ -84,8 +79,7 @@ def run_audit(cfg, out: Path, mechanism_of=None) -> tuple[dict, str]:
 
 
 def check(cfg) -> None:
-    """The audit's own settings, before any folder is written (dpmem audit checks every point first). Raises
-    ConfigError."""
+    """The audit's own settings, refused before any folder is written (dpmem audit checks every point first)."""
     a, name = cfg.audit, cfg.method.name
     if not method_class(name).spec.private:
         raise ConfigError("method.name", f"{name} is not private: there is no claimed epsilon to audit")
@@ -136,9 +130,8 @@ def table(records: list[dict]) -> str:
 def figure(out: Path, record: dict) -> None:
     from dpmem.report import pyplot, save_figure
 
-    plt = pyplot()
     scores, included = torch.tensor(record["scores"]), torch.tensor(record["in"])
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     bins = torch.linspace(float(scores.min()), float(scores.max()) + 1e-12, 41).tolist()
     ax.hist(scores[included].tolist(), bins=bins, alpha=0.6, label="in")
     ax.hist(scores[~included].tolist(), bins=bins, alpha=0.6, label="out")

@@ -8,9 +8,7 @@ Theorem 5.2, with its δ term)
     P[V ≥ v] ≤ P[Binomial(r, p) ≥ v] + 2mδ · max_{i = 1..v} P[v − i ≤ Binomial(r, p) < v] / i,   p = e^ε / (1 + e^ε),
 
 so a count v whose right-hand side is below β rules out (ε, δ)-DP at confidence 1 − β, for any guesses made from the
-scores alone. The bound reported is the largest such ε over the guess sizes k, each tried two ways (the top k "in"
-and the bottom k "out"; the top k "in" alone, for a fault that lifts some canaries and leaves the rest as they
-were), with a union bound (β / number of guesses tried).
+scores alone (`audit_bound` says which guesses are tried).
 """
 
 from __future__ import annotations
@@ -19,6 +17,10 @@ import math
 
 import numpy as np
 from scipy import stats
+
+MIN_GROUP = 50  # canaries a weight needs for guesses among its own: fewer cannot rule out ε = 2 at 95 %
+GROUP_SHARE = 0.1  # and the share of all: each group tried costs every guess some confidence (the union bound)
+NOISE_LEVEL = 1e-6  # the noise check's false alarm rate: it is tight, so at 5 % it would flag 1 correct run in 20
 
 
 def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
@@ -63,11 +65,11 @@ def audit_bound(scores, included, delta: float, beta: float = 0.05, ks: list[int
                 groups=None) -> dict:
     """The one-run lower bound from canary `scores` (higher: more likely in) and who was `included`.
 
-    For each k the k highest scores are guessed in, and the k lowest out or none, among all canaries and, with
-    `groups` (a label per canary, fixed before any ran: the weight each lives in), among each group of at least
-    MIN_GROUP alone, abstaining on the rest: a fault in one weight moves its own canaries, whose guesses the others'
-    would dilute. Each guess is tested at beta over the number of guesses tried, so the maximum over them holds at
-    confidence 1 - beta."""
+    For each k the k highest scores are guessed in, and the k lowest out or none (for a fault that lifts some
+    canaries and leaves the rest as they were), among all canaries and, with `groups` (a label per canary, fixed
+    before any ran: the weight each lives in), among each group of at least MIN_GROUP alone, abstaining on the rest:
+    a fault in one weight moves its own canaries, whose guesses the others' would dilute. Each guess is tested at
+    beta over the number of guesses tried (a union bound), so the maximum over them holds at confidence 1 - beta."""
     scores = np.asarray(scores, dtype=np.float64)
     included = np.asarray(included, dtype=bool)
     m = len(scores)
@@ -75,20 +77,20 @@ def audit_bound(scores, included, delta: float, beta: float = 0.05, ks: list[int
         raise ValueError(f"need at least 2 canaries and one inclusion bit per score (got {m}, {included.shape})")
     if ks is not None and any(not 1 <= k <= m // 2 for k in ks):
         raise ValueError(f"guess sizes {ks} must lie in [1, m/2 = {m // 2}]")
-    among = {"all": np.arange(m)}
+    order = np.argsort(-scores, kind="stable")  # highest first (a group's canaries in the same order among them)
+    among = {"all": order}
     if groups is not None:
         labels = np.asarray(groups)
         values, counts = np.unique(labels, return_counts=True)
-        among.update((str(g), np.flatnonzero(labels == g)) for g, count in zip(values.tolist(), counts)
+        among.update((str(g), order[labels[order] == g]) for g, count in zip(values.tolist(), counts)
                      if max(MIN_GROUP, GROUP_SHARE * m) <= count < m)
-    guesses = [(name, k, out) for name, pool in among.items()
-               for k in (ks if ks is not None and name == "all" else default_guess_sizes(len(pool)))
+    guesses = [(name, k, out) for name, ranked in among.items()
+               for k in (ks if ks is not None and name == "all" else default_guess_sizes(len(ranked)))
                for out in (k, 0)]  # the bottom k guessed out too, or abstained on
     rows = []
     for name, k, out in guesses:
-        pool = among[name]
-        order = pool[np.argsort(-scores[pool], kind="stable")]
-        v = int(included[order[:k]].sum() + (~included[order[len(pool) - out:]]).sum())
+        ranked = among[name]
+        v = int(included[ranked[:k]].sum() + (~included[ranked[len(ranked) - out:]]).sum())
         rows.append({"among": name, "k": k, "out": out, "guesses": k + out, "correct": v,
                      "epsilon": epsilon_lower_bound(m, k + out, v, beta / len(guesses), delta)})
     best = max(rows, key=lambda row: row["epsilon"])
@@ -97,19 +99,11 @@ def audit_bound(scores, included, delta: float, beta: float = 0.05, ks: list[int
             "beta": beta, "delta": delta, "by_k": rows}
 
 
-MIN_GROUP = 50  # canaries a weight needs for guesses among its own: fewer cannot rule out ε = 2 at 95 %
-GROUP_SHARE = 0.1  # and the share of all: each group tried costs every guess some confidence (the union bound)
-
-
-NOISE_LEVEL = 1e-6  # the noise check's false alarm rate: it is tight, so at 5 % it would flag 1 correct run in 20
-
-
 def whole_noise_check(step_squares, sizes: list[int], sigma: float | None, names: list[str] | None = None,
                       level: float = NOISE_LEVEL) -> dict:
-    """The noise check over every coordinate of every released tensor and every step. `step_squares[t][p]` is Σ y²
-    over tensor p's `sizes[p]` coordinates at step t, y = s + σz in units of C/(q·n) (s the clipped sum there, z
-    fresh standard normals). Real gradients and canaries only add to E[y²] = s² + σ², so under the claim each sum
-    over σ² is stochastically at least a χ² of its count, and its χ² lower tail is a one-sided p-value:
+    """`noise_check` over every coordinate of every released tensor and every step: `step_squares[t][p]` is Σ y²
+    over tensor p's `sizes[p]` coordinates at step t (y = s + σz as there, s the clipped sum, canaries' included),
+    so each sum over σ² is again at least a χ² of its count under the claim, its lower tail a one-sided p-value:
 
     - per tensor, over all steps (χ² of T·d): a tensor released with less noise than σC on every step;
     - per step, over all tensors (χ² of D, every coordinate): a step released with too little noise, or none, even
@@ -137,16 +131,12 @@ def whole_noise_check(step_squares, sizes: list[int], sigma: float | None, names
 
 
 def noise_check(squares: float, count: int, sigma: float | None, level: float = NOISE_LEVEL) -> dict:
-    """Whether the release varies as much as the claimed noise: `squares` is the sum of `count` released values
-    y = (clipped sum + noise)·(1/(q·n))·(q·n/C) at coordinates no canary reached (the left-out canaries'), so that
-    y = s + σz with s the real samples' clipped sum there (0 where no real gradient reaches) and z standard normal,
-    fresh each step. Under the claim Σ y² / σ² is stochastically at least χ²(count) (a noncentral χ² is larger, and
-    s, fixed before z is drawn, only shifts it), so its χ² lower tail is a p-value for "the noise is the claimed
-    σC"; below `level`, the run added less noise than it accounts for (per micro-batch, too small a scale, none).
-    At the audits' sizes (10⁴ to 10⁵ values) that is any noise std below about 0.95 σC.
-
-    `noise_ratio` is the measured root mean square over σ: about 1 when correct (more where real gradients reach
-    the canaries' coordinates), 1/√k for noise of std σC/k added to each of k micro-batches."""
+    """Whether the release varies as much as the claimed noise: `squares` is the sum of `count` values y at
+    coordinates no canary reached (the left-out canaries'): the release there less the real samples' clipped sum, in
+    units of C/(q·n), so y = σz under the claim, z standard normal and fresh each step. Σ y² / σ² is then χ²(count),
+    and its lower tail is a p-value for "the noise is the claimed σC"; below `level`, the run added less noise than
+    it accounts for (per micro-batch, too small a scale, none). `noise_ratio`: the measured root mean square over σ,
+    about 1 when correct."""
     if not count or not sigma:
         return {"noise_ratio": None, "noise_p_value": None, "noise_flagged": False}
     p = float(stats.chi2.cdf(squares / sigma**2, count))

@@ -1,22 +1,9 @@
 """The broken privatizers `dpmem audit` must catch, each a mechanism (or its clipping plan) that a run uses in place
 of the calibrated one: each function below returns a `mechanism_of(mechanism, model, canaries)` for
 `run_audit(..., mechanism_of=...)` (and tests/test_audit.py's `privatizer_audit`). `tests/test_audit.py` asserts the
-audit catches each, `scripts/audit_variants.py` measures how far.
-
-Issue 42's three:
-- skip_real_clipping(): clip factors of 1 while the step's micro-batches are clipped (the real samples', and batch
-  canaries' that join them); the canaries planted in the sum, clipped after them (`Privatizer.clipped_sum_of`),
-  are clipped.
-- noise_per_microbatch(): noise of std σC/k on each of a step's k micro-batches, none once per step: in sum σC/√k,
-  which the release draws at once (k draws of std σC/k add up to one of σC/√k).
-- norms_per_use(): a weight used several times normed per use: its norm ‖Σ_u g_u‖² taken as Σ_u ‖g_u‖² (ghost,
-  the cross terms between uses dropped), so a sample whose uses agree is clipped as if √uses times smaller.
-
-Issue 54's four:
-- noise_cut_away_from(): noise of std σC/2 on every clipped sum that holds no canary;
-- clipping_from(name): the clip factor from one parameter's norm (where the canaries lived before they were spread);
-- noise_skipped_on(step): the noise left out of the release of one step (0-based) in the run, and only that one;
-- noise_divided_by(4): DPZero's noise cut to a quarter."""
+audit catches each, `scripts/audit_variants.py` measures how far. Issue 42's three: skip_real_clipping(),
+noise_per_microbatch(), norms_per_use(); issue 54's four: noise_cut_away_from(), clipping_from(name),
+noise_skipped_on(step), noise_divided_by(4)."""
 
 from __future__ import annotations
 
@@ -33,19 +20,17 @@ from dpmem.privacy.mechanism import GaussianMechanism
 
 class BrokenMechanism(GaussianMechanism):
     """`base` itself (σ, C, q·n, draws, loss release, observers, plan, accounting: one state), which a subclass
-    breaks."""
+    breaks; `fields` are the subclass's own settings."""
 
-    def __init__(self, base: GaussianMechanism):
-        self.__dict__.update(base.__dict__)
+    def __init__(self, base: GaussianMechanism, **fields):
+        self.__dict__.update(base.__dict__, **fields)
 
 
 class NoiseCut(BrokenMechanism):
     """Noise of std σC/`factor` (inf: none) on the clipped sums whose key `where(key)` accepts (every one when None:
     DPZero's scalar has key None), at the releases (0-based steps) in `at` (every one when None); σC elsewhere."""
 
-    def __init__(self, base: GaussianMechanism, factor: float, where=None, at=None):
-        super().__init__(base)
-        self.factor, self.where, self.at = factor, where, at
+    factor, where, at = 1.0, None, None
 
     def noise_std(self, key) -> float:
         std = super().noise_std(key)
@@ -54,12 +39,10 @@ class NoiseCut(BrokenMechanism):
 
 
 class OneLayerClipping(BrokenMechanism):
-    """Clip factors from one parameter's per-sample norm alone (`layer`): every other parameter's gradient goes
-    through unclipped (true ε ∞)."""
+    """Clip factors from one parameter's per-sample norm alone (`layer`; where the canaries lived before they were
+    spread): every other parameter's gradient goes through unclipped (true ε ∞)."""
 
-    def __init__(self, base: GaussianMechanism, layer):
-        super().__init__(base)
-        self.layer = layer
+    layer = None
 
     def clip_factors(self, squares: dict) -> torch.Tensor:
         some = next(iter(squares.values()))
@@ -70,31 +53,31 @@ def noise_cut_away_from(factor: float = 2.0):
     """Noise σC/`factor` on every tensor that holds no canary (the canaries' own coordinates see the claimed noise);
     the first step's (where the canaries are placed) uncut."""
     return lambda mechanism, model, canaries: NoiseCut(
-        mechanism, factor, where=lambda key: canaries.where is not None and key not in canaries.where)
+        mechanism, factor=factor, where=lambda key: canaries.where is not None and key not in canaries.where)
 
 
 def noise_skipped_on(step: int):
-    """No noise on the release of `step` (0-based), and only that one."""
-    return lambda mechanism, model, canaries: NoiseCut(mechanism, math.inf, at={step})
+    """No noise on the release of `step` (0-based) in the run, and only that one."""
+    return lambda mechanism, model, canaries: NoiseCut(mechanism, factor=math.inf, at={step})
 
 
 def noise_divided_by(factor: float):
     """Noise σC/`factor` on every release (DPZero's noise cut to a quarter with factor 4)."""
-    return lambda mechanism, model, canaries: NoiseCut(mechanism, factor)
+    return lambda mechanism, model, canaries: NoiseCut(mechanism, factor=factor)
 
 
 def clipping_from(name: str):
     """Clip factors from the per-sample norm of the model's parameter `name` alone."""
-    return lambda mechanism, model, canaries: OneLayerClipping(mechanism, model.get_parameter(name))
+    return lambda mechanism, model, canaries: OneLayerClipping(mechanism, layer=model.get_parameter(name))
 
 
 class SkippedClipping(BrokenMechanism, Observer):
-    """Clip factors of 1 from a step's start until its clipped sums are complete: its micro-batches go unclipped;
-    what is clipped after them (the canaries planted in the sum) is clipped. It observes the step itself, first."""
+    """Clip factors of 1 from a step's start until its clipped sums are complete: its micro-batches go unclipped
+    (the real samples', and batch canaries' that join them); what is clipped after them (the canaries planted in the
+    sum, `Privatizer.clipped_sum_of`) is clipped. It observes the step itself, first."""
 
     def __init__(self, base: GaussianMechanism):
-        super().__init__(base)
-        self.skipping = False
+        super().__init__(base, skipping=False)
         self.observers = (self, *self.observers)
 
     def clip_factors(self, squares: dict) -> torch.Tensor:
@@ -111,12 +94,12 @@ class SkippedClipping(BrokenMechanism, Observer):
 
 
 class NoisePerMicrobatch(BrokenMechanism, Observer):
-    """Noise σC/k on each of a step's k micro-batches, none once per step: σC/√k at the release. It observes the
-    step itself, last, to count the micro-batches (so batch canaries' micro-batch counts)."""
+    """Noise σC/k on each of a step's k micro-batches, none once per step: σC/√k at the release, which draws it at
+    once (k draws of std σC/k add up to one of σC/√k). It observes the step itself, last, to count the micro-batches
+    (so batch canaries' micro-batch counts)."""
 
     def __init__(self, base: GaussianMechanism):
-        super().__init__(base)
-        self.microbatches = 1
+        super().__init__(base, microbatches=1)
         self.observers = (*self.observers, self)
 
     def noise_std(self, key) -> float:
@@ -137,7 +120,7 @@ def per_use_norms(g) -> torch.Tensor:
 
 
 def skip_real_clipping():
-    """The step's micro-batches unclipped; the canaries planted in the sum clipped."""
+    """`SkippedClipping`: the step's micro-batches unclipped; the canaries planted in the sum clipped."""
     return lambda mechanism, model, canaries: SkippedClipping(mechanism)
 
 
@@ -147,14 +130,12 @@ def noise_per_microbatch():
 
 
 def norms_per_use():
-    """The mechanism's plan with every factored gradient normed per use (`per_use_norms`)."""
+    """The mechanism's plan with every factored gradient normed per use (`per_use_norms`), so that a sample whose
+    uses agree is clipped as if √uses times smaller."""
     return norms_by(per_use_norms)
 
 
 def norms_by(rule):
     """The mechanism's plan with its norm rule replaced by `rule`, a function of a per-sample gradient."""
-    def broken(mechanism, model, canaries):
-        mechanism = BrokenMechanism(mechanism)
-        mechanism.plan = dataclasses.replace(mechanism.plan, norms=rule)
-        return mechanism
-    return broken
+    return lambda mechanism, model, canaries: BrokenMechanism(
+        mechanism, plan=dataclasses.replace(mechanism.plan, norms=rule))

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 from dpmem.config import ConfigError
-from dpmem.data.bundle import DataBundle, check_class_numbers, is_loss, take  # noqa: F401  (the package's API)
-from dpmem.data.bundle import check_classes
+from dpmem.data.bundle import DataBundle, check_classes, is_loss  # noqa: F401  (the package's API)
 
 
 def build_data(cfg, model_cfg) -> DataBundle:

@@ -40,7 +40,7 @@ class DataBundle:
     def batch(self, columns: dict[str, torch.Tensor], index, trim: bool = True) -> dict[str, torch.Tensor]:
         """The examples `index` (a tensor of indices or a slice) of `columns` (train or test); `trim=False` keeps
         the split's full width (train.static_shapes: every batch one shape)."""
-        out = take(columns, index)
+        out = {k: v[index] for k, v in columns.items()}
         mask = out.get("attention_mask")
         if trim and self.trim_padding and mask is not None and len(mask):
             width = int(mask.sum(1).max())
@@ -75,10 +75,6 @@ def check_classes(data: DataBundle, key: str, where: str) -> None:
         if len(present) < 2:
             raise ConfigError(key, f"{where}: every training label is {int(present[0])}: a classifier needs at "
                               "least 2 classes (with one, any model scores accuracy 1.0)")
-
-
-def take(columns: dict[str, torch.Tensor], index) -> dict[str, torch.Tensor]:
-    return {k: v[index] for k, v in columns.items()}
 
 
 class Padded(dict):

@@ -10,13 +10,13 @@ from sklearn.model_selection import train_test_split
 from dpmem.config import ConfigError
 from dpmem.data.bundle import DataBundle
 
+CHANNELS = (1, 3, 4)  # grey, RGB, RGBA
 
-def value_scale(where: str, arrays: list[np.ndarray]) -> tuple[float, str]:
+
+def value_scale(where: str, x: np.ndarray) -> tuple[float, str]:
     """The range images' values are read in: 0..255 (integers, or floats beyond 1) or 0..1 (floats), and a line
     that says which was assumed. Values outside both (negative, above 255) are refused. Raises ConfigError."""
-    low = min(float(a.min()) for a in arrays)
-    high = max(float(a.max()) for a in arrays)
-    floats = any(np.issubdtype(a.dtype, np.floating) for a in arrays)
+    low, high, floats = float(x.min()), float(x.max()), np.issubdtype(x.dtype, np.floating)
     if low < 0 or high > 255:
         raise ConfigError("data.path", f"{where}: image values run from {low:g} to {high:g}; allowed: 0..255 "
                           "(integers, 255 = white) or 0..1 (floats, 1 = white)")
@@ -27,9 +27,10 @@ def value_scale(where: str, arrays: list[np.ndarray]) -> tuple[float, str]:
 
 def image_bundle(x_train, y_train, x_test=None, y_test=None, *, test_fraction: float, split_seed: int,
                  scale: float, num_classes: int | None = None) -> DataBundle:
-    """x: (N, H, W) or (N, C, H, W) with values in [0, scale]; y: integer labels (classes: `num_classes`, or the
-    largest label + 1). Without a test split, a stratified `test_fraction` is held out with `split_seed`, so the
-    split does not change with train.seed."""
+    """x: (N, H, W), (N, C, H, W) or (N, H, W, C) with values in [0, scale] (where both of the last two readings are
+    possible, a second and last dimension of 1, 3 or 4: channels first); y: integer labels (classes: `num_classes`,
+    or the largest label + 1). Without a test split, a stratified `test_fraction` is held out with `split_seed`, so
+    the split does not change with train.seed."""
     if x_test is None:
         classes, counts = np.unique(np.asarray(y_train), return_counts=True)
         if counts.min() < 2:
@@ -46,16 +47,18 @@ def image_bundle(x_train, y_train, x_test=None, y_test=None, *, test_fraction: f
                               f"({str(e).splitlines()[0]}); allowed: a fraction that leaves each side at least "
                               f"{len(classes)} examples, or give x_test and y_test") from None
 
-    def images(x):
-        x = torch.as_tensor(np.asarray(x), dtype=torch.float32)
-        x = x.unsqueeze(1) if x.dim() == 3 else x
-        return (x / scale - 0.5) / 0.5
+    def columns(x, y) -> dict[str, torch.Tensor]:
+        x = np.asarray(x)
+        if x.ndim == 3:
+            x = x[:, None]
+        elif x.shape[3] in CHANNELS and x.shape[1] not in CHANNELS:  # (N, H, W, C): numpy's and PIL's layout
+            x = x.transpose(0, 3, 1, 2)
+        return {"pixel_values": (torch.as_tensor(x, dtype=torch.float32) / scale - 0.5) / 0.5,
+                "labels": torch.as_tensor(np.asarray(y), dtype=torch.long)}
 
-    y_all = np.concatenate([np.asarray(y_train), np.asarray(y_test)])
-    train = {"pixel_values": images(x_train), "labels": torch.as_tensor(np.asarray(y_train), dtype=torch.long)}
-    test = {"pixel_values": images(x_test), "labels": torch.as_tensor(np.asarray(y_test), dtype=torch.long)}
-    return DataBundle(train, test, num_classes=num_classes or int(y_all.max()) + 1,
-                      input_shape=tuple(train["pixel_values"].shape[1:]),
+    train, test = columns(x_train, y_train), columns(x_test, y_test)
+    classes = num_classes or int(np.concatenate([np.asarray(y_train), np.asarray(y_test)]).max()) + 1
+    return DataBundle(train, test, num_classes=classes, input_shape=tuple(train["pixel_values"].shape[1:]),
                       per_sample_loss=per_sample_loss, predict=predict)
 
 

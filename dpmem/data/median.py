@@ -8,9 +8,7 @@ first d_min coordinates drawn N(1, 1) and the rest 0, so min F is the same for e
 beyond d_min) and only DP-SGD's noise in the extra coordinates can make the excess loss grow with d. Training and
 test draws are independent, n each; `split_seed` seeds both (another seed is another draw, e.g. for tuning).
 
-The model is the bare vector β (`dpmem.models.median`); its score is the excess empirical loss F(β) − min F on the
-training draw and the excess population loss on the test draw, both in float64 against min F found by a
-Weiszfeld-style fixed point."""
+The model is the bare vector β (`dpmem.models.median`); its scores are F(β) − min F on each draw (`minimum`)."""
 
 from __future__ import annotations
 

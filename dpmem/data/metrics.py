@@ -1,5 +1,5 @@
-"""The papers' metrics in one place: accuracy (classification), SQuAD's F1 and exact match (QA: SQuAD, DROP,
-HotpotQA), ROUGE-1 (summarisation: BillSum, through Google's `rouge-score` package)."""
+"""The papers' text metrics in one place: SQuAD's F1 and exact match (QA: SQuAD, DROP, HotpotQA), ROUGE-1
+(summarisation: BillSum, through Google's `rouge-score` package). Accuracy is dpmem.engine.trainer.evaluate's."""
 
 from __future__ import annotations
 
@@ -7,10 +7,6 @@ import collections
 import re
 import string
 from typing import Sequence
-
-
-def accuracy(predictions: Sequence, labels: Sequence) -> float:
-    return sum(int(p == y) for p, y in zip(predictions, labels, strict=True)) / max(len(labels), 1)
 
 
 def normalize_answer(text: str) -> str:
@@ -48,10 +44,7 @@ def rouge1(prediction: str, answers: Sequence[str]) -> float:
     return max((scorer.score(a, prediction)["rouge1"].fmeasure for a in answers), default=0.0)
 
 
-# per-example text metrics: (prediction, gold answers) -> score; a data set's score is their mean
-TEXT_METRICS = {"f1": f1, "exact_match": exact_match, "rouge1": rouge1}
-
-
 def mean_text_metric(name: str, predictions: Sequence[str], answers: Sequence[Sequence[str]]) -> float:
-    fn = TEXT_METRICS[name]
+    """A data set's score: the mean of a per-example text metric (f1, exact_match, rouge1) over its examples."""
+    fn = {"f1": f1, "exact_match": exact_match, "rouge1": rouge1}[name]
     return sum(fn(p, a) for p, a in zip(predictions, answers, strict=True)) / max(len(answers), 1)

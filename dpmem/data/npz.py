@@ -35,14 +35,12 @@ def load(cfg):
     for xs, ys in pairs:
         arrays[ys] = _checked(cfg.path, xs, arrays[xs], ys, arrays[ys])
     check_class_numbers(repr(cfg.path), np.concatenate([arrays[ys] for _, ys in pairs]))
-    scales = {xs: value_scale(f"{cfg.path!r} {xs}", [arrays[xs]]) for xs, _ in pairs}
+    scales = {xs: value_scale(f"{cfg.path!r} {xs}", arrays[xs]) for xs, _ in pairs}
     if len({scale for scale, _ in scales.values()}) > 1:
         raise ConfigError("data.path", f"{cfg.path!r}: x and x_test are in different ranges ("
                           f"{'; '.join(note.split(': ', 1)[1] for _, note in scales.values())}); give both in 0..255 "
                           "or both in 0..1")
     scale, note = scales["x"]
-    for xs, _ in pairs:
-        arrays[xs] = _channels_first(arrays[xs])
     test = (arrays["x_test"], arrays["y_test"]) if "x_test" in arrays else (None, None)
     bundle = image_bundle(arrays["x"], arrays["y"], *test, test_fraction=cfg.test_fraction,
                           split_seed=cfg.split_seed, scale=scale)
@@ -70,14 +68,3 @@ def _checked(path, xs: str, x: np.ndarray, ys: str, y: np.ndarray) -> np.ndarray
         raise bad(f"{ys} must hold integer class numbers, not {y.dtype}" + (
             " values such as " + str(y[:3].tolist()) if len(y) else ""))
     return y.astype(np.int64)
-
-
-CHANNELS = (1, 3, 4)  # grey, RGB, RGBA
-
-
-def _channels_first(x: np.ndarray) -> np.ndarray:
-    """(N, H, W, C) images, numpy's and PIL's usual layout, as (N, C, H, W); where both readings are possible
-    (a second and last dimension of 1, 3 or 4), channels first."""
-    if x.ndim == 4 and x.shape[3] in CHANNELS and x.shape[1] not in CHANNELS:
-        return x.transpose(0, 3, 1, 2)
-    return x

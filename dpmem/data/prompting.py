@@ -6,8 +6,7 @@ tokenizer's separator). As in LM-BFF, each piece is tokenised on its own and the
 template's text is never merged with a sentence's tokens and truncation (longest field first) never cuts the
 template. A literal's trailing space goes with the field after it (`" {sentence}"` → "Ġword" tokens). Field
 modifiers: `{premise:drop_last}` drops the final character (LM-BFF's `sent-`), `{hypothesis:lower_first}`
-lower-cases the first (`sentl`). Label words are read as " word" (a leading space), their first token.
-"""
+lower-cases the first (`sentl`). Label words are read as " word" (a leading space), their first token."""
 
 from __future__ import annotations
 
@@ -63,17 +62,19 @@ class Encoder:
     def ids(self, text_: str) -> list[int]:
         return self.tok(text_, add_special_tokens=False)["input_ids"] if text_ else []
 
-    def pieces(self, template: str, record: dict) -> list[tuple[str, object]]:
-        """The template as (kind, content) pieces: ("text", ids), ("field", ids) or ("special", token id)."""
-        out: list[tuple[str, object]] = []
-        carry = ""
+    def pieces(self, template: str, record: dict) -> tuple[list[list[int]], list[int]]:
+        """The template's ids piece by piece (its literal text, special tokens and fields), and which pieces are
+        fields (the ones truncation shortens)."""
+        pieces, fields = [], []
         for literal, name, spec, _ in string.Formatter().parse(template):
             if name in ("mask", "sep"):
-                out.append(("text", self.ids(literal)))
-                out.append(("special", self._special(name)))
+                token = self.tok.mask_token_id if name == "mask" else self.tok.sep_token_id
+                if token is None:
+                    raise ConfigError("data.template", f"{{{name}}}: this tokenizer has no {name} token")
+                pieces.append(self.ids(literal) + [token])
                 continue
-            literal, carry = (literal.rstrip(), literal[len(literal.rstrip()):]) if name else (literal, "")
-            out.append(("text", self.ids(literal)))
+            text_ = literal.rstrip() if name else literal  # its trailing space goes with the field
+            pieces.append(self.ids(text_))
             if name is None:
                 continue
             if name not in record:
@@ -82,31 +83,22 @@ class Encoder:
             if spec not in MODIFIERS:
                 raise ConfigError("data.template", f"{{{name}:{spec}}}: allowed modifiers "
                                   f"{', '.join(m for m in MODIFIERS if m)}")
-            out.append(("field", self.ids(carry + MODIFIERS[spec](str(record[name]).strip()))))
-        return out
-
-    def _special(self, name: str) -> int:
-        token = self.tok.mask_token_id if name == "mask" else self.tok.sep_token_id
-        if token is None:
-            raise ConfigError("data.template", f"{{{name}}}: this tokenizer has no {name} token")
-        return token
+            fields.append(len(pieces))
+            pieces.append(self.ids(literal[len(text_):] + MODIFIERS[spec](str(record[name]).strip())))
+        return pieces, fields
 
     def encode(self, template: str, record: dict, reserve: int = 0) -> list[int]:
         """prefix + the template's ids + suffix, fields truncated (longest first) to fit max_length − reserve."""
-        pieces = self.pieces(template, record)
-        fixed = len(self.prefix) + len(self.suffix) + reserve + sum(
-            1 if k == "special" else len(v) for k, v in pieces if k != "field")
-        fields = [i for i, (k, _) in enumerate(pieces) if k == "field"]
-        overflow = fixed + sum(len(pieces[i][1]) for i in fields) - self.max_length
+        pieces, fields = self.pieces(template, record)
+        overflow = len(self.prefix) + len(self.suffix) + reserve + sum(map(len, pieces)) - self.max_length
         while overflow > 0:
-            i = max(fields, key=lambda j: len(pieces[j][1]), default=None)
-            if i is None or len(pieces[i][1]) <= 1:
+            i = max(fields, key=lambda j: len(pieces[j]), default=None)
+            if i is None or len(pieces[i]) <= 1:
                 raise ConfigError("data.max_length", f"{self.max_length} tokens cannot hold this template")
-            cut = min(overflow, len(pieces[i][1]) - 1)
-            pieces[i] = ("field", pieces[i][1][:-cut])
+            cut = min(overflow, len(pieces[i]) - 1)
+            pieces[i] = pieces[i][:-cut]
             overflow -= cut
-        body = [t for k, v in pieces for t in ([v] if k == "special" else v)]
-        return self.prefix + body + self.suffix
+        return self.prefix + [t for piece in pieces for t in piece] + self.suffix
 
     def label_word_ids(self, words: list[str]) -> list[int]:
         ids = [self.ids(" " + w)[0] for w in words]
@@ -122,9 +114,8 @@ def bundle(cfg, model_cfg, task, train_records: list[dict], test_records: Option
         raise ConfigError("model.head", f"data={cfg.name} is a generation task: it needs a causal LM (e.g. "
                           "model=opt-1.3b)")
     template = cfg.template or task.templates.get(head)
-    if template is None:
-        default = "{text}{sep}{text_pair}" if cfg.name in ("csv", "jsonl") and "text_pair" in cfg.columns else None
-        template = default if head == "classifier" else None
+    if template is None and head == "classifier" and cfg.name in ("csv", "jsonl") and "text_pair" in cfg.columns:
+        template = "{text}{sep}{text_pair}"
     if template is None:
         raise ConfigError("data.template", f"data={cfg.name} has no prompt for a {head} head (it has: "
                           f"{', '.join(task.templates)}); set data.template (and data.label_words)")
@@ -215,11 +206,7 @@ def _classification(enc: Encoder, template: str, records_: list[dict], pad_to: O
     """input_ids, attention_mask, labels and mask_pos: where the class is read (the mask, or for a causal LM the
     prompt's last token)."""
     rows = [enc.encode(template, r) for r in records_]
-    mask_id = enc.tok.mask_token_id
-    if enc.head == "mlm":
-        pos = [r.index(mask_id) for r in rows]
-    else:
-        pos = [len(r) - 1 for r in rows]
+    pos = [r.index(enc.tok.mask_token_id) if enc.head == "mlm" else len(r) - 1 for r in rows]
     ids, attention = _pad(rows, enc.pad, pad_to)
     return {"input_ids": ids, "attention_mask": attention, "labels": torch.tensor([r["label"] for r in records_]),
             "mask_pos": torch.tensor(pos)}

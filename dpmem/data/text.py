@@ -6,8 +6,7 @@
 - a causal LM classifying (MeZO's train-as-classification): the LM head's logits over the label words at the
   prompt's last token (`mask_pos`) are the class logits;
 - a causal LM generating: the next-token loss, mean over the answer's tokens (`target_mask`) or, without one,
-  over every attended token.
-"""
+  over every attended token."""
 
 from __future__ import annotations
 

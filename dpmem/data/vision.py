@@ -29,7 +29,7 @@ def load(cfg):
         splits = [cls(root, train=train) for train in (True, False)]
     except RuntimeError:  # torchvision: "Dataset not found or corrupted"
         splits = _download(cls, root, key)
-    x_train, x_test = (_nchw(s.data) for s in splits)
+    x_train, x_test = (np.asarray(s.data) for s in splits)  # MNIST's (N, 28, 28), CIFAR's (N, 32, 32, 3)
     y_train, y_test = (np.asarray(s.targets) for s in splits)
     if cfg.eval_split == "dev":  # the papers' hyperparameter search: test_fraction of the training set held out
         order = np.random.default_rng(cfg.split_seed).permutation(len(y_train))
@@ -74,9 +74,3 @@ def _download(cls, root: Path, key: str):
                           f"again with network access, or {copy}") from None
     finally:
         socket.setdefaulttimeout(previous)
-
-
-def _nchw(x) -> np.ndarray:
-    """MNIST's (N, 28, 28) tensor or CIFAR's (N, 32, 32, 3) array as (N, C, H, W) uint8."""
-    x = np.asarray(x)
-    return x[:, None] if x.ndim == 3 else x.transpose(0, 3, 1, 2)

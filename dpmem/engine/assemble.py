@@ -1,6 +1,5 @@
-"""The one way a run is put together: model → activation checkpointing → FSDP sharding → mechanism → method, on the
-data the caller built (its size sets the steps). The trainer, the memory planner and the benchmarks assemble here
-and then drive the parts each its own way; dpmem spectrum and dpmem audit get the parts of their run."""
+"""The one way a run is put together, for every tool (docs/design.md, "One way to put a run together"): model →
+activation checkpointing → FSDP sharding → mechanism → method, on the data the caller built."""
 
 from __future__ import annotations
 

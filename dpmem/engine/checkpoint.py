@@ -1,8 +1,7 @@
-"""checkpoint.pt: what a run needs to go on after it dies. Weights, method state (optimiser, projections, the noise's
-key and count, direction generators), every rank's global RNG (dropout), the sampler's key and the summary so far,
-written atomically (through checkpoint.pt.tmp). It holds the secret keys of the noise and the batches: keep it as
-private as the data; a run that ends removes it. (`dpmem.engine.folder.claim` decides whether a run folder's
-checkpoint is resumed.)"""
+"""checkpoint.pt: what a run needs to go on after it dies (weights, method state with the noise's key and count,
+every rank's RNG, the sampler's key, the summary so far), written atomically. It holds the secret keys of the noise
+and the batches: as private as the data, removed when the run ends (docs/run-folders.md). `dpmem.engine.folder.claim`
+resumes it."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import torch
 from dpmem import distributed, sharding
 from dpmem.engine.assemble import Parts
 from dpmem.engine.folder import fingerprint
-from dpmem.engine.summary import DiskFull, disk_full
+from dpmem.engine.summary import reraise
 
 FILE = "checkpoint.pt"
 TMP = FILE + ".tmp"  # a save cut short leaves it: never resumed, removed when the run ends
@@ -40,20 +39,14 @@ def save(run_dir: Path, step: int, cfg, parts: Parts, sampler_key: bytes, summar
         os.replace(tmp, Path(run_dir) / FILE)
     except BaseException as e:  # a failed (or interrupted) save leaves the last good checkpoint, and no partial one
         tmp.unlink(missing_ok=True)
-        if isinstance(e, DiskFull) or not disk_full(e):
-            raise
-        raise DiskFull(Path(run_dir) / FILE, _nbytes(state), e.errno) from None
+        reraise(e, Path(run_dir) / FILE, _nbytes(state))
 
 
 def _nbytes(obj) -> int:
     """About the size of a checkpoint's state on disk: its tensors' bytes."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0
+    if isinstance(obj, (dict, list, tuple)):
+        return sum(map(_nbytes, obj.values() if isinstance(obj, dict) else obj))
+    return obj.numel() * obj.element_size() if isinstance(obj, torch.Tensor) else 0
 
 
 def restore(state: dict, cfg, parts: Parts) -> int:

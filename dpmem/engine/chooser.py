@@ -1,16 +1,6 @@
-"""`dpmem plan`: every candidate configuration (plan.candidates × plan.checkpointing) at the run's logical batch,
-with the largest physical batch whose planned peak fits memory.budget, timed by a roofline of the ops its steps
-dispatch (dpmem.engine.roofline), for each of plan.precisions; ranked by estimated samples/s within each family
-(RANKING): a zeroth-order method's samples are cheap, but it needs many more steps to the same result.
-
-Per candidate, a few meta plans: quick ones (one metered step of one micro-batch) at physical batch 1 (nothing
-fits: done) and at a second size give the peak's growth per sample (a peak is affine in the physical batch); the
-largest size that then fits is planned in full (two micro-batches, whatever the logical batch:
-`planner.plan(first_micro_batches=2)`) with its ops counted and σ calibrated; from there the line through the last
-two peaks gives the next size (halving between the sizes known to fit and not to, where the line leaves them), for
-at most FULL_PLANS full plans. A candidate with checkpointing is not planned where the one without it showed that its
-parameters, gradients and optimizer state alone exceed the budget, and a forward-only (zeroth-order) candidate is
-planned once: checkpointing changes nothing without a backward pass."""
+"""`dpmem plan` (docs/plan.md): every candidate configuration (plan.candidates × plan.checkpointing) at the run's
+logical batch, with the largest physical batch whose planned peak fits memory.budget (`largest_physical`), timed by
+a roofline of the ops its steps dispatch (dpmem.engine.roofline) for each of plan.precisions, ranked (RANKING)."""
 
 from __future__ import annotations
 
@@ -26,6 +16,9 @@ from omegaconf import OmegaConf
 from dpmem.config import ConfigError, enum_value
 from dpmem.engine.planner import plan, reserved_estimate
 from dpmem.engine.roofline import Device, OpCounter, step_seconds
+from dpmem.engine.trainer import accounting_of
+from dpmem.methods import method_class
+from dpmem.privacy import UnreachableTarget, calibrate_sigma
 
 STATE = ("parameters", "gradients", "optimizer_state")  # what activation checkpointing cannot shrink
 PROBE = 8  # the second physical batch size planned, to measure the peak's growth per sample
@@ -39,14 +32,7 @@ RANKING = ("Ranked by estimated samples/s within each family of methods: {asked}
 
 
 def family(method: str) -> str:
-    from dpmem.methods import method_class
-
     return FAMILIES[method_class(method).spec.zeroth_order]
-
-
-def own_keys(chosen: list[str]) -> set[str]:
-    """The keys a candidate's overrides set (`method=grape method.rank=8` sets method and method.rank)."""
-    return {word.split("=", 1)[0].lstrip("+~") for word in chosen}
 
 
 def base_mistake(rows: list[dict], refused: list[dict]) -> None:
@@ -58,11 +44,6 @@ def base_mistake(rows: list[dict], refused: list[dict]) -> None:
     (key,) = keys
     if not any(key == own or key.startswith(own + ".") for r in refused for own in r["own"]):
         raise refused[0]["error"]
-
-
-def asked_method(overrides: list[str]) -> str | None:
-    """The method the user's own overrides name (`method=NAME`), if any."""
-    return next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "method"), None)
 
 
 def rank(rows: list[dict], asked: str | None = None) -> list[dict]:
@@ -78,10 +59,14 @@ def _fits(row: dict, budget: int) -> bool:
 
 
 def largest_physical(cfg, budget: int, counted: Callable[[int], dict]) -> tuple[int, dict]:
-    """The largest physical batch ≤ train.batch_size whose plan fits `budget` (found within FULL_PLANS full plans),
-    and its plan by `counted` (with ops counted); (0, the plan at 1) if not one sample fits."""
+    """The largest physical batch ≤ train.batch_size whose plan fits `budget`, and its plan by `counted` (ops
+    counted); (0, the plan at 1) if not one sample fits. Quick plans (one metered step of one micro-batch) at 1
+    (nothing fits: done) and PROBE give the peak's growth per sample (a peak is affine in the physical batch); the
+    largest size that then fits is planned in full (two micro-batches, whatever the logical batch); from there the
+    line through the last two peaks gives the next size (halving between the sizes known to fit and not to, where
+    the line leaves them), for at most FULL_PLANS full plans."""
     batch = cfg.train.batch_size
-    quick = OmegaConf.merge(cfg, {"memory": {"steps": 2}})  # one metered step of one micro-batch: a first guess
+    quick = OmegaConf.merge(cfg, {"memory": {"steps": 2}})
     first = plan(quick, batch, 1, first_micro_batches=1)
     if not _fits(first, budget):
         return 0, first
@@ -133,22 +118,17 @@ def candidate(cfg, budget: int, device: Device, precisions: tuple[str, ...]) -> 
         found["sigma"], found["epsilon"] = privacy.get("sigma"), privacy.get("epsilon_target")
         found["accountant"] = privacy.get("accountant")
         one, two = row["roofline"]
-        found["estimates"] = {}
-        for precision in precisions:
-            est = step_seconds(one, two, row["micro_batches"], device, precision)
-            est["samples_per_s"] = cfg.train.batch_size / est["step_seconds"]
-            est["device_bound_samples_per_s"] = cfg.train.batch_size / est["device_seconds"]
-            found["estimates"][precision] = est
+        found["estimates"] = {p: step_seconds(one, two, row["micro_batches"], device, p, cfg.train.batch_size)
+                              for p in precisions}
         found["top_ops"] = sorted(two["by_op"].items(), key=lambda kv: -kv[1][0])[:8]
     return found
 
 
 def choose(compose: Callable[[list[str]], object], overrides: list[str], budget: int, device: Device,
            log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
-    """Plan every candidate of `overrides` (the user's, composed by `compose`) and rank them. Returns the plan:
-    the device, the budget, one row per (candidate, checkpointing) — fitting ones by estimated samples/s at their
-    fastest precision, then the rest by peak — and the candidates that were refused (a configuration error) or
-    skipped."""
+    """Plan every candidate of `overrides` (the user's, composed by `compose`). Returns the plan: the device, the
+    budget, one row per (candidate, checkpointing), each at its fastest precision, ranked (`rank`), and the
+    candidates that were refused (a configuration error) or skipped."""
     base = compose(overrides)
     pc = base.plan
     for key, value, allowed in (("plan.checkpointing", pc.checkpointing, "[false], [true] or [false,true]"),
@@ -183,7 +163,9 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
                         chosen, label = option.split(), option
                     found = candidate(cfg, budget, device, precisions)
                 except ConfigError as e:
-                    refused.append({"configuration": label, "why": str(e), "error": e, "own": own_keys(chosen)})
+                    # the keys its overrides set (`method=grape method.rank=8` sets method and method.rank)
+                    own = {word.split("=", 1)[0].lstrip("+~") for word in chosen}
+                    refused.append({"configuration": label, "why": str(e), "error": e, "own": own})
                     log(f"dpmem plan: {label}: refused ({e})")
                     continue
                 state = found["state_bytes"] if not found["fits"] else None
@@ -204,7 +186,7 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
     if not interrupted:
         base_mistake(rows, refused)
     refused = [{k: r[k] for k in ("configuration", "why")} for r in refused]  # the error objects stay here
-    asked = asked_method(overrides)
+    asked = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "method"), None)  # `method=NAME`
     return {"device": dataclasses.asdict(device), "budget_bytes": budget, "batch_size": base.train.batch_size,
             "model": base.model.name, "data": base.data.name, "precisions": list(precisions),
             "rows": rank(rows, asked), "refused": refused,
@@ -214,16 +196,14 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
 
 def check_reachable(cfg) -> None:
     """The base config's privacy.epsilon, calibrated once before any candidate is planned: a budget no noise meets
-    (or one so loose it protects nothing) is refused under its key at once, not after every candidate. Raises
-    ConfigError."""
-    from dpmem.engine.trainer import accounting_of, resolve_accountant
-    from dpmem.methods import method_class
-    from dpmem.privacy import UnreachableTarget, calibrate_sigma
-
-    if cfg.privacy.epsilon is None or not method_class(cfg.method.name).spec.private or resolve_accountant(cfg) == "rc":
+    (or one so loose it protects nothing) is refused under its key at once, not after every candidate."""
+    if cfg.privacy.epsilon is None or not method_class(cfg.method.name).spec.private:
+        return
+    run = accounting_of(cfg)
+    if run["accountant"] == "rc":
         return
     try:
-        calibrate_sigma(cfg.privacy.epsilon, **accounting_of(cfg))
+        calibrate_sigma(cfg.privacy.epsilon, **run)
     except UnreachableTarget as e:
         raise ConfigError("privacy.epsilon", str(e)) from None
 

@@ -1,17 +1,8 @@
-"""A run folder is the record of a run's privacy budget spent. Before a run writes anything into one, `claim` decides
-what the folder's earlier contents allow: resume from its checkpoint (checked readable and of this configuration
-first), start afresh in an empty folder, or, where a finished or failed run's records would be overwritten, refuse
-unless `train.overwrite=true` asks for it (privacy.jsonl, the record of ε spent, is kept even then). Refusals are
-`FolderRefused` (a ConfigError: one line, exit 2; in a sweep, that run fails and the others go on), and nothing
-is touched.
-
-One writer per folder: a run (rank 0 of a torchrun job) holds `FolderLock`, an flock on the folder's `.lock`, from
-before it looks into the folder until it ends; a second run in the folder is refused, naming the holder. The OS lets
-go of it when the holder dies, so a killed run's `.lock` never blocks its resume.
-
-Each verb owns its folders (`owner`, `check_owner`): train, audit, spectrum, memory and plan write only into a
-folder that is missing, empty or their own, unless `train.overwrite=true`; `train.skip_done` skips a folder only
-for a run that finished ok with this configuration (`skip_done`)."""
+"""A run folder is the record of a run's privacy budget spent, so nothing writes into one before its earlier contents
+are judged: `claim` for a training run (resume, start afresh, or refuse), `tool_folder` for the other verbs, each
+verb writing only into its own folders (`owner`, `check_owner`), one writer at a time (`FolderLock`). Refusals are
+`FolderRefused` (a ConfigError: one line, exit 2; in a sweep, that run fails and the others go on), and touch
+nothing."""
 
 from __future__ import annotations
 
@@ -40,29 +31,24 @@ RECORDS = ("summary.json", "metrics.jsonl", "checkpoint.pt", "checkpoint.pt.tmp"
 NOT_FINGERPRINTED = ("resume", "skip_done", "overwrite", "checkpoint_every", "device", "compile", "compile_backend",
                      "static_shapes")  # a compiled step equals the eager one (tests/test_compile.py): either resumes
 LOCK = ".lock"  # FolderLock's file: not a record (nothing refuses a folder for it, dpmem report does not list it)
-# which verb's folder it is, for a folder the training records do not tell: `dpmem audit`, `spectrum`, `memory`
-# and `plan` write the verb's name into it before anything else (see `owner`)
-MARK = ".dpmem"
+MARK = ".dpmem"  # the verb's name (`mark`), for a folder the training records do not tell `owner` whose it is
 TOOLS = ("train", "audit", "spectrum", "memory", "plan")
-TRAINING = ("summary.json", "metrics.jsonl", PRIVACY_LEDGER, "checkpoint.pt", "checkpoint.pt.tmp",
-            "summary.json.tmp")  # what a training run writes first (dpmem train, the run dpmem audit trains)
 
 
 class FolderRefused(ConfigError):
     """The run folder's earlier records cannot be resumed or overwritten as asked."""
 
-    def __init__(self, key: str, message: str):
-        super().__init__(key, message)
-        self.message = message
-
 
 def fingerprint(cfg) -> str:
     """The configuration a checkpoint belongs to (what resuming does not change)."""
-    tree = OmegaConf.to_container(cfg, resolve=True)
+    return json.dumps(_compared(OmegaConf.to_container(cfg, resolve=True)), sort_keys=True, default=str)
+
+
+def _compared(tree: dict) -> dict:
+    """What a resume (and train.skip_done) compares of a config's tree: its sections, less NOT_FINGERPRINTED."""
     for key in NOT_FINGERPRINTED:
-        tree["train"].pop(key, None)
-    return json.dumps({k: tree.get(k) for k in ("model", "data", "method", "privacy", "train")}, sort_keys=True,
-                      default=str)
+        tree.setdefault("train", {}).pop(key, None)
+    return {k: tree.get(k) for k in ("model", "data", "method", "privacy", "train")}
 
 
 class FolderLock:
@@ -109,21 +95,16 @@ class FolderLock:
                 return
             # the lock's last holder may have removed the file (and another made it again) since it was opened: the
             # lock that counts is on the file at the path
-            try:
-                here = os.stat(self.path)
-            except FileNotFoundError:
-                here = None
-            mine = os.fstat(fd)
-            if here is not None and (here.st_ino, here.st_dev) == (mine.st_ino, mine.st_dev):
-                break
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.samestat(os.stat(self.path), os.fstat(fd)):
+                    break
             os.close(fd)
         self.fd = fd
-        try:
+        # who holds it is for the message only (a full disk is met, and said, by the run's writes)
+        with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": datetime.datetime
                                       .now().isoformat(timespec="seconds")}).encode() + b"\n", 0)
-        except OSError:  # who holds it is for the message only (a full disk is met, and said, by the run's writes)
-            pass
 
     def __enter__(self) -> "FolderLock":  # for a tool that writes a folder without `claim`: with FolderLock(out): ...
         if distributed.is_main():
@@ -136,17 +117,13 @@ class FolderLock:
     def release(self) -> None:
         if self.fd is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             self.path.unlink(missing_ok=True)  # while still held: a run waiting to open it opens a new file
-        except OSError:
-            pass
         os.close(self.fd)
         self.fd = None
         if self.made:
-            try:
+            with contextlib.suppress(OSError):
                 self.path.parent.rmdir()  # only if empty: a refusal or configuration error left nothing in it
-            except OSError:
-                pass
 
 
 def _holder(fd: int) -> str:
@@ -172,7 +149,7 @@ def claim(cfg, run_dir: Path, lock: FolderLock | None = None) -> dict | None:
             state = _look(cfg, run_dir)
             verdict = "resume" if state is not None else "fresh"
         except FolderRefused as e:
-            verdict = (e.key, e.message)
+            verdict = (e.key, str(e).removeprefix(f"{e.key}: "))  # (ConfigError's text: "KEY: MESSAGE")
     verdict = distributed.from_main(verdict)
     if isinstance(verdict, tuple):
         raise FolderRefused(*verdict)
@@ -190,11 +167,8 @@ def _look(cfg, run_dir: Path) -> dict | None:
         raise FolderRefused("hydra.run.dir", f"{ledger} is not a file: the run's ε ledger goes there; move it away, "
                             "or give another hydra.run.dir")
     if owner(run_dir) not in (None, "train"):  # written into anyway (train.overwrite=true): nothing to resume
-        for name in RECORDS:
-            (run_dir / name).unlink(missing_ok=True)
         mark(run_dir, "train")  # a training run's folder from now on, whatever verb's it was (`owner`, dpmem report)
-        return None
-    if path.exists() and t.resume:
+    elif path.exists() and t.resume:
         state = _resumable(cfg, path)
         lost = _ledger_lost(cfg, run_dir, state["step"])
         if lost is None:
@@ -207,10 +181,9 @@ def _look(cfg, run_dir: Path) -> dict | None:
     if held is not None and not t.overwrite:
         how = "train.resume=true resumes it, " if path.exists() else ""
         raise FolderRefused("train.overwrite", f"{run_dir} holds {held}, which a new run would overwrite; {how}another "
-                          "folder (hydra.run.dir=...) keeps it, train.overwrite=true replaces it")
-    if held is not None:
-        for name in RECORDS:
-            (run_dir / name).unlink(missing_ok=True)
+                            "folder (hydra.run.dir=...) keeps it, train.overwrite=true replaces it")
+    for name in RECORDS:  # (none is there where nothing is `held`; train.overwrite=true where another verb's)
+        (run_dir / name).unlink(missing_ok=True)
     return None
 
 
@@ -219,40 +192,17 @@ def _ledger_lost(cfg, run_dir: Path, step: int) -> str | None:
     line), in words; None where it can (or the run writes none: its method is not private)."""
     from dpmem.methods import method_class
 
-    if not method_class(cfg.method.name).spec.private:
-        return None
     records, unreadable = read_ledger(run_dir)
-    if records:
+    if records or not method_class(cfg.method.name).spec.private:
         return None
     ledger = run_dir / PRIVACY_LEDGER
     return (f"{ledger} has no readable line ({len(unreadable)} unreadable)" if ledger.exists()
             else f"{ledger} is missing")
 
 
-def done_summary(run_dir: Path) -> dict | None:
-    """The folder's summary if it says the run finished ok (train.skip_done); None otherwise. An unreadable summary
-    is not taken for done, and said so in one line: the run then goes on as without skip_done (it resumes from a
-    checkpoint, or is refused as a folder whose summary a new run would overwrite)."""
-    path = Path(run_dir) / "summary.json"
-    if not path.exists():
-        return None
-    try:
-        s = json.loads(path.read_text())
-        if not isinstance(s, dict):
-            raise ValueError("not a JSON object")
-    except (ValueError, OSError) as e:
-        print(f"dpmem: warning: {path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:80]}): not "
-              "taken as done (train.skip_done)", file=sys.stderr)
-        return None
-    return s if s.get("status") == "ok" else None
-
-
 def owner(folder: Path) -> str | None:
     """Whose folder `folder` is: None where it is missing or empty (a `.lock` aside), else a verb of TOOLS, or
-    "other" (something that is no dpmem run: a user's own files). Told by `.dpmem` (the verb's name, which audit,
-    spectrum and memory write first), else by what each verb leaves (folders of an older dpmem): audit.json or
-    audit.md (audit), memory.json (memory), spectrum.json, recorded gradients or a summary whose `analysis` says
-    spectrum (spectrum), a training run's records (train)."""
+    "other" (a user's own files); told by its MARK, else (an older dpmem's folder) by what each verb leaves."""
     folder = Path(folder)
     try:
         names = {e.name for e in folder.iterdir()} - {LOCK}
@@ -262,27 +212,20 @@ def owner(folder: Path) -> str | None:
         return "other"
     if not names:
         return None
-    if MARK in names:
-        try:
-            mark = (folder / MARK).read_text().strip()
-        except OSError:
-            mark = ""
-        if mark in TOOLS:
-            return mark
-    if names & {"audit.json", "audit.md"}:
-        return "audit"
-    if "memory.json" in names:
-        return "memory"
-    if "plan.json" in names:
-        return "plan"
-    if "spectrum.json" in names or (folder / "gradients" / "index.json").exists():
+    with contextlib.suppress(OSError):
+        if MARK in names and (said := (folder / MARK).read_text().strip()) in TOOLS:
+            return said
+    for tool, left in (("audit", {"audit.json", "audit.md"}), ("memory", {"memory.json"}), ("plan", {"plan.json"}),
+                       ("spectrum", {"spectrum.json"})):
+        if names & left:
+            return tool
+    if (folder / "gradients" / "index.json").exists():
         return "spectrum"
-    if names & set(TRAINING):
-        try:
-            analysis = json.loads((folder / "summary.json").read_text()).get("analysis")
-        except (OSError, ValueError, AttributeError):
-            analysis = None
-        return analysis if analysis in TOOLS else "train"
+    if names & {*RECORDS, PRIVACY_LEDGER, "summary.json.tmp"}:  # what a training run writes first (audit's run too)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            if (analysis := json.loads((folder / "summary.json").read_text()).get("analysis")) in TOOLS:
+                return analysis
+        return "train"
     return "other"
 
 
@@ -302,7 +245,7 @@ def check_owner(folder: Path, tool: str, overwrite: bool, key: str = "hydra.run.
 
 
 def mark(folder: Path, tool: str) -> None:
-    """Mark `folder` as `tool`'s (see `owner`), before the tool's first write into it."""
+    """`folder` marked as `tool`'s (see `owner`)."""
     folder.mkdir(parents=True, exist_ok=True)
     replace_file(folder / MARK, f"{tool}\n".encode())
 
@@ -320,41 +263,46 @@ def _recorded_config(run_dir: Path) -> dict | None:
 
 def _as_recorded(cfg) -> dict:
     """What `fingerprint` compares, as config.yaml records it (enums by name)."""
-    tree = OmegaConf.to_container(OmegaConf.create(OmegaConf.to_yaml(cfg, resolve=True)), resolve=True)
-    tree.setdefault("train", {})
-    for key in NOT_FINGERPRINTED:
-        tree["train"].pop(key, None)
-    return {k: tree.get(k) for k in ("model", "data", "method", "privacy", "train")}
+    return _compared(OmegaConf.to_container(OmegaConf.create(OmegaConf.to_yaml(cfg, resolve=True)), resolve=True))
 
 
 def skip_done(cfg, run_dir: Path) -> dict | None:
-    """train.skip_done: the summary of the folder's run if it finished ok with this configuration (the resolved
-    config minus NOT_FINGERPRINTED, as a resume compares), on every rank; None where it is not done (no summary,
-    unreadable, not ok, another verb's folder, no readable config.yaml: the run goes on as without skip_done, and is
-    resumed or refused there). A run that finished ok with another configuration raises FolderRefused naming what
-    differs."""
-    run_dir = Path(run_dir)
-    verdict = None
-    if distributed.is_main():
-        verdict = done_summary(run_dir) if owner(run_dir) == "train" else None
-        if verdict is not None:
-            recorded = _recorded_config(run_dir)
-            if recorded is None:
-                print(f"dpmem: warning: {run_dir} holds a finished run but no readable config.yaml: which "
-                      "configuration it ran cannot be told, so it is not taken as done (train.skip_done)",
-                      file=sys.stderr)
-                verdict = None
-            else:
-                changed = _changed(recorded, _as_recorded(cfg))
-                if changed:
-                    verdict = ("train.skip_done", f"{run_dir} holds a run that finished ok with another "
-                               f"configuration ({'; '.join(changed[:3])}{'; ...' if len(changed) > 3 else ''}), "
-                               "not this one's result; give this run another folder (hydra.run.dir=...), or "
-                               "train.overwrite=true replaces it")
+    """train.skip_done: the summary of the folder's run if it finished ok with this configuration (as a resume
+    compares it), on every rank; else None, and the run goes on as without skip_done (resumed or refused there). A
+    run that finished ok with another configuration raises FolderRefused naming what differs."""
+    verdict = _done(cfg, Path(run_dir)) if distributed.is_main() else None
     verdict = distributed.from_main(verdict)  # every rank skips, or none (with rank 0's summary: one objective)
     if isinstance(verdict, tuple):
         raise FolderRefused(*verdict)
     return verdict
+
+
+def _done(cfg, run_dir: Path) -> dict | tuple | None:
+    """`skip_done`'s verdict, on rank 0: the summary, None, or a refusal's (key, message). An unreadable summary or
+    config.yaml is not taken for done, and said so in one line."""
+    path = run_dir / "summary.json"
+    if owner(run_dir) != "train" or not path.exists():
+        return None
+    try:
+        s = json.loads(path.read_text())
+        if not isinstance(s, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, OSError) as e:
+        print(f"dpmem: warning: {path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:80]}): not "
+              "taken as done (train.skip_done)", file=sys.stderr)
+        return None
+    if s.get("status") != "ok":
+        return None
+    recorded = _recorded_config(run_dir)
+    if recorded is None:
+        print(f"dpmem: warning: {run_dir} holds a finished run but no readable config.yaml: which configuration it "
+              "ran cannot be told, so it is not taken as done (train.skip_done)", file=sys.stderr)
+        return None
+    if changed := _changes(recorded, _as_recorded(cfg)):
+        return ("train.skip_done", f"{run_dir} holds a run that finished ok with another configuration ({changed}), "
+                "not this one's result; give this run another folder (hydra.run.dir=...), or train.overwrite=true "
+                "replaces it")
+    return s
 
 
 def _held(run_dir: Path) -> str | None:
@@ -379,20 +327,18 @@ def _resumable(cfg, path: Path) -> dict:
                    if k not in state]
     except Exception as e:  # noqa: BLE001  (a truncated file fails in zipfile, pickle or torch, each its own way)
         raise FolderRefused("train.resume", f"{path} is not a readable checkpoint ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else 'empty'}); move it away and start again with "
-                          "train.overwrite=true, or resume from a good copy") from None
+                            f"{str(e).splitlines()[0] if str(e) else 'empty'}); move it away and start again with "
+                            "train.overwrite=true, or resume from a good copy") from None
     if missing:
         raise FolderRefused("train.resume", f"{path} is not a dpmem checkpoint (no {', '.join(missing)})")
     world = distributed.world_size()
     if state["world_size"] != world:
-        raise FolderRefused("train.resume", f"{path} was written by a run of {state['world_size']} process(es) and this "
-                          f"one has {world}: resume it with torchrun --nproc_per_node={state['world_size']} (each "
-                          "rank's dropout state is its own), or start again in another folder")
-    changed = _changed(json.loads(state["config"]), json.loads(fingerprint(cfg)))
-    if changed:
-        raise FolderRefused("train.resume", f"{path} was written by another configuration ({'; '.join(changed[:3])}"
-                          f"{'; ...' if len(changed) > 3 else ''}): run it as it was to resume, or another folder "
-                          "(hydra.run.dir=...) for this one")
+        raise FolderRefused("train.resume", f"{path} was written by a run of {state['world_size']} process(es) and "
+                            f"this one has {world}: resume it with torchrun --nproc_per_node={state['world_size']} "
+                            "(each rank's dropout state is its own), or start again in another folder")
+    if changed := _changes(json.loads(state["config"]), json.loads(fingerprint(cfg))):
+        raise FolderRefused("train.resume", f"{path} was written by another configuration ({changed}): run it as it "
+                            "was to resume, or another folder (hydra.run.dir=...) for this one")
     return state
 
 
@@ -402,16 +348,17 @@ def _load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _changed(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """'key: old -> new' for every leaf that differs."""
-    out = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _changed(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}: {a} -> {b}")
-    return out
+def _changes(old: dict, new: dict) -> str:
+    """'key: old -> new' for the first three leaves that differ ('; ...' where more do); '' where none does."""
+    def leaves(a: dict, b: dict, prefix: str = ""):
+        for key in sorted(set(a) | set(b)):
+            x, y = a.get(key), b.get(key)
+            if isinstance(x, dict) and isinstance(y, dict):
+                yield from leaves(x, y, f"{prefix}{key}.")
+            elif x != y:
+                yield f"{prefix}{key}: {x} -> {y}"
+    changed = list(leaves(old, new))
+    return "; ".join(changed[:3]) + ("; ..." if len(changed) > 3 else "")
 
 
 def write_config(cfg, run_dir: Path) -> None:
@@ -422,9 +369,8 @@ def write_config(cfg, run_dir: Path) -> None:
     if HydraConfig.initialized():
         hc = HydraConfig.get()
         (run_dir / ".hydra").mkdir(exist_ok=True)
-        replace_file(run_dir / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg).encode())
-        replace_file(run_dir / ".hydra" / "hydra.yaml", OmegaConf.to_yaml({"hydra": hc}).encode())
-        replace_file(run_dir / ".hydra" / "overrides.yaml", OmegaConf.to_yaml(list(hc.overrides.task)).encode())
+        for name, tree in (("config", cfg), ("hydra", {"hydra": hc}), ("overrides", list(hc.overrides.task))):
+            replace_file(run_dir / ".hydra" / f"{name}.yaml", OmegaConf.to_yaml(tree).encode())
 
 
 def drop_if_empty(run_dir: Path) -> None:
@@ -435,8 +381,7 @@ def drop_if_empty(run_dir: Path) -> None:
 
 def given(overrides: list[str], key: str) -> str | None:
     """The last value of `key=...` among the overrides, if any."""
-    values = [o.split("=", 1)[1] for o in overrides if o.startswith(key + "=")]
-    return values[-1] if values else None
+    return next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith(key + "=")), None)
 
 
 def check_output(key: str, name: str) -> None:
@@ -458,9 +403,8 @@ def check_output(key: str, name: str) -> None:
 
 
 def tool_dir(overrides: list[str], alias_key: str, alias: str | None, dated: str) -> tuple[Path, str]:
-    """Where memory, plan, spectrum and audit write, and the key that named it (for their messages):
-    hydra.run.dir=..., as for train, else their own *.dir, else a dated folder under outputs/; checked writable,
-    and absolute (as train's run_dir is in its summary)."""
+    """Where memory, plan, spectrum and audit write, and the key that named it: hydra.run.dir=..., as for train, else
+    their own *.dir, else a dated folder under outputs/; checked writable, and absolute (as train's run_dir is)."""
     name = given(overrides, "hydra.run.dir")
     key, name = ("hydra.run.dir", name) if name is not None else (alias_key, alias or
                                                                  datetime.datetime.now().strftime(dated))
@@ -470,11 +414,10 @@ def tool_dir(overrides: list[str], alias_key: str, alias: str | None, dated: str
 
 @contextlib.contextmanager
 def tool_folder(out: Path, tool: str, overwrite: bool, key: str, mark_first: bool = False):
-    """A tool's output folder while the tool works in it: locked (one writer; at the end released, and a folder it
-    made left empty removed), refused where it holds another tool's or a training run's records (`check_owner`;
-    a training run's always, for plan: plan.json beside it would end its resume), and marked as the tool's, first
-    for a tool that writes as it goes (audit, spectrum), else once its work is done. A tool refused (ConfigError)
-    before it wrote more than its mark and config.yaml leaves a folder that was empty as it was."""
+    """A tool's output folder while the tool works in it: locked (`FolderLock`), refused where it holds another
+    tool's or a training run's records (`check_owner`; for plan, a training run's always: plan.json beside it would
+    end its resume), and marked as the tool's (first for audit and spectrum, which write as they go). A tool refused
+    (ConfigError) before it wrote more than its mark and config.yaml leaves a folder that was empty as it was."""
     with FolderLock(out):
         if tool == "plan" and owner(out) == "train":
             raise ConfigError(key, f"{out} holds a training run: dpmem plan never writes into one; give another "

@@ -1,5 +1,4 @@
-"""One job of `dpmem train` under Hydra, whatever launches it: the run trained (or skipped when done), its failures
-kept from ending a sweep, and its objective returned to the sweeper."""
+"""One job of `dpmem train` under Hydra, whatever launches it (`run_job`)."""
 
 from __future__ import annotations
 
@@ -24,9 +23,9 @@ class RunFailed(RuntimeError):
 
 
 def run_job(cfg: DictConfig) -> float:
-    """One job of `dpmem train` (a run, or a sweep's point) inside Hydra: trained, or skipped when done; its
-    objective returned to the sweeper. A failure ends a single run with one line (exit 2 for bad input); a sweep
-    goes on past it, and says at the end how many runs did not finish ok (`failed`)."""
+    """A run, or a sweep's point: trained, or skipped when done; its objective returned to the sweeper. A failure
+    ends a single run with one line (exit 2 for bad input); a sweep goes on past it, and says at the end how many
+    runs did not finish ok (`failed`)."""
     from dpmem.engine.folder import FolderRefused, drop_if_empty, skip_done
     from dpmem.engine.summary import DiskFull
     from dpmem.engine.trainer import Terminated, run_training
@@ -38,22 +37,19 @@ def run_job(cfg: DictConfig) -> float:
     # a launcher's job (joblib, submitit) runs in another process: its failure is raised, so that Hydra marks the
     # job failed and the sweep, once its other jobs are done, exits non-zero
     here = not multirun or hc.launcher._target_ == BASIC_LAUNCHER
+    summary = None  # (a failure a sweep goes on past leaves it so: the run is counted failed, its objective worst)
     try:
-        try:
-            # done with this configuration (another one's finished run is refused); unreadable: not done
-            done = skip_done(cfg, run_dir) if cfg.train.skip_done else None
-            if done is not None:
-                print(f"dpmem: {run_dir} is done (status ok, the same configuration), skipped (train.skip_done)",
-                      file=sys.stderr)
-                return objective(cfg, done)
-            if multirun:  # a launcher that runs jobs side by side on one machine: one GPU each, not all on GPU 0
-                place_job(hc.launcher._target_, hc.job.num, enum_value(cfg.train.device))
-            validate(cfg)
-            summary = run_training(cfg, run_dir)
-        except ConfigError:
-            drop_if_empty(run_dir)  # found after Hydra made the folder: no empty folder is left behind
-            raise
+        # done with this configuration (another one's finished run is refused); unreadable: not done
+        if cfg.train.skip_done and (done := skip_done(cfg, run_dir)) is not None:
+            print(f"dpmem: {run_dir} is done (status ok, the same configuration), skipped (train.skip_done)",
+                  file=sys.stderr)
+            return objective(cfg, done)
+        if multirun:  # a launcher that runs jobs side by side on one machine: one GPU each, not all on GPU 0
+            place_job(hc.launcher._target_, hc.job.num, enum_value(cfg.train.device))
+        validate(cfg)
+        summary = run_training(cfg, run_dir)
     except ConfigError as e:  # this run only (a refused folder, a value a sweeper drew): a sweep goes on
+        drop_if_empty(run_dir)  # found after Hydra made the folder: no empty folder is left behind
         if cfg.debug:
             raise
         if not multirun:
@@ -62,8 +58,6 @@ def run_job(cfg: DictConfig) -> float:
         if not here:
             raise RunFailed(f"run {run_dir} {what}: {e}") from None
         print(f"dpmem: run {run_dir} {what}: {e}", file=sys.stderr)
-        failed.append(str(run_dir))
-        return objective(cfg, None)
     except KeyboardInterrupt:
         raise SystemExit(130) from None
     except Terminated:
@@ -76,10 +70,8 @@ def run_job(cfg: DictConfig) -> float:
             raise
         # a sweep goes on past a failed run; its summary.json says why, and the exit code says so at the end
         print(f"dpmem: run {run_dir} failed: {type(e).__name__}: {e}", file=sys.stderr)
-        failed.append(str(run_dir))
-        return objective(cfg, None)
-    if summary["status"] != "ok":
-        if not here:
+    if summary is None or summary["status"] != "ok":
+        if not here:  # (a run that raised has `here`: it was raised above otherwise)
             raise RunFailed(f"run {run_dir} ended with status {summary['status']}: {summary['error']}")
         failed.append(str(run_dir))
     return objective(cfg, summary)

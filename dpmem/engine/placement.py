@@ -3,12 +3,10 @@
 joblib's workers inherit every GPU, and submitit_local gives every job the same CUDA_VISIBLE_DEVICES (the first
 `gpus_per_node` devices: submitit's LocalExecutor._submit_command), so without a choice here every job would
 train on GPU 0. SLURM jobs (submitit_slurm) are given their own GPU by the scheduler, and the basic launcher runs
-one job at a time: both are left alone.
-"""
+one job at a time: both are left alone."""
 
 from __future__ import annotations
 
-# launchers whose jobs run concurrently in one machine, each seeing all of its GPUs
 CONCURRENT_LOCAL = frozenset({
     "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher",
     "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",
@@ -16,12 +14,9 @@ CONCURRENT_LOCAL = frozenset({
 
 
 def job_gpu(launcher_target: str, job_num: int, device_count: int) -> int | None:
-    """The GPU index job `job_num` of a sweep should use, or None to leave the default. device_count is what the
-    job sees (torch.cuda.device_count(), which honours CUDA_VISIBLE_DEVICES): 0 or 1 means nothing to choose,
-    as for a job already restricted to one device."""
-    if launcher_target in CONCURRENT_LOCAL and device_count > 1:
-        return job_num % device_count
-    return None
+    """The GPU index job `job_num` of a sweep should use, or None to leave the default. `device_count`, what the job
+    sees (CUDA_VISIBLE_DEVICES honoured): 0 or 1 means nothing to choose (a job restricted to one device)."""
+    return job_num % device_count if launcher_target in CONCURRENT_LOCAL and device_count > 1 else None
 
 
 def place_job(launcher_target: str, job_num: int, device: str) -> None:

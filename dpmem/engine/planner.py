@@ -64,18 +64,14 @@ class AttentionKernels(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and (args[0].device.type == "meta" or isinstance(args[0], FakeTensor)):
-            call = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
-                            args), **kwargs)
-            q, k, v = call["query"], call["key"], call["value"]
-            mask, dropout = call.get("attn_mask"), call.get("dropout_p", 0.0)
-            causal, scale = call.get("is_causal", False), call.get("scale")
-            gqa = call.get("enable_gqa", False) and q.shape[-3] != k.shape[-3]
-            if self.target == "cpu" and _cpu_flash(tuple(q.shape), tuple(k.shape), q.dtype, _sig(mask), dropout,
-                                                   causal, call.get("enable_gqa", False)):
+        if func is F.scaled_dot_product_attention and (args[0].is_meta or isinstance(args[0], FakeTensor)):
+            q, k, v, mask, dropout, causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
+            signature = None if mask is None else (tuple(mask.shape), mask.dtype)
+            if self.target == "cpu" and _cpu_flash(tuple(q.shape), tuple(k.shape), q.dtype, signature, dropout,
+                                                   causal, gqa):
                 return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     q, k, v, dropout, causal, attn_mask=mask, scale=scale)[0]
-            if self.target == "cuda" and not gqa:
+            if self.target == "cuda" and not (gqa and q.shape[-3] != k.shape[-3]):
                 bias = mask if mask is None or mask.dtype != torch.bool else \
                     torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
                 return torch.ops.aten._scaled_dot_product_efficient_attention(
@@ -96,11 +92,9 @@ class UnknownValues(TorchFunctionMode):
         self.guessed = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is not torch.Tensor.__bool__ and func is not torch.Tensor.item:  # every other call, first and fast
-            return func(*args, **(kwargs or {}))
-        valueless = args and (getattr(args[0], "is_meta", False)  # a fake tensor made from a number has its value
-                              or isinstance(args[0], FakeTensor) and args[0].constant is None)
-        if valueless:
+        # every other call passes at the first test; a fake tensor made from a number has its value
+        if (func is torch.Tensor.__bool__ or func is torch.Tensor.item) and args and (
+                getattr(args[0], "is_meta", False) or isinstance(args[0], FakeTensor) and args[0].constant is None):
             if func is torch.Tensor.__bool__ or args[0].dtype == torch.bool:
                 self.guessed += 1
                 return False
@@ -126,8 +120,9 @@ class FullLength(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def _sig(mask):
-    return None if mask is None else (tuple(mask.shape), mask.dtype)
+def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention's arguments, by position or name, with its defaults."""
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
 @functools.cache
@@ -183,8 +178,7 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     cfg = OmegaConf.merge(cfg, {"train": {"batch_size": batch}},
                           {"train": {"physical_batch_size": physical_batch_size}} if physical_batch_size else {},
                           {"method": {"check_coverage": False}} if world > 1 and "check_coverage" in m else {})
-    n_test = len(next(iter(data.test.values()), []))
-    evaluated = min(eval_batch_size(cfg.train), n_test)  # a run's largest evaluation batch
+    evaluated = min(eval_batch_size(cfg.train), len(next(iter(data.test.values()), [])))  # a run's largest eval batch
     ranks = sharding.simulated_ranks(world) if world > 1 else contextlib.nullcontext()
     with ranks as mesh:
         if mesh is not None:
@@ -211,25 +205,22 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
                         method.step(step, loss_fn)
             training = {"peak_bytes": counter.peak, "breakdown": counter.peak_breakdown, **_cuda_peaks(device)}
             del micro, run, metered  # a run's micro-batches are gone when it evaluates
-            evaluation = _evaluation(parts, evaluated, cfg.data.max_new_tokens, block)
-            evaluation.update(_cuda_peaks(device))
-    part = "evaluation" if evaluation["peak_bytes"] > training["peak_bytes"] else "training"
-    peak = max(training["peak_bytes"], evaluation["peak_bytes"])
+            evaluation = {**_evaluation(parts, evaluated, cfg.data.max_new_tokens, block), **_cuda_peaks(device)}
+    # the run's peak: training's or evaluation's, whichever is larger (training's at a tie), and its breakdown
+    part, top = max(("training", training), ("evaluation", evaluation), key=lambda p: p[1]["peak_bytes"])
     cuda = {key: max(training[key], evaluation[key]) for key in training if key.startswith("cuda_")}
     params = list(model.parameters())
     return {
         "method": m.name, "model": cfg.model.name, "data": cfg.data.name, "input_shape": list(data.input_shape),
         "batch_size": batch, "physical_batch_size": physical, "device": "meta" if world > 1 else device.type,
-        "target": target, "world_size": world, "per_rank_batch_size": per_rank,
-        "steps": steps,
+        "target": target, "world_size": world, "per_rank_batch_size": per_rank, "steps": steps,
         "parameters": sum(p.numel() for p in params),
         "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
-        # the run's peak: training's or evaluation's (peak_part), whichever is larger, and its breakdown
-        "peak_bytes": peak, "breakdown": (training if part == "training" else evaluation)["breakdown"],
-        "peak_part": part, "training": training, "evaluation": evaluation,
+        "peak_bytes": top["peak_bytes"], "breakdown": top["breakdown"], "peak_part": part,
+        "training": training, "evaluation": evaluation,
         "rounding": f"{block}-byte blocks" if block > 1 else "exact bytes",
         "allocator_overhead": mem.allocator_overhead,
-        "reserved_estimate_bytes": reserved_estimate(peak, mem.allocator_overhead),
+        "reserved_estimate_bytes": reserved_estimate(top["peak_bytes"], mem.allocator_overhead),
         "guessed_truth_values": unknown.guessed,  # asked of meta tensors in the steps and evaluation (UnknownValues)
         "micro_batches": len(sizes), "micro_batches_run": min(len(sizes), first_micro_batches or len(sizes)),
         "roofline": [ops.summary() for ops in counted] if counted else None,
@@ -244,11 +235,10 @@ def reserved_estimate(tensor_bytes: float, allocator_overhead: float) -> int:
 
 
 def _evaluation(parts: Parts, size: int, max_new_tokens: int, block: int) -> dict:
-    """The run's evaluation (dpmem.engine.trainer.evaluate, at the end and every train.eval_every steps, between
-    steps): a batch of `size` test examples (copies of the first, at the split's full width) on the device and the
-    task's work on it, its generation of `max_new_tokens` or else `predict`, in eval mode under no_grad, beside
-    what the run keeps between steps (parameters, gradients, the method's state). A task that scores itself on the
-    host (data=median) adds nothing to that state."""
+    """The run's evaluation (dpmem.engine.trainer.evaluate, between steps): a batch of `size` test examples (copies
+    of the first, at the split's full width) on the device and the task's work on it, its generation of
+    `max_new_tokens` or else `predict`, in eval mode under no_grad, beside what the run keeps between steps
+    (parameters, gradients, the method's state). A task that scores itself on the host (data=median) adds nothing."""
     data, model = parts.data, parts.model
     evaluates = "generate" if data.generate is not None else "predict" if data.score is None else "host"
     work = size > 0 and evaluates != "host"
@@ -257,17 +247,12 @@ def _evaluation(parts: Parts, size: int, max_new_tokens: int, block: int) -> dic
     counter = LiveTensorCounter(block).track_state(model, parts.method).track(batch.values(), "activations")
     model.eval()
     try:
-        with counter, torch.no_grad(), memory_label("activations"):
-            if work:
-                if evaluates == "predict":
-                    parts.call(data.predict, batch)
-                else:
-                    stop = FullLength(batch["input_ids"].shape[1] + max_new_tokens)
-                    try:
-                        parts.call(functools.partial(data.generate, stopping_criteria=StoppingCriteriaList([stop])),
-                                   batch)
-                    except FullLength.Reached:
-                        pass
+        with counter, torch.no_grad(), memory_label("activations"), contextlib.suppress(FullLength.Reached):
+            if work and evaluates == "predict":
+                parts.call(data.predict, batch)
+            elif work:
+                stop = StoppingCriteriaList([FullLength(batch["input_ids"].shape[1] + max_new_tokens)])
+                parts.call(functools.partial(data.generate, stopping_criteria=stop), batch)
     finally:
         model.train()
     return {"batch_size": size, "evaluates": evaluates,
@@ -292,9 +277,9 @@ SEARCH_LIMIT = 1 << 16  # largest_batch looks no further: a budget that holds th
 def largest_batch(cfg, budget: int | str, limit: int = SEARCH_LIMIT) -> tuple[int, dict | None]:
     """The largest batch up to `limit`, in one physical batch, whose run's reserved estimate (training's or
     evaluation's, the larger: the run must not run out of memory when it evaluates) fits `budget` (bytes, or a size
-    as memory.budget takes it: '24GB'), and its
-    plan; (0, plan at 1) if not even one example fits. Doubling, then bisection: memory grows with the batch (and
-    so does evaluation's, at its default batch size, the physical one; a fixed train.eval_batch_size is a floor)."""
+    as memory.budget takes it: '24GB'), and its plan; (0, plan at 1) if not even one example fits. Doubling, then
+    bisection: memory grows with the batch (and so does evaluation's, at its default batch size, the physical one; a
+    fixed train.eval_batch_size is a floor)."""
     fits = {}
     budget = parse_bytes(budget)
 

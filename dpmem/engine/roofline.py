@@ -1,20 +1,10 @@
-"""Step time estimated from what a step dispatches, as a roofline per op: each aten op takes the longer of its
-FLOPs at the device's peak rate and the bytes it reads and writes at the device's memory bandwidth. Counted on
-the meta device in a memory plan's own steps (dpmem.engine.planner), so it costs no GPU.
-
-Eager PyTorch also spends host time on every op it dispatches, and on a GPU the device waits when the host is
-slower (roberta-base B = 32 on an H100: AdamW's 4,294 ops a step and dp-adam's 9,445 bound the step, not the
-kernels). So a step takes the longer of the device's time and the host's, ops × `host_op_us`; on the CPU the two
-add up. train.compile=true removes most host time: the device time alone is its bound (`device_seconds`).
-
-FLOPs are those of matmuls, convolutions and attention kernels, by torch's own formulas
-(`torch.utils.flop_counter`), plus the kernels it has none for: matrix-vector products, the CPU's flash attention
-and the embedding's backward (a scatter-add, one add per gradient element). Every other op is elementwise or a
-reduction: bytes only.
-
-An estimate, not a measurement: it leaves out dpmem's per-layer Python beyond the ops it dispatches, kernels that
-run below their peak (small matmuls do), the allocator, and data loading; so it errs fast, least where the step is
-big matmuls."""
+"""Step time estimated from what a step dispatches (docs/plan.md, "How the time is estimated"): each aten op takes
+the longer of its FLOPs at the device's peak rate and the bytes it reads and writes at its memory bandwidth, counted
+on the meta device in a memory plan's own steps (dpmem.engine.planner), so it costs no GPU. Eager PyTorch also
+spends host time on every op (roberta-base B = 32 on an H100: AdamW's 4,294 ops a step and dp-adam's 9,445 bound
+the step, not the kernels), which `step_seconds` adds. FLOPs are torch's own formulas (`torch.utils.flop_counter`)
+and `FLOPS`' for the kernels it has none for; every other op is elementwise or a reduction: bytes only. An estimate,
+not a measurement, that errs fast (docs/plan.md says what it leaves out), least where the step is big matmuls."""
 
 from __future__ import annotations
 
@@ -89,34 +79,22 @@ def device(name: str) -> Device:
     return measured_cpu() if name == "cpu" else DEVICES[name]
 
 
-def _cpu_flash(query, key, value, *args, out_val=None, **kwargs) -> int:
-    return sdpa_flop_count(query.shape, key.shape, value.shape)
+def _of_shapes(formula, n: int):
+    """torch's `formula` over the shapes of the op's first `n` arguments (a kernel its registry does not list)."""
+    return lambda *args, out_val=None, **kwargs: formula(*(a.shape for a in args[:n]))
 
 
-def _cpu_flash_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+def _per_element(position: int, flops: int = 2):
+    """`flops` per element of the op's argument at `position`: 2 (a multiply-add) per matrix element of a
+    matrix-vector product, per element of a dot product; the embedding's backward adds each gradient row into its
+    token's row, 1 per gradient element."""
+    return lambda *args, out_val=None, **kwargs: flops * args[position].numel()
 
 
-def _embedding_backward(grad_output, *args, out_val=None, **kwargs) -> int:
-    return grad_output.numel()  # each gradient row added into its token's row
-
-
-def _mv(matrix, vector, *args, out_val=None, **kwargs) -> int:
-    return 2 * matrix.numel()
-
-
-def _addmv(bias, matrix, vector, *args, out_val=None, **kwargs) -> int:
-    return 2 * matrix.numel()
-
-
-def _dot(a, b, *args, out_val=None, **kwargs) -> int:
-    return 2 * a.numel()
-
-
-FLOPS = {**flop_registry, aten.mv: _mv, aten.addmv: _addmv, aten.dot: _dot, aten.vdot: _dot,
-         aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash,
-         aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
-         aten.embedding_dense_backward: _embedding_backward}
+FLOPS = {**flop_registry, aten.mv: _per_element(0), aten.addmv: _per_element(1), aten.dot: _per_element(0),
+         aten.vdot: _per_element(0), aten.embedding_dense_backward: _per_element(0, 1),
+         aten._scaled_dot_product_flash_attention_for_cpu: _of_shapes(sdpa_flop_count, 3),
+         aten._scaled_dot_product_flash_attention_for_cpu_backward: _of_shapes(sdpa_backward_flop_count, 4)}
 # attention kernels in float32 run on CUDA cores whatever train.precision says (TF32 is cuBLAS' and cuDNN's)
 ATTENTION = {op for op in FLOPS if "attention" in str(op)}
 FREE = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided, aten._unsafe_view,
@@ -124,8 +102,7 @@ FREE = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.ne
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    """The bytes an op reads from (or writes to) `t`: its elements once each, broadcast dimensions (stride 0)
-    once."""
+    """The bytes an op reads from (or writes to) `t`: its elements once each, a broadcast (stride 0) dimension once."""
     elements = 1
     for size, stride in zip(t.shape, t.stride()):
         elements *= size if stride else 1
@@ -179,13 +156,14 @@ def _extrapolated(one: float, two: float, micro_batches: int) -> float:
     return one + (micro_batches - 1) * (two - one)
 
 
-def step_seconds(one: dict, two: dict, micro_batches: int, device: Device, precision: str) -> dict:
+def step_seconds(one: dict, two: dict, micro_batches: int, device: Device, precision: str, batch_size: int) -> dict:
     """The step's estimated seconds at `precision`: the device's (roofline), the host's (ops × host_op_us), and the
     step's, the longer of the two on a GPU (the host runs ahead of the device) and their sum on the CPU (one does
-    both)."""
+    both); and the samples/s of a step of `batch_size` samples, and the device-bound ones (train.compile's)."""
     on_device = _extrapolated(one["seconds"][precision], two["seconds"][precision], micro_batches)
     host = _extrapolated(one["ops"], two["ops"], micro_batches) * device.host_op_us * 1e-6
     step = on_device + host if device.name == "cpu" else max(on_device, host)
     return {"device_seconds": on_device, "host_seconds": host, "step_seconds": step,
             "flops": _extrapolated(one["flops"], two["flops"], micro_batches),
-            "bytes": _extrapolated(one["bytes"], two["bytes"], micro_batches)}
+            "bytes": _extrapolated(one["bytes"], two["bytes"], micro_batches),
+            "samples_per_s": batch_size / step, "device_bound_samples_per_s": batch_size / on_device}

@@ -1,23 +1,22 @@
-"""`dpmem train`'s checks before Hydra launches anything, and what a search optimises: every sweep point composed
-(`preflight`), and the search space of a Hydra sweeper (hydra/sweeper=search's Optuna, or hydra/sweeper=private,
-`dpmem.engine.selection`) checked against the config, so that a bad key or interval ends in one line before any
-trial runs; and each trial's objective."""
+"""`dpmem train`'s checks before Hydra launches anything (`preflight`), so that a bad key or interval ends in one
+line before any trial runs, and what a search optimises (`objective`)."""
 
 from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from dpmem import distributed
-from dpmem.composition import (ABSENT, CONF_DIR, MAX_PREFLIGHT, compose_point, compose_points, direction, first_line,
-                               groups, quoting, select, sweep_points)
+from dpmem.composition import (ABSENT, MAX_PREFLIGHT, compose_point, compose_points, direction, first_line, groups,
+                               initialized, quoting, select, sweep_points)
 from dpmem.config import ConfigError, enum_value
+from dpmem.engine.folder import given
 
 
 def preflight(overrides: list[str]) -> None:
@@ -25,7 +24,7 @@ def preflight(overrides: list[str]) -> None:
     print each warning the points' methods have (once). Raises ConfigError."""
     from dpmem.methods import method_class
 
-    hydra_args = [o for o in overrides if o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    hydra_args, _ = _split(overrides)
     try:  # Hydra's own settings (hydra.run.dir=...) are read by the same grammar, later, with a traceback
         OverridesParser.create().parse_overrides(hydra_args)
     except Exception as e:  # noqa: BLE001  (hydra's OverrideParseException and friends)
@@ -40,29 +39,29 @@ def preflight(overrides: list[str]) -> None:
             print(f"dpmem: warning: {warning}", file=sys.stderr)
 
 
-def check_search_space(overrides: list[str]) -> None:
-    """A sweeper's search space, before the search starts (Optuna and Hydra would refuse it with their own errors
-    once it has): the sweep overrides on the command line and `hydra.sweeper.params` (an experiment's, or given as
-    an override) name keys of the config (or, with a leading +, add one), and a log-scale interval lies above 0.
-    Raises ConfigError naming the key."""
+def _split(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """Hydra's own settings (hydra.run.dir=..., hydra/launcher=...) and the task's overrides, -m left out."""
     plain = [o for o in overrides if o not in ("-m", "--multirun")]
     hydra_args = [o for o in plain if o.lstrip("+~").startswith(("hydra.", "hydra/"))]
-    GlobalHydra.instance().clear()
+    return hydra_args, [o for o in plain if o not in hydra_args]
+
+
+def check_search_space(overrides: list[str]) -> None:
+    """A sweeper's search space, before the search starts (Optuna and Hydra would refuse it with their own errors
+    once it has): the command line's sweeps and `hydra.sweeper.params` name keys of the config (or, with a leading
+    +, add one), and a log-scale interval lies above 0. Raises ConfigError naming the key."""
+    hydra_args, task = _split(overrides)
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        with initialized():
             cfg = compose("config", overrides=sweep_points(overrides)[0] + hydra_args, return_hydra_config=True)
     except Exception:  # noqa: BLE001  (a setting of Hydra's own: Hydra reports it as it starts)
         return
-    finally:
-        GlobalHydra.instance().clear()
     space = {}
     params = OmegaConf.select(cfg, "hydra.sweeper.params", default=None)
     if isinstance(params, DictConfig):
         space.update((str(k), str(v)) for k, v in OmegaConf.to_container(params, resolve=False).items())
     parser = OverridesParser.create()
-    for o in parser.parse_overrides([o for o in plain if o not in hydra_args]):
-        if o.is_sweep_override():
-            space[o.input_line.split("=", 1)[0]] = o.input_line.split("=", 1)[1]
+    space.update(o.input_line.split("=", 1) for o in parser.parse_overrides(task) if o.is_sweep_override())
     options = groups()
     for key, value in space.items():
         try:
@@ -87,8 +86,7 @@ def check_search_space(overrides: list[str]) -> None:
                               f"{', '.join(allowed)}")
         if o.is_interval_sweep():
             interval = o.value()
-            current = select(cfg, name)
-            if (isinstance(current, int) and not isinstance(current, bool)
+            if (isinstance(current := select(cfg, name), int) and not isinstance(current, bool)
                     and not (isinstance(interval.start, int) and isinstance(interval.end, int))):
                 raise ConfigError(name, f"{value}: takes whole numbers, and interval() draws real ones; cast it: "
                                   f"int(interval({interval.start:g}, {interval.end:g}))")
@@ -101,22 +99,23 @@ def check_search_space(overrides: list[str]) -> None:
 
 
 def check_private_search(overrides: list[str]) -> None:
-    """hydra/sweeper=private's search (dpmem.engine.selection), composed as Hydra will compose it. Raises
-    ConfigError."""
-    from dpmem.engine.selection import check_before_start, parse_space
+    """`dpmem train -m hydra/sweeper=private ...`, composed as Hydra will compose it and checked before Hydra starts:
+    the law, the space, the score, the budget, a resumed folder's search. Raises ConfigError."""
+    from dpmem.engine.selection import KEY_FILE, describe, parse_space, plan_search, resumable
 
-    plain = [o for o in overrides if o not in ("-m", "--multirun")]
-    hydra_args = [o for o in plain if o.lstrip("+~").startswith(("hydra.", "hydra/"))]
-    task = [o for o in plain if o not in hydra_args]
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            sweeper = compose("config", overrides=hydra_args, return_hydra_config=True).hydra.sweeper
-            params = OmegaConf.to_container(sweeper.params, resolve=False) if sweeper.get("params") else None
-            cfg = compose_point(parse_space(task, params)[0])  # the fixed overrides: what every trial shares
-    finally:
-        GlobalHydra.instance().clear()
-    check_before_start(cfg, sweeper, task, hydra_args)
+    hydra_args, task = _split(overrides)
+    with initialized():
+        sweeper = compose("config", overrides=hydra_args, return_hydra_config=True).hydra.sweeper
+        params = OmegaConf.to_container(sweeper.params, resolve=False) if sweeper.get("params") else None
+        fixed, dims = parse_space(task, params)
+        cfg = compose_point(fixed)  # the fixed overrides: what every trial shares
+    search = plan_search(cfg, sweeper.mean_trials, sweeper.shape, task)
+    folder = given(hydra_args, "hydra.sweep.dir")
+    if folder is not None and (Path(folder) / KEY_FILE).exists():  # a resume: the same search, or refused now
+        resumable(Path(folder), describe(search, fixed, dims))
+    print(f"dpmem: private search: ε = {search.epsilon:g}, δ = {search.delta:.3g} for the whole search (each trial "
+          f"σ = {search.sigma:.4g}, ε = {search.trial_epsilon:.4g} alone), {len(dims)} hyperparameter(s) drawn",
+          file=sys.stderr)
 
 
 def objective(cfg, summary: dict | None) -> float:
@@ -124,9 +123,8 @@ def objective(cfg, summary: dict | None) -> float:
     that did not finish ok, the worst value in the sweeper's direction (-inf when it maximises, inf when it
     minimises), so that the search records it as bad and goes on (Optuna 2 refuses NaN)."""
     name = enum_value(cfg.train.objective)
-    value = None
-    if summary is not None and summary.get("status") == "ok":
-        value = summary["metric_final"] if name == "metric" else summary["train_loss"]
+    ok = summary is not None and summary.get("status") == "ok"
+    value = summary["metric_final" if name == "metric" else "train_loss"] if ok else None
     if value is not None:
         return float(value)
     way = HydraConfig.get().sweeper.get("direction") if HydraConfig.initialized() else None

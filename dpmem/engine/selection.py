@@ -1,32 +1,18 @@
-"""A private search (`dpmem train -m hydra/sweeper=private`): a random search whose number of trials K is drawn,
-secretly, from a law of mean `mean_trials` and shape `shape` (dpmem.privacy.selection), and whose best trial alone
-is released. `privacy.epsilon` (and δ) is the budget of the whole search: every trial runs with the noise
-multiplier that makes dp-accounting's RepeatAndSelectDpEvent meet it under the RDP accountant.
-
-- Each trial's hyperparameters are drawn independently from the search space (the theorem covers a random search,
-  not an adaptive sampler such as TPE). What the accountant sees (batch size, steps, sampling, data, privacy.*,
-  the method) is fixed across trials: a space that varies it is refused.
-- The score is private: the privately released training loss (train.objective=train_loss with
-  privacy.train_loss=private, the default here), or a metric on data declared public (data.public=true).
-- The search's key (256 bits from the OS) is kept in the sweep folder's `selection.key`, as private as the data
-  (as a run's checkpoint.pt keeps its noise key): K and every trial's hyperparameters derive from it, so a killed
-  search resumes with the same K and the trials it had (done ones are skipped), and K is written nowhere.
-- `selection.json` in the sweep folder says what is released: the winner's folder, ε, δ, the law, the accountant
-  and how the search ended. Each trial folder's `release.json` says whether it is the one to publish; the others
-  say what publishing them too would cost (every trial composed, as `dpmem report` computes it)."""
+"""A private search (`dpmem train -m hydra/sweeper=private`; Papernot & Steinke, ICLR 2022): a random search whose
+number of trials K is drawn, secretly, from a law of mean `mean_trials` and shape `shape` (dpmem.privacy.selection),
+and whose best trial alone is released, the whole search within `privacy.epsilon`. What it keeps fixed, how it
+scores, where its key lives and what it writes: docs/privacy.md, Private selection."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import OmegaConf
 
 from dpmem.config import ConfigError, enum_value
 from dpmem.privacy.randomness import derive, os_key
@@ -53,17 +39,9 @@ class Dimension:
             return f"{self.key}={self.values[rng.integers(len(self.values))]}"
         if self.integer:
             return f"{self.key}={int(rng.integers(int(self.start), int(self.end) + 1))}"
-        u = rng.random()
-        if self.log:
-            value = math.exp(math.log(self.start) + u * (math.log(self.end) - math.log(self.start)))
-        else:
-            value = self.start + u * (self.end - self.start)
-        return f"{self.key}={value!r}"
-
-
-def _accounted(key: str) -> bool:
-    name = key.lstrip("+~")
-    return name in ACCOUNTED or any(name == g or name.startswith((g + ".", g + "/")) for g in ACCOUNTED_GROUPS)
+        lo, hi = (math.log(self.start), math.log(self.end)) if self.log else (self.start, self.end)
+        value = lo + rng.random() * (hi - lo)
+        return f"{self.key}={math.exp(value) if self.log else value!r}"
 
 
 def parse_space(arguments: list[str], params: dict | None) -> tuple[list[str], list[Dimension]]:
@@ -77,7 +55,8 @@ def parse_space(arguments: list[str], params: dict | None) -> tuple[list[str], l
         if not o.is_sweep_override():
             fixed.append(o.input_line)
             continue
-        if _accounted(key):
+        name = key.lstrip("+~")
+        if name in ACCOUNTED or any(name == g or name.startswith((g + ".", g + "/")) for g in ACCOUNTED_GROUPS):
             raise ConfigError(key, "a private search keeps what its accountant sees (batch size, steps, sampling, "
                               "data, privacy.*, the method) the same in every trial: give it one value")
         v = o.value()
@@ -118,7 +97,7 @@ class Search:
 def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
     """Check a private search of the base config `cfg` (with `arguments`, the command line's overrides) and
     calibrate its trials' noise. Raises ConfigError naming the key."""
-    from dpmem.engine.trainer import accounting_of, resolve_accountant
+    from dpmem.engine.trainer import accounting_of
     from dpmem.methods import method_class
     from dpmem.privacy import UnreachableTarget, epsilon_spent
     from dpmem.privacy.selection import calibrate_selection, check_law
@@ -129,16 +108,15 @@ def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
     except (TypeError, ValueError) as e:
         key = "hydra.sweeper.mean_trials" if "mean" in str(e) or not isinstance(mean, float) else "hydra.sweeper.shape"
         raise ConfigError(key, str(e).split(": ", 1)[-1]) from None
-    p, t = cfg.privacy, cfg.train
-    name = cfg.method.name
+    p, t, name = cfg.privacy, cfg.train, cfg.method.name
     if not method_class(name).spec.private:
         raise ConfigError("method", f"{name} is not private: hydra/sweeper=private selects among private runs (for a "
                           "non-private search: hydra/sweeper=search)")
     if p.epsilon is None:
         raise ConfigError("privacy.epsilon", "a private search needs the budget of the whole search, e.g. "
                           "privacy.epsilon=4")
-    accountant = resolve_accountant(cfg)
-    if accountant == "rc":
+    run = accounting_of(cfg)
+    if run["accountant"] == "rc":
         raise ConfigError("privacy.accountant", f"{name}'s rc accountant has no RDP curve, which a private selection "
                           "composes (dp-accounting's RepeatAndSelectDpEvent): use a method accounted by pld or rdp")
     explicit = any(a.split("=", 1)[0] == "train.objective" for a in arguments)
@@ -150,7 +128,6 @@ def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
     if objective == "train_loss" and enum_value(p.train_loss) != "private":
         raise ConfigError("privacy.train_loss", f"{enum_value(p.train_loss)}: a private search scores trials by the "
                           "privately released loss: privacy.train_loss=private")
-    run = accounting_of(cfg)
     delta, neighbouring = run["delta"], run["neighbouring"]
     try:
         sigma = calibrate_selection(p.epsilon, delta, run["sample_rate"], run["steps"], mean, shape, neighbouring,
@@ -161,7 +138,7 @@ def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
         raise ConfigError("privacy.neighbouring", str(e)) from None
     # each trial calibrates its own σ to this ε (its ledger's accountant): a hair more noise than `sigma`, never less
     trial = epsilon_spent(sigma * (1 + 1e-3), **run)
-    return Search(mean, shape, float(p.epsilon), delta, sigma, trial, objective, neighbouring, accountant)
+    return Search(mean, shape, float(p.epsilon), delta, sigma, trial, objective, neighbouring, run["accountant"])
 
 
 def describe(search: Search, fixed: list[str], dims: list[Dimension]) -> dict:
@@ -169,8 +146,8 @@ def describe(search: Search, fixed: list[str], dims: list[Dimension]) -> dict:
     return {"mean_trials": search.mean, "shape": search.shape, "space": sorted(fixed) + [str(d) for d in dims]}
 
 
-def resumable(folder: Path, what: dict) -> dict:
-    """The key file of the search in `folder`, if it is `what`'s. Raises ConfigError."""
+def resumable(folder: Path, what: dict) -> str:
+    """The key (hex) of the search in `folder`, if it is `what`'s. Raises ConfigError."""
     try:
         saved = json.loads((folder / KEY_FILE).read_text())
         key, search = saved["key"], saved["search"]
@@ -180,7 +157,7 @@ def resumable(folder: Path, what: dict) -> dict:
     if search != what:
         raise ConfigError("hydra.sweep.dir", f"{folder} holds another private search ({search}): resume it with the "
                           "same law and space, or choose another folder")
-    return {"key": key, "search": search}
+    return key
 
 
 class SearchState:
@@ -190,11 +167,10 @@ class SearchState:
     def __init__(self, folder: Path, search: Search, fixed: list[str], dims: list[Dimension]):
         from dpmem.privacy.selection import draw_trials
 
-        self.folder = folder
         what = describe(search, fixed, dims)
         path = folder / KEY_FILE
         if path.exists():
-            self.key = bytes.fromhex(resumable(folder, what)["key"])
+            self.key = bytes.fromhex(resumable(folder, what))
         else:
             self.key = os_key()
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # as private as the data
@@ -220,10 +196,8 @@ def finish(folder: Path, search: Search, results: list[tuple[Path, float | None]
     from dpmem.privacy import composed_epsilon
     from dpmem.privacy.selection import law
 
-    worst = math.inf if search.minimise else -math.inf
-    scores = [worst if s is None or math.isnan(s) else s for _, s in results]
-    done = [i for i, s in enumerate(scores) if math.isfinite(s)]
-    best = (min if search.minimise else max)(done, key=lambda i: scores[i]) if done else None
+    done = [i for i, (_, s) in enumerate(results) if s is not None and math.isfinite(s)]  # (None: failed; NaN, inf)
+    best = (min if search.minimise else max)(done, key=lambda i: results[i][1]) if done else None
     summaries = []
     for run_dir, _ in results:
         try:
@@ -254,26 +228,10 @@ def finish(folder: Path, search: Search, results: list[tuple[Path, float | None]
     for i, (run_dir, _) in enumerate(results):
         if not run_dir.is_dir():
             continue
-        release = ({"for_release": True, "selection": f"../{SELECTION}", "epsilon": search.epsilon,
-                    "delta": search.delta} if i == best else
-                   {"for_release": False, "selection": f"../{SELECTION}",
-                    "why": "a trial of a private search: only its winner is released under the search's ε",
-                    "epsilon_if_released_too": together, "delta": search.delta,
-                    "accountant": f"{search.accountant}, every trial of the search composed (as dpmem report)"})
+        release = {"for_release": i == best, "selection": f"../{SELECTION}", "delta": search.delta}
+        release.update({"epsilon": search.epsilon} if i == best else
+                       {"why": "a trial of a private search: only its winner is released under the search's ε",
+                        "epsilon_if_released_too": together,
+                        "accountant": f"{search.accountant}, every trial of the search composed (as dpmem report)"})
         (run_dir / RELEASE).write_text(json.dumps(release, indent=2) + "\n")
     return record
-
-
-def check_before_start(cfg, sweeper, task: list[str], hydra_args: list[str]) -> None:
-    """`dpmem train -m hydra/sweeper=private ...` checked before Hydra starts (one line naming the key): the law,
-    the space, the score, the budget, and a resumed folder's search. `cfg`: the fixed overrides' config; `sweeper`:
-    hydra.sweeper's; `task`, `hydra_args`: the command line's overrides."""
-    params = OmegaConf.to_container(sweeper.params, resolve=False) if sweeper.get("params") else None
-    fixed, dims = parse_space(task, params)
-    search = plan_search(cfg, sweeper.mean_trials, sweeper.shape, task)
-    given = [o.split("=", 1)[1] for o in hydra_args if o.startswith("hydra.sweep.dir=")]
-    if given and (Path(given[-1]) / KEY_FILE).exists():  # a resume: the same search, or refused before it starts
-        resumable(Path(given[-1]), describe(search, fixed, dims))
-    print(f"dpmem: private search: ε = {search.epsilon:g}, δ = {search.delta:.3g} for the whole search (each trial "
-          f"σ = {search.sigma:.4g}, ε = {search.trial_epsilon:.4g} alone), {len(dims)} hyperparameter(s) drawn",
-          file=sys.stderr)

@@ -1,13 +1,10 @@
 """The run folder's records: metrics.jsonl lines, privacy.jsonl (append-only: ε spent), summary.json (rewritten
-atomically, so a run that dies leaves a readable one) and the short table printed at the end.
-
-Damage and a full disk: a line is appended on a line of its own (after a newline, where a crash cut the last line
-short), and a write that fails leaves no partial line or file behind (the file is cut back to where it was, a
-temporary file removed). A full disk (ENOSPC) or a spent quota (EDQUOT) is `DiskFull`: one line naming the file and
-how much was being written. Readers of privacy.jsonl skip the lines they cannot read, and say so once."""
+atomically, so a run that dies leaves a readable one) and the short table printed at the end. A write that fails
+leaves no partial line or file behind (`append_line`, `replace_file`); a full disk is `DiskFull`, in one line."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -16,6 +13,7 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -23,18 +21,15 @@ import dpmem
 
 
 def versions() -> dict:
-    try:
-        import transformers
-        tf = transformers.__version__
-    except ImportError:  # pragma: no cover
-        tf = None
+    import transformers
+
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(dpmem.__file__).parent,
                              capture_output=True, text=True, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         rev = None
-    return {"dpmem": dpmem.__version__, "git": rev, "torch": torch.__version__, "transformers": tf,
-            "python": platform.python_version()}
+    return {"dpmem": dpmem.__version__, "git": rev, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
 
 
 def json_ready(value):
@@ -49,12 +44,9 @@ def json_ready(value):
     return value
 
 
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
 class DiskFull(OSError):
-    """A write into the run folder found the disk full (ENOSPC) or the quota spent (EDQUOT). The file it wrote is
-    left as it was before (no partial line, no temporary file); the run ends failed with this one line."""
+    """A write into the run folder found the disk full (ENOSPC) or the quota spent (EDQUOT): the run ends failed with
+    this one line (the file is left as it was: `replace_file`, `append_line`)."""
 
     def __init__(self, path: Path, nbytes: int | None = None, code: int = errno.ENOSPC):
         what = "the disk quota is exceeded" if code == errno.EDQUOT else "the disk is full"
@@ -78,8 +70,11 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} bytes"
 
 
-def disk_full(e: BaseException) -> bool:
-    return isinstance(e, OSError) and e.errno in DISK_FULL
+def reraise(e: BaseException, path: Path, nbytes: int) -> NoReturn:
+    """Raise `e` again: as DiskFull (naming `path` and `nbytes`) where it found the disk full or the quota spent."""
+    if isinstance(e, DiskFull) or not (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)):
+        raise e
+    raise DiskFull(path, nbytes, e.errno) from None
 
 
 def replace_file(path: Path, data: bytes) -> None:
@@ -92,9 +87,7 @@ def replace_file(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        if isinstance(e, DiskFull) or not disk_full(e):
-            raise
-        raise DiskFull(path, len(data), e.errno) from None
+        reraise(e, path, len(data))
 
 
 def append_line(path: Path, record: dict, sync: bool = False) -> None:
@@ -115,13 +108,9 @@ def append_line(path: Path, record: dict, sync: bool = False) -> None:
                 os.fsync(f.fileno())
     except OSError as e:
         if end is not None:  # no partial line is left for the next append to land on
-            try:
+            with contextlib.suppress(OSError):
                 os.truncate(path, end)
-            except OSError:
-                pass
-        if isinstance(e, DiskFull) or not disk_full(e):
-            raise
-        raise DiskFull(path, len(data), e.errno) from None
+        reraise(e, path, len(data))
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
@@ -178,11 +167,9 @@ def _ledger_line(raw: bytes) -> dict | None:
     number >= 0 (or "inf", as json_ready writes infinity), steps that are not a count."""
     try:
         record = json.loads(raw.decode())
-    except (UnicodeDecodeError, ValueError):
+        eps, steps = record.get("epsilon"), record.get("steps_done")
+    except (ValueError, AttributeError):  # not UTF-8 JSON (UnicodeDecodeError is a ValueError), not an object
         return None
-    if not isinstance(record, dict):
-        return None
-    eps, steps = record.get("epsilon"), record.get("steps_done")
     if eps is not None and not (eps == "inf" or (isinstance(eps, (int, float)) and not isinstance(eps, bool)
                                                  and eps >= 0)):  # NaN fails >= 0 too
         return None
@@ -198,30 +185,22 @@ def read_ledger(run_dir: Path) -> tuple[list[dict], list[int]]:
         return [], []
     if not path.is_file():  # a folder, say: a ledger that exists and holds no readable line
         return [], [0]
-    records, unreadable = [], []
-    for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
-        if not raw.strip():
-            continue
-        record = _ledger_line(raw)
-        if record is None:
-            unreadable.append(number)
-        else:
-            records.append(record)
-    return records, unreadable
+    lines = [(number, _ledger_line(raw)) for number, raw in enumerate(path.read_bytes().split(b"\n"), 1) if raw.strip()]
+    return [r for _, r in lines if r is not None], [number for number, r in lines if r is None]
 
 
 _warned: set = set()
 
 
-def privacy_records(run_dir: Path, warn: bool = True) -> list[dict]:
-    """The ledger's readable lines. Those it cannot read (a line cut short by a crash, garbage, an ε that is not a
-    number) are skipped, and said so in one warning line (once per ledger and damage)."""
+def privacy_records(run_dir: Path) -> list[dict]:
+    """The ledger's readable lines (`_ledger_line`); the others skipped, said so in one warning (once per ledger and
+    damage)."""
     records, unreadable = read_ledger(run_dir)
     path = Path(run_dir) / PRIVACY_LEDGER
-    if unreadable == [0] and warn and (str(path), 0) not in _warned:
+    if unreadable == [0] and (str(path), 0) not in _warned:
         _warned.add((str(path), 0))
         print(f"dpmem: warning: {path} is not a file: no epsilon can be read from it", file=sys.stderr)
-    elif unreadable and warn and (str(path), tuple(unreadable)) not in _warned:
+    elif unreadable and (str(path), tuple(unreadable)) not in _warned:
         _warned.add((str(path), tuple(unreadable)))
         shown = ", ".join(map(str, unreadable[:5])) + (", ..." if len(unreadable) > 5 else "")
         print(f"dpmem: warning: {path}: {len(unreadable)} unreadable line(s) skipped (line{'s' * (len(unreadable) > 1)}"
@@ -239,9 +218,7 @@ def _fmt(value) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        if not math.isfinite(value):
-            return "inf"
-        return f"{value:.4g}"
+        return f"{value:.4g}" if math.isfinite(value) else "inf"
     return str(value)
 
 

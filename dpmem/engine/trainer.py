@@ -25,13 +25,13 @@ from dpmem.data.bundle import Padded
 from dpmem.engine import checkpoint
 from dpmem.engine.assemble import Parts, assemble
 from dpmem.engine.folder import FolderLock, claim, fingerprint, write_config
-from dpmem.engine.run_meters import Meter
 from dpmem.engine.summary import (PRIVACY_LEDGER, DiskFull, append_metrics, append_privacy, cut_metrics, json_ready,
                                   most_spent, privacy_records, summary_table, versions, write_summary)
 from dpmem.engine.tracking import NoTracker, open_tracker
+from dpmem.metering import Meter
 from dpmem.methods import check_fsdp, method_class
 from dpmem.methods.subspace import SubspaceProjection, privacy_of
-from dpmem.privacy.mechanism import accountant_of, accounting, line_epsilon
+from dpmem.privacy.mechanism import accounting, line_epsilon
 from dpmem.privacy.randomness import Draws
 from dpmem.privacy.sampling import make_batches
 
@@ -74,17 +74,10 @@ def run_length(cfg, n: int) -> tuple[int, str]:
 
 
 def accounting_of(cfg) -> dict:
-    """What a run of `cfg` is accounted with, from its data's size alone (no model: rc's envelope aside): the
-    keyword arguments of calibrate_sigma and epsilon_spent after (ε, δ, q, steps). What a plan and a private
-    search calibrate before anything is built."""
+    """`dpmem.privacy.mechanism.accounting` for a run of `cfg`, before anything is built."""
     n = build_data(cfg.data, cfg.model).n_train
     steps, sampling = run_length(cfg, n)
     return accounting(cfg.privacy, method_class(cfg.method.name).spec, n, cfg.train.batch_size, steps, sampling)
-
-
-def resolve_accountant(cfg) -> str:
-    """privacy.accountant, or for auto the one the method names (pld; rc for randomized clipping)."""
-    return accountant_of(cfg.privacy, method_class(cfg.method.name).spec)
 
 
 def eval_batch_size(t) -> int:
@@ -146,8 +139,7 @@ class Run:
     # -- set-up (configuration errors surface here, before anything is trained) ----------------------------
     def prepare(self) -> Parts:
         """Build the run's parts (dpmem.engine.assemble) and its summary; returns the parts."""
-        cfg = self.cfg
-        t, m = cfg.train, cfg.method
+        cfg, t, m = self.cfg, self.cfg.train, self.cfg.method
         self.device = resolve_device(enum_value(t.device))
         why = precision.unsupported(enum_value(t.precision), self.device)
         if why is not None:
@@ -159,7 +151,6 @@ class Run:
             data = self.data_hook(data)
         n = data.n_train
         self.steps, self.sampling = run_length(cfg, n)
-        method = method_class(m.name)
         if t.fsdp:
             check_fsdp(m)
         if t.fsdp and distributed.world_size() == 1:
@@ -177,7 +168,7 @@ class Run:
                                   "eagerly; with them: train.compile=false")
             self.compiler = Compiler(self.device, t.compile_backend, self.precision.tf32)
             parts.method.compile(self.compiler)
-        plan = method.spec.clipping(m)
+        plan = method_class(m.name).spec.clipping(m)
         if t.activation_checkpointing and plan is not None and plan.bookkeeping:
             print("dpmem: warning: book-keeping (method.clipping=bk, method.bookkeeping=true) keeps every layer's "
                   "input and output gradient until the norms are known, which activation checkpointing cannot "
@@ -190,8 +181,8 @@ class Run:
                 self.mechanism.mark_leak(why)
         self.summary = {
             "status": "running", "method": m.name, "model": cfg.model.name, "data": cfg.data.name,
-            "data_public": cfg.data.public,
-            "seed": t.seed, "device": str(self.device), "precision": self.precision.name, **self.mechanism.summary,
+            "data_public": cfg.data.public, "seed": t.seed, "device": str(self.device),
+            "precision": self.precision.name, **self.mechanism.summary,
             "steps": self.steps, "steps_done": 0, "batch_size": t.batch_size,
             **({"samples_seen": None, "samples_expected": 0.0} if self.mechanism.accounted else {"samples_seen": 0}),
             "physical_batch_size": t.physical_batch_size or t.batch_size, "n_train": n, "lr": t.lr,
@@ -252,8 +243,7 @@ class Run:
             self._ending = True
             self.method.close()
             self.summary["wall_time_s"] = time.perf_counter() - start
-            done = self.summary["steps_done"]
-            if done != self._eps_steps:
+            if (done := self.summary["steps_done"]) != self._eps_steps:
                 self.summary["epsilon_spent"] = self.mechanism.epsilon(done)
             # each record written if it can be: a full disk (here, or what failed the run) leaves the earlier lines
             # and summary whole, and ends the run failed, naming the file
@@ -312,11 +302,10 @@ class Run:
         return restore
 
     def _train(self) -> None:
-        cfg, t, s = self.cfg, self.cfg.train, self.summary
-        log_cfg = cfg.logging
+        t, s, log_cfg = self.cfg.train, self.summary, self.cfg.logging
         bar = tqdm(total=self.steps, disable=not (log_cfg.progress and self.main), dynamic_ncols=True, leave=True,
                    mininterval=0.5 if sys.stderr.isatty() else 30.0,  # a log file gets a line per 30 s
-                   desc=f"{cfg.method.name}")
+                   desc=self.cfg.method.name)
         done = self._resume() if self.checkpoint is not None else 0
         bar.update(done)
         # the batches' sizes are counts of the private data: an accounted run counts the expected q·n per step
@@ -390,8 +379,8 @@ class Run:
         return "loss_outside_epsilon" if release == "exact" and self.mechanism.accounted else "loss"
 
     def _check_finite(self, mean_loss: float | None, step: int) -> None:
-        """A NaN or infinite loss (or, where no loss is released, weights: a function of what was released) ends
-        the run, failed, with the ε its steps spent."""
+        """`NonFiniteLoss` for a NaN or infinite loss, or, where no loss is released, weights (a function of what was
+        released)."""
         if mean_loss is None:
             norms = torch._foreach_norm([p.detach() for p in self.model.parameters() if p.requires_grad])
             if torch.stack(norms).isfinite().all():
@@ -411,8 +400,9 @@ class Run:
 
     def _resume(self) -> int:
         """The steps done by the earlier run whose checkpoint this run resumes, their state restored. ε spent is
-        recomputed for those steps: the accountant sees each step once, and the steps lost after the checkpoint are
-        drawn again with the same batches and noise, so they release nothing new."""
+        recomputed for those steps, and is never less than any lost attempt recorded (docs/privacy.md, "Checkpoints
+        and resumes"): the steps redone after the checkpoint redraw the same batches and noise, so the most any
+        attempt reached, not the checkpoint's, is what was released."""
         state = self.checkpoint
         self.checkpoint = None  # not kept beside the model it was loaded into
         step = checkpoint.restore(state, self.cfg, self.parts)
@@ -420,17 +410,14 @@ class Run:
         self.summary.update(state["summary"], resumed_from_step=step)
         if self.main:
             print(f"dpmem: resuming {self.run_dir} from its checkpoint at step {step}", file=sys.stderr)
+            # from privacy.jsonl (dpmem.engine.folder.claim refused a private run whose ledger is missing or
+            # unreadable) and the folder's summary
+            self.mechanism.released = max(self._ledger_epsilon(), self._summarised_epsilon())
         if self.method.noise_reseeded is not None:
             self.summary["noise_reseeded"] = self.method.noise_reseeded
             print(f"dpmem: warning: {self.method.noise_reseeded}, whose states do not carry over: the noise is "
                   f"seeded afresh, so steps after {step} that the earlier run had done are redrawn with new noise "
                   "(what they released then, their metrics, is not in epsilon)", file=sys.stderr)
-        # what the lost attempts released, by privacy.jsonl since this run's start: the steps redone after the
-        # checkpoint redraw the same batches and noise, so ε is the most any attempt reached, not the checkpoint's
-        # (its lines that cannot be read skipped, and said so; dpmem.engine.folder.claim refused a private run whose
-        # ledger is missing or unreadable), and never less than the folder's summary said
-        if self.main:
-            self.mechanism.released = max(self._ledger_epsilon(), self._summarised_epsilon())
         self.summary["epsilon_spent"], self._eps_steps = self.mechanism.epsilon(step), step
         self._spent(event="resume", from_step=step)
         if self.main:  # records of the lost steps are written again (and lines cut short dropped)
@@ -445,16 +432,13 @@ class Run:
         records = privacy_records(self.run_dir)
         mine = [r for r in records if r.get("config") == self._config_hash] or records
         recorded = most_spent(mine) or 0.0
-        worst = None
-        for r in mine:
-            again = line_epsilon(r)
-            if again is not None and r.get("epsilon") is not None and again > float(r["epsilon"]) * (1 + 1e-6):
-                worst = max(worst or (0.0, r), (again, r), key=lambda pair: pair[0])
-        if worst is not None:
-            again, r = worst
+        understated = [(again, r) for r in mine if (again := line_epsilon(r)) is not None
+                       and r.get("epsilon") is not None and again > float(r["epsilon"]) * (1 + 1e-6)]
+        if understated:
+            again, r = max(understated, key=lambda pair: pair[0])
             print(f"dpmem: warning: {self.run_dir / PRIVACY_LEDGER}: a line at step {r.get('steps_done')} records "
-                  f"epsilon {float(r['epsilon']):.4g}, where its sigma, q, delta and steps give {again:.4g}: the larger "
-                  "is kept", file=sys.stderr)
+                  f"epsilon {float(r['epsilon']):.4g}, where its sigma, q, delta and steps give {again:.4g}: the "
+                  "larger is kept", file=sys.stderr)
             recorded = max(recorded, again)
         return recorded
 
@@ -476,10 +460,10 @@ class Run:
         return lr, self.method.step(micro, self.loss_fn)
 
     def microbatches(self, index: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-        """A logical batch (training-set indices) as physical micro-batches on the device. Under FSDP every rank
-        runs as many as the fullest rank: the others add padding ones (weighing 0). Under train.static_shapes every
-        micro-batch has the physical batch size (`Padded`, with its weights): the short one is filled up with
-        copies of its first example that weigh 0. Padding comes after sampling: the accountant's q is unchanged."""
+        """A logical batch (training-set indices) as physical micro-batches on the device, padded after sampling (q
+        is unchanged) with samples that weigh 0: under FSDP every rank runs as many as the fullest rank; under
+        train.static_shapes every micro-batch (`Padded`) has the physical batch size, copies of its first example
+        filling up the short one."""
         t = self.cfg.train
         physical = t.physical_batch_size or t.batch_size
         chunks = list(index.split(physical)) if len(index) else []
@@ -497,10 +481,9 @@ class Run:
 
     def batches(self):
         """The logical batches of the run's `steps` steps, as the sampler draws them."""
-        t = self.cfg.train
         sampler = self.mechanism.sampler
         sampler.count = 0  # step t's batch is draw t
-        return make_batches(self.sampling, self.data.n_train, t.batch_size, self.steps, sampler)
+        return make_batches(self.sampling, self.data.n_train, self.cfg.train.batch_size, self.steps, sampler)
 
     # -- the way in for tools that drive the steps themselves (dpmem spectrum's layer mode) -----------------
     def steps_on_device(self):

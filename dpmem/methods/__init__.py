@@ -27,24 +27,17 @@ def method_class(name: str) -> type[Method]:
 
 def validate(cfg) -> None:
     """Every check of a run config that its types cannot express: each group's (dpmem.config.validate_groups),
-    then what the method's class requires of the whole config (Method.check), and train.compile's. Raises
-    ConfigError."""
+    train.compile's, then what the method's class requires of the whole config (Method.check). Raises ConfigError."""
     cls = method_class(cfg.method.name)  # an unknown method is reported first
     validate_groups(cfg)
-    if cfg.train.get("compile"):
-        why = compile_refusal(cfg)
-        if why is not None:
-            raise ConfigError("train.compile", why)
-    cls.check(cfg)
-
-
-def compile_refusal(cfg) -> str | None:
-    """Why train.compile cannot compile this run's step (None: it can)."""
-    spec = method_class(cfg.method.name).spec
-    if not spec.compiled_step:
+    if cfg.train.get("compile") and not cls.spec.compiled_step:
         compiled = ", ".join(n for n, c in METHODS.items() if c.spec.compiled_step)
-        return f"{cfg.method.name} has no compiled step; allowed: {compiled} (or train.compile=false)"
-    return spec.compile_refusal(cfg)
+        raise ConfigError("train.compile", f"{cfg.method.name} has no compiled step; allowed: {compiled} (or "
+                          "train.compile=false)")
+    if cfg.train.get("compile") and cfg.train.fsdp:
+        raise ConfigError("train.compile", "dynamo stops at FSDP2's forward hooks, which torch keeps out of graphs "
+                          "(torch._dynamo.disable); with train.fsdp: train.compile=false")
+    cls.check(cfg)
 
 
 def check_fsdp(method_cfg) -> None:
@@ -80,5 +73,5 @@ def build_method(cfg, model, lr: float, mechanism: GaussianMechanism | None, see
     return cls(model, cfg, lr, mechanism=mechanism, seed=seed)
 
 
-__all__ = ["build_method", "check_fsdp", "compile_refusal", "method_class", "method_config", "validate", "Method",
+__all__ = ["build_method", "check_fsdp", "method_class", "method_config", "validate", "Method",
            "METHODS", "Adam", "DPAdam", "MeZO", "DPZero", "Grape", "GaLore", "GaLoreDPNaive", "DPSGDRC"]

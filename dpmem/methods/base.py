@@ -54,15 +54,6 @@ class MethodSpec:
         return (plan.shardable if plan is not None else self.shardable) and not (
             self.privatised_gradient and method_cfg.subspace.path is not None)
 
-    def compile_refusal(self, cfg) -> str | None:
-        """Why train.compile cannot compile this run's step (None: it can), beyond having no compiled step
-        (`dpmem.methods.compile_refusal`)."""
-        t = cfg.train
-        if t.fsdp:
-            return ("dynamo stops at FSDP2's forward hooks, which torch keeps out of graphs (torch._dynamo.disable); "
-                    "with train.fsdp: train.compile=false")
-        return None
-
 
 def make_optimizer(params: Sequence[nn.Parameter], cfg, lr: float) -> torch.optim.Optimizer:
     """torch's for-each implementation on every device (its default on CUDA only): a handful of kernels per step
@@ -155,11 +146,9 @@ class Method:
         (dpmem.config.validate_groups): finite options; for a private method, a clipping threshold, and sampling
         and an accountant that account for it. A method with options of its own extends it. Raises ConfigError."""
         t, p, m = cfg.train, cfg.privacy, cfg.method
-        if t.get("compile"):
-            if t.get("static_shapes") is False:
-                raise ConfigError("train.static_shapes", "false: a compiled step has one shape, every micro-batch "
-                                  "padded to the physical batch size; leave it unset (null) or true with "
-                                  "train.compile=true")
+        if t.get("compile") and t.get("static_shapes") is False:
+            raise ConfigError("train.static_shapes", "false: a compiled step has one shape, every micro-batch padded "
+                              "to the physical batch size; leave it unset (null) or true with train.compile=true")
         for key, value in m.items():  # a NaN or infinite option trains garbage that looks fine: none is allowed
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"method.{key}", f"{value} must be a finite number")

@@ -1,16 +1,9 @@
-"""How a private method forms Σᵢ min(1, C/‖gᵢ‖)·gᵢ: one value, built once by the method from its config
-(`Method.clipping`), read by the Privatizer, FSDP's check, the trainer's checkpointing warning and the summary.
-
-- materialize: one backward pass keeps every parameter's dense per-sample gradients, then norms and the weighted sum;
-- bk (book-keeping, Bu et al. ICML 2023): one backward pass keeps each linear-like layer's factors (its input A and
-  output gradient G; dense per-sample gradients of the rest), exact norms from them (T×T Gram matrices or the
-  layer's per-sample products, whichever is smaller), then the clipped sum (c ⊙ G)ᵀA per layer;
-- fgc | ghost | mixed | hutch | hutchpp: two passes (Opacus' fast gradient clipping). The first backward keeps only
-  per-sample squared norms, made as it leaves each layer (`dpmem.persample.norms` says how each rule gets them), and
-  goes no further than the layers' output gradients (no weight's batch product: `dpmem.persample.taps`); the second
-  back-propagates Σᵢ min(1, C/‖gᵢ‖)·Lᵢ through the same graph, so autograd itself sums the clipped gradients.
-  With an estimator (DP-SGD-RC) ‖gᵢ‖ is the square root of the summed estimates; with book-keeping it takes them in
-  bk's one pass instead (the same clip factors, the clipped sums from the kept factors).
+"""How a private method forms Σᵢ min(1, C/‖gᵢ‖)·gᵢ (docs/methods.md, Clipping modes): one value, built once from the
+method's config (`MethodSpec.clipping`), read by the Privatizer, FSDP's check, the trainer's checkpointing warning
+and the summary. One pass keeps dense per-sample gradients (materialize) or each linear-like layer's factors (bk,
+book-keeping, Bu et al. ICML 2023) until the norms are known; two (fgc, ghost, mixed, hutch, hutchpp: Opacus' fast
+gradient clipping) keep squared norms only, then back-propagate Σᵢ min(1, C/‖gᵢ‖)·Lᵢ, so that autograd itself sums
+the clipped gradients.
 """
 
 from __future__ import annotations
@@ -18,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dpmem.config import enum_value
-
 from dpmem.persample.norms import ESTIMATORS, RULES
 
 CHOICES = ("materialize", "bk") + RULES
@@ -59,18 +51,14 @@ class ClippingPlan:
         if bookkeeping and name not in ESTIMATORS:
             raise ValueError(f"bookkeeping with an estimator ({', '.join(ESTIMATORS)}), not {name!r}; "
                              "exact norms have clipping='bk'")
-        if name == "materialize":  # dense per-sample gradients: ghost norms them exactly (a sparse embedding's too)
-            return cls(name, "ghost", "gradients", k, projected)
-        if name == "bk":
-            return cls(name, "mixed", "factors", k, projected)
-        if bookkeeping:
-            return cls(name, name, "factors", k, projected)
-        return cls(name, name, "norms", k, projected)
+        # materialize's dense per-sample gradients: ghost norms them exactly (a sparse embedding's too)
+        norms, keeps = {"materialize": ("ghost", "gradients"), "bk": ("mixed", "factors")}.get(
+            name, (name, "factors" if bookkeeping else "norms"))
+        return cls(name, norms, keeps, k, projected)
 
     @property
     def passes(self) -> int:
-        """Backward passes per micro-batch: 1 keeps per-sample gradients (or factors) until the norms are known; 2
-        keeps norms only, and the second pass forms the clipped sums."""
+        """Backward passes per micro-batch (the module docstring says what each keeps)."""
         return 2 if self.keeps == "norms" else 1
 
     @property

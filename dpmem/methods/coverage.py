@@ -18,10 +18,8 @@ ROUNDING_BAND = 8  # differences up to this many tolerances are rounding that ra
 def verify_coverage(model: nn.Module, params: list[nn.Parameter], totals: dict[nn.Parameter, torch.Tensor],
                     transform: Callable[[nn.Parameter, torch.Tensor], torch.Tensor] | None = None,
                     compute: Compute = Compute()) -> None:
-    """Once, on the first micro-batch, while autograd's batch gradients are still in `.grad`: the per-sample
-    gradients' sums `totals` (Σᵢ gᵢ per parameter) must equal them (after `transform`, e.g. a projection). A
-    parameter also used outside the module that owns it would otherwise be under-clipped. Clears the `.grad`s.
-    Skipped on the meta device.
+    """While autograd's batch gradients are still in `.grad`: the per-sample gradients' sums `totals` (Σᵢ gᵢ per
+    parameter) must equal them (after `transform`, e.g. a projection). Clears the `.grad`s; skipped on meta.
 
     The two are compared in float32 to the rounding `compute` allows (the backward's dtype and TF32: the batch
     gradient comes out of the model's own matmuls, the sums out of full-float32 ones). A difference within a few

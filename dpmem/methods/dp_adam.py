@@ -1,7 +1,6 @@
 """DP-Adam / DP-SGD with flat clipping (DP-GRAPE (arXiv 2506.15588) App. A, Algorithm 3): the privatised gradient G̃ of
-`Privatizer`, then the configured optimiser (Adam, AdamW or SGD) steps on it. `method.clipping` picks one pass with
-per-sample gradients (materialize) or with layer factors (bk), or two passes with per-sample norms only (fgc, ghost,
-mixed)."""
+`Privatizer`, clipped as `method.clipping` says (`dpmem.methods.clipping_plan`), then the configured optimiser (Adam,
+AdamW or SGD) steps on it."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ from dpmem.privacy.mechanism import GaussianMechanism
 
 class DPAdam(Method):
     config = DPAdamConfig
-    spec = MethodSpec(private=True, privatised_gradient=True, compiled_step=True,
-                      plan=configured)
+    spec = MethodSpec(private=True, privatised_gradient=True, compiled_step=True, plan=configured)
     _fused = False  # train.compile ran `compile`: the optimiser is fused, its steps taken directly
 
     def __init__(self, model, cfg, lr, mechanism: GaussianMechanism, seed: int = 0):
@@ -28,9 +26,8 @@ class DPAdam(Method):
 
     def compile(self, compiler) -> None:
         """The private step's micro-batches compiled (`Privatizer.compile`). torch's optimiser steps eagerly (its
-        step breaks the graph on purpose, `torch.optim.optimizer._use_grad`), in its fused implementation: one
-        kernel for all parameters where the for-each one dispatches about ten; Adam's and AdamW's called directly
-        once the first (eager) step has made their state (`fused_adam_step`)."""
+        step breaks the graph on purpose, `torch.optim.optimizer._use_grad`), fused (`fuse`); Adam's and AdamW's
+        directly once the first (eager) step has made their state (`fused_adam_step`)."""
         self.privatizer.compile(compiler)
         fuse(self.optimizer)
         self.optimizer.register_step_pre_hook(own_step_counts)

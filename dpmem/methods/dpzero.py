@@ -43,10 +43,9 @@ class ZerothOrder(Method):
         self.seeds = torch.Generator().manual_seed(seed)  # direction seeds, reproducible from the run seed
         self.dim = sum(p.numel() for p in self.params)
         # dpmem audit's GradientCanaries (DPZero): scalars along the step's direction, clipped with the real ones
-        observers = mechanism.observers if mechanism is not None else ()
-        if len(observers) > 1:
-            raise ValueError(f"{cfg.name} takes one observer, dpmem audit's canaries; given {len(observers)}")
-        self.canaries = observers[0] if observers else None
+        if len(self.observers) > 1:
+            raise ValueError(f"{cfg.name} takes one observer, dpmem audit's canaries; given {len(self.observers)}")
+        self.canaries = self.observers[0] if self.observers else None
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "direction_rng": self.seeds.get_state()}
@@ -57,9 +56,7 @@ class ZerothOrder(Method):
 
     def _directions(self, seed: int):
         """z for each parameter in turn, regenerated from `seed` (only one parameter's z exists at a time)."""
-        gen = None
-        if self.device.type != "meta":
-            gen = torch.Generator(device=self.device).manual_seed(seed)
+        gen = None if self.device.type == "meta" else torch.Generator(device=self.device).manual_seed(seed)
         scale = None
         if self.direction == "sphere":  # uniform on the sphere of radius √d, so that E[zzᵀ] = I as for Gaussian z
             squares = sum(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).pow(2).sum()
@@ -112,8 +109,7 @@ class ZerothOrder(Method):
     def step(self, microbatches, loss_fn):
         seed = int(torch.randint(2**62, (1,), generator=self.seeds))  # host-side RNG, no device sync
         if not microbatches:
-            estimates = torch.zeros(0, device=self.device)
-            loss = torch.zeros((), device=self.device)
+            estimates, loss = torch.zeros(0, device=self.device), torch.zeros((), device=self.device)
         else:
             estimates, mid = self.per_sample_estimates(seed, microbatches, loss_fn)
             loss = (self.mechanism.clipped_losses(mid) if self.mechanism is not None else mid).sum()

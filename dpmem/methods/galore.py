@@ -15,10 +15,9 @@ import torch
 from dpmem import distributed
 from dpmem.config import GaLoreDPNaiveConfig, ProjectedConfig
 from dpmem.data.bundle import real_size, weights
-from dpmem.methods.base import Method, MethodSpec, check_positive
+from dpmem.methods.base import MethodSpec
 from dpmem.methods.clipping_plan import configured
-from dpmem.methods.privatize import Privatizer
-from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
+from dpmem.methods.projected_adam import ProjectedMethod
 from dpmem.persample import Projection
 from dpmem.privacy.mechanism import GaussianMechanism
 
@@ -30,25 +29,12 @@ def svd_projection(g: torch.Tensor, side: int, rank: int) -> Projection:
     return Projection(P.to(g.dtype).contiguous(), side)
 
 
-class GaLore(Method):
+class GaLore(ProjectedMethod):
     config = ProjectedConfig
-
-    @classmethod
-    def check(cls, cfg) -> None:
-        super().check(cfg)
-        check_positive(cfg.method, "rank", "refresh")  # the projections' rank r, refreshed every F steps
 
     def __init__(self, model, cfg, lr, mechanism: GaussianMechanism | None = None, seed: int = 0):
         super().__init__(model, cfg, lr, mechanism, seed)
-        self.rank, self.refresh, self.t = cfg.rank, cfg.refresh, 0
-        self.params = self._parameters(model, mechanism, cfg)
-        self.sides = choose_projected(model, cfg.projected, cfg.rank)
         self.projections: dict[torch.nn.Parameter, Projection] = {}  # stored: r·Σm, as in the paper's Table 2
-        shapes = {p: projected_shape(p, self.sides.get(p), self.rank) for p in self.params}
-        self.adam = ProjectedAdam(self.params, shapes, cfg.betas, cfg.eps, cfg.weight_decay)
-
-    def _parameters(self, model, mechanism, cfg) -> list[torch.nn.Parameter]:
-        return [p for p in model.parameters() if p.requires_grad]
 
     def gradient(self, microbatches, loss_fn) -> tuple[dict | None, torch.Tensor]:
         """The batch-mean gradient of an ordinary backward pass (micro-batches accumulate; ranks sum theirs), None
@@ -68,17 +54,14 @@ class GaLore(Method):
         return grads, loss_sum
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return self.adam.state_tensors() + [proj.P for proj in self.projections.values()]
+        return super().state_tensors() + [proj.P for proj in self.projections.values()]
 
     def state_dict(self) -> dict:
         index = {p: i for i, p in enumerate(self.params)}
-        return {**super().state_dict(), "t": self.t, "adam": self.adam.state_dict(),
-                "projections": {index[p]: (proj.P, proj.side) for p, proj in self.projections.items()}}
+        return {**super().state_dict(), "projections": {index[p]: (q.P, q.side) for p, q in self.projections.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.t = state["t"]
-        self.adam.load_state_dict(state["adam"])
         self.projections = {self.params[i]: Projection(P.to(self.params[i].device), side)
                             for i, (P, side) in state["projections"].items()}
 
@@ -97,12 +80,7 @@ class GaLore(Method):
 
 class GaLoreDPNaive(GaLore):
     config = GaLoreDPNaiveConfig
-    spec = MethodSpec(private=True, privatised_gradient=True, compiled_step=True,
-                      plan=configured)
-
-    def _parameters(self, model, mechanism, cfg):
-        self.privatizer = Privatizer(model, mechanism, self.clipping_plan(cfg), cfg.check_coverage)
-        return self.privatizer.params
+    spec = MethodSpec(private=True, privatised_gradient=True, compiled_step=True, plan=configured)
 
     def compile(self, compiler) -> None:
         """The private step's micro-batches compiled (`Privatizer.compile`); the SVD refresh and projected Adam stay

@@ -19,37 +19,23 @@ import torch
 from torch import nn
 
 from dpmem.config import GrapeConfig
-from dpmem.methods.base import Method, MethodSpec, check_positive
+from dpmem.methods.base import MethodSpec
 from dpmem.methods.clipping_plan import ClippingPlan
-from dpmem.methods.privatize import Privatizer
-from dpmem.methods.projected_adam import ProjectedAdam, choose_projected, projected_shape
+from dpmem.methods.projected_adam import ProjectedMethod
 from dpmem.persample import Projection, reducers
 from dpmem.privacy.mechanism import GaussianMechanism
 
 
-class Grape(Method):
+class Grape(ProjectedMethod):
     config = GrapeConfig
     # its clipped sums live in the projected space: no full privatised gradient; the projected per-sample gradients
     # are small: materialised, and all-reduced whole under FSDP
     spec = MethodSpec(private=True, compiled_step=True, plan=lambda m: ClippingPlan.of("materialize", projected=True))
 
-    @classmethod
-    def check(cls, cfg) -> None:
-        super().check(cfg)
-        check_positive(cfg.method, "rank", "refresh")  # the projections' rank r, refreshed every F steps
-
     def __init__(self, model, cfg, lr, mechanism: GaussianMechanism, seed: int = 0):
-        super().__init__(model, cfg, lr, mechanism, seed)
-        self.privatizer = Privatizer(model, mechanism, self.clipping_plan(cfg), cfg.check_coverage)
-        self.params = self.privatizer.params
-        self.rank, self.refresh, self.seed, self.t = cfg.rank, cfg.refresh, seed, 0
-        # parameter -> projected side (0 rows, 1 columns)
-        self.sides = choose_projected(model, cfg.projected, cfg.rank, embeddings=cfg.project_embeddings)
-        self.layer_index = {p: i for i, p in enumerate(self.sides)}
-        self.shapes = {p: projected_shape(p, self.sides.get(p), self.rank) for p in self.params}
-        self.adam = ProjectedAdam(self.params, self.shapes, cfg.betas, cfg.eps, cfg.weight_decay)
+        super().__init__(model, cfg, lr, mechanism, seed, embeddings=cfg.project_embeddings)
+        self.seed, self.layer_index = seed, {p: i for i, p in enumerate(self.sides)}
         self._projection_buffers = None  # compiled: the projections' buffers (`compile`)
-
 
     def compile(self, compiler) -> None:
         """The private step's micro-batches compiled (`Privatizer.compile`), given this window's projections: kept
@@ -73,23 +59,13 @@ class Grape(Method):
         return self._projection_buffers
 
     def projection(self, p: nn.Parameter, t: int) -> Projection:
-        """P for parameter p at (1-based) step t: N(0, 1/r), regenerated from (run seed, layer, t // F)."""
+        """P for parameter p at (1-based) step t: N(0, 1/r), regenerated from (run seed, layer, t // F): never
+        stored, nor checkpointed."""
         side = self.sides[p]
         seed = ((self.seed * 1_000_003 + self.layer_index[p]) * 1_000_033 + t // self.refresh) % 2**63
         gen = None if p.device.type == "meta" else torch.Generator(device=p.device).manual_seed(seed)
         P = torch.normal(0.0, 1 / math.sqrt(self.rank), (p.shape[side], self.rank), generator=gen, device=p.device)
         return Projection(P.to(p.dtype), side)
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        return self.adam.state_tensors()
-
-    def state_dict(self) -> dict:  # the projections are regenerated from (seed, layer, t // F)
-        return {**super().state_dict(), "t": self.t, "adam": self.adam.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.t = state["t"]
-        self.adam.load_state_dict(state["adam"])
 
     def step(self, microbatches, loss_fn):
         self.t = t = self.t + 1

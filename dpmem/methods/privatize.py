@@ -75,24 +75,16 @@ def per_sample(losses: torch.Tensor, mb) -> torch.Tensor:
 
 
 class Privatizer:
-    """The privatised gradient of `model`'s trainable parameters, one logical step per call.
-
-    Its taps (the per-sample capture's hooks, `dpmem.persample.taps`) are removed by `close()` (or
-    `with Privatizer(...) as privatize:`). They act only inside its own call, so several privatizers on one model,
-    or a plain `loss.backward()` beside one, do not interfere.
+    """The privatised gradient of `model`'s trainable parameters, one logical step per call. Its taps
+    (`dpmem.persample.taps`) act only inside its own call and are removed by `close()` (or `with`).
 
     Args:
         model: the model whose trainable parameters (`requires_grad=True`) are privatised; a layer no per-sample
             rule covers is refused.
-        mechanism: the Gaussian mechanism (σ, the clipping norm C, the expected batch size, the secret draws):
-            it turns norms into clip factors and clipped sums into their release, the only noise drawn.
-        plan: how each sample's gradient is clipped. The default, `ClippingPlan.of("materialize")`, keeps every
-            per-sample gradient (the most memory); pass `ClippingPlan.of("bk")` for book-keeping, dp-adam's
-            default in `dpmem train`: one pass, each layer's input and output gradient kept instead.
-        check_coverage: on the first step, check that the per-sample gradients sum to autograd's batch gradient
-            (a parameter used outside the module that owns it fails it).
-
-    The mechanism's observers are called at each stage of the step (as `dpmem audit`'s canaries use them).
+        mechanism: the Gaussian mechanism: clip factors from norms, and the release of the clipped sums.
+        plan: how each sample's gradient is clipped (`ClippingPlan.of("bk")`: book-keeping, dp-adam's default;
+            materialize keeps every per-sample gradient, the most memory).
+        check_coverage: on the first step, check that the per-sample gradients sum to autograd's batch gradient.
     """
 
     def __init__(self, model: nn.Module, mechanism: GaussianMechanism,
@@ -115,10 +107,8 @@ class Privatizer:
         self._flat = None  # the compiled step's clipped sums, one flat tensor (`_compiled_pass`), until released
         self._sum_shapes = self._noise_runs = None  # the compiled step's: each sum's shape, the noise's runs' sizes
         # Keys drawn once per logical step, the same on every rank, from the noise's secret key (host-side: no sync):
-        # - the estimators' probes (dp-sgd-rc), shared by the step's whole batch: every micro-batch, on every rank,
-        #   draws them again from the step's key, so neither the physical batch size nor the number of ranks
-        #   changes them;
-        # - under FSDP, each rank's draws of the step's noise on its shards (keyed by the step's key and rank).
+        # dp-sgd-rc's probes (each micro-batch, on each rank, draws them again from the step's key, so neither the
+        # physical batch size nor the number of ranks changes them) and, under FSDP, each rank's noise on its shards.
         self.step_keys = self._probe_draws = None
         draws = mechanism.draws
         if draws is not None and (plan.estimated or self.sharded):
@@ -129,21 +119,9 @@ class Privatizer:
             observer.attach(self)
 
     def compile(self, compiler) -> None:
-        """train.compile: each micro-batch (forward, per-sample backward with its streamed norms or per-sample
-        gradients, clip factors, clipped sums; two-pass clipping's second backward pass) compiled whole
-        (`dpmem.compiling`); the release adds the noise, drawn outside, to the flat sum. The first step, with the
-        coverage check, stays eager.
-
-        A checkpointed model's forward is compiled instead, with its taps: AOTAutograd makes its backward, the
-        streamed reductions in it, and its partitioner recomputes each block there. In one graph with the backward,
-        inductor recomputes one region only (a checkpointed model has one per block). The rest of the micro-batch
-        (clip factors, clipped sums, two-pass clipping's second backward pass through the same compiled backward)
-        stays eager.
-
-        Under TF32 (`compiler.tf32`) the forward is compiled alone too, and no reduction runs in its backward: a
-        graph runs in the TF32 mode it was compiled in, and the private arithmetic (norms, clip factors, clipped
-        sums) must run in full float32. The layers' output gradients and inputs come out of the backward pass whole
-        (or as pairs, checkpointed) and are reduced eagerly, with TF32 switched off."""
+        """train.compile: each micro-batch compiled whole (`dpmem.compiling`), the release eager on its flat sum and
+        the first step (the coverage check) eager; a checkpointed model's forward, or a TF32 run's, compiled alone
+        with its taps, the rest eager (docs/methods.md, A compiled step, says why)."""
         if self.sharded or self.observers:
             raise ValueError("a compiled private step needs no FSDP and no observers (dpmem audit)")
         if checkpointed(self.model) or compiler.tf32:
@@ -248,13 +226,10 @@ class Privatizer:
 
     def _shard_noise(self) -> Draws | None:
         """This rank's draws of the step's noise on its FSDP shards (None on meta, where nothing is drawn)."""
-        if self.step_keys is None:
-            return None
-        return self.step_keys.child(f"shard-noise/{distributed.rank()}")
+        return None if self.step_keys is None else self.step_keys.child(f"shard-noise/{distributed.rank()}")
 
     def _with_step_probes(self, microbatches):
-        """The micro-batches, with dp-sgd-rc's probe draws keyed anew for the step before each: the step's probes,
-        the same for every micro-batch (and rank)."""
+        """The micro-batches, dp-sgd-rc's probe draws keyed anew before each by the step's key."""
         key = self.step_keys.next_key() if self._probe_draws is not None else None
         for mb in microbatches:
             if key is not None:
@@ -277,21 +252,18 @@ class Privatizer:
         if flat is None:
             flat = torch.zeros(sum(s.numel() for s in self._sum_shapes), device=self.device, dtype=self.params[0].dtype)
         self._flat = flat
-        summed = dict(zip(self.params, _views(flat, self._sum_shapes)))
+        chunks = flat.split([s.numel() for s in self._sum_shapes])  # a vector's chunk as it is: a view op fewer
+        summed = {p: c if len(s) == 1 else c.view(s) for p, c, s in zip(self.params, chunks, self._sum_shapes)}
         if self._noise_runs is None:  # the release's runs over these sums: consecutive slices of flat
             self._noise_runs = self.mechanism.flat_runs(summed)
         return summed, loss_sum
 
     def microbatch(self, mb, loss_fn, projections, summed, zero, check, probes, shapes) -> torch.Tensor:
-        """One micro-batch: forward, the per-sample backward to the taps' probes, norms, clip factors, and
-        Σᵢ min(1, C/‖gᵢ‖)·wᵢ·gᵢ added into `summed` (in place; a parameter's first part becomes its sum). Returns the
-        micro-batch's clipped loss sum. One pass keeps per-sample gradients (dense, factors or projections) and
-        weighs them; two passes keep norms only, and a second backward pass of Σᵢ fᵢ·Lᵢ forms the clipped sums.
-        Ordinary tensor code: `train.compile` compiles it whole.
-        `projections` (DP-GRAPE): a parameter's `Projection`, or what makes it. `check` (the first micro-batch,
-        eager): compare with autograd's batch gradient (its projections). `probes`: the estimators' draws.
-        `shapes`: each parameter's kept shape (a projection's for DP-GRAPE), which a streamed value takes; None:
-        nothing streams (a compiled one-pass step)."""
+        """One micro-batch: Σᵢ min(1, C/‖gᵢ‖)·wᵢ·gᵢ added into `summed` (in place; a parameter's first part becomes
+        its sum); returns its clipped loss sum. One pass weighs the kept per-sample gradients (dense, factors or
+        projections); two keep norms only, and a second backward pass of Σᵢ fᵢ·Lᵢ forms the sums. `check`: compare
+        with autograd's batch gradient (the first micro-batch). `shapes`: each parameter's kept shape, which a
+        streamed value takes; None: nothing streams (a compiled one-pass step)."""
         two_pass = self.plan.passes == 2
         if two_pass:  # norms only; with the check, Σᵢ gᵢ too
             norm = reducers.norms(self.plan.norms, self.plan.k, probes or self._probe_draws)
@@ -370,21 +342,18 @@ class Privatizer:
             return losses, kept, batch_grads  # under FSDP the batch gradient is in .grad already
 
     def _forward(self, mb, loss_fn) -> torch.Tensor:
-        """The model's per-sample losses on `mb` (the compiled function of a checkpointed model's or TF32 run's
-        step)."""
+        """The per-sample losses on `mb` (what `compile` compiles alone: a checkpointed model's, a TF32 run's)."""
         return loss_fn(self.model, mb)
 
     def _microbatch_flat(self, mb, loss_fn, projections, zero, probes) -> tuple[torch.Tensor, torch.Tensor]:
         """`microbatch` with its clipped sums returned as one flat tensor, in the parameters' order (the compiled
         step's: one output, not one per parameter), and its clipped loss sum."""
-        summed = {}
+        summed, shapes = {}, dict(zip(self.params, self._sum_shapes))
         # one pass keeps its layers whole: a graph with a function per layer ran host-bound grape at 0.83× compiled
         # AdamW's samples/s, 0.91× without (docs/benchmarks/compile.md); two passes stream their norms
-        shapes = dict(zip(self.params, self._sum_shapes)) if self.plan.passes == 2 else None
-        loss = self.microbatch(mb, loss_fn, projections, summed, zero, False, probes, shapes)
-        return torch.cat([summed[p].reshape(-1) if p in summed else torch.zeros(s.numel(), device=self.device,
-                                                                                 dtype=self.params[0].dtype)
-                          for p, s in zip(self.params, self._sum_shapes)]), loss
+        loss = self.microbatch(mb, loss_fn, projections, summed, zero, False, probes,
+                               shapes if self.plan.passes == 2 else None)
+        return torch.cat([s.reshape(-1) for s in self._completed(summed, shapes).values()]), loss
 
     def _completed(self, summed, shapes=None) -> dict[nn.Parameter, torch.Tensor]:
         """Every parameter's clipped sum: zeros (of `shapes[p]`, else of p: a shard under FSDP) for one that no
@@ -393,11 +362,6 @@ class Privatizer:
             return {p: summed[p] if p in summed else
                     torch.zeros_like(p) if shapes is None else torch.zeros(shapes[p], device=p.device, dtype=p.dtype)
                     for p in self.params}
-
-
-def _views(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
-    """Consecutive views of `flat`, of `shapes` (a vector's chunk as it is: a view op fewer per bias)."""
-    return [c if len(s) == 1 else c.view(s) for c, s in zip(flat.split([s.numel() for s in shapes]), shapes)]
 
 
 def _squares(kept: dict) -> dict:

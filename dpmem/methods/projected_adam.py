@@ -3,9 +3,9 @@
     M ← β₁M + (1−β₁)R ;  V ← β₂V + (1−β₂)R² ;  α = η·√(1−β₂ᵗ)/(1−β₁ᵗ) ;  W ← W − α · lift(M / (√V + ε̂))
 
 Parameters without a projection keep full-size moments and lift is the identity. Under FSDP (`dpmem.sharding`) each
-rank keeps the moments of its rows of an unprojected parameter, and lifts the update onto its rows only. The caller says which
-projection lifts each parameter at step t (regenerated for DP-GRAPE, stored for GaLore); moments carry over
-when the projection changes, as the algorithm is written.
+rank keeps the moments of its rows of an unprojected parameter, and lifts the update onto its rows only. The caller
+says which projection lifts each parameter at step t (regenerated for DP-GRAPE, stored for GaLore); moments carry
+over when the projection changes, as the algorithm is written.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from torch import nn
 
 from dpmem import sharding
 from dpmem.config import ConfigError
+from dpmem.methods.base import Method, check_positive
+from dpmem.methods.privatize import Privatizer
 from dpmem.persample import Projection, projectable_weights
 
 # Output heads stay unprojected by default, as in the DP-GRAPE paper (RoBERTa's LM head, classifiers).
@@ -50,8 +52,7 @@ def choose_projected(model: nn.Module, patterns, rank: int, embeddings: bool = F
                               f"{', '.join(candidates) or f'none (no Linear/Conv1D layer with both sides > {rank})'}")
         tied = [n for n, p in chosen.items() if id(p) in shared]
         if tied and not embeddings:
-            raise ConfigError(key, f"{tied[0]} shares its weight with another layer; leave it "
-                              "unprojected")
+            raise ConfigError(key, f"{tied[0]} shares its weight with another layer; leave it unprojected")
     sides = {p: 0 if p.shape[0] <= p.shape[1] else 1 for p in chosen.values()}
     if embeddings:
         tied_heads = {id(e) for e in embedding_weights.values()}
@@ -78,7 +79,6 @@ class ProjectedAdam:
     def __init__(self, params: list[nn.Parameter], shapes: dict[nn.Parameter, torch.Size], betas, eps: float,
                  weight_decay: float = 0.0):
         self.params, self.betas, self.eps, self.weight_decay = params, tuple(betas), eps, weight_decay
-        # an unprojected parameter's moments have its shape: under FSDP, that of this rank's shard
         self.row_shards = {p for p in params if sharding.is_sharded(p) and shapes[p] == p.shape}
         local = {p: sharding.local(p).shape if p in self.row_shards else shapes[p] for p in params}
         self.moments = {p: (torch.zeros(local[p], device=p.device, dtype=p.dtype),
@@ -125,3 +125,34 @@ class ProjectedAdam:
                 target.sub_(proj.lift(m / d, sharding.rows(p)), alpha=alpha)
         if plain:
             torch._foreach_addcdiv_(*(list(column) for column in zip(*plain)), value=-alpha)
+
+
+class ProjectedMethod(Method):
+    """A method that steps `ProjectedAdam` (DP-GRAPE, GaLore), on its `Privatizer`'s gradient when private."""
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        super().check(cfg)
+        check_positive(cfg.method, "rank", "refresh")  # the projections' rank r, refreshed every F steps
+
+    def __init__(self, model, cfg, lr, mechanism=None, seed: int = 0, embeddings: bool = False):
+        super().__init__(model, cfg, lr, mechanism, seed)
+        if self.spec.private:
+            self.privatizer = Privatizer(model, mechanism, self.clipping_plan(cfg), cfg.check_coverage)
+        self.params = self.privatizer.params if self.privatizer else [p for p in model.parameters() if p.requires_grad]
+        self.rank, self.refresh, self.t = cfg.rank, cfg.refresh, 0
+        # parameter -> projected side (0 rows, 1 columns)
+        self.sides = choose_projected(model, cfg.projected, cfg.rank, embeddings)
+        self.shapes = {p: projected_shape(p, self.sides.get(p), self.rank) for p in self.params}
+        self.adam = ProjectedAdam(self.params, self.shapes, cfg.betas, cfg.eps, cfg.weight_decay)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return self.adam.state_tensors()
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "t": self.t, "adam": self.adam.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.t = state["t"]
+        self.adam.load_state_dict(state["adam"])

@@ -29,8 +29,7 @@ from dpmem.persample import factored_weights
 
 class DPSGDRC(DPAdam):
     config = DPSGDRCConfig
-    # the clipped contribution's norm may exceed C: pld and rdp would understate epsilon; k probes per estimate,
-    # one pass (book-keeping) or two
+    # its own accountant (the module docstring says why); k probes per estimate, in one pass (book-keeping) or two
     spec = dataclasses.replace(DPAdam.spec, accountant="rc", plan=lambda m: ClippingPlan.of(
         enum_value(m.estimator), m.k, bookkeeping=m.bookkeeping))
 

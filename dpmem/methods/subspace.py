@@ -1,16 +1,11 @@
 """Subspace re-training (Li et al. 2022 (When Does DP Learning Not Suffer in High Dimensions?) §4.2, Fig. 2b):
 each step's gradient is projected onto the top-k principal directions V_k found by `dpmem spectrum mode=trajectory`,
-g ↦ V_k V_kᵀ g over the flattened trainable parameters.
+g ↦ V_k V_kᵀ g over the flattened trainable parameters: the clipped sums, before the noise (the paper's experiment),
+or the privatised gradient (`method.subspace.where`, `dpmem.config.SubspaceWhere`).
 
-`method.subspace.where` says which gradient is projected:
-- clipped (the paper's experiment): the sum of clipped per-sample gradients, before the noise; the isotropic
-  Gaussian noise is still added in all p dimensions;
-- privatised: the noisy gradient after the Gaussian mechanism, so noise stays only in the k directions.
-
-Privacy: V_k is computed from gradients. If they were the non-noised clipped gradients of this same training set,
-V_k is a function of the private data, the projection leaks it, and the run is recorded as not private (ε = ∞).
-A subspace from another data set counts as public. The rule reads the `source` the spectrum run stored in the file;
-a file without one is taken as not private."""
+Privacy (`privacy_of`, from the `source` the spectrum run stored in the file): a V_k made from the non-noised
+clipped gradients of this same training set is a function of the private data, so the run is recorded as not
+private (ε = ∞); one from another data set, or from privatised gradients, is public."""
 
 from __future__ import annotations
 
@@ -21,9 +16,6 @@ from torch import nn
 
 from dpmem.config import ConfigError, enum_value
 from dpmem.methods.privatize import Observer
-
-WHERE = ("clipped", "privatised")
-
 
 def save_subspace(path: Path, names: list[str], shapes: list[tuple[int, ...]], basis: torch.Tensor,
                   values: torch.Tensor, source: dict) -> None:
@@ -50,8 +42,7 @@ def privacy_of(source: dict | None, data_cfg) -> tuple[bool, str]:
 
 
 class SubspaceProjection(Observer):
-    """g ↦ V_k V_kᵀ g on the concatenation of the trainable parameters' gradients, in the file's order: of the
-    clipped sums, or of the privatised gradient (`where`)."""
+    """The projection, on the trainable parameters' gradients concatenated in the file's order."""
 
     def __init__(self, cfg, model: nn.Module):
         path = Path(cfg.path).expanduser()
@@ -68,13 +59,9 @@ class SubspaceProjection(Observer):
         k = cfg.k if cfg.k is not None else basis.shape[1]
         if not 1 <= k <= basis.shape[1]:
             raise ConfigError("method.subspace.k", f"{k}: allowed 1..{basis.shape[1]} (the directions stored)")
-        where = enum_value(cfg.where)
-        if where not in WHERE:
-            raise ConfigError("method.subspace.where", f"{where!r}; allowed: {', '.join(WHERE)}")
-        self.where, self.k, self.source = where, k, stored.get("source")
+        self.where, self.k, self.source = enum_value(cfg.where), k, stored.get("source")
         self.order = [named[n] for n in stored["names"]]
-        device = self.order[0].device
-        self.basis = basis[:, :k].to(device=device, dtype=self.order[0].dtype).contiguous()
+        self.basis = basis[:, :k].to(device=self.order[0].device, dtype=self.order[0].dtype).contiguous()
 
     def on_clipped(self, privatizer, summed: dict) -> dict:
         return self(summed) if self.where == "clipped" else summed
@@ -83,10 +70,6 @@ class SubspaceProjection(Observer):
         return self(released) if self.where == "privatised" else released
 
     def __call__(self, grads: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
-        flat = torch.cat([grads[p].reshape(-1) for p in self.order])
-        flat = self.basis @ (self.basis.T @ flat)
-        out, start = dict(grads), 0
-        for p in self.order:
-            out[p] = flat[start:start + p.numel()].view_as(grads[p])
-            start += p.numel()
-        return out
+        flat = self.basis @ (self.basis.T @ torch.cat([grads[p].reshape(-1) for p in self.order]))
+        parts = flat.split([p.numel() for p in self.order])
+        return {**grads, **{p: part.view_as(grads[p]) for p, part in zip(self.order, parts)}}

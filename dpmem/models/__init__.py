@@ -34,27 +34,27 @@ def _vit(cfg, data: DataBundle, weights: bool) -> nn.Module:
     return ViTForImageClassification(ViTConfig(**arch, num_channels=channels, num_labels=data.num_classes))
 
 
-def _roberta(cfg, data: DataBundle, weights: bool) -> nn.Module:
-    """RoBERTa with a sequence-classification head, or its masked-LM head (tied to the word embeddings) for
-    prompt-based classification over label words."""
-    from transformers import RobertaConfig, RobertaForMaskedLM, RobertaForSequenceClassification
-    _text(cfg, data)
-    cls = RobertaForMaskedLM if _heads(cfg, "classifier", "mlm") == "mlm" else RobertaForSequenceClassification
-    if cfg.pretrained and weights:
-        return _from_pretrained(cls, cfg.pretrained, num_labels=data.num_classes)
-    return cls(RobertaConfig(**_arch(cfg), num_labels=data.num_classes))
+# the text families: their transformers config class, and the model class of each head they have (how each head is
+# trained: dpmem.data.text). BERT (e.g. all-MiniLM-L6-v2) classifies on its pooled output.
+TEXT = {"roberta": ("RobertaConfig", {"classifier": "RobertaForSequenceClassification", "mlm": "RobertaForMaskedLM"}),
+        "bert": ("BertConfig", {"classifier": "BertForSequenceClassification"}),
+        "opt": ("OPTConfig", {"causal": "OPTForCausalLM"}), "llama": ("LlamaConfig", {"causal": "LlamaForCausalLM"})}
 
 
-def _bert(cfg, data: DataBundle, weights: bool) -> nn.Module:
-    """BERT (e.g. all-MiniLM-L6-v2) with a sequence-classification head on its pooled output."""
-    from transformers import BertConfig, BertForSequenceClassification
-    _text(cfg, data)
-    _heads(cfg, "classifier")
+def _text(cfg, data: DataBundle, weights: bool) -> nn.Module:
+    import transformers
+    if len(data.input_shape) != 1:
+        raise ConfigError("model", f"{cfg.name} needs a text data set (token ids); with image data use a ViT "
+                          "(model=vit-tiny), or data=synthetic for random token ids")
+    config_cls, heads = TEXT[cfg.family]
+    cls = getattr(transformers, heads[_heads(cfg, *heads)])
+    labels = {} if cfg.head == "causal" else {"num_labels": data.num_classes}
     if cfg.pretrained and weights:
-        model = _from_pretrained(BertForSequenceClassification, cfg.pretrained, num_labels=data.num_classes)
+        model = _from_pretrained(cls, cfg.pretrained, **labels)
     else:
-        model = BertForSequenceClassification(BertConfig(**_arch(cfg), num_labels=data.num_classes))
-    model.bert.embeddings.register_forward_pre_hook(_batched_positions, with_kwargs=True)
+        model = cls(getattr(transformers, config_cls)(**_arch(cfg), **labels))
+    if cfg.family == "bert":
+        model.bert.embeddings.register_forward_pre_hook(_batched_positions, with_kwargs=True)
     return model
 
 
@@ -67,25 +67,6 @@ def _batched_positions(module, args, kwargs):
         start = kwargs.get("past_key_values_length", 0)
         kwargs["position_ids"] = module.position_ids[:, start:start + ids.shape[1]].expand(ids.shape[0], -1)
     return args, kwargs
-
-
-def _causal(config_cls: str, model_cls: str):
-    """A decoder-only LM (OPT, Llama) with its LM head, fine-tuned on next-token losses."""
-    def build(cfg, data: DataBundle, weights: bool) -> nn.Module:
-        import transformers
-        _text(cfg, data)
-        _heads(cfg, "causal")
-        cls = getattr(transformers, model_cls)
-        if cfg.pretrained and weights:
-            return _from_pretrained(cls, cfg.pretrained)
-        return cls(getattr(transformers, config_cls)(**_arch(cfg)))
-    return build
-
-
-def _text(cfg, data: DataBundle) -> None:
-    if len(data.input_shape) != 1:
-        raise ConfigError("model", f"{cfg.name} needs a text data set (token ids); with image data use a ViT "
-                          "(model=vit-tiny), or data=synthetic for random token ids")
 
 
 def _heads(cfg, *allowed: str) -> str:
@@ -120,8 +101,7 @@ def _median(cfg, data: DataBundle, weights: bool) -> nn.Module:
     return GeometricMedian(data.problem["A"], data.problem["alpha"])
 
 
-FAMILIES = {"vit": _vit, "roberta": _roberta, "bert": _bert, "opt": _causal("OPTConfig", "OPTForCausalLM"),
-            "llama": _causal("LlamaConfig", "LlamaForCausalLM"), "median": _median}
+FAMILIES = {"vit": _vit, **dict.fromkeys(TEXT, _text), "median": _median}
 
 
 def build_model(cfg, data: DataBundle, weights: bool = True) -> nn.Module:

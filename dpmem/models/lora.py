@@ -17,7 +17,6 @@ from dpmem.config import ConfigError
 
 
 def apply_lora(cfg, model: nn.Module) -> nn.Module:
-    """`model` with LoRA adapters per `cfg.lora` (a ModelConfig), or unchanged when cfg.lora.r is None."""
     lora = cfg.lora
     if lora.r is None:
         return model
@@ -28,10 +27,9 @@ def apply_lora(cfg, model: nn.Module) -> nn.Module:
     import peft
     saved = list(lora.modules_to_save) if lora.modules_to_save is not None else (
         ["classifier"] if cfg.head == "classifier" else [])
-    modules = dict(model.named_modules())
     to_save = []
     for key in saved:
-        found = [m for name, m in modules.items() if name == key or name.endswith("." + key)]
+        found = [m for name, m in model.named_modules() if name == key or name.endswith("." + key)]
         if not found:
             raise ConfigError("model.lora.modules_to_save", f"{key!r} names no module of {cfg.name} "
                               "(a module-name suffix, e.g. classifier)")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dpmem.data.median import head_distances
+
 
 class GeometricMedian(nn.Module):
     def __init__(self, A: torch.Tensor, alpha: float):
@@ -17,7 +19,4 @@ class GeometricMedian(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, d_min), the nonzero head of each example; returns the B per-sample losses."""
-        m = x.shape[1]
-        head = (self.A[:m] * (self.beta[:m] - x) ** 2).sum(1)
-        tail = (self.A[m:] * self.beta[m:] ** 2).sum()
-        return (head + tail).sqrt() + self.alpha / 2 * self.beta.pow(2).sum()
+        return head_distances(self.beta, x, self.A) + self.alpha / 2 * self.beta.pow(2).sum()

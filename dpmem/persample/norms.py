@@ -9,9 +9,8 @@ Embedding, tied sums) by the chosen rule:
     hutch    ‖gᵢᵀP‖² with probes P ~ N(0, 1/k) on the larger side (k of them)         unbiased, memory B·k·(T + n)
     hutchpp  Hutch++: exact on the range Q of gᵢgᵢᵀS, Hutchinson on the rest           lower variance
 
-The probes come from the caller's draws (`dpmem.privacy.randomness`): the Privatizer keys them afresh at every logical
-step, shared by the step's whole batch (every micro-batch and rank), from its secret key (the estimate's randomness is
-part of the mechanism and must be as secret as the noise).
+The probes come from the caller's draws (`dpmem.privacy.randomness`): the Privatizer's, keyed per logical step from
+the noise's secret key (the estimate's randomness is part of the mechanism, as secret as the noise).
 """
 
 from __future__ import annotations
@@ -80,8 +79,3 @@ def squared_norms(g, rule, k: int = 32, draws: Draws | None = None) -> torch.Ten
     if rule in ("fgc", "mixed"):
         return exact_squared_norms(g.to_dense())
     raise ValueError(f"norm rule {rule!r}: allowed {', '.join(RULES)}")
-
-
-def estimated_dimension(g: Factored) -> int:
-    """The dimension d of the RC accountant for this parameter: rank(O) ≤ min(rows, cols)."""
-    return min(g.rows, g.cols)

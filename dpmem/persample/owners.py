@@ -30,8 +30,7 @@ def find_owners(model: nn.Module) -> list[Owner]:
     """Every module that owns trainable parameters, layer rules first (so a tied weight owned by a Linear and an
     Embedding gets both rules), then the generic fallback for the rest. Raises ValueError for a parameter that
     nothing covers or a layer that mixes samples."""
-    owners: list[Owner] = []
-    claimed: set[int] = set()
+    owners, claimed = [], set()  # claimed: the ids of the parameters owned so far
     param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     modules = list(model.named_modules())  # a shared module is listed once; its capture acts per use
     for mod_name, module in modules:  # frozen or not: in training mode it normalises by the batch's statistics
@@ -51,8 +50,7 @@ def find_owners(model: nn.Module) -> list[Owner]:
                 continue
             if isinstance(module, REFUSED):
                 name = param_names[id(next(iter(own.values())))]
-                raise ValueError(f"{name}: {type(module).__name__} has no per-sample rule; replace it or "
-                                 "freeze it")
+                raise ValueError(f"{name}: {type(module).__name__} has no per-sample rule; replace it or freeze it")
             if rule is not None and rule.check is not None:
                 rule.check(mod_name, module)
             claimed.update(id(p) for p in own.values())
@@ -65,13 +63,7 @@ def find_owners(model: nn.Module) -> list[Owner]:
 
 def owned_parameters(owners: list[Owner]) -> list[nn.Parameter]:
     """Each owned parameter once, in the owners' order."""
-    seen, out = set(), []
-    for owner in owners:
-        for p in owner.params.values():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
+    return list({id(p): p for owner in owners for p in owner.params.values()}.values())
 
 
 def enter_scope(owner: Owner, module: nn.Module) -> None:

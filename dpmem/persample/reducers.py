@@ -7,7 +7,7 @@ then, one layer at a time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -37,14 +37,12 @@ class Summed(NamedTuple):
 @dataclass(frozen=True)
 class Stream:
     """A reducer whose value is tensors of shapes known before the backward pass, so that a layer's backward can
-    return it (`dpmem.persample.taps` streams it there, and frees the layer's output gradient at once):
-
-    - norms: squared per-sample norms (B,);
-    - dense: `Normed`, dense per-sample gradients (B, *kept shape), streamed alone (one zero fewer per layer) and
-      normed when unpacked; a vector parameter's rows are normed later, all at once. Only for layers with float
-      inputs unless `any_input` (an embedding's dense per-sample gradient would be B×vocab×D, so `materialize`
-      keeps it factored), and only for layers whose gradient comes out dense unless `densifies` (book-keeping
-      keeps a linear layer's factors: those stream as the layer's pair, `dpmem.persample.taps`)."""
+    return it (`dpmem.persample.taps` streams it there, and frees the layer's output gradient at once): squared
+    per-sample norms (B,) (`kind` norms), or `Normed` dense per-sample gradients (B, *kept shape) (dense), streamed
+    alone (one zero fewer per layer) and normed when unpacked (a vector parameter's rows later, all at once). Only
+    for layers with float inputs unless `any_input` (an embedding's dense per-sample gradient would be B×vocab×D, so
+    `materialize` keeps it factored), and only for layers whose gradient comes out dense unless `densifies`
+    (book-keeping keeps a linear layer's factors: those stream as the layer's pair)."""
     reduce: Reducer  # the value, where the layer does not stream
     kept: Callable[[Any], torch.Tensor]  # what streams: the squared norms, or the dense per-sample gradients
     kind: str
@@ -90,8 +88,7 @@ def projected(made: Projection | Callable[[], Projection], then: Reducer = mater
     project = lambda g: g.project(projection(made))  # noqa: E731
     if not isinstance(then, Stream):
         return lambda g: then(project(g))
-    return Stream(lambda g: then(project(g)), lambda g: then.kept(project(g)), then.kind, then.any_input,
-                  then.densifies)
+    return replace(then, reduce=lambda g: then(project(g)), kept=lambda g: then.kept(project(g)))
 
 
 def norms(rule: str, k: int = 32, draws: Draws | None = None) -> Reducer:
@@ -109,12 +106,9 @@ def normed(rule: str = "mixed", k: int = 32, draws: Draws | None = None,
     def reduce(g):
         kept = then(g)
         return Normed(None if is_rows(kept) else squared_norms(kept, rule, k, draws), kept)
-    if then is materialize:
-        return Stream(reduce, materialize, "dense", any_input=False)
-    return Stream(reduce, then, "dense", any_input=False, densifies=False)
+    return Stream(reduce, then, "dense", any_input=False, densifies=then is materialize)
 
 
 def with_sum(reducer: Reducer) -> Reducer:
-    """`Summed`: what `reducer` gives, and Σᵢ gᵢ for the check that the per-sample gradients add up to autograd's
-    batch gradient."""
+    """`reducer`'s values, as `Summed` (for the coverage check)."""
     return lambda g: Summed(reducer(g), weighted_sum_of(g, torch.ones(g.shape[0], device=g.device)))

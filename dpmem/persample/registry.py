@@ -51,11 +51,10 @@ class Rule:
 RULES: dict[type, Rule] = {}
 
 
-def register(*types: type, capture: Capture = capture_first_input, scope=None, check=None, factored=never,
-             projectable: bool = False, float_input: bool = True):
+def register(*types: type, **options):
     def wrap(gradients: Gradients) -> Gradients:
         for t in types:
-            RULES[t] = Rule(gradients, capture, scope, check, factored, projectable, float_input)
+            RULES[t] = Rule(gradients, **options)
         return gradients
     return wrap
 

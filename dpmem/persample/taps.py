@@ -1,34 +1,20 @@
 """Per-sample capture that returns values: the one capture of dpmem's private step, and of the spectrum analysis.
 
 Each covered layer gets one forward hook (a "tap") that, inside `Taps.recording`, notes the layer on the step's `Tape`
-and ties a probe to its output, so that one `torch.autograd.grad` call to the probes returns every layer's part and
-computes no parameter's batch gradient (autograd runs only what leads to the probes). A layer's part is one of:
-
-- streamed: the probe is a custom autograd function (`_Stream`) that saves the layer's input with `save_for_backward`
-  and whose backward applies the layer rule and the parameters' reducers (`dpmem.persample.reducers.Stream`: squared
-  norms, dense or projected per-sample gradients) and returns the result as the gradients of zero tensors of its
-  shape. Each layer's output gradient is then freed as the backward pass leaves the layer, and activation
-  checkpointing's recompute saves the input again (the tap re-applies the function there). An eager step streams
-  only layers whose output gradient is large (`STREAM_MIN_ELEMENTS`);
-- a pair (`Taps(pairs=True)`, under activation checkpointing): where the value cannot stream (book-keeping keeps a
-  linear layer's factors; a weight used several times is normed on the sum of its uses), the same function returns
-  the layer's output gradient and input as they are, reduced after the backward pass; checkpointing still drops
-  the input in between;
-- whole: a zero added to the output, whose gradient is the layer's output gradient itself; the layer's input is kept
-  on the tape: an embedding's ids, the generic fallback's layers, and every layer where the caller streams nothing
-  (the coverage check's first step, a compiled one-pass step).
-
-The zeros are expanded views of one scalar leaf made outside any compiled region (dynamo makes no grad-requiring
-tensor) and passed in: they cost no memory and change no value. Nothing mutates state inside the backward pass, so
-the step compiles into one graph (`torch.compile(fullgraph=True)`, the streamed layers' functions traced with it);
-eager and compiled steps are the same code. A checkpointed model's forward compiles alone (`recording(compiled=
-True)`: AOTAutograd's backward recomputes its blocks), and its probes are views made outside it, passed in."""
+and ties zero probes (expanded views of one scalar leaf) to its output, so that one `torch.autograd.grad` call to the
+probes returns every layer's part and computes no parameter's batch gradient. A part is streamed (a custom autograd
+function, `_Stream`, saves the layer's input and reduces in the backward pass, so the output gradient is freed there
+and activation checkpointing recomputes the input), a pair (the same function returns output gradient and input, for
+values that cannot stream) or whole (a zero added to the output). Nothing mutates state inside the backward pass, so
+eager and compiled steps are the same code. docs/design.md §7 says which layers take which form, and why.
+"""
 
 from __future__ import annotations
 
 import functools
 import weakref
 from collections import Counter
+from itertools import accumulate
 from typing import Any, Callable
 
 import torch
@@ -67,9 +53,8 @@ class Tape:
 
     def __init__(self, zero: torch.Tensor, batch: int, reducers: dict, streams: dict[int, tuple], min_elements: int,
                  in_graph: bool):
-        self.leaf = zero
+        self.leaf, self.batch, self.reducers, self.streams = zero, batch, reducers, streams
         self.zeros = {zero.dtype: zero}  # the leaf, and its casts to the outputs' dtypes (one op per dtype)
-        self.batch, self.reducers, self.streams = batch, reducers, streams
         self.min_elements = min_elements  # the smallest output gradient that streams (`STREAM_MIN_ELEMENTS`)
         # recorded inside a compiled graph, which makes its probes there; else they are views made outside (an
         # eager forward's, and a compiled forward's inputs, `_Hooks.probes`)
@@ -78,10 +63,8 @@ class Tape:
         self.saved: list[Any] = []
         self.probes: list[list[torch.Tensor]] = []
         self.streamed: list[bool] = []  # whether each use streamed (its values or its pair), else it is whole
-        self.dtypes: dict[torch.dtype, None] = {}  # the outputs' (the coverage check's tolerance; a dict: dynamo
-        # traces no set)
-        self.armed = True  # the streamed values are asked for: the first backward pass (a second, two-pass
-        # clipping's, passes through)
+        self.dtypes: dict = {}  # the outputs' dtypes, for the coverage check's tolerance (a dict: dynamo traces no set)
+        self.armed = True  # values asked for in the first backward pass only (two-pass clipping's second passes)
         self.calls: dict[int, int] = {}  # calls so far of each layer (by id: a plain dict, as dynamo traces it)
         self.repeated: list[Owner] = []  # streamed layers called twice (found in the forward pass)
 
@@ -105,11 +88,10 @@ class Taps:
         kept, batch_grads = taps.per_sample(tape, losses.sum())
 
     `kept` holds, per parameter, its reducer (`dpmem.persample.reducers`; `materialize` by default) applied to its
-    per-sample gradient summed over every use (a tied weight is one gradient). `zero` is `taps.zero()`, a scalar
-    leaf made once outside any compiled function. Reducers that are a `Stream` run inside the backward pass where
-    they can (`stream=False`: never). The hooks act only inside `recording` (and a
-    checkpoint's recompute of a recorded forward); `close()` removes them, as does garbage collection. Several Taps
-    on one model do not interfere. `taps.gradients(...)` does it all in one call."""
+    per-sample gradient summed over every use (a tied weight is one gradient); `zero` is `taps.zero()`, made once
+    outside any compiled function; `taps.gradients(...)` does it all in one call. The hooks act only inside
+    `recording` (and a checkpoint's recompute of a recorded forward), so several Taps on one model do not
+    interfere; `close()` removes them, as does garbage collection."""
 
     def __init__(self, model: nn.Module, whole: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  pairs: bool = False):
@@ -137,8 +119,7 @@ class Taps:
 
     def zero(self) -> torch.Tensor:
         """The probes' scalar leaf (float32; each probe takes its output's dtype)."""
-        device = self.parameters[0].device
-        return torch.zeros((), device=device, requires_grad=True)
+        return torch.zeros((), device=self.parameters[0].device, requires_grad=True)
 
     def close(self) -> None:
         """Remove the taps from the model (idempotent)."""
@@ -176,9 +157,6 @@ class Taps:
         # kept for a checkpoint's recompute; a compiled step's would carry its graph's tensors out of it
         self._hooks.recorded = None if in_graph else tape
         return tape
-
-    def stop(self) -> None:
-        self._hooks.tape = None
 
     def _streams(self, batch: int, reducers: dict, shapes: dict, compiled: bool, values: bool) -> dict[int, tuple]:
         """What streams out of the backward pass, by layer: id(owner) -> (its parameters' reducers, the probes'
@@ -228,12 +206,9 @@ class Taps:
         self.compute = Compute(tf32=tf32_enabled(loss.device))
         for dtype in tape.dtypes:
             self.compute = self.compute.lowered(dtype)
-        starts = [0]
-        for use in tape.probes:
-            starts.append(starts[-1] + len(use))
+        starts = [0, *accumulate(len(use) for use in tape.probes)]
         uses = Counter(p for owner in tape.owners for p in owner.params.values())
-        pending: dict[nn.Parameter, Any] = {}
-        kept: dict[nn.Parameter, Any] = {}
+        pending, kept = {}, {}  # by parameter: its uses' summed gradients until all are in; its reduced value
         # no_grad: the rules' products on the kept inputs (not detached: an op fewer per layer) record no graph
         with memory_label("per_sample"), exact_float32(loss.device), torch.no_grad():
             for i in self._order(tape):
@@ -415,4 +390,4 @@ class _Recording:
         return self.taps.start(*self.args)
 
     def __exit__(self, *exc) -> None:
-        self.taps.stop()
+        self.taps._hooks.tape = None  # recording stops

@@ -55,8 +55,7 @@ def _event(sigma: float, sample_rate: float, steps: int, sampling: str, dataset_
     elif sampling == "fixed":
         if dataset_size is None:
             raise ValueError("fixed-size sampling needs dataset_size")
-        batch = int(round(sample_rate * dataset_size))
-        step = dp_accounting.SampledWithoutReplacementDpEvent(dataset_size, batch, gaussian)
+        step = dp_accounting.SampledWithoutReplacementDpEvent(dataset_size, round(sample_rate * dataset_size), gaussian)
     else:
         raise ValueError(f"sampling {sampling!r}: allowed {', '.join(SAMPLINGS)}")
     return dp_accounting.SelfComposedDpEvent(step, steps)
@@ -74,14 +73,6 @@ def _check(delta: float, sample_rate: float, steps: int) -> None:
         raise ValueError(f"sample_rate={sample_rate} must be in (0, 1]")
     if steps < 0:
         raise ValueError(f"steps={steps} must be >= 0")
-
-
-def _check_rc(neighbouring: str, sampling: str, k, d, estimator: str) -> None:
-    if neighbouring != "add_remove":
-        raise ValueError(f"accountant rc: neighbouring {neighbouring!r} is not supported, allowed add_remove")
-    if sampling != "poisson":
-        raise ValueError(f"accountant rc: sampling {sampling!r} is not supported, allowed poisson")
-    rc.check_args(k, d, estimator)
 
 
 def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, accountant: str = "pld",
@@ -111,7 +102,11 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
     """
     _check(delta, sample_rate, steps)
     if accountant == "rc":
-        _check_rc(neighbouring, sampling, k, d, estimator)
+        if neighbouring != "add_remove":
+            raise ValueError(f"accountant rc: neighbouring {neighbouring!r} is not supported, allowed add_remove")
+        if sampling != "poisson":
+            raise ValueError(f"accountant rc: sampling {sampling!r} is not supported, allowed poisson")
+        rc.check_args(k, d, estimator)
     if steps == 0:
         return 0.0
     if sigma <= 0:
@@ -122,8 +117,7 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
     event = _event(joint_sigma(sigma, loss_noise), sample_rate, steps, sampling, dataset_size)
     if not acc.supports(event):
         raise ValueError(f"accountant {accountant} does not support {sampling} sampling under {neighbouring}")
-    acc.compose(event)
-    return float(acc.get_epsilon(delta))
+    return float(acc.compose(event).get_epsilon(delta))
 
 
 def composed_epsilon(runs: list[dict], delta: float, accountant: str = "pld",
@@ -167,21 +161,6 @@ def _bracket(eps, epsilon: float, max_sigma: float, unreachable: str) -> tuple[f
     return lo, hi
 
 
-def _calibrate_rc(epsilon: float, delta: float, sample_rate: float, steps: int, k: int, d: float, estimator: str,
-                  tolerance: float, loss_noise: float | None) -> float:
-    """Bisection: rc has no dp-accounting event, and its epsilon is inf (not a number to interpolate) while the
-    +inf loss mass of the lower envelope tail exceeds delta."""
-    def eps(s: float) -> float:
-        return rc.rc_epsilon(s, delta, sample_rate, steps, k, d, estimator, PLD_DISCRETIZATION, loss_noise)
-
-    lo, hi = _bracket(eps, epsilon, RC_MAX_SIGMA, f"epsilon={epsilon} at delta={delta} is unreachable by DP-SGD-RC "
-                      f"(k={k}, d={d}, {estimator}) over {steps} steps")
-    while hi - lo > tolerance * max(1.0, lo):  # relative above 1: k = 1 needs sigma ~ 1e5
-        mid = 0.5 * (lo + hi)
-        lo, hi = (lo, mid) if eps(mid) <= epsilon else (mid, hi)
-    return hi
-
-
 @functools.lru_cache(maxsize=256)  # a sweep over seeds or learning rates calibrates the same sigma once per process
 def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "pld",
                     neighbouring: str = "add_remove", sampling: str = "poisson",
@@ -209,13 +188,20 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
         raise ValueError(f"epsilon={epsilon} must be > 0")
     if steps <= 0:
         raise ValueError(f"steps={steps} must be positive")
+
+    def eps(s: float) -> float:  # rc's of the gradient's multiplier, the others' of the joint one
+        return epsilon_spent(s, delta, sample_rate, steps, accountant, neighbouring, sampling, dataset_size, k, d,
+                             estimator, loss_noise if accountant == "rc" else None)
+
     if accountant == "rc":
-        _check_rc(neighbouring, sampling, k, d, estimator)
-        return _calibrate_rc(epsilon, delta, sample_rate, steps, k, d, estimator, tolerance, loss_noise)
-
-    def eps(s: float) -> float:
-        return epsilon_spent(s, delta, sample_rate, steps, accountant, neighbouring, sampling, dataset_size)
-
+        # bisection: rc has no dp-accounting event, and its epsilon is inf (not a number to interpolate) while the
+        # +inf loss mass of the lower envelope tail exceeds delta
+        lo, hi = _bracket(eps, epsilon, RC_MAX_SIGMA, f"epsilon={epsilon} at delta={delta} is unreachable by "
+                          f"DP-SGD-RC (k={k}, d={d}, {estimator}) over {steps} steps")
+        while hi - lo > tolerance * max(1.0, lo):  # relative above 1: k = 1 needs sigma ~ 1e5
+            mid = 0.5 * (lo + hi)
+            lo, hi = (lo, mid) if eps(mid) <= epsilon else (mid, hi)
+        return hi
     # a budget looser than the least noise's ε is refused by RDP's bound at once (RDP is above PLD's ε, and PLD at
     # σ = MIN_SIGMA needs a minute of buckets): what `_bracket` would conclude after halving down to MIN_SIGMA
     try:

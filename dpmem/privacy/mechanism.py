@@ -3,16 +3,15 @@
     release = ( Σᵢ min(1, C/‖gᵢ‖)·gᵢ + N(0, σ²C² I) ) / (q·n)
 
 `GaussianMechanism` holds σ, C, the expected batch size q·n, the rate q, the secret draws, and the training loss's
-release (privacy.train_loss=private: each per-sample loss clipped to [0, L], N(0, (loss_sigma·L)²) on the sum). It
-turns per-sample squared norms into clip factors, and a clipped sum into its release: a dict of tensors (eager,
-FSDP shards), one flat tensor (the compiled step), or one scalar (DPZero). The Privatizer forms the clipped sums;
-the mechanism alone adds noise to them, so a broken mechanism (`dpmem.audit.variants`) is a subclass, not a patch.
+release. It turns per-sample squared norms into clip factors, and a clipped sum into its release: a dict of tensors
+(eager, FSDP shards), one flat tensor (the compiled step), or one scalar (DPZero). The Privatizer forms the clipped
+sums; the mechanism alone adds noise to them, so a broken mechanism (`dpmem.audit.variants`) is a subclass, not a
+patch.
 
-A run's mechanism is calibrated once from its configuration (`calibrate`): δ resolved, the accountant, σ, the
-batches' sampler, what is released outside ε, whether a leak voids ε, and ε spent after t steps. The run's summary
-and its append-only ledger (privacy.jsonl) write what it holds; `line_epsilon` reads a ledger line back. An infinite
-ε (no privacy: a non-private method, privacy=none, a leaking subspace) is math.inf here and "inf" in summary.json
-and metrics.jsonl (JSON has no infinity; `float("inf")` reads it back).
+A run's mechanism (`calibrate`) holds its accounting, which the run's summary and its append-only ledger
+(privacy.jsonl) write; `line_epsilon` reads a ledger line back. An infinite ε (no privacy: a non-private method,
+privacy=none, a leaking subspace) is math.inf here and "inf" in summary.json and metrics.jsonl (JSON has no
+infinity; `float("inf")` reads it back).
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ class GaussianMechanism:
         expected_batch_size: q·n, what the noised sum is divided by.
         draws: the noise's secret draws, `Draws(key_of(None), "noise")`; None draws from torch's generator, for
             plans only.
-        sample_rate: q, the rate at which a record joins a step.
+        sample_rate: q, the rate at which a record joins a step (dpmem audit's canaries join at it).
         loss_bound: L, each per-sample loss clipped to [0, L]; inf: the loss is summed as it is.
         loss_sigma: the loss's noise multiplier (0: not noised).
         observers: what sees the private step, in order (`dpmem.methods.privatize.Observer`: dpmem audit's
@@ -58,9 +57,9 @@ class GaussianMechanism:
     sigma: float
     max_grad_norm: float
     expected_batch_size: float
-    draws: Draws | None  # the noise's secret draws (dpmem.privacy.randomness); None: torch's generator (plans)
-    sample_rate: float | None = None  # q, the rate at which a record joins a step (dpmem audit's canaries join at it)
-    loss_bound: float = math.inf  # L; inf: the loss is summed as it is (not released privately)
+    draws: Draws | None
+    sample_rate: float | None = None
+    loss_bound: float = math.inf
     loss_sigma: float = 0.0
     observers: tuple = ()
     plan: object = None
@@ -107,9 +106,8 @@ class GaussianMechanism:
                 "sampling": s["sampling"], "dataset_size": self.accountant["dataset_size"]}
 
     def outside_epsilon(self, static_shapes: bool) -> dict[str, str]:
-        """What an accounted run's folder (and wandb, and its progress bar) shows that ε does not cover, and why. The
-        rest is covered: the weights and everything computed from them, the noised training loss (privacy.train_loss=
-        private), ε itself (a function of the configuration), the expected sample counts."""
+        """What an accounted run's folder (and wandb, and its progress bar) shows that ε does not cover, and why (what
+        it does cover: docs/privacy.md, "What a private run releases")."""
         out = {"metric_final, metric_best, metrics": "evaluated on the held-out split, which epsilon does not "
                                                      "protect (it protects the training set)",
                "wall_time_s, throughput_samples_per_s, samples_per_s": "timings, which depend on the sampled "
@@ -144,15 +142,15 @@ class GaussianMechanism:
         every rank (the draws have one key); a sum sharded by FSDP gets, on each rank, a draw for its own shard from
         `own`, that rank's draws of the step.
 
-        The draw: the sums in order, in runs of at most NOISE_BUCKET elements (a larger sum alone) of one source of
-        draws, device, dtype and std; each run gets one standard normal vector of its total size (one keyed draw),
-        split into its sums in order. One draw and one for-each add per run, where a draw per sum would cost a
-        kernel per parameter. `release_flat` takes the same draws."""
+        Each of the sums' runs (`_runs`) gets one standard normal vector of its total size (one keyed draw), split
+        into its sums in order: one draw and one for-each add per run, where a draw per sum would cost a kernel per
+        parameter. `release_flat` takes the same draws."""
         for run in self._runs(summed, own):
-            std = run[0][2]
+            first, draws, std = run[0]
             if std == 0:  # sigma = 0 only for privacy=none: clipping without noise
                 continue
-            chunks = _draw(run).split([p.numel() for p, *_ in run])
+            sizes = [p.numel() for p, *_ in run]
+            chunks = normal(draws, (sum(sizes),), first.device, first.dtype).split(sizes)
             torch._foreach_add_([p for p, *_ in run], [c if p.dim() == 1 else c.view(p.shape)
                                                        for (p, *_), c in zip(run, chunks)], alpha=std)
         if summed:
@@ -210,11 +208,6 @@ class GaussianMechanism:
             yield run
 
 
-def _draw(run: list) -> torch.Tensor:
-    first, draws, _ = run[0]
-    return normal(draws, (sum(p.numel() for p, *_ in run),), first.device, first.dtype)
-
-
 # -- calibration from a run's configuration -------------------------------------------------------------------------
 def accountant_of(privacy, spec) -> str:
     """privacy.accountant, or for auto the one the method names (`spec`, its MethodSpec: pld; rc for randomized
@@ -224,16 +217,14 @@ def accountant_of(privacy, spec) -> str:
 
 
 def accounting(privacy, spec, n: int, batch_size: int, steps: int, sampling: str) -> dict:
-    """What a run is accounted with, from its data's size alone (rc's envelope aside): the keyword arguments of
-    calibrate_sigma and epsilon_spent after ε. What a plan and a private search calibrate before anything is
-    built."""
+    """What a run is accounted with, from its data's size alone (rc's envelope aside), before anything is built (a
+    plan, a private search): the keyword arguments of calibrate_sigma and epsilon_spent after ε."""
     return {"delta": resolve_delta(privacy.delta, n), "sample_rate": batch_size / n, "steps": steps,
             **_accountant_keywords(privacy, spec, n, sampling, enum_value(privacy.train_loss))}
 
 
 def _accountant_keywords(privacy, spec, n: int, sampling: str, loss_release: str) -> dict:
-    """epsilon_spent's keywords after (σ, δ, q, steps): the accountant, the neighbouring relation, the sampling, n,
-    and the loss's noise multiplier where the loss is released in ε."""
+    """epsilon_spent's keywords after (σ, δ, q, steps); loss_noise only where the loss is released in ε."""
     return {"accountant": accountant_of(privacy, spec), "neighbouring": enum_value(privacy.neighbouring),
             "sampling": sampling, "dataset_size": n,
             "loss_noise": privacy.loss_noise if loss_release == "private" else None}
@@ -243,11 +234,10 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
               observers: tuple = ()) -> GaussianMechanism:
     """The mechanism of a run of `cfg` (its method's MethodSpec `spec`) over `n` records for `steps` steps: σ
     calibrated to privacy.epsilon at δ (under torchrun on rank 0, every rank taking its σ or its error), the noise
-    keyed from the OS unless privacy.noise_seed is given (rank 0's key on every rank: each adds the same draw to the
-    same all-reduced sum), the batches' sampler, the clipping plan, and the summary's privacy fields. `rc`:
-    randomized clipping's envelope ({k, d, d_max_layer, estimator}, from the model) where the accountant is rc. A
-    non-private method's is `private=False`: it says what the run releases, and draws nothing. Raises ConfigError
-    naming the key."""
+    keyed from the OS unless privacy.noise_seed is given (rank 0's key on every rank: dpmem.distributed), the
+    batches' sampler, the clipping plan, and the summary's privacy fields. `rc`: randomized clipping's envelope
+    ({k, d, d_max_layer, estimator}, from the model) where the accountant is rc. A non-private method's is
+    `private=False`: it says what the run releases, and draws nothing. Raises ConfigError naming the key."""
     p, m, t = cfg.privacy, cfg.method, cfg.train
     accounted = spec.private and p.epsilon is not None  # privacy=none: a private method clips only
     # a budget given to a non-private method buys nothing: said once, and kept in the summary, so that a sweep
@@ -274,16 +264,13 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
         keywords.update(k=rc["k"], d=rc["d"], estimator=rc["estimator"])
     sigma = 0.0
     if accounted:
-        found = None
-        if distributed.is_main():
-            try:
-                found = calibrate_sigma(p.epsilon, delta, q, steps, **keywords)
-            except UnreachableTarget as e:
-                found = str(e)
-        found = distributed.from_main(found)
-        if isinstance(found, str):
-            raise ConfigError("privacy.epsilon", found)
-        sigma = found
+        try:
+            found = calibrate_sigma(p.epsilon, delta, q, steps, **keywords) if distributed.is_main() else None
+        except UnreachableTarget as e:
+            found = str(e)
+        sigma = distributed.from_main(found)
+        if isinstance(sigma, str):
+            raise ConfigError("privacy.epsilon", sigma)
     # what an adversary holding config.yaml can replay: ε does not hold against one
     derivable = [what for what, seed in (("batches", p.sampler_seed), ("noise", p.noise_seed)) if seed is not None]
     if accounted and derivable and distributed.is_main():
@@ -312,9 +299,8 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
     # the batches' key: from privacy.sampler_seed if given; for an accounted run from the OS (rank 0's, on every
     # rank), since ε assumes nobody knows which steps held a record; otherwise from the run seed (a baseline's
     # batches reproduce)
-    seed = p.sampler_seed
-    sampler = Draws(seed_key(seed if seed is not None else t.seed) if seed is not None or not accounted else os_key(),
-                    "batches")
+    sampler = Draws(os_key() if accounted and p.sampler_seed is None
+                    else seed_key(t.seed if p.sampler_seed is None else p.sampler_seed), "batches")
     draws = Draws(key_of(p.noise_seed), "noise", device) if spec.private and device.type != "meta" else None
     return GaussianMechanism(sigma, m.max_grad_norm if spec.private else math.inf, q * n, draws, q,
                              p.loss_bound if private_loss else math.inf, loss_sigma or 0.0, tuple(observers), plan,

@@ -67,6 +67,8 @@ _GL_X, _GL_W = leggauss(64)
 _S = 0.5 * (_GL_X + 1)
 _SMOOTH, _SMOOTH_D, _W = _S * _S * (3 - 2 * _S), 6 * _S * (1 - _S), 0.5 * _GL_W
 _TAIL = 1e-17
+_LAMBDA_TAILS = np.logspace(-8, -0.3, 60)
+_LAMBDAS = np.unique(np.concatenate([np.linspace(0, 1, 101), _LAMBDA_TAILS, 1 - _LAMBDA_TAILS]))  # _best_lambda's grid
 
 
 def check_args(k, d, estimator: str = "hutch") -> None:
@@ -132,14 +134,6 @@ def _configurations(d: int):
     if d <= EXHAUSTIVE_D:
         return [(i, j) for i in range(1, d + 1) for j in range(i, d - i + 1)]
     return [(1, d - 1)]
-
-
-def _lambda_grid():
-    tails = np.logspace(-8, -0.3, 60)
-    return np.unique(np.concatenate([np.linspace(0, 1, 101), tails, 1 - tails]))
-
-
-_LAMBDAS = _lambda_grid()
 
 
 def _best_lambda(x: float, i: int, j: int, k: int) -> float:
@@ -214,10 +208,8 @@ def _edges(lo: float, hi: float) -> np.ndarray:
 
 @functools.lru_cache(maxsize=None)
 def sensitivity_law(k: int, d, estimator: str = "hutch") -> tuple[np.ndarray, np.ndarray, float]:
-    """A discrete law stochastically larger than the sensitivity 1/√Y: (sensitivities, masses, mass at +inf).
-
-    Edges y_m with upper bounds F_m ≥ f(y_m) of the envelope; bin m gets mass F_{m+1} - F_m at sensitivity
-    1/√y_m (its lower edge), the last edge 1 - F_M, and +inf gets F_0 (module docstring)."""
+    """A discrete law stochastically larger than the sensitivity 1/√Y: (sensitivities, masses, mass at +inf), Y
+    binned as the module's docstring says, with upper bounds F_m ≥ f(y_m) of the envelope at the edges y_m."""
     check_args(k, d, estimator)
     estimator = _limit(d, estimator)
     y_lo = float(special.gammaincinv(k / 2, TAIL_MASS)) * 2 / k

@@ -45,8 +45,6 @@ def shuffled_batches(n: int, batch_size: int, steps: int, draws: Draws) -> Itera
 def make_batches(kind: str, n: int, batch_size: int, steps: int, draws: Draws):
     if kind == "poisson":
         return poisson_batches(n, batch_size / n, steps, draws)
-    if kind == "fixed":
-        return fixed_batches(n, batch_size, steps, draws)
-    if kind == "shuffle":
-        return shuffled_batches(n, batch_size, steps, draws)
-    raise ValueError(f"sampling {kind!r}: allowed poisson, fixed, shuffle")
+    if kind not in ("fixed", "shuffle"):
+        raise ValueError(f"sampling {kind!r}: allowed poisson, fixed, shuffle")
+    return (fixed_batches if kind == "fixed" else shuffled_batches)(n, batch_size, steps, draws)

@@ -22,8 +22,7 @@ import dp_accounting
 import numpy as np
 from dp_accounting import dp_event, rdp
 
-from dpmem.privacy.accounting import (MAX_SIGMA, RELATIONS, UnreachableTarget, _bracket, _check, _event,
-                                      joint_sigma)
+from dpmem.privacy.accounting import MAX_SIGMA, RELATIONS, _bracket, _check, _event, joint_sigma
 
 POISSON = math.inf
 LAWS = {0.0: "logarithmic", 1.0: "geometric", POISSON: "Poisson"}  # other shapes: truncated negative binomial
@@ -116,7 +115,7 @@ def calibrate_selection(epsilon: float, delta: float, sample_rate: float, steps:
                         loss_noise: float | None = None, tolerance: float = 1e-4) -> float:
     """The gradient's noise multiplier of every trial such that the whole search meets (epsilon, delta): the
     smallest joint multiplier whose `selection_epsilon` is at most `epsilon`, then the gradient's share of it (as
-    accounting.calibrate_sigma). Raises UnreachableTarget for a budget the law cannot meet."""
+    accounting.calibrate_sigma). Raises dpmem.privacy.UnreachableTarget for a budget the law cannot meet."""
     if not epsilon > 0:
         raise ValueError(f"epsilon={epsilon} must be > 0")
 
@@ -132,7 +131,3 @@ def calibrate_selection(epsilon: float, delta: float, sample_rate: float, steps:
         epsilon, delta, bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi), discrete=False,
         tol=tolerance)
     return float(sigma) / joint_sigma(1.0, loss_noise)
-
-
-__all__ = ["LAWS", "POISSON", "UnreachableTarget", "calibrate_selection", "check_law", "draw_trials", "gamma", "law",
-           "pmf", "selection_epsilon", "selection_event"]

@@ -8,6 +8,13 @@ import sys
 import time
 from pathlib import Path
 
+GIB = 2**30
+
+
+def markdown_table(head: list[str], rows) -> list[str]:
+    """A markdown table's lines: `head`, then each row of `rows` (its cells, as text)."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
+
 
 def write_markdown(path, text: str) -> None:
     """Write a benchmark's markdown to `path` (folders made as needed) and print it."""
@@ -20,9 +27,8 @@ def write_markdown(path, text: str) -> None:
 # -- benchmark pages (docs/benchmarks/): each measuring script under scripts/ writes its own -----------------------
 
 def benchmark_page(script: str, name: str) -> Path:
-    """docs/benchmarks/NAME.md of the checkout that holds `script` (a file under scripts/, its `__file__`): where a
-    measuring script writes its page by default, from whatever folder it is run. Notes the checkout's commit now,
-    as the script starts: the code it measures (an edit made while it runs is not in the page's "local changes")."""
+    """docs/benchmarks/NAME.md of the checkout holding `script` (a scripts/ file's `__file__`), from whatever folder it
+    runs. Notes the commit now, as the script starts: the code it measures (not an edit made while it runs)."""
     _commit(Path(script).resolve().parent)
     return Path(script).resolve().parents[1] / "docs" / "benchmarks" / f"{name}.md"
 
@@ -42,39 +48,32 @@ def machine(device="cpu", threads: int | None = None) -> str:
 
 
 def provenance(device: str, details: str = "", started: float | None = None) -> str:
-    """One paragraph saying how a benchmark page was made: the exact command (this process's arguments, quoted as a
-    shell reads them), `device` (`machine`'s words), torch's version, dpmem's commit (with "+ local changes" where
-    dpmem/ or scripts/ differ from it), the date, how long it took (since `started`, a `time.time()`), then
-    `details` (the script's own settings)."""
+    """How a benchmark page was made, so that its table cannot drift from the command that made it: the exact command
+    (this process's arguments, quoted as a shell reads them), `device` (`machine`'s words), torch's version, dpmem's
+    commit (`_commit`), the date, how long it took (since `started`, a `time.time()`), then `details` (the script's
+    own settings)."""
     import torch
 
     command = " ".join(["python", f"scripts/{Path(sys.argv[0]).name}", *map(shlex.quote, sys.argv[1:])])
-    facts = [f"Device: {device}", f"torch {torch.__version__}"]
     commit = _commit(Path(sys.argv[0]).resolve().parent)
-    if commit:
-        facts.append(f"dpmem {commit}")
-    facts.append(time.strftime("%Y-%m-%d"))
-    if started is not None:
-        facts.append(f"took {_duration(time.time() - started)}")
-    text = f"Written by `{command}`. " + "; ".join(facts) + "."
+    facts = [f"Device: {device}", f"torch {torch.__version__}", commit and f"dpmem {commit}", time.strftime("%Y-%m-%d"),
+             started is not None and f"took {_duration(time.time() - started)}"]
+    text = f"Written by `{command}`. " + "; ".join(filter(None, facts)) + "."
     return text + (f" {details.strip()}" if details.strip() else "")
 
 
 def page_header(title: str, device: str, details: str = "", started: float | None = None) -> str:
-    """The opening of a benchmark page: its title, then `provenance`'s paragraph. A table with its command, machine,
-    torch version and date cannot drift from the command that made it."""
+    """A benchmark page's title, then `provenance`'s paragraph."""
     return f"# {title}\n\n{provenance(device, details, started)}\n\n"
 
 
 def _cpu_model() -> str | None:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or None
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):  # no /proc (not Linux), or no model name in it
+        import platform
+        return platform.processor() or None
 
 
 @functools.cache  # the first answer is kept: what the script started with (`benchmark_page`)
@@ -88,11 +87,9 @@ def _commit(folder: Path) -> str | None:
     def git(*args):
         return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, timeout=30, check=True).stdout
 
-    try:
+    try:  # ":/" names dpmem/ and scripts/ at the checkout's top, whatever folder git runs in
         commit = git("rev-parse", "--short", "HEAD").strip()
-        top = Path(git("rev-parse", "--show-toplevel").strip())
-        changed = subprocess.run(["git", "status", "--porcelain", "--", "dpmem", "scripts"], cwd=top,
-                                 capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        changed = git("status", "--porcelain", "--", ":/dpmem", ":/scripts").strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{commit} + local changes" if changed else commit or None
@@ -116,9 +113,8 @@ def pyplot():
 def save_figure(fig, folder, name: str, formats=("png", "pdf")) -> list[str]:
     """`fig` as folder/name.FORMAT for each format, then closed; returns the file names."""
     fig.tight_layout()
-    names = []
-    for ext in formats:
-        fig.savefig(Path(folder) / f"{name}.{ext}", dpi=120)
-        names.append(f"{name}.{ext}")
+    names = [f"{name}.{ext}" for ext in formats]
+    for file in names:
+        fig.savefig(Path(folder) / file, dpi=120)
     pyplot().close(fig)
     return names

@@ -1,9 +1,7 @@
-"""The report's figures (PNG and PDF), each drawn only when the runs hold what it needs:
-- accuracy vs ε: per data set, the final metric's mean ± standard error against ε, one line per method;
-- memory vs batch size: peak memory against the physical batch size, one line per method and model;
-- development metric vs step: the evaluations of runs with train.eval_every, averaged over seeds;
-- σ vs k: the noise multiplier of dp-sgd-rc runs against the number of probes, one line per d;
-- excess loss vs dimension (Li et al. 2022 Fig. 1): data=median runs, one line per A."""
+"""The report's figures (PNG and PDF), each drawn only when the runs hold what it needs: per data set the final
+metric's mean ± standard error against ε, peak memory against the physical batch size, the development metric
+against the step (runs with train.eval_every, averaged over seeds), dp-sgd-rc's σ against its probes k, and excess
+loss against the dimension (data=median runs, Li et al. 2022 Fig. 1)."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from dpmem.report import pyplot, save_figure
+from dpmem.report import GIB, pyplot, save_figure
 from dpmem.report.labels import PROBLEM, row_label
 
 
@@ -20,7 +18,6 @@ def write(out: Path, summaries: list[dict], table_cells: dict) -> list[str]:
     """Every figure the runs allow, into `out`; returns the file names."""
     plt, written = pyplot(), []
     ok = [s for s in summaries if s["status"] == "ok"]
-    # accuracy vs epsilon
     for data in sorted({d for _, _, d in table_cells}):
         lines = defaultdict(list)
         for (row, eps, d), c in table_cells.items():
@@ -30,9 +27,8 @@ def write(out: Path, summaries: list[dict], table_cells: dict) -> list[str]:
             continue
         fig, ax = plt.subplots(figsize=(6, 4))
         for row, points in sorted(lines.items()):
-            points.sort()
-            ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points], marker="o",
-                        capsize=3, label=row)
+            epsilons, means, errors = zip(*sorted(points))
+            ax.errorbar(epsilons, means, yerr=errors, marker="o", capsize=3, label=row)
         for (row, eps, d), c in table_cells.items():
             if d == data and eps == "non-private" and c["n"]:
                 ax.axhline(100 * c["mean"], linestyle="--", color="gray", linewidth=1)
@@ -40,23 +36,14 @@ def write(out: Path, summaries: list[dict], table_cells: dict) -> list[str]:
         ax.set(xlabel="ε", ylabel="final metric (%)", title=f"{data}: metric vs ε (mean ± s.e. over seeds)")
         ax.legend(fontsize=8)
         written += save_figure(fig, out, f"accuracy_vs_epsilon_{data}")
-    # memory vs batch size
     memory = defaultdict(dict)
     for s in ok:
         if s.get("peak_memory_bytes"):
             memory[(s["method"], s.get("model"), s.get("peak_memory_source"))][s.get("physical_batch_size")] = \
-                s["peak_memory_bytes"] / 2**30
-    if any(len(v) > 1 for v in memory.values()):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for (row, model, source), points in sorted(memory.items(), key=lambda kv: str(kv[0])):
-            xs = sorted(points)
-            ax.plot(xs, [points[x] for x in xs], "o-", label=f"{row}, {model}")
-        sources = sorted({str(k[2]) for k in memory})
-        ax.set(xlabel="physical batch size", ylabel="peak memory (GiB)", xscale="log",
-               title=f"Peak memory ({', '.join(sources)})")
-        ax.legend(fontsize=8)
-        written += save_figure(fig, out, "memory_vs_batch")
-    # development metric vs step
+                s["peak_memory_bytes"] / GIB
+    written += _lines(out, "memory_vs_batch", memory, lambda row, model, _: f"{row}, {model}", "o-",
+                      xlabel="physical batch size", ylabel="peak memory (GiB)", xscale="log",
+                      title=f"Peak memory ({', '.join(sorted({str(k[2]) for k in memory}))})")
     curves = defaultdict(lambda: defaultdict(list))
     for s in ok:
         metrics = Path(s["run_dir"]) / "metrics.jsonl"
@@ -67,30 +54,33 @@ def write(out: Path, summaries: list[dict], table_cells: dict) -> list[str]:
             r = json.loads(line)
             if name in r and not r.get("final"):
                 curves[(row_label(s), s.get("epsilon_target"), s["data"])][r["step"]].append(100 * r[name])
-    if curves:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for (row, eps, data), by_step in sorted(curves.items(), key=lambda kv: str(kv[0])):
-            steps = sorted(by_step)
-            ax.plot(steps, [statistics.fmean(by_step[t]) for t in steps], label=f"{row}, ε={eps}, {data}")
-        ax.set(xlabel="step", ylabel="development metric (%)", title="Metric during training (mean over seeds)")
-        ax.legend(fontsize=7)
-        written += save_figure(fig, out, "metric_vs_step")
-    # sigma vs k (randomized clipping)
+    means = {key: {t: statistics.fmean(v) for t, v in by_step.items()} for key, by_step in curves.items()}
+    written += _lines(out, "metric_vs_step", means, lambda row, eps, data: f"{row}, ε={eps}, {data}", "-",
+                      least=1, fontsize=7, xlabel="step", ylabel="development metric (%)",
+                      title="Metric during training (mean over seeds)")
     sigmas = defaultdict(dict)
     for s in summaries:
         rc = s.get("rc_accountant")
         if rc and s.get("sigma") is not None:
             sigmas[(rc.get("d"), rc.get("estimator"), s.get("epsilon_target"))][rc["k"]] = s["sigma"]
-    if any(len(v) > 1 for v in sigmas.values()):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for (d, estimator, eps), points in sorted(sigmas.items(), key=lambda kv: str(kv[0])):
-            ks = sorted(points)
-            ax.plot(ks, [points[k] for k in ks], "o-", label=f"{estimator}, d={d}, ε={eps}")
-        ax.set(xlabel="k (probes)", ylabel="σ", xscale="log", title="DP-SGD-RC noise multiplier vs k")
-        ax.legend(fontsize=8)
-        written += save_figure(fig, out, "sigma_vs_k")
+    written += _lines(out, "sigma_vs_k", sigmas, lambda d, estimator, eps: f"{estimator}, d={d}, ε={eps}", "o-",
+                      xlabel="k (probes)", ylabel="σ", xscale="log", title="DP-SGD-RC noise multiplier vs k")
     written += _excess_loss_vs_dimension(plt, out, ok)
     return written
+
+
+def _lines(out: Path, name: str, series: dict, label, style: str, least=2, fontsize=8, **axes) -> list[str]:
+    """A figure of one line per series ({x: y}, in order of their keys' text, labelled `label(*key)`), drawn when
+    some series has `least` points."""
+    if not any(len(points) >= least for points in series.values()):
+        return []
+    fig, ax = pyplot().subplots(figsize=(6, 4))
+    for key, points in sorted(series.items(), key=lambda kv: str(kv[0])):
+        xs = sorted(points)
+        ax.plot(xs, [points[x] for x in xs], style, label=label(*key))
+    ax.set(**axes)
+    ax.legend(fontsize=fontsize)
+    return save_figure(fig, out, name)
 
 
 MEDIAN_METRICS = (("excess_empirical_loss", "excess empirical loss"),
@@ -98,16 +88,14 @@ MEDIAN_METRICS = (("excess_empirical_loss", "excess empirical loss"),
 
 
 def _without_problem(s: dict) -> str:
-    """The run's row label without the problem's settings (A, dimension, ...), which are the figure's lines and
-    axis."""
+    """The run's row label less the problem's settings (A, dimension, ...): the figure's lines and axis."""
     problem = {key.split(".", 1)[1] for key in PROBLEM}
     kept = [part for part in (s.get("variant") or "").split(", ") if part and part.split("=", 1)[0] not in problem]
     return f"{s['method']} ({', '.join(kept)})" if kept else s["method"]
 
 
 def _excess_loss_vs_dimension(plt, out: Path, ok: list[dict]) -> list[str]:
-    """Li et al. 2022 Fig. 1: data=median runs' excess empirical and population loss against the dimension d, one
-    line per A (and method, ε where several), mean ± one standard deviation over seeds."""
+    """Li et al. 2022 Fig. 1: one line per A (and method, ε where several)."""
     points = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for s in ok:
         config, metrics = s.get("config", {}), s.get("metrics") or {}

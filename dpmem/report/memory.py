@@ -8,10 +8,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from dpmem.metering import CATEGORIES
-from dpmem.report import pyplot, save_figure
+from dpmem.report import GIB, markdown_table, pyplot, save_figure
 from dpmem.report.labels import file_name
-
-GIB = 2**30
 
 
 def _size(x: float, scale: int = GIB) -> str:
@@ -28,29 +26,25 @@ def plans_table(rows: list[dict]) -> str:
     unit, scale = ("GiB", GIB) if max(r["reserved_estimate_bytes"] for r in rows) >= GIB else ("MiB", 2**20)
     head = (["configuration", "B", "physical B", "eval B", f"peak {unit}", f"training {unit}", f"evaluation {unit}",
              f"reserved est. {unit}"] + list(CATEGORIES) + ["plan s"])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [r["label"], str(r["batch_size"]), str(r["physical_batch_size"]), evaluated(r["evaluation"]),
-                 _size(r["peak_bytes"], scale), _size(r["training"]["peak_bytes"], scale),
-                 _size(r["evaluation"]["peak_bytes"], scale), _size(r["reserved_estimate_bytes"], scale)]
-        cells += [_size(r["breakdown"][c], scale) for c in CATEGORIES]
-        lines.append("| " + " | ".join(cells + [f"{r['wall_s']:.1f}"]) + " |")
-    return "\n".join(lines)
+    body = [[r["label"], str(r["batch_size"]), str(r["physical_batch_size"]), evaluated(r["evaluation"]),
+             *(_size(x, scale) for x in (r["peak_bytes"], r["training"]["peak_bytes"], r["evaluation"]["peak_bytes"],
+                                         r["reserved_estimate_bytes"], *(r["breakdown"][c] for c in CATEGORIES))),
+             f"{r['wall_s']:.1f}"] for r in rows]
+    return "\n".join(markdown_table(head, body))
 
 
 def budget_table(budget: str, found: list[dict]) -> str:
-    lines = [f"Largest batch (one physical batch) whose run's reserved estimate (training's or evaluation's, the "
-             f"larger) fits {budget}:", "",
-             "| configuration | largest B | reserved est. GiB at that B |", "|---|---|---|"]
+    rows = []
     for f in found:
         plan = f["plan"]
-        reserved = _size(plan["reserved_estimate_bytes"]) if f["largest_batch"] else "does not fit at B = 1: " + \
-            _size(plan["reserved_estimate_bytes"])
+        reserved = ("" if f["largest_batch"] else "does not fit at B = 1: ") + _size(plan["reserved_estimate_bytes"])
         if plan["peak_part"] == "evaluation":  # what a smaller train.eval_batch_size would lower
             reserved += f" (evaluation's, at eval B {evaluated(plan['evaluation'])})"
         largest = f"≥ {f['largest_batch']} (the search's limit)" if f.get("capped") else str(f["largest_batch"])
-        lines.append(f"| {f['label']} | {largest} | {reserved} |")
-    return "\n".join(lines)
+        rows.append([f["label"], largest, reserved])
+    intro = (f"Largest batch (one physical batch) whose run's reserved estimate (training's or evaluation's, the "
+             f"larger) fits {budget}:")
+    return "\n".join([intro, "", *markdown_table(["configuration", "largest B", "reserved est. GiB at that B"], rows)])
 
 
 def write(out: Path, rows: list[dict], budget: str | None = None, found: list[dict] | None = None) -> str:

@@ -8,9 +8,7 @@ import shlex
 from pathlib import Path
 
 from dpmem.engine.summary import json_ready
-from dpmem.report import pyplot, save_figure
-
-GIB = 2**30
+from dpmem.report import GIB, markdown_table, pyplot, save_figure
 
 CAVEAT = ("Times are estimates from a roofline, not measurements: each op dispatched in the planned steps takes the "
           "longer of its FLOPs at the device's peak and its bytes at the device's bandwidth; a step takes the longer "
@@ -26,8 +24,7 @@ CAVEAT = ("Times are estimates from a roofline, not measurements: each op dispat
 def _privacy(row: dict) -> str:
     if row.get("sigma") is None:
         return "–"
-    epsilon = row.get("epsilon")
-    return f"σ = {row['sigma']:.3g}" + (f" for ε = {epsilon:g}" if epsilon is not None else "")
+    return f"σ = {row['sigma']:.3g}" + (f" for ε = {row['epsilon']:g}" if row.get("epsilon") is not None else "")
 
 
 def _gib(x: float) -> str:
@@ -37,19 +34,17 @@ def _gib(x: float) -> str:
 def table(rows: list[dict], precisions: list[str]) -> str:
     head = (["#", "configuration", "physical B", "micro-batches", "peak GiB", "reserved GiB", "fits"]
             + [f"est. samples/s {p}" for p in precisions] + ["device-bound samples/s", "bound by", "privacy"])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for i, r in enumerate(rows, 1):
-        if r["fits"]:
-            bound = "host" if r["host_seconds"] > r["device_seconds"] else "device"
-            cells = ([str(i), r["configuration"], str(r["physical_batch_size"]), str(r["micro_batches"]),
-                      _gib(r["peak_bytes"]), _gib(r["reserved_estimate_bytes"]), "yes"]
-                     + [f"{r['estimates'][p]['samples_per_s']:.3g}" for p in precisions]
-                     + [f"{r['device_bound_samples_per_s']:.3g} ({r['precision']})", bound, _privacy(r)])
-        else:
-            cells = (["–", r["configuration"], "–", "–", f"≥ {_gib(r['peak_bytes'])} at 1",
-                      _gib(r["reserved_estimate_bytes"]), "no"] + ["–"] * len(precisions) + ["–", "–", "–"])
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+
+    def cells(i: int, r: dict) -> list[str]:
+        if not r["fits"]:
+            return ["–", r["configuration"], "–", "–", f"≥ {_gib(r['peak_bytes'])} at 1",
+                    _gib(r["reserved_estimate_bytes"]), "no", *["–"] * (len(precisions) + 3)]
+        bound = "host" if r["host_seconds"] > r["device_seconds"] else "device"
+        return [str(i), r["configuration"], str(r["physical_batch_size"]), str(r["micro_batches"]),
+                _gib(r["peak_bytes"]), _gib(r["reserved_estimate_bytes"]), "yes",
+                *(f"{r['estimates'][p]['samples_per_s']:.3g}" for p in precisions),
+                f"{r['device_bound_samples_per_s']:.3g} ({r['precision']})", bound, _privacy(r)]
+    return "\n".join(markdown_table(head, [cells(i, r) for i, r in enumerate(rows, 1)]))
 
 
 def command(row: dict, overrides: list[str]) -> str:

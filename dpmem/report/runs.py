@@ -1,14 +1,8 @@
-"""`dpmem report PATH...`: every run's summary.json under the given folders as the papers' tables.
-
-Rows are method × ε (and, within a method, the settings that differ between its runs, such as a swept
-method.subspace.k), columns are tasks (data sets); a cell is the final metric's mean ± standard error over seeds,
-in percent (accuracy, F1, EM, ROUGE-1 are fractions in the summaries). A cell whose runs ran out of memory says OOM;
-the best private result of each column is marked (bold in markdown, \\textbf in LaTeX). Runs that did not finish
-ok (failed, interrupted, still running or dead with status running), run folders with no summary and repeats of
-a run (the same configuration and seed) are listed, never silently dropped or counted twice. Folders of an analysis
-(`dpmem spectrum`, `dpmem audit`) are no results: they are listed apart. Under the table, the ε of releasing a
-result chosen among the runs composes every release on its data (`search_privacy`). Written as report.md,
-report.csv (one line per cell) and report.tex, with the figures of `dpmem.report.figures`."""
+"""`dpmem report PATH...`: every run's summary.json under the given folders as the papers' tables (method × ε by
+data set, the final metric's mean ± standard error over seeds, the best private result marked), and under them what
+the table leaves out, never silently dropped or counted twice (runs not ok or without a summary, repeats, analyses),
+and the privacy of choosing among the runs (`search_privacy`). Writes report.md, report.csv (one line per cell),
+report.tex and `dpmem.report.figures`; what each part shows: docs/getting-started.md, A report."""
 
 from __future__ import annotations
 
@@ -25,13 +19,12 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from dpmem.data import is_loss
+from dpmem.engine.folder import MARK
 from dpmem.engine.summary import PRIVACY_LEDGER, most_spent, privacy_records
-from dpmem.report import figures
+from dpmem.report import figures, markdown_table
 from dpmem.report.labels import NOT_TRAINING, row_label, variants
 
 OK = "ok"
-
-
 REQUIRED = ("status", "method", "data")  # what a row needs; every other field a summary may lack (older versions)
 
 
@@ -42,39 +35,32 @@ def collect(paths: list[Path]) -> tuple[list[dict], list[dict]]:
     which analysis wrote the folder, if one did (`analysis`)."""
     summaries, missing = [], []
     seen: set[Path] = set()  # a folder under two of the paths (the same path twice, or one inside another) once
-    for root in paths:
-        root = Path(root)
+    for root in map(Path, paths):
         if not root.exists():
             raise FileNotFoundError(f"{root} does not exist")
-        for f in sorted(root.rglob("summary.json")):
-            if f.parent.resolve() in seen:
-                continue
-            seen.add(f.parent.resolve())
-            try:
-                s = json.loads(f.read_text())
-                lacking = [k for k in REQUIRED if k not in s] if isinstance(s, dict) else ["(not a JSON object)"]
-            except (ValueError, OSError) as e:
-                missing.append(_folder(f.parent, {"why": f"unreadable summary.json ({type(e).__name__}: "
-                                                         f"{str(e)[:80]})" + _ledger_note(f.parent)}))
-                continue
-            if lacking:
-                missing.append(_folder(f.parent, {"why": f"summary.json lacks {', '.join(lacking)}"
-                                                         + _ledger_note(f.parent)}))
-                continue
-            summaries.append(_folder(f.parent, s))
-        folders = {c.parent for c in root.rglob("config.yaml") if c.parent.name != ".hydra"}
-        folders |= {c.parent for c in root.rglob(PRIVACY_LEDGER)}
-        for folder in sorted(folders):
-            # dpmem audit's own folder holds its config and record; the audited run, in run/, has the summary (an
-            # audit's folder with a ledger of its own holds a training run it was written over: listed, composed)
+        # folders with a summary first, then those without one: a config.yaml or a ledger but no summary.json
+        others = {c.parent for c in root.rglob("config.yaml") if c.parent.name != ".hydra"}
+        others |= {c.parent for c in root.rglob(PRIVACY_LEDGER)}
+        for folder in [f.parent for f in sorted(root.rglob("summary.json"))] + sorted(others):
             if folder.resolve() in seen:
                 continue
             seen.add(folder.resolve())
-            audit_only = (folder / "audit.json").exists() and not (folder / PRIVACY_LEDGER).exists()
-            if not (folder / "summary.json").exists() and not audit_only:
-                note = _ledger_note(folder)
-                missing.append(_folder(folder, {"why": "no summary.json"
-                                                       + (note or " (the run died before it started)")}))
+            if (folder / "summary.json").exists():
+                try:
+                    s = json.loads((folder / "summary.json").read_text())
+                    lacking = [k for k in REQUIRED if k not in s] if isinstance(s, dict) else ["(not a JSON object)"]
+                    why = f"summary.json lacks {', '.join(lacking)}" if lacking else None
+                except (ValueError, OSError) as e:
+                    why = f"unreadable summary.json ({type(e).__name__}: {str(e)[:80]})"
+                if why is None:
+                    summaries.append(_folder(folder, s))
+                else:
+                    missing.append(_folder(folder, {"why": why + _ledger_note(folder)}))
+            # dpmem audit's own folder holds its config and record; the audited run, in run/, has the summary (an
+            # audit's folder with a ledger of its own holds a training run it was written over: listed, composed)
+            elif not (folder / "audit.json").exists() or (folder / PRIVACY_LEDGER).exists():
+                note = _ledger_note(folder) or " (the run died before it started)"
+                missing.append(_folder(folder, {"why": "no summary.json" + note}))
     return summaries, missing
 
 
@@ -96,8 +82,6 @@ def _analysis(folder: Path) -> str | None:
     """The analysis that wrote a folder whose summary does not say so (written by an older dpmem), told by the
     files it leaves: spectrum.json or recorded gradients (`dpmem spectrum`), audit.json beside the run
     (`dpmem audit` trains in AUDIT/run); or by the mark those verbs write first (dpmem.engine.folder.MARK)."""
-    from dpmem.engine.folder import MARK
-
     for where in (folder, folder.parent):
         try:
             mark = (where / MARK).read_text().strip()
@@ -112,17 +96,10 @@ def _analysis(folder: Path) -> str | None:
     return None
 
 
-def _analysis_run(folder: dict) -> bool:
-    """Whether a folder is an analysis's own training run (dpmem audit's AUDIT/run), not a run it wrote over."""
-    path = Path(folder["run_dir"])
-    return path.name == "run" and _analysis(path) == "audit"
-
-
 def _ledger_note(folder: Path) -> str:
     """What the folder's privacy.jsonl says was spent, for a run whose summary cannot be read."""
     records = privacy_records(folder)
-    spent = most_spent(records)
-    if spent is None:
+    if (spent := most_spent(records)) is None:
         return ""
     steps = max(int(r.get("steps_done") or 0) for r in records)
     return f"; its {PRIVACY_LEDGER} records epsilon {spent:.4g} spent over {steps} steps"
@@ -136,39 +113,26 @@ def distinct(summaries: list[dict]) -> tuple[list[dict], list[str]]:
     kept: dict[str, dict] = {}
     repeats = []
     for s in sorted(summaries, key=lambda s: (s["status"] != OK, s["run_dir"])):
-        key = _configuration(s)
-        if key is None:  # without its config.yaml, a run cannot be told to be another's repeat
-            kept[s["run_dir"]] = s
-            continue
-        if key in kept:
-            why = s.get("privacy_ignored") or (
-                None if not s.get("sigma") else "seeded: composed into no ε" if seeded(s) else
-                "its noise and batches drawn afresh: a release of its own, composed below")
-            repeats.append(f"{s['run_dir']}: the same configuration and seed as {kept[key]['run_dir']}, counted once "
-                           "in the table" + (f" ({why})" if why else ""))
-        else:
+        # what it trained, less how it was started and recorded; without its config.yaml, a run is no other's repeat
+        key = s["run_dir"] if "train.seed" not in s["config"] else json.dumps(
+            {k: v for k, v in s["config"].items() if not k.startswith(NOT_TRAINING)
+             and not (k.startswith("privacy.") and not s.get("sigma"))}, sort_keys=True, default=str)
+        if key not in kept:
             kept[key] = s
+            continue
+        why = s.get("privacy_ignored") or (
+            None if not s.get("sigma") else "seeded: composed into no ε" if seeded(s) else
+            "its noise and batches drawn afresh: a release of its own, composed below")
+        repeats.append(f"{s['run_dir']}: the same configuration and seed as {kept[key]['run_dir']}, counted once "
+                       "in the table" + (f" ({why})" if why else ""))
     chosen = {id(s) for s in kept.values()}
     return [s for s in summaries if id(s) in chosen], repeats
-
-
-def _configuration(s: dict) -> str | None:
-    """What a run trained, as a key (None without its config.yaml): its configuration less how it was started
-    and recorded; a run without noise trains the same under any privacy options."""
-    config = s["config"]
-    if "train.seed" not in config:
-        return None
-    return json.dumps({k: v for k, v in config.items() if not k.startswith(NOT_TRAINING)
-                       and not (k.startswith("privacy.") and not s.get("sigma"))}, sort_keys=True, default=str)
 
 
 def _flat(tree, prefix: str = "") -> dict:
     if not isinstance(tree, dict):
         return {prefix[:-1]: tree}
-    out = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}{k}."))
-    return out
+    return {key: v for k, sub in tree.items() for key, v in _flat(sub, f"{prefix}{k}.").items()}
 
 
 SEEDED = "∞ to a holder of config.yaml"
@@ -202,8 +166,7 @@ def data_column(summaries: list[dict]):
         paths[s["data"]].add(s["config"].get("data.path"))
 
     def column(s: dict) -> str:
-        path = s["config"].get("data.path")
-        return f"{s['data']} ({path})" if len(paths[s["data"]]) > 1 else s["data"]
+        return f"{s['data']} ({s['config'].get('data.path')})" if len(paths[s["data"]]) > 1 else s["data"]
     return column
 
 
@@ -218,9 +181,8 @@ def cells(summaries: list[dict]) -> dict[tuple[str, str, str], dict]:
     for key, runs in grouped.items():
         values = [r["metric_final"] for r in runs if r["status"] == OK and r.get("metric_final") is not None]
         n = len(values)
-        mean = statistics.fmean(values) if n else None
-        se = statistics.stdev(values) / math.sqrt(n) if n > 1 else None
-        out[key] = {"values": values, "n": n, "mean": mean, "se": se,
+        out[key] = {"values": values, "n": n, "mean": statistics.fmean(values) if n else None,
+                    "se": statistics.stdev(values) / math.sqrt(n) if n > 1 else None,
                     "oom": any(r["status"] == "oom" for r in runs),
                     "private": key[1] not in ("non-private", SEEDED),
                     "paper": {_paper_key(r) for r in runs},
@@ -228,15 +190,12 @@ def cells(summaries: list[dict]) -> dict[tuple[str, str, str], dict]:
     return out
 
 
-def _text(cell: dict | None) -> str:
-    if cell is None:
-        return ""
+def _text(cell: dict) -> str:
     if cell["n"] == 0:
         return "OOM" if cell["oom"] else "–"
-    if is_loss(cell["metric"]):
-        return f"{cell['mean']:.4g}" + (f" ± {cell['se']:.2g}" if cell["se"] is not None else "")
-    text = f"{100 * cell['mean']:.1f}"
-    return text + (f" ± {100 * cell['se']:.1f}" if cell["se"] is not None else "")
+    # summaries hold fractions (accuracy, F1, EM, ROUGE-1), shown in percent; losses as they are
+    scale, mean, se = (1, ".4g", ".2g") if is_loss(cell["metric"]) else (100, ".1f", ".1f")
+    return f"{scale * cell['mean']:{mean}}" + (f" ± {scale * cell['se']:{se}}" if cell["se"] is not None else "")
 
 
 def _natural(label: str) -> list:
@@ -253,13 +212,9 @@ def table(table_cells: dict) -> tuple[list[str], list[tuple[str, str]], dict, se
     """Columns (tasks), rows (method, ε), cell texts and the best private cell per column."""
     columns = sorted({d for _, _, d in table_cells})
     rows = sorted({(m, e) for m, e, _ in table_cells}, key=lambda r: (_natural(r[0]), _epsilon_order(r[1])))
-    best = set()
-    for d in columns:
-        private = [(-c["mean"] if is_loss(c["metric"]) else c["mean"], k) for k, c in table_cells.items()
-                   if k[2] == d and c["private"] and c["n"]]
-        if private:
-            top = max(m for m, _ in private)
-            best |= {k for m, k in private if m == top}
+    score = {k: -c["mean"] if is_loss(c["metric"]) else c["mean"]  # the higher the better
+             for k, c in table_cells.items() if c["private"] and c["n"]}
+    best = {k for k, v in score.items() if v == max(w for j, w in score.items() if j[2] == k[2])}
     return columns, rows, {k: _text(c) for k, c in table_cells.items()}, best
 
 
@@ -274,15 +229,10 @@ def memory_table(summaries: list[dict]) -> list[str]:
         return []
     batches = sorted({b for v in peaks.values() for b in v})
     sources = sorted({str(s.get("peak_memory_source")) for s in summaries if s.get("peak_memory_bytes")})
-    lines = ["", f"Peak memory (MiB, {', '.join(sources)}) against the physical batch size:", "",
-             "| method | model | " + " | ".join(map(str, batches)) + " |", "|---|---|" + "---|" * len(batches)]
-    for (method, model), v in sorted(peaks.items(), key=lambda kv: max(kv[1].values())):
-        lines.append(f"| {method} | {model} | " + " | ".join(f"{v[b]:.1f}" if b in v else "" for b in batches) + " |")
-    return lines
-
-
-# what an older ledger's lines lack, taken from the folder's summary
-LATER_FIELDS = ("sampling", "dataset_size", "neighbouring")
+    rows = [[method, str(model), *(f"{v[b]:.1f}" if b in v else "" for b in batches)]
+            for (method, model), v in sorted(peaks.items(), key=lambda kv: max(kv[1].values()))]
+    return ["", f"Peak memory (MiB, {', '.join(sources)}) against the physical batch size:", "",
+            *markdown_table(["method", "model", *map(str, batches)], rows)]
 
 
 def releases(folder: dict) -> list[dict]:
@@ -293,13 +243,11 @@ def releases(folder: dict) -> list[dict]:
     needs (sigma: the noise multiplier accounted per step; steps: the most any line, or the summary, recorded), its
     epsilon, and whether it was abandoned."""
     s = folder  # a summary, or a folder without one ({run_dir, why, config, ledger})
-    summary = {k: v for k, v in {
-        "steps_done": s.get("steps_done"), "epsilon": s.get("epsilon_spent"), "sigma": s.get("sigma"),
-        "sigma_accounted": s.get("sigma_accounted"), "sample_rate": s.get("sample_rate"),
-        "accountant": s.get("accountant"), "delta": s.get("delta"), "sampling": s.get("sampling"),
-        "dataset_size": s.get("n_train"),
-        "neighbouring": s.get("neighbouring") or s["config"].get("privacy.neighbouring"),
-    }.items() if v is not None}
+    summary = {k: s.get(k) for k in ("steps_done", "sigma", "sigma_accounted", "sample_rate", "accountant", "delta",
+                                      "sampling")}
+    summary.update(epsilon=s.get("epsilon_spent"), dataset_size=s.get("n_train"),  # as a ledger line names them
+                   neighbouring=s.get("neighbouring") or s["config"].get("privacy.neighbouring"))
+    summary = {k: v for k, v in summary.items() if v is not None}
     attempts: list[list[dict]] = []
     for line in s["ledger"]:
         if (not attempts or line.get("event") == "start"
@@ -307,11 +255,11 @@ def releases(folder: dict) -> list[dict]:
             attempts.append([])
         attempts[-1].append(line)
     attempts = attempts or [[]]
+    attempts[-1].append(summary)  # the summary is the last run's, maybe past its last line
     out = []
     for i, lines in enumerate(attempts):
-        last = i == len(attempts) - 1
-        lines = lines + [summary] if last else lines  # the summary is the last run's, maybe past its last line
-        known = {k: summary[k] for k in LATER_FIELDS if k in summary}
+        # what an older ledger's lines lack, taken from the folder's summary
+        known = {k: summary[k] for k in ("sampling", "dataset_size", "neighbouring") if k in summary}
         for line in lines:
             known.update((k, v) for k, v in line.items() if v is not None)
         spent = [float(line["epsilon"]) for line in lines if line.get("epsilon") is not None]
@@ -320,12 +268,8 @@ def releases(folder: dict) -> list[dict]:
                     "steps": max((int(line.get("steps_done") or 0) for line in lines), default=0),
                     "dataset_size": known.get("dataset_size"), "accountant": known.get("accountant"),
                     "neighbouring": known.get("neighbouring", "add_remove"), "delta": known.get("delta"),
-                    "epsilon": max(spent, default=math.inf), "abandoned": not last})
+                    "epsilon": max(spent, default=math.inf), "abandoned": i < len(attempts) - 1})
     return out
-
-
-def _noised(release: dict) -> bool:
-    return bool(release["accountant"]) and release["sigma"] > 0 and math.isfinite(release["epsilon"])
 
 
 def _count(n: int, what: str) -> str:
@@ -335,54 +279,48 @@ def _count(n: int, what: str) -> str:
 def search_privacy(folders: list[dict]) -> list[str]:
     """A line per data set with several private releases: choosing and releasing a result among the runs (a
     search, a grid, a table) releases every one of them, so its ε is their mechanisms composed (dp-accounting, at
-    the largest δ). Every release counts (`releases`): each run, a repeat whose noise and batches the OS drew,
-    each attempt abandoned with train.overwrite=true, and folders whose summary is lost. A seeded run (`seeded`)
-    is composed into no ε: against a holder of its config.yaml it has none. Runs count as touching the same data
-    when they share data.name and data.path, whatever examples each drew: the conservative reading."""
+    the largest δ). Every release counts (`distinct`, `releases`), but a seeded run's (`seeded`). Runs touch the same
+    data when they share data.name and data.path, whatever examples each drew: the conservative reading."""
     from dpmem.privacy import composed_epsilon
     groups = defaultdict(list)
     for f in folders:
         data = f.get("data") or f["config"].get("data.name")
         if data is not None:  # a folder with neither summary nor config is listed with its ledger's ε
             groups[(data, f["config"].get("data.path"))].append(f)
-    lines = []
+    seeded_lines, lines = [], []  # the seeded runs' lines first
     for (data, path), group in sorted(groups.items(), key=str):
-        derivable = [f for f in group if seeded(f)]
-        if derivable:  # replayable by whoever holds their config.yaml: no ε composes them (`seeded_runs` lists them)
-            lines.append(f"{data + (f' ({path})' if path else '')}: {_count(len(derivable), 'seeded run')} not "
-                         "composed here: ε ∞ to a holder of their config.yaml (listed below)")
-            groups[(data, path)] = [f for f in group if not seeded(f)]
-    for (data, path), group in sorted(groups.items(), key=str):
+        name = data + (f" ({path})" if path else "")
+        if derivable := [f for f in group if seeded(f)]:
+            seeded_lines.append(f"{name}: {_count(len(derivable), 'seeded run')} not composed here: ε ∞ to a holder "
+                                "of their config.yaml (listed below)")
+            group = [f for f in group if not seeded(f)]
         made = [r for f in group for r in releases(f) if r["steps"]]
-        accounted = list(filter(_noised, made))
+        accounted = [r for r in made if r["accountant"] and r["sigma"] > 0 and math.isfinite(r["epsilon"])]
         if len(accounted) < 2:
             continue
-        name = data + (f" ({path})" if path else "")
         if all(f.get("data_public", f["config"].get("data.public")) for f in group):
             lines.append(f"{name}: {len(group)} runs on data declared public (data.public=true), a proxy: searching "
                          "there spends nothing of a private data set's budget")
             continue
-        abandoned = sum(r["abandoned"] for r in accounted)
-        loose = len(made) - len(accounted)
-        head = (f"{name}: {len(accounted)} private releases on the same training data ("
-                + _count(len(accounted) - abandoned, "run") + (f" + {_count(abandoned, 'abandoned attempt')}"
-                                                                 if abandoned else "")
-                + f"), each ε ≤ {max(r['epsilon'] for r in accounted):.3g}; ")
+        abandoned, loose = sum(r["abandoned"] for r in accounted), len(made) - len(accounted)
+        runs = _count(len(accounted) - abandoned, "run") + (f" + {_count(abandoned, 'abandoned attempt')}"
+                                                           if abandoned else "")
+        head = (f"{name}: {len(accounted)} private releases on the same training data ({runs}), each ε ≤ "
+                f"{max(r['epsilon'] for r in accounted):.3g}; ")
         accountants = {(r["accountant"], r["neighbouring"]) for r in accounted}
         delta = max(r["delta"] for r in accounted)
-        if len(accountants) > 1 or ("rc", "add_remove") in accountants:
-            lines.append(head + "their composition is not computed here (rc, or several accountants)")
-            continue
-        accountant, neighbouring = accountants.pop()
         try:
+            if len(accountants) > 1 or ("rc", "add_remove") in accountants:
+                raise ValueError("rc, or several accountants")
+            accountant, neighbouring = accountants.pop()
             composed = composed_epsilon(accounted, delta, accountant, neighbouring)
-        except ValueError as e:  # what an older ledger does not record (the data set's size for fixed sampling)
+        except ValueError as e:  # or what an older ledger does not record (the data set's size for fixed sampling)
             lines.append(head + f"their composition is not computed here ({e})")
             continue
         lines.append(head + f"releasing a result chosen among them releases all: ε = {composed:.4g} at δ = "
                      f"{delta:.2g} ({accountant}, composed)" + (f"; {_count(loose, 'more release')} outside any ε "
                                                                  "(no noise, or a leak)" if loose else ""))
-    return lines
+    return seeded_lines + lines
 
 
 def seeded_runs(summaries: list[dict]) -> list[str]:
@@ -401,9 +339,7 @@ def selections(folders: list[dict]) -> list[str]:
     """A line per private search (hydra/sweeper=private, dpmem.engine.selection) among the folders' sweeps: what
     its selection.json releases and at what ε, beside `search_privacy`'s composition of every trial."""
     lines = []
-    for path in sorted({Path(f["run_dir"]).parent / "selection.json" for f in folders}):
-        if not path.exists():
-            continue
+    for path in sorted(filter(Path.exists, {Path(f["run_dir"]).parent / "selection.json" for f in folders})):
         try:
             s = json.loads(path.read_text())
             lines.append(f"{path.parent}: {s['ended']}; release only {s['winner'] or 'nothing'}, at ε = "
@@ -441,10 +377,9 @@ def _not_private_because(f: dict) -> str:
 
 
 def unfinished(summaries: list[dict], missing: list[dict]) -> list[str]:
-    lines = [f"{s['run_dir']}: {s['status']}" + (f" ({s['error']})" if s.get("error") else "")
-             + f", {s.get('steps_done')}/{s.get('steps')} steps" for s in summaries if s["status"] not in (OK, "oom")]
-    lines += [f"{m['run_dir']}: {m['why']}" for m in missing]
-    return lines
+    failed = [f"{s['run_dir']}: {s['status']}" + (f" ({s['error']})" if s.get("error") else "")
+              + f", {s.get('steps_done')}/{s.get('steps')} steps" for s in summaries if s["status"] not in (OK, "oom")]
+    return failed + [f"{m['run_dir']}: {m['why']}" for m in missing]
 
 
 PUBLISHED = Path(__file__).with_name("published.csv")
@@ -453,8 +388,7 @@ ALIASES = {"adam": "adamw"}  # dpmem's name -> the papers' where they differ (Ad
 
 @functools.cache
 def published() -> dict[tuple[str, str, str, str], dict]:
-    """(method, ε, data, model) -> {value, se, source} from the papers' tables (published.csv, values in %, or
-    OOM)."""
+    """(method, ε, data, model) -> {value, se, source} from the papers' tables (published.csv: values in %, or OOM)."""
     with open(PUBLISHED, newline="") as f:
         return {(r["method"], r["epsilon"] or "non-private", r["data"], r["model"]): r for r in csv.DictReader(f)}
 
@@ -473,11 +407,8 @@ def with_published(table_cells: dict, texts: dict) -> tuple[dict, list[str]]:
     """Each cell's text followed by the paper's number for the same method, ε, data set and model, in brackets."""
     paper, sources, out = published(), [], dict(texts)
     for (row, eps, data), text in texts.items():
-        keys = table_cells[(row, eps, data)]["paper"]
-        hit = None
-        if len(keys) == 1:
-            method, model = next(iter(keys))
-            hit = paper.get((method, eps, data, model))
+        keys = table_cells[(row, eps, data)]["paper"]  # (method, model) of each run: one, or no match
+        hit = next((paper.get((method, eps, data, model)) for method, model in keys), None) if len(keys) == 1 else None
         if hit is not None:
             out[(row, eps, data)] = f"{text} [{hit['value']}" + (f" ± {hit['se']}" if hit["se"] else "") + "]"
             sources.append(hit["source"])
@@ -502,6 +433,11 @@ def top_three(summaries: list[dict]) -> tuple[list[dict], list[str]]:
     return chosen, lines
 
 
+def _listed(title: str, lines: list[str]) -> list[str]:
+    """A titled list under the table, or nothing without lines."""
+    return ["", title, "", *(f"- {line}" for line in lines)] if lines else []
+
+
 def write(out: Path, summaries: list[dict], missing: list[dict], compare: bool = False,
           select: str | None = None) -> str:
     """report.md, report.csv and report.tex in `out` from `collect`'s summaries and folders without one (with
@@ -511,19 +447,16 @@ def write(out: Path, summaries: list[dict], missing: list[dict], compare: bool =
     analysed = [f for f in summaries + missing if f["analysis"]]
     summaries = [s for s in summaries if not s["analysis"]]
     missing = [m for m in missing if not m["analysis"]]
-    # every release counts, whichever run is shown, and whatever verb wrote into its folder last: an analysis
-    # written over a training run (train.overwrite=true) leaves that run's ledger, whose releases are composed
-    overwritten = [f for f in analysed if "status" not in f and f["ledger"] and not _analysis_run(f)]
+    # every release counts, whatever verb wrote into its folder last: an analysis written over a training run
+    # (train.overwrite=true) leaves that run's ledger (dpmem audit's own run, AUDIT/run, is none it wrote over)
+    overwritten = [f for f in analysed if "status" not in f and f["ledger"]
+                   and not (Path(f["run_dir"]).name == "run" and _analysis(Path(f["run_dir"])) == "audit")]
     searched = search_privacy(summaries + missing + overwritten)
     summaries, repeats = distinct(summaries)
-    chosen = []
-    if select == "top3":
-        summaries, chosen = top_three(summaries)
+    summaries, chosen = top_three(summaries) if select == "top3" else (summaries, [])
     table_cells = cells(summaries)
     columns, rows, texts, best = table(table_cells)
-    sources = []
-    if compare:
-        texts, sources = with_published(table_cells, texts)
+    texts, sources = with_published(table_cells, texts) if compare else (texts, [])
     metrics = sorted({str(c["metric"]) for c in table_cells.values()})
     md = [f"Final {', '.join(metrics)} ({'losses as they are, others ' if any(map(is_loss, metrics)) else ''}%), "
           "mean ± standard error over seeds; **bold**: best private result per column; OOM: out of memory.", "",
@@ -531,38 +464,26 @@ def write(out: Path, summaries: list[dict], missing: list[dict], compare: bool =
     tex = [r"\begin{tabular}{ll" + "c" * len(columns) + "}", r"\toprule",
            "method & $\\varepsilon$ & " + " & ".join(columns) + r" \\", r"\midrule"]
     for m, e in rows:
-        md_cells, tex_cells = [], []
-        for d in columns:
-            key, text = (m, e, d), texts.get((m, e, d), "")
-            md_cells.append(f"**{text}**" if key in best else text)
-            tex_text = text.replace("±", r"$\pm$").replace("–", "--")
-            tex_cells.append(rf"\textbf{{{tex_text}}}" if key in best else tex_text)
-        md.append(f"| {m} | {e} | " + " | ".join(md_cells) + " |")
-        tex.append(f"{m} & {e} & " + " & ".join(tex_cells) + r" \\")
+        marked = [(texts.get((m, e, d), ""), (m, e, d) in best) for d in columns]
+        md.append(f"| {m} | {e} | " + " | ".join(f"**{t}**" if b else t for t, b in marked) + " |")
+        tex_marked = [(t.replace("±", r"$\pm$").replace("–", "--"), b) for t, b in marked]
+        tex.append(f"{m} & {e} & " + " & ".join(rf"\textbf{{{t}}}" if b else t for t, b in tex_marked) + r" \\")
     tex += [r"\bottomrule", r"\end{tabular}"]
     md += memory_table(summaries)
     if compare:
         md += ["", "[In brackets]: the published number for the same method, ε and data set, from: "
                + ("; ".join(sources) if sources else "no matching table") + "."]
-    if chosen:
-        md += ["", "Each cell is one run: the best final metric of the three with the lowest final training loss "
-               "(--select top3):", ""] + [f"- {line}" for line in chosen]
-    if searched:
-        md += ["", "The privacy of releasing a result chosen among these runs (docs/privacy.md, Searching on "
-               "private data):", ""] + [f"- {line}" for line in searched]
-    derivable = seeded_runs(summaries)
-    if derivable:
-        md += ["", f"Seeded runs ({len(derivable)}; in the table at ε {SEEDED}, never best private, composed into no "
-               "ε):", ""] + [f"- {line}" for line in derivable]
-    selected = selections(summaries + missing)
-    if selected:
-        md += ["", "Private selections (docs/privacy.md, Private selection):", ""] + [f"- {line}" for line in selected]
-    left = unfinished(summaries, missing) + repeats
-    if left:
-        md += ["", f"Not in the table ({len(left)}):", ""] + [f"- {line}" for line in left]
-    if analysed:
-        md += ["", f"Folders of an analysis, not results ({len(analysed)}; neither in the table nor composed with the "
-               "runs above):", ""] + [f"- {line}" for line in analyses(analysed)]
+    derivable, left = seeded_runs(summaries), unfinished(summaries, missing) + repeats
+    md += (_listed("Each cell is one run: the best final metric of the three with the lowest final training loss "
+                   "(--select top3):", chosen)
+           + _listed("The privacy of releasing a result chosen among these runs (docs/privacy.md, Searching on "
+                     "private data):", searched)
+           + _listed(f"Seeded runs ({len(derivable)}; in the table at ε {SEEDED}, never best private, composed into "
+                     "no ε):", derivable)
+           + _listed("Private selections (docs/privacy.md, Private selection):", selections(summaries + missing))
+           + _listed(f"Not in the table ({len(left)}):", left)
+           + _listed(f"Folders of an analysis, not results ({len(analysed)}; neither in the table nor composed with "
+                     "the runs above):", analyses(analysed)))
     with open(out / "report.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["method", "epsilon", "data", "metric", "n", "mean", "se", "oom", "best_private",
@@ -571,8 +492,7 @@ def write(out: Path, summaries: list[dict], missing: list[dict], compare: bool =
             c = table_cells[key]
             w.writerow([*key, c["metric"], c["n"], c["mean"], c["se"], c["oom"], key in best, key[1] == SEEDED,
                         texts[key]])
-    drawn = figures.write(out, summaries, table_cells)
-    if drawn:
+    if drawn := figures.write(out, summaries, table_cells):
         md += ["", "Figures: " + ", ".join(f for f in drawn if f.endswith(".png")) + " (and PDF)."]
     text = "\n".join(md) + "\n"
     (out / "report.md").write_text(text)

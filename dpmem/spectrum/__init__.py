@@ -1,9 +1,5 @@
-"""`dpmem spectrum`: how the singular values of gradients decay, and what clipping and noise do to that decay.
-
-- mode=layer (DP-GRAPE Fig. 1): `dpmem.spectrum.layer`;
-- mode=trajectory (Li et al. §4.2): `dpmem.spectrum.trajectory`, whose subspace.pt feeds subspace re-training
-  (`method.subspace.path`, `dpmem.methods.subspace`).
-"""
+"""`dpmem spectrum`: how the singular values of gradients decay, and what clipping and noise do to that decay, in
+mode=layer (`dpmem.spectrum.layer`) or mode=trajectory (`dpmem.spectrum.trajectory`)."""
 
 from __future__ import annotations
 

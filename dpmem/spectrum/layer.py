@@ -1,15 +1,10 @@
-"""`dpmem spectrum mode=layer` (DP-GRAPE Fig. 1): the top singular values of each projected layer's batch gradient,
-raw and privatised as a DP method privatises it — per-sample gradients clipped at C over all trainable parameters
-(flat clipping), summed, Gaussian noise of std σ·C added, divided by the expected batch size
-(`GaussianMechanism.release`, the code every private method uses). Without clipping (C = ∞) no noise is added: its
-scale σ·C would be infinite.
-
-Every setting (C, σ) sees the same batch, the same per-sample gradients and the same noise draw z (scaled by
-σ·C), so the curves differ only by clipping and noise. Between measured steps the model trains with the
-configured method."""
+"""`dpmem spectrum mode=layer` (DP-GRAPE Fig. 1; docs/reproductions.md): the top singular values of each projected
+layer's batch gradient, raw and privatised as a DP method privatises it (flat clipping at C, then
+`GaussianMechanism.release`, the code every private method uses). Every setting (C, σ) sees the same batch, the same
+per-sample gradients and the same noise draw z (scaled by σ·C), so the curves differ only by clipping and noise.
+Without clipping (C = ∞) no noise is added: its scale σ·C would be infinite."""
 
 from __future__ import annotations
-
 
 import torch
 
@@ -37,17 +32,7 @@ def settings(sp, max_grad_norm: float | None, sigma: float) -> list[Setting]:
     for s in sigmas:
         if not s >= 0:
             raise ConfigError("spectrum.sigma", f"{s}: noise multipliers must be >= 0")
-    out: list[Setting] = []
-    for c in clips:
-        for s in ([0.0] if c is None else sigmas):
-            if (c, float(s)) not in out:
-                out.append((c, float(s)))
-    return out
-
-
-def label(setting: Setting) -> str:
-    c, s = setting
-    return "no clipping" if c is None else f"C = {c:g}, sigma = {s:g}"
+    return list(dict.fromkeys((c, float(s)) for c in clips for s in ([0.0] if c is None else sigmas)))
 
 
 def measure(model, microbatches, loss_fn, layers: dict[str, torch.nn.Parameter], chosen: list[Setting],
@@ -87,8 +72,8 @@ def summarise(c, s, per_layer: dict[str, torch.Tensor]) -> dict:
     mean = stacked.mean(0)
     normalized = (stacked / stacked[:, :1].clamp(min=1e-300)).mean(0)
     slope, _ = power_law_slope(mean)
-    return {"clip": c, "sigma": s, "label": label((c, s)), "mean": mean.tolist(),
-            "mean_normalized": normalized.tolist(), "slope": slope,
+    return {"clip": c, "sigma": s, "label": "no clipping" if c is None else f"C = {c:g}, sigma = {s:g}",
+            "mean": mean.tolist(), "mean_normalized": normalized.tolist(), "slope": slope,
             "per_layer": {name: v.tolist() for name, v in per_layer.items()}}
 
 
@@ -123,5 +108,4 @@ def run_layer_mode(cfg, out) -> dict:
     run.finish("ok", steps_done=steps[-1] - 1)  # the updates between measurements
     return {"mode": "layer", "model": cfg.model.name, "data": cfg.data.name, "method": m.name,
             "sigma_from_privacy": calibrated.sigma, "expected_batch_size": calibrated.expected_batch_size,
-            "top": sp.top,
-            "layers": list(layers), "steps": measured}
+            "top": sp.top, "layers": list(layers), "steps": measured}

@@ -14,8 +14,7 @@ Rows = Callable[[], Iterable[torch.Tensor]]  # a fresh pass over the row chunks 
 
 def top_singular_values(matrix: torch.Tensor, top: int) -> torch.Tensor:
     """The `top` largest singular values of a 2-D matrix (all of them if it has fewer), in float64."""
-    values = torch.linalg.svdvals(matrix.detach().to(torch.float64))
-    return values[:top].cpu()
+    return torch.linalg.svdvals(matrix.detach().to(torch.float64))[:top].cpu()
 
 
 def orthogonal_iteration(rows: Rows, p: int, k: int, iterations: int, generator: torch.Generator | None = None,

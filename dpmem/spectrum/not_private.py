@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import math
 
-# by mode (and for a re-analysis of recorded gradients): the
-# folder is not private whatever ε its training spent, and says so (summary.json, spectrum.json)
+# by mode (and for a re-analysis of recorded gradients): why the folder is not private whatever ε its training spent
 NOT_PRIVATE = {
     "layer": "spectrum.json holds singular values of the training data's batch gradients measured outside the run's "
              "noise (unclipped, at sigma 0, or with noise drawn from spectrum.seed, which config.yaml holds)",

@@ -1,9 +1,8 @@
 """`dpmem spectrum mode=trajectory` (Li et al. 2022 (When Does DP Learning Not Suffer in High Dimensions?) §4.2,
 App. B): during a private run, the averaged clipped (not noised) gradient ḡₜ = Σᵢ clip(gᵢ, C) / (q·n) of every step —
 the privatised update less its noise — over the recorded parameters, written to disk in chunks of `spectrum.chunk` rows.
-Afterwards the stacked r × p matrix H is analysed without ever being held: orthogonal iteration for its top-k singular
-values and right singular vectors, the least-squares slope of log σᵢ against log i, and G_k ≈ maxₜ ‖(I − V_kV_kᵀ) ḡₜ‖.
-The directions are saved as subspace.pt for subspace re-training (`method.subspace.path`).
+Afterwards the stacked r × p matrix H is analysed without ever being held (`analyse`, `dpmem.spectrum.linalg`); its
+top directions are saved as subspace.pt for subspace re-training (`method.subspace.path`).
 
 A run that dies keeps every full chunk and the partial one; `spectrum.gradients=FOLDER` analyses them again
 (other k, iterations) without training."""
@@ -65,8 +64,7 @@ class GradientRecorder(Observer):
 
 
 def recorded_parameters(model, patterns) -> list[tuple[str, torch.nn.Parameter]]:
-    """The trained (privatised) parameters whose names match spectrum.params (all of them when None), in model
-    order."""
+    """The trained (privatised) parameters, in model order, whose names match spectrum.params (all when None)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if patterns is not None:
         named = [(n, p) for n, p in named if any(fnmatch.fnmatch(n, pat) for pat in patterns)]
@@ -107,12 +105,9 @@ def analyse(folder: Path, sp, out: Path, device: torch.device | str = "cpu") -> 
     index = json.loads(index_file.read_text())
     if index["rows"] == 0:
         raise ConfigError("spectrum.gradients", f"{folder} holds no recorded gradient (the run took no step)")
-    files = [Path(folder) / f for f in index["files"]]
 
-    def rows():
-        for f in files:
-            yield torch.load(f, weights_only=True)
-
+    def rows():  # a fresh pass over the chunks
+        return (torch.load(Path(folder) / f, weights_only=True) for f in index["files"])
     k = min(sp.k, index["p"])  # beyond the r recorded rows the directions have σ = 0
     gen = torch.Generator().manual_seed(sp.seed)
     values, basis = orthogonal_iteration(rows, index["p"], k, sp.iterations, gen, torch.float32, device)

@@ -30,17 +30,13 @@ def _unfold(module: nn.Conv2d, activations, grad_output) -> tuple[torch.Tensor, 
     return cols, grad_output.reshape(grad_output.shape[0], module.out_channels, -1).to(module.weight.dtype)
 
 
-def _ungrouped(module: nn.Conv2d) -> bool:
-    return module.groups == 1
-
-
-@register(nn.Conv2d, factored=_ungrouped)
+@register(nn.Conv2d, factored=lambda module: module.groups == 1)
 def conv2d(module: nn.Conv2d, inputs, grad_output) -> dict:
     """Ungrouped, the convolution is linear in its patches: gᵢ = Σ_l G[:, l] ⊗ cols[:, l], kept factored. Grouped,
     each group's gradient is its own G colsᵀ, made dense."""
     batch, groups = grad_output.shape[0], module.groups
     cols, g = _unfold(module, inputs, grad_output)
-    if _ungrouped(module):
+    if groups == 1:
         weight = Factored.outer(g.transpose(1, 2), cols.transpose(1, 2), param_shape=module.weight.shape)
     else:
         cols = cols.reshape(batch, groups, -1, cols.shape[-1])

@@ -1,7 +1,5 @@
-"""nn.Embedding (and subclasses such as OPT's learned positions): the gradient of row v is the sum of G over the
-positions whose index is v, kept factored (token ids and rows, `Factored`) so that no (B, vocab, D) tensor is made. The indices are
-read from the F.embedding call itself, because subclasses may compute them inside forward (OPT derives positions
-from the attention mask)."""
+"""nn.Embedding (and subclasses such as OPT's learned positions). The indices are read from the F.embedding call
+itself, because subclasses may compute them inside forward (OPT derives positions from the attention mask)."""
 
 import torch
 import torch.nn.functional as F
