@@ -2,6 +2,7 @@
 offline errors, and a few training steps of every method on each tiny text model family."""
 
 import json
+import re
 import time
 
 import pytest
@@ -223,6 +224,24 @@ def test_csv_and_jsonl_map_columns_and_number_string_labels(tmp_path, fx):
                  f"model.tokenizer={tok['roberta']}", "data.template='{text} It was{mask}.'")
     with pytest.raises(ConfigError, match="data.label_words: a mlm head reads classes as label words"):
         build_data(cfg.data, cfg.model)
+
+
+def test_a_csv_of_pairs_gives_the_classifier_both_texts(tmp_path, fx):
+    _, tok = fx
+    import pandas as pd
+    pd.DataFrame({"q": [f"question {i}" for i in range(10)], "a": [f"answer {i}" for i in range(10)],
+                  "label": [0, 1] * 5}).to_csv(tmp_path / "p.csv", index=False)
+    tokenizer = AutoTokenizer.from_pretrained(tok["roberta"])
+    cfg = config("model=roberta-tiny", "data=csv", f"data.path={tmp_path / 'p.csv'}", "data.split_seed=0",
+                 f"model.tokenizer={tok['roberta']}", "data.columns.text=q", "data.columns.text_pair=a")
+    d = build_data(cfg.data, cfg.model)
+    text = shown(tokenizer, d.train, 0)
+    i = re.search(r"question (\d+)", text).group(1)
+    assert text == f"{tokenizer.cls_token}question {i}{tokenizer.sep_token}answer {i}{tokenizer.sep_token}"
+    # without a pair column the classifier reads the text alone
+    cfg = config("model=roberta-tiny", "data=csv", f"data.path={tmp_path / 'p.csv'}",
+                 f"model.tokenizer={tok['roberta']}", "data.columns.text=q")
+    assert "answer" not in shown(tokenizer, build_data(cfg.data, cfg.model).train, 0)
 
 
 def test_movie_reviews_are_the_rotten_tomatoes_rows(fx):

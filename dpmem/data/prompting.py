@@ -114,8 +114,8 @@ def bundle(cfg, model_cfg, task, train_records: list[dict], test_records: Option
         raise ConfigError("model.head", f"data={cfg.name} is a generation task: it needs a causal LM (e.g. "
                           "model=opt-1.3b)")
     template = cfg.template or task.templates.get(head)
-    if template is None and head == "classifier" and cfg.name in ("csv", "jsonl") and "text_pair" in cfg.columns:
-        template = "{text}{sep}{text_pair}"
+    if not cfg.template and head == "classifier" and cfg.name in ("csv", "jsonl") and cfg.columns.get("text_pair"):
+        template = "{text}{sep}{text_pair}"  # a pair file's classifier reads both texts
     if template is None:
         raise ConfigError("data.template", f"data={cfg.name} has no prompt for a {head} head (it has: "
                           f"{', '.join(task.templates)}); set data.template (and data.label_words)")
