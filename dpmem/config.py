@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, message: str):
         super().__init__(f"{key}: {message}")
-        self.key = key
+        self.key, self.message = key, message
 
 
 class Accountant(Enum):

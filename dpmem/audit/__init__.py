@@ -18,6 +18,7 @@ from dpmem.config import ConfigError, enum_value
 from dpmem.engine.summary import json_ready
 from dpmem.engine.trainer import Run
 from dpmem.methods import method_class
+from dpmem.report import markdown_table
 
 
 def run_audit(cfg, out: Path, mechanism_of=None) -> tuple[dict, str]:
@@ -112,19 +113,19 @@ def planting(cfg) -> str:
 
 def table(records: list[dict]) -> str:
     confidence = " / ".join(sorted({f"{r['confidence']:.0%}" for r in records}))
-    lines = [f"| method | clipping | canaries (plant) | m | claimed ε | δ | audited ε ≥ ({confidence}) | k "
-             "| correct / guesses | noise / claimed (p) | least-noised tensor, step / claimed | time (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for r in records:
         kind = f"{r['kind']} ({r['plant']})" if r.get("plant") else r["kind"]
         noise = "—" if r.get("noise_ratio") is None else f"{r['noise_ratio']:.3f} ({r['noise_p_value']:.2g})"
         whole = ("—" if r.get("worst_tensor_ratio") is None else
                  f"{r['worst_tensor_ratio']:.3f} ({r['worst_tensor']}), {r['worst_step_ratio']:.3f} (step "
                  f"{r['worst_step']})" + (" flagged" if r["whole_noise_flagged"] else ""))
-        lines.append(f"| {r['method']} | {r['clipping'] or '—'} | {kind} | {r['canaries']} "
-                     f"| {r['epsilon_claimed']:.3g} | {r['delta']:.2g} | {r['epsilon_lower_bound']:.3f} | {r['k']} "
-                     f"| {r['correct']} / {r['guesses']} | {noise} | {whole} | {r['seconds']:.0f} |")
-    return "\n".join(lines) + "\n"
+        rows.append([r["method"], r["clipping"] or "—", kind, str(r["canaries"]), f"{r['epsilon_claimed']:.3g}",
+                     f"{r['delta']:.2g}", f"{r['epsilon_lower_bound']:.3f}", str(r["k"]),
+                     f"{r['correct']} / {r['guesses']}", noise, whole, f"{r['seconds']:.0f}"])
+    head = ["method", "clipping", "canaries (plant)", "m", "claimed ε", "δ", f"audited ε ≥ ({confidence})", "k",
+            "correct / guesses", "noise / claimed (p)", "least-noised tensor, step / claimed", "time (s)"]
+    return "\n".join(markdown_table(head, rows)) + "\n"
 
 
 def figure(out: Path, record: dict) -> None:

@@ -149,7 +149,7 @@ def claim(cfg, run_dir: Path, lock: FolderLock | None = None) -> dict | None:
             state = _look(cfg, run_dir)
             verdict = "resume" if state is not None else "fresh"
         except FolderRefused as e:
-            verdict = (e.key, str(e).removeprefix(f"{e.key}: "))  # (ConfigError's text: "KEY: MESSAGE")
+            verdict = (e.key, e.message)
     verdict = distributed.from_main(verdict)
     if isinstance(verdict, tuple):
         raise FolderRefused(*verdict)
