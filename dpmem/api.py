@@ -18,7 +18,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from dpmem.data.bundle import Padded
-from dpmem.engine.planner import largest_batch, plan
+from dpmem.engine import planner
 from dpmem.methods import build_method, method_config
 from dpmem.methods.base import Method
 from dpmem.methods.clipping_plan import ClippingPlan
@@ -55,5 +55,31 @@ def config(*overrides: str) -> DictConfig:
     `dpmem.config.ConfigError` naming the key of a bad override."""
     from dpmem.composition import compose_points, sweep_points  # the CLI's own composition and checks
 
+    for o in overrides:
+        if not isinstance(o, str):
+            raise TypeError(f"config: override {o!r} ({type(o).__name__}): allowed strings as on the command line, "
+                            "e.g. config('train.batch_size=8')")
     sweep_points(list(overrides))  # a config group's unknown option refused with the options, as the CLI does
     return compose_points([list(overrides)])[0]
+
+
+def _run_config(cfg, caller: str) -> DictConfig:
+    """A run's config, as `config` makes it: a dict or a path would fail deep in the planner."""
+    if not isinstance(cfg, DictConfig) or "train" not in cfg:
+        raise TypeError(f"{caller}: cfg is {type(cfg).__name__}: allowed a run's config, "
+                        "dpmem.api.config('model=...', ...)")
+    return cfg
+
+
+def plan(cfg: DictConfig, *args, **kwargs) -> dict:
+    """The peak memory of a step of `cfg` (a config from `config`), its run planned on the meta device: no weights,
+    no data. `dpmem.engine.planner.plan` takes the arguments (batch_size, physical_batch_size, device, ...) and says
+    what the result holds; `plan(cfg)["peak_bytes"]` is the peak."""
+    return planner.plan(_run_config(cfg, "plan"), *args, **kwargs)
+
+
+def largest_batch(cfg: DictConfig, budget: int | str, limit: int = planner.SEARCH_LIMIT) -> tuple[int, dict | None]:
+    """The largest batch of `cfg` (a config from `config`) up to `limit`, in one physical batch, whose run fits
+    `budget` (bytes, or a size as memory.budget takes it: '24GB'), and its plan; (0, plan at 1) if not even one
+    example fits (`dpmem.engine.planner.largest_batch`)."""
+    return planner.largest_batch(_run_config(cfg, "largest_batch"), budget, limit)

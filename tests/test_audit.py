@@ -378,3 +378,18 @@ def test_dpzero_with_a_quarter_of_its_noise_is_caught_by_its_noise_check(tmp_pat
     record, _ = run_audit(config("method=dpzero"), tmp_path, mechanism_of=variants.noise_divided_by(4))
     assert record["noise_flagged"] and record["flagged"]
     assert record["noise_ratio"] < 0.5  # 0.25 over 10 steps: a χ² of 10 degrees of freedom
+
+
+@pytest.mark.parametrize("method", ["dp-adam", "grape", "dpzero"])
+def test_more_canaries_than_coordinates_are_refused_before_training_and_as_many_fit(tmp_path, method):
+    """audit.canaries=100000 was refused by the first step's placing, after the whole run had trained: now
+    `check_room` (which dpmem audit asks before any point trains) counts the coordinates on the run's parts built
+    without weights, and the count is exact (as many canaries run)."""
+    from dpmem.audit import check_room
+    with pytest.raises(ConfigError, match=r"audit\.canaries: 100000 canaries need a coordinate each; .* has (\d+) "
+                       r"in ") as refused:
+        check_room(config(f"method={method}", "audit.canaries=100000", *RANK.get(method, [])))
+    room = int(str(refused.value).split(" has ")[1].split()[0])
+    record, _ = run_audit(config(f"method={method}", f"audit.canaries={room}", "train.steps=2",
+                                 *RANK.get(method, [])), tmp_path / "full")
+    assert record["canaries"] == room

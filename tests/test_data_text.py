@@ -302,3 +302,19 @@ def test_every_method_trains_on_every_text_family(fx, tmp_path, model, head, nam
     summary = run_training(cfg, tmp_path)
     assert summary["status"] == "ok" and summary["steps_done"] == 2
     assert summary["metric_final"] is not None and 0.0 <= summary["metric_final"] <= 1.0
+
+
+@pytest.mark.parametrize("labels, says", [
+    ([["neg", "pos"], "pos"] * 5, r"holds a list \(\['neg', 'pos'\]\) where a label belongs"),
+    (["pos", "pos ", "neg"] * 3 + ["neg"], r"has labels 'pos' and 'pos ', which differ only in surrounding spaces"),
+    ([f"film {i}" for i in range(10)], r"is a different class in every row \(10 classes for as many examples\)")])
+def test_a_label_column_of_lists_near_twins_or_a_class_per_row_is_refused_naming_it(tmp_path, fx, labels, says):
+    """Each was read without a word: a list's text as a class name, 'pos ' as a class of its own, and (the text
+    column named as the label) ten classes of one example each."""
+    _, tok = fx
+    rows = [{"review": f"good film {i}", "stars": y} for i, y in enumerate(labels)]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config("model=roberta-tiny", "data=jsonl", f"data.path={tmp_path / 'r.jsonl'}",
+                 f"model.tokenizer={tok['roberta']}", "data.columns.text=review", "data.columns.label=stars")
+    with pytest.raises(ConfigError, match=r"data\.columns\.label: r\.jsonl's column 'stars' " + says):
+        build_data(cfg.data, cfg.model)

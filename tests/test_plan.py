@@ -242,3 +242,22 @@ def test_a_forward_only_candidate_is_planned_once_and_the_output_says_how_it_is_
         "method=dpzero", "method=grape train.activation_checkpointing=false",
         "method=grape train.activation_checkpointing=true"]
     assert "Ranked by estimated samples/s within each family of methods" in r.stdout
+
+
+def test_a_plan_whose_every_candidate_is_refused_says_why_not_that_nothing_fits(tmp_path, cli):
+    """It ended "memory.budget: nothing fits" though no candidate was planned: now each refusal's reason."""
+    r = cli("plan", *TINY, 'plan.candidates=["method=grape method.rank=32","method=dp-sgd-rc method.k=0"]',
+            "plan.checkpointing=[false]", "plan.device=cpu", f"plan.dir={tmp_path / 'plan'}")
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith("dpmem: error: plan.candidates: every candidate was refused: "), last
+    assert "method=grape method.rank=32 train.activation_checkpointing=false: method.rank: " in last
+    assert "method.k: " in last and "nothing fits" not in last and not (tmp_path / "plan").exists()
+
+
+def test_a_candidate_listed_twice_is_refused_before_any_is_planned(tmp_path, cli):
+    r = cli("plan", *TINY, 'plan.candidates=["method=grape method.rank=4","method=dp-adam",'
+            '"method.rank=4  method=grape"]', "plan.device=cpu", f"plan.dir={tmp_path / 'plan'}")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "dpmem: error: plan.candidates: 'method.rank=4  method=grape' is listed twice (first as 'method=grape "
+        "method.rank=4'): each candidate is planned once; remove the repeat"), r.stderr
+    assert "dpmem plan: method" not in r.stderr  # refused before any candidate was planned

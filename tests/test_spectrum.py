@@ -326,3 +326,12 @@ def test_every_spectrum_experiment_composes_and_names_its_mode():
             assert cfg.spectrum.mode.value == want or f.stem.startswith("retrain"), f.stem
             if f.stem.startswith("retrain"):
                 assert cfg.method.subspace.path == "SET-ME" and cfg.method.name == "dp-adam"
+
+
+@pytest.mark.parametrize("key", ["params", "gradients"])
+def test_a_trajectory_setting_in_layer_mode_is_refused_not_ignored(tmp_path, key):
+    """spectrum.params=['*.query.*'] in mode=layer measured every default layer, without a word."""
+    value = "['*.query.*']" if key == "params" else str(tmp_path)
+    with pytest.raises(ConfigError, match=rf"spectrum\.{key}: is mode=trajectory's .* spectrum\.layers names"):
+        run_spectrum(config(f"spectrum.{key}={value}", *TINY), tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -13,11 +13,14 @@ from pathlib import Path
 import torch
 
 from dpmem.audit.bound import audit_bound, noise_check, whole_noise_check
-from dpmem.audit.canaries import BatchCanaries, GradientCanaries, InputCanaries
+from dpmem.audit.canaries import BatchCanaries, GradientCanaries, InputCanaries, allowed, host_weights
 from dpmem.config import ConfigError, enum_value
+from dpmem.data import build_data
+from dpmem.engine.assemble import assemble
 from dpmem.engine.summary import json_ready
 from dpmem.engine.trainer import Run
 from dpmem.methods import method_class
+from dpmem.models import build_model
 from dpmem.report import markdown_table
 
 
@@ -26,7 +29,7 @@ def run_audit(cfg, out: Path, mechanism_of=None) -> tuple[dict, str]:
     `mechanism_of(mechanism, model, canaries)`: a broken mechanism to use instead (`dpmem.audit.variants`)."""
     check(cfg)
     a, name = cfg.audit, cfg.method.name
-    if cfg.train.checkpoint_every or (out / "run" / "checkpoint.pt").exists():
+    if (out / "run" / "checkpoint.pt").exists():
         # the canaries' scores live in this process: a resumed run would score only the steps after the crash
         raise ConfigError("train.checkpoint_every", "dpmem audit does not resume; run it without checkpoints, "
                           "into a fresh audit.dir")
@@ -86,6 +89,9 @@ def check(cfg) -> None:
         raise ConfigError("method.name", f"{name} is not private: there is no claimed epsilon to audit")
     if cfg.privacy.epsilon is None:
         raise ConfigError("privacy", "privacy=none claims no epsilon to audit; choose a budget, e.g. privacy=eps2")
+    if cfg.train.checkpoint_every:  # the canaries' scores live in one process (`run_audit`)
+        raise ConfigError("train.checkpoint_every", "dpmem audit does not resume; run it without checkpoints, "
+                          "into a fresh audit.dir")
     if not 0 < a.beta < 1:
         raise ConfigError("audit.beta", f"{a.beta} must be in (0, 1)")
     if a.canaries < 2:
@@ -93,6 +99,33 @@ def check(cfg) -> None:
     if not (math.isfinite(a.norm) and a.norm > 0):  # a canary of norm <= 0 is no canary: it would audit epsilon >= 0
         raise ConfigError("audit.norm", f"{a.norm}: must be a finite number > 0 (a gradient canary's norm in units "
                           "of method.max_grad_norm; default 10)")
+
+
+def check_room(cfg) -> None:
+    """Each gradient canary takes a coordinate of its own: too many for the model refused before training, counted on
+    the run's parts built without weights (meta). Batch canaries live in the weights `host_weights` finds; summed
+    ones in what the method privatises (its `shapes`: grape's projections), or dpzero's direction (its parameters).
+    `dpmem audit` asks it once per point (it builds the data and the model once more)."""
+    if enum_value(cfg.audit.kind) != "gradient":
+        return
+    m, plant = cfg.audit.canaries, planting(cfg)
+    meta = torch.device("meta")
+    data = build_data(cfg.data, cfg.model)
+    with meta:
+        model = build_model(cfg.model, data, weights=False)
+    method = assemble(cfg, meta, data, model).method
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if plant == "batch":
+        room = sum(int(allowed(p, mods).sum()) for p, mods in host_weights(model, set(trainable)).items())
+        where = "the nn.Linear and nn.Embedding weights batch canaries are made through"
+    else:
+        shapes = getattr(method, "shapes", None) or {p: p.shape for p in trainable}
+        room = sum(torch.Size(s).numel() for s in shapes.values())
+        where = f"what {cfg.method.name} privatises"
+    method.close()
+    if m > room:
+        raise ConfigError("audit.canaries", f"{m} canaries need a coordinate each; model={cfg.model.name} has "
+                          f"{room} in {where}: allowed 2..{room}")
 
 
 def planting(cfg) -> str:

@@ -192,6 +192,29 @@ FLOOR = 2  # a share of m / (FLOOR · keys) canaries for every key; the rest in 
 HOSTS = (nn.Linear, nn.Embedding)  # layers whose weight a canary can be made through (exactly these types)
 
 
+def host_weights(model: nn.Module, trainable: set) -> dict[nn.Parameter, list[nn.Module]]:
+    """The `trainable` weights batch canaries can be made through, each with its HOSTS layers (a weight any other
+    layer uses too is left out)."""
+    owners: dict[nn.Parameter, list[nn.Module]] = {}
+    others: set[nn.Parameter] = set()
+    for module in model.modules():
+        for name, q in module.named_parameters(recurse=False):
+            if type(module) in HOSTS and name == "weight":
+                owners.setdefault(q, []).append(module)
+            else:
+                others.add(q)
+    return {p: mods for p, mods in owners.items() if p in trainable and p not in others}
+
+
+def allowed(p: nn.Parameter, owners: list[nn.Module]) -> torch.Tensor:
+    """The coordinates of host weight `p` a canary can be made at (an embedding's padding row has no gradient)."""
+    mask = torch.ones(p.shape, dtype=torch.bool)
+    for module in owners:
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            mask[module.padding_idx] = False
+    return mask.reshape(-1)
+
+
 class BatchCanaries(GradientCanaries):
     """Gradient canaries that join the micro-batches as samples (`audit.plant=batch`; docs/privacy.md says what they
     see): the Privatizer's observer. From the second step on, the step's sampled canaries join as a micro-batch of
@@ -214,27 +237,13 @@ class BatchCanaries(GradientCanaries):
                               "live in the projection; use audit.plant=sum")
         if privatizer.sharded:
             raise ConfigError("audit.plant", "FSDP's layers cannot be called alone; use audit.plant=sum")
-        owners: dict[nn.Parameter, list[nn.Module]] = {}
-        others: set[nn.Parameter] = set()
-        for module in privatizer.model.modules():
-            for name, q in module.named_parameters(recurse=False):
-                if type(module) in HOSTS and name == "weight":
-                    owners.setdefault(q, []).append(module)
-                else:
-                    others.add(q)
-        trainable = set(privatizer.params)
-        self.owners = {p: mods for p, mods in owners.items() if p in trainable and p not in others}
+        self.owners = host_weights(privatizer.model, set(privatizer.params))
         if not self.owners:
             raise ConfigError("audit.plant", "no trainable nn.Linear or nn.Embedding weight to make canaries "
                               "through; use audit.plant=sum")
 
     def _allowed(self, p: nn.Parameter) -> torch.Tensor:
-        """The coordinates of host weight `p` a canary can be made at (an embedding's padding row has no gradient)."""
-        mask = torch.ones(p.shape, dtype=torch.bool)
-        for module in self.owners[p]:
-            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-                mask[module.padding_idx] = False
-        return mask.reshape(-1)
+        return allowed(p, self.owners[p])
 
     def on_microbatches(self, privatizer, microbatches, loss_fn):
         micro = list(microbatches)

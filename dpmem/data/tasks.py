@@ -175,13 +175,28 @@ def _local_file(cfg) -> list[dict]:
         raise ConfigError("data.path", f"{path.name} has empty cells in {blank} (column: how many); every example "
                           "needs its text and label")
     rows = [{f: row[column] for f, column in mapping.items()} for row in frame.to_dict("records")]
-    labels = frame[mapping["label"]]
+    column = mapping["label"]
+    labels = frame[column]
+    where = f"{path.name}'s column {column!r}"
+    nested = next((v for v in labels if isinstance(v, (list, dict))), None)
+    if nested is not None:  # its text would become one class name
+        raise ConfigError("data.columns.label", f"{where} holds a {type(nested).__name__} ({nested!r}) where a label "
+                          "belongs: one class per example, a name or an integer")
+    if not pd.api.types.is_integer_dtype(labels) and labels.nunique() == len(labels) > 2:  # a text column, likely
+        raise ConfigError("data.columns.label", f"{where} is a different class in every row ({len(labels)} classes "
+                          "for as many examples): nothing to learn a class from; name the label column")
     if pd.api.types.is_integer_dtype(labels):
         check_class_numbers(path.name, labels, " or give them as names (strings)")
         for r in rows:
             r["label"] = int(r["label"])
     else:
         index = {v: i for i, v in enumerate(sorted({str(r["label"]) for r in rows}))}
+        alike = {}  # 'pos' and 'pos ' would be two classes
+        for name in index:
+            first = alike.setdefault(name.strip(), name)
+            if first != name:
+                raise ConfigError("data.columns.label", f"{where} has labels {first!r} and {name!r}, which differ only "
+                                  "in surrounding spaces: two classes; write each class alike")
         for r in rows:
             r["label_name"], r["label"] = str(r["label"]), index[str(r["label"])]
     return rows

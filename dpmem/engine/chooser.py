@@ -143,6 +143,12 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
         raise ConfigError("plan.precisions", "bf16 is not planned: autocast has no meta backend (allowed: fp32, tf32)")
     if not pc.candidates:
         raise ConfigError("plan.candidates", "is empty: name at least one configuration, e.g. ['method=grape']")
+    seen = {}  # a candidate's overrides, in any order: planned twice it would be two identical rows
+    for option in pc.candidates:
+        first = seen.setdefault(tuple(sorted(option.split())), option)
+        if first is not option:
+            raise ConfigError("plan.candidates", f"{option!r} is listed twice (first as {first!r}): each candidate "
+                              "is planned once; remove the repeat")
     rows, refused, interrupted = [], [], False
     try:
         for option in pc.candidates:
@@ -185,6 +191,9 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
         interrupted = True
     if not interrupted:
         base_mistake(rows, refused)
+        if not rows:  # nothing planned: the refusals are why, not the budget
+            raise ConfigError("plan.candidates", "every candidate was refused: " + "; ".join(
+                f"{r['configuration']}: {r['why']}" for r in refused))
     refused = [{k: r[k] for k in ("configuration", "why")} for r in refused]  # the error objects stay here
     asked = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "method"), None)  # `method=NAME`
     return {"device": dataclasses.asdict(device), "budget_bytes": budget, "batch_size": base.train.batch_size,
@@ -220,9 +229,10 @@ def host_memory() -> int:
 
 
 def nothing_fits(rows: list[dict], budget: int) -> ConfigError:
-    """The refusal of a plan in which no candidate fits `budget`: the smallest peak, and where it was planned."""
-    smallest = min(rows, key=lambda r: r["reserved_estimate_bytes"], default=None)
-    return ConfigError("memory.budget", f"nothing fits {size_text(budget)}" + (
-        f": the smallest peak is ≥ {size_text(smallest['peak_bytes'])} (reserved estimate ≥ "
-        f"{size_text(smallest['reserved_estimate_bytes'])}), {smallest['configuration']} at physical batch 1"
-        if smallest else ": every candidate was refused (see plan.candidates)"))
+    """The refusal of a plan in which no planned candidate fits `budget` (`choose` refuses one where none was
+    planned): the smallest peak, and where it was planned."""
+    smallest = min(rows, key=lambda r: r["reserved_estimate_bytes"])
+    return ConfigError("memory.budget", f"nothing fits {size_text(budget)}: the smallest peak is ≥ "
+                       f"{size_text(smallest['peak_bytes'])} (reserved estimate ≥ "
+                       f"{size_text(smallest['reserved_estimate_bytes'])}), {smallest['configuration']} at physical "
+                       "batch 1")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 from omegaconf import OmegaConf
 
 from dpmem.config import ConfigError, validate_groups
@@ -65,6 +67,8 @@ def build_method(cfg, model, lr: float, mechanism: GaussianMechanism | None, see
     projection (method.subspace.path) joins the mechanism's observers as the innermost one: they see the clipped
     sums before it projects them, and the release after."""
     cls = method_class(cfg.name)
+    if not isinstance(lr, numbers.Real) or isinstance(lr, bool):  # else torch's optimiser fails comparing it
+        raise TypeError(f"{cfg.name}: lr={lr!r} ({type(lr).__name__}): allowed a number")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"{cfg.name}: the model has no trainable parameter (every one has requires_grad=False): "
                          "nothing to train")

@@ -66,11 +66,12 @@ class PrivateGradient(NamedTuple):
 
 def per_sample(losses: torch.Tensor, mb) -> torch.Tensor:
     """`losses`, refused unless one value per sample of `mb`: a batch's mean or sum would be clipped as one sample's
-    loss, and one record would move the clipped sum by more than C."""
+    loss, and one record would move the clipped sum by more than C. Losses that mix samples (a batch mean broadcast
+    in) pass: seeing that takes a backward pass per sample (docs/api.md, "A per-sample loss")."""
     if losses.shape != (batch_size(mb),):
         raise ValueError(f"the loss function returned shape {tuple(losses.shape)} for a micro-batch of "
-                         f"{batch_size(mb)}: it must return one loss per sample, shape ({batch_size(mb)},) "
-                         "(e.g. F.cross_entropy(..., reduction='none'))")
+                         f"{batch_size(mb)}: it must return one loss per sample, shape ({batch_size(mb)},), each "
+                         "depending on its own sample alone (e.g. F.cross_entropy(..., reduction='none'))")
     return losses
 
 
@@ -97,6 +98,7 @@ class Privatizer:
             raise ValueError("the model has no trainable parameter (every one has requires_grad=False): nothing to "
                              "privatise")
         self.device = self.params[0].device
+        self.closed = False  # `close` removed the taps: a step then would clip nothing
         self._check_coverage = check_coverage
         self._zero = self.taps.zero()  # the probes' leaf (`Taps.zero`)
         self._compiled = None  # the micro-batch, compiled by `compile`
@@ -137,6 +139,7 @@ class Privatizer:
     def close(self) -> None:
         """Remove every hook it put on the model (idempotent)."""
         self.taps.close()
+        self.closed = True
 
     def __enter__(self) -> "Privatizer":
         return self
@@ -152,7 +155,9 @@ class Privatizer:
             microbatches (list[dict[str, torch.Tensor]]): the logical batch as physical micro-batches; their
                 clipped sums are added. An empty list is a step whose sampled batch was empty: it still releases
                 noise.
-            loss_fn (Callable): `loss_fn(model, microbatch)` returns one loss per sample (`reduction="none"`).
+            loss_fn (Callable): `loss_fn(model, microbatch)` returns one loss per sample (`reduction="none"`),
+                loss[i] a function of sample i alone: a batch statistic mixed in (`losses + losses.mean()`) lets one
+                record change the others' clipped gradients, which voids ε, and the shape check cannot see it.
             shapes: each parameter's gradient shape (`{p: p.shape for p in privatizer.params}`).
             projections: DP-GRAPE, one pass only: makes a parameter's projection when its layer's gradient arrives;
                 its per-sample gradients, clipped sum and noise are then projected ones.
@@ -160,7 +165,13 @@ class Privatizer:
         Returns:
             `PrivateGradient(gradient, loss_sum)`: each parameter's (Σᵢ clipped gᵢ + N(0, σ²C²)) / (q·n), and this
             rank's summed per-sample loss as the noise releases it.
+
+        Raises:
+            RuntimeError: after `close()`.
         """
+        if self.closed:
+            raise RuntimeError("Privatizer.gradient after close(): its hooks are removed from the model; make a new "
+                               "Privatizer (or a method: build_method) to take another step")
         for observer in self.observers:
             microbatches, loss_fn = observer.on_microbatches(self, microbatches, loss_fn)
         summed, loss_sum = self.clip_and_accumulate(microbatches, loss_fn, shapes, projections)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import dp_accounting
 from absl import logging as absl_logging
@@ -66,7 +67,18 @@ def joint_sigma(sigma: float, loss_noise: float | None) -> float:
     return sigma if loss_noise is None else sigma / math.sqrt(1 + loss_noise ** -2)
 
 
+def _numbers(**values) -> None:
+    """A string, None or bool where a number belongs (calibrate_sigma('8', ...)) refused by its name, not left to
+    fail a comparison; steps must be whole."""
+    for name, value in values.items():
+        kind = numbers.Integral if name == "steps" else numbers.Real
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise TypeError(f"{name}={value!r} ({type(value).__name__}): allowed "
+                            f"{'an integer' if kind is numbers.Integral else 'a number'}")
+
+
 def _check(delta: float, sample_rate: float, steps: int) -> None:
+    _numbers(delta=delta, sample_rate=sample_rate, steps=steps)
     if not 0 < delta < 1:
         raise ValueError(f"delta={delta} must be in (0, 1)")
     if not 0 < sample_rate <= 1:
@@ -100,6 +112,7 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
     Returns:
         ε at `delta`.
     """
+    _numbers(sigma=sigma)
     _check(delta, sample_rate, steps)
     if accountant == "rc":
         if neighbouring != "add_remove":
@@ -181,8 +194,10 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
         σ, the noise multiplier.
 
     Raises:
+        TypeError: an argument that is not a number (steps: an integer).
         ValueError: a bad argument, or (as `UnreachableTarget`) an ε no noise reaches.
     """
+    _numbers(epsilon=epsilon)
     _check(delta, sample_rate, steps)
     if not epsilon > 0:
         raise ValueError(f"epsilon={epsilon} must be > 0")

@@ -17,6 +17,7 @@ infinity; `float("inf")` reads it back).
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 from dataclasses import dataclass, field
 
@@ -72,6 +73,13 @@ class GaussianMechanism:
     sampler: Draws | None = None  # the batches' draws: their key is kept in the checkpoint alone
 
     def __post_init__(self):
+        # refused here, where a bad value would otherwise flip the noise's sign, zero every gradient or divide by 0
+        for name, ok, allowed in (("sigma", lambda v: 0 <= v < math.inf, ">= 0 (0: no noise)"),
+                                  ("max_grad_norm", lambda v: v > 0, "> 0 (inf: no clipping)"),
+                                  ("expected_batch_size", lambda v: 0 < v < math.inf, "> 0")):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not ok(value):  # NaN fails `ok`
+                raise ValueError(f"GaussianMechanism: {name}={value!r}: allowed a number {allowed}")
         # the loss's draws apart from the gradient's: only rank 0 draws them (`released_loss`)
         self.loss_draws = (Draws(self.draws.key, "loss", self.draws.device)
                            if self.draws is not None and self.loss_sigma > 0 else None)

@@ -16,8 +16,12 @@ def run_spectrum(cfg, out: Path) -> tuple[dict, str]:
     from dpmem.spectrum.layer import run_layer_mode
     from dpmem.spectrum.trajectory import analyse, record
 
-    out.mkdir(parents=True, exist_ok=True)
     mode = enum_value(cfg.spectrum.mode)
+    for key, what in (("params", "the parameters a trajectory records"), ("gradients", "a trajectory to reanalyse")):
+        if mode == "layer" and cfg.spectrum[key] is not None:  # else silently ignored
+            raise ConfigError(f"spectrum.{key}", f"is mode=trajectory's ({what}); mode=layer measures the layers "
+                              "spectrum.layers names (fnmatch patterns of module names), or give mode=trajectory")
+    out.mkdir(parents=True, exist_ok=True)
     if mode == "layer":
         result = run_layer_mode(cfg, out)
     else:
