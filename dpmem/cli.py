@@ -78,7 +78,12 @@ def _train_main(rest: list[str]) -> None:
     if not distributed.is_main():  # rank 0 alone speaks for Hydra (and writes the run folder)
         rest = rest + ["hydra/hydra_logging=none"]
     sys.argv = [f"{Path(sys.argv[0]).name} train"] + rest
-    _train()
+    try:
+        _train()
+    except KeyboardInterrupt:  # between a sweep's runs (within one, the run records it and exits 130 itself)
+        print("dpmem: interrupted (Ctrl-C); the same command with its hydra.sweep.dir and train.skip_done=true goes "
+              "on: what finished is skipped, what has a checkpoint resumes", file=sys.stderr)
+        raise SystemExit(130) from None
     if job.failed:
         raise error(f"{len(job.failed)} run(s) did not finish ok: {', '.join(job.failed)}")
 
@@ -174,7 +179,7 @@ def _plan(overrides: list[str]) -> None:
 
 def _audit(overrides: list[str]) -> None:
     """`dpmem audit`: each sweep point trained with canaries into its own folder, and one table of the bounds."""
-    from dpmem.audit import check, run_audit, table
+    from dpmem.audit import check, check_room, run_audit, table
     from dpmem.engine.folder import check_owner, mark, tool_dir, tool_folder
     from dpmem.report.labels import file_name
 
@@ -185,6 +190,7 @@ def _audit(overrides: list[str]) -> None:
         names = labels(points, cfgs)
         for cfg in cfgs:  # every point's settings before any folder is written
             check(cfg)
+            check_room(cfg)
         out, key = tool_dir(overrides, "audit.dir", cfgs[0].audit.dir, "outputs/audit/%Y-%m-%d/%H-%M-%S")
         folders = [out if len(cfgs) == 1 else out / file_name(label) for label in names]
         for folder, cfg in zip(folders, cfgs):  # each point's folder too, before any is written
@@ -241,6 +247,8 @@ def _report(argv: list[str]) -> None:
     ap.add_argument("--out", type=Path, help="the folder the report goes to (default: PATH/report)")
     ap.add_argument("--published", action="store_true", help="the papers' numbers beside the runs'")
     ap.add_argument("--select", choices=["top3"], help="the best metric of the three lowest training losses")
+    ap.add_argument("--holder", action="store_true", help="a private search's every trial, not its release alone "
+                    "(tells K: not for release)")
     args = ap.parse_args(argv)
     if not args.paths:
         raise error("dpmem report needs the run folders to tabulate: dpmem report PATH... (e.g. dpmem report "
@@ -251,11 +259,11 @@ def _report(argv: list[str]) -> None:
         raise error(str(e)) from None
     if not summaries and not missing:
         raise error(f"no summary.json under {', '.join(map(str, args.paths))}")
-    out = args.out or args.paths[0] / "report"
+    out = args.out or args.paths[0] / ("holder-report" if args.holder else "report")
     if out.exists() and not out.is_dir():
         raise error(f"--out {out} is a file: give the folder the report goes to")
     try:
-        print(runs.write(out, summaries, missing, args.published, args.select), end="")
+        print(runs.write(out, summaries, missing, args.published, args.select, args.holder), end="")
     except OSError as e:  # a read-only run folder (the default output is inside it), a full disk
         raise error(f"cannot write the report into {out} ({e.strerror or type(e).__name__}): give a folder you can "
                     "write with --out DIR") from None

@@ -334,6 +334,7 @@ class TrainConfig:
     resume: bool = True
     skip_done: bool = False  # a run whose folder holds its finished run (status ok, this configuration) is skipped
     overwrite: bool = False  # a fresh run may replace the records of an earlier one in its folder
+    save_model: bool = False  # the final weights in model.pt (a private search's trials: the winner's is released)
     # what `dpmem train` returns to a sweeper (hydra/sweeper=optuna): the final evaluation metric, or the last
     # logged training loss (DP-SGD-RC's search); a run that did not finish ok returns the worst value
     objective: Objective = Objective.metric

@@ -90,7 +90,8 @@ def test_plan_refuses_an_unreachable_budget_and_a_training_runs_folder_before_pl
     trained(cli, "train.steps=1", folder="dead")
     before = sorted(p.name for p in (tmp_path / "dead").iterdir())
     r = cli("plan", "model=roberta-tiny", "data=synthetic", "plan.dir=dead", "train.overwrite=true")
-    one_error(r, "plan.dir", "holds a training run: dpmem plan never writes into one")
+    one_error(r, "plan.dir", "holds a training run (its ε ledger, privacy.jsonl, records what it released): "
+              "dpmem plan never writes into one")
     assert sorted(p.name for p in (tmp_path / "dead").iterdir()) == before
 
 
@@ -119,3 +120,16 @@ def test_a_spectrum_layer_pattern_that_matches_nothing_names_spectrum_layers_and
             "spectrum.dir=sp")
     one_error(r, "spectrum.layers", "matches no projectable layer")
     assert not (tmp_path / "sp").exists()
+
+
+def test_ctrl_c_between_a_sweeps_runs_ends_in_one_line(cli, tmp_path, monkeypatch):
+    """Ctrl-C in Hydra's launcher, outside any run (which records its own): exit 130, one line, no traceback."""
+    import dpmem.cli
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(dpmem.cli, "run_job", interrupted)
+    r = cli("train", "-m", *TINY, "train.seed=1,2", "hydra.sweep.dir=s")
+    assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
+    one_line = r.stderr.strip().splitlines()
+    assert len(one_line) == 1 and one_line[0].startswith("dpmem: interrupted (Ctrl-C)"), r.stderr

@@ -416,14 +416,17 @@ def test_skip_done_without_the_runs_config_is_not_done_in_one_line(finished, cli
     assert tree(finished) == before
 
 
-@pytest.mark.parametrize("verb", ["audit", "spectrum", "memory"])
-def test_other_verbs_refuse_a_training_run_folder(finished, cli, verb):
+@pytest.mark.parametrize("overwrite", [[], ["train.overwrite=true"]])
+@pytest.mark.parametrize("verb", ["audit", "spectrum", "memory", "plan"])
+def test_other_verbs_never_write_into_a_training_run_folder(finished, cli, verb, overwrite):
+    """Not even with train.overwrite=true (the run would leave the report's composition: its releases are its)."""
     before = tree(finished)
-    r = cli(verb, f"hydra.run.dir={finished}")
+    extra = ["model=roberta-tiny", "data=synthetic"] if verb == "plan" else []
+    r = cli(verb, *extra, f"hydra.run.dir={finished}", *overwrite)
     lines = said(r)
     assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert f"{finished} holds a training run: dpmem {verb} writes only into an empty folder or one of its own" \
-        in lines[0] and "train.overwrite=true" in lines[0], lines[0]
+    assert f"{finished} holds a training run (its ε ledger" in lines[0] and \
+        f"dpmem {verb} never writes into one, whatever train.overwrite says" in lines[0], lines[0]
     assert tree(finished) == before  # its config.yaml still the one its summary belongs to
 
 

@@ -384,6 +384,21 @@ def test_runs_on_different_files_of_one_data_set_are_not_seeds_of_one_cell(tmp_p
     assert [r["n"] for r in rows.values()] == ["1", "1"]
 
 
+def test_an_analysis_marked_over_a_finished_run_keeps_it_composed(tmp_path, capsys):
+    """A training run whose folder an older dpmem let `dpmem memory train.overwrite=true` write into (its summary.json
+    kept, the folder marked memory), reported beside another run: both releases composed (the issue's 11.25, not the
+    other run alone)."""
+    from dpmem.engine.folder import MARK
+    root = tmp_path / "runs"
+    private_run(root, "a", 1.1, 40)
+    private_run(root, "b", 0.9, 20, lr=1e-2, ledger=[line("t1", 20, 0.9, "start", config="b")])
+    (root / "b" / MARK).write_text("memory\n")
+    (root / "b" / "memory.json").write_text("{}")
+    main(["report", str(root)])
+    text, composed = composed_line(capsys.readouterr().out)
+    assert composed == pytest.approx(oracle([(1.1, Q, 40), (0.9, Q, 20)]), rel=5e-3) and "2 private releases" in text
+
+
 def test_a_folders_last_verb_hides_none_of_its_private_releases(tmp_path, capsys):
     """`dpmem audit ... train.overwrite=true` into a finished training folder leaves that run's privacy.jsonl under
     an audit's mark: its releases are still composed (two ε-8 runs composed, as before the audit wrote there). The

@@ -14,6 +14,7 @@ from pathlib import Path
 import dp_accounting
 import numpy as np
 import pytest
+import torch
 from dp_accounting import dp_event, rdp
 from scipy import stats
 
@@ -98,25 +99,83 @@ def test_the_calibration_inverts_the_selections_epsilon(shape):
     assert loss / math.sqrt(1 + 1e-2) == pytest.approx(sigma, rel=1e-3)
 
 
-def test_a_failed_trial_scores_worst_and_the_winner_alone_is_for_release(tmp_path):
+def trials_of(folder, plan, losses, sigma=1.001):
+    """A search's state in `folder` (a fresh key) and a trial folder per loss (None: failed), as the sweeper names
+    them."""
+    state = search.SearchState(folder, plan, [], [search.Dimension("train.lr", values=(0.1, 0.2))])
+    results = []
+    for i, loss in enumerate(losses):
+        trial = folder / state.name(i)
+        trial.mkdir()
+        (trial / "summary.json").write_text(json.dumps({"sigma": sigma, "sigma_accounted": 1.0, "sample_rate": Q,
+                                                         "steps_done": STEPS, "sampling": "poisson"}))
+        (trial / "config.yaml").write_text(f"trial: {i}\n")
+        results.append((trial, loss))
+    return state, results, [[f"train.lr=0.{i + 1}"] for i in range(len(losses))]
+
+
+def test_a_failed_trial_scores_worst_and_the_release_is_the_winner_alone(tmp_path):
+    """selection/ holds selection.json and the winner's config.yaml (no model.pt: the winner kept none here), and
+    none of it names a trial's folder or position; the holder's search.json does; every trial's own folder says it
+    is not for release."""
     plan = search.Search(10, 1.0, 4.0, DELTA, 1.0, 2.0, "train_loss", "add_remove", "pld")
-    folders = []
-    for i, loss in enumerate([0.9, None, 0.4]):
-        folder = tmp_path / f"{i}_trial"
-        folder.mkdir()
-        (folder / "summary.json").write_text(json.dumps({"sigma": 1.001, "sigma_accounted": 1.0, "sample_rate": Q,
-                                                          "steps_done": STEPS, "sampling": "poisson"}))
-        folders.append((folder, loss))
-    record = search.finish(tmp_path, plan, folders)
-    assert record["winner"] == "2_trial" and record["ended"] == "completed" and record["epsilon"] == 4.0
-    assert "K" not in record and "trials" not in json.dumps(record).replace("mean_trials", "")
-    releases = [json.loads((f / "release.json").read_text()) for f, _ in folders]
-    assert [r["for_release"] for r in releases] == [False, False, True]
+    state, results, points = trials_of(tmp_path, plan, [0.9, None, 0.4])
+    record = search.finish(tmp_path, plan, state, results, points)
+    released = tmp_path / search.RELEASED
+    assert sorted(p.name for p in released.iterdir()) == record["files"] == ["config.yaml", "selection.json"]
+    assert (released / "config.yaml").read_text() == "trial: 2\n" and record["hyperparameters"] == {"train.lr": "0.3"}
+    assert record["ended"] == "completed" and record["epsilon"] == 4.0
+    text = "".join(p.read_text() for p in released.iterdir())
+    assert not any(r.name in text or r.name[len(search.TRIAL):] in text for r, _ in results)
+    assert not {"winner", "trials", "K", "index", "position"} & set(json.loads((released / "selection.json")
+                                                                               .read_text()))
+    holder = json.loads((tmp_path / search.HOLDER).read_text())
+    assert holder["winner"] == results[2][0].name and [t["score"] for t in holder["trials"]] == [0.9, None, 0.4]
+    releases = [json.loads((f / "release.json").read_text()) for f, _ in results]
+    assert [r["for_release"] for r in releases] == [False, False, False] and "the winner" in releases[2]["why"]
     three = rdp.RdpAccountant().compose(dp_accounting.ComposedDpEvent([run_event(1.0)] * 3)).get_epsilon(DELTA)
     assert 0.9 * three < releases[0]["epsilon_if_released_too"] < 1.1 * three  # pld's composition beside rdp's
     # a trial that ran with less noise than the selection needs: nothing is released under its ε
     plan.sigma = 1.01
-    assert search.finish(tmp_path, plan, folders)["winner"] is None
+    record = search.finish(tmp_path, plan, state, results, points)
+    assert record["epsilon"] == 0.0 and "hyperparameters" not in record
+    assert [p.name for p in released.iterdir()] == ["selection.json"]
+
+
+def test_ties_are_broken_uniformly_by_the_key_not_by_position(tmp_path):
+    """Three trials of one score: over 3,000 keys each wins a third of the time (χ²); the first-index rule fails."""
+    plan = search.Search(10, 1.0, 4.0, DELTA, 1.0, 2.0, "train_loss", "add_remove", "pld")
+    state = search.SearchState(tmp_path, plan, [], [search.Dimension("train.lr", values=(0.1,))])
+    wins = np.zeros(3)
+    for i in range(3000):
+        state.key = seed_key(i)
+        wins[state.tie([0, 1, 2])] += 1
+    assert stats.chisquare(wins).pvalue > 1e-3
+    assert stats.chisquare([3000, 0, 0]).pvalue < 1e-3  # what always taking the first would give
+
+
+def test_a_private_search_folder_is_its_own(cli, tmp_path):
+    """Into a finished training run's folder, a folder of other files, a search whose selection.key was deleted
+    (a new key would draw a new K), or while another search holds the folder: refused in one line, nothing
+    written."""
+    from dpmem.engine.folder import FolderLock
+    space = ["hydra/sweeper=private", "train.lr=tag(log, interval(1e-3, 1e-1))", *TINY]
+    assert cli("train", *TINY, "hydra.run.dir=run").returncode == 0
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    (tmp_path / "lost" / "trial-0123").mkdir(parents=True)
+    for folder, said in (("run", "files of its own"), ("mine", "files of its own (notes.txt)"),
+                         ("lost", "a private search whose selection.key is gone")):
+        before = sorted(p.name for p in (tmp_path / folder).iterdir())
+        r = cli("train", "-m", *space, f"hydra.sweep.dir={folder}")
+        assert r.returncode == 2 and r.stderr.startswith("dpmem: error: hydra.sweep.dir:"), r.stderr
+        assert said in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert sorted(p.name for p in (tmp_path / folder).iterdir()) == before
+    with FolderLock(tmp_path / "held", "hydra.sweep.dir"):  # a second search, as the first one runs
+        r = cli("train", "-m", *space, "hydra.sweep.dir=held")
+    assert r.returncode == 2 and "held is being written by another dpmem run" in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("dpmem: error: hydra.sweep.dir:"), r.stderr
+    assert not (tmp_path / "held" / search.KEY_FILE).exists()
 
 
 @pytest.mark.parametrize("overrides,key", [
@@ -127,6 +186,10 @@ def test_a_failed_trial_scores_worst_and_the_winner_alone_is_for_release(tmp_pat
     (["method=adam"], "method"),
     (["train.batch_size=32,64"], "train.batch_size"),
     (["privacy.epsilon=1e-4"], "privacy.epsilon"),
+    (["privacy.noise_seed=5"], "privacy.noise_seed"),
+    (["privacy.sampler_seed=5"], "privacy.sampler_seed"),
+    (["hydra.sweeper.mean_trials=1e9"], "hydra.sweeper.mean_trials"),
+    (["hydra.sweeper.params.train.lr=tag(log, interval(1e-3, 1e-1))"], "hydra.sweeper.params.train.lr"),
     (["method=dp-sgd-rc"], "privacy.accountant"),
 ])
 def test_a_private_search_is_refused_in_one_line_before_it_starts(cli, tmp_path, overrides, key):
@@ -143,29 +206,57 @@ def test_a_space_with_nothing_to_search_is_refused(cli, tmp_path):
 
 def test_a_private_search_end_to_end(cli, tmp_path, monkeypatch):
     """A fixed key (in place of the OS's) draws K = 3: three trials, each at the calibrated noise, each with its
-    own draw of the space; the lowest private loss wins; selection.json, release.json and the report say so."""
+    own draw of the space; the lowest private loss wins. What is released (selection/) is the winner's config, weights
+    and selection.json, none of which tells K or the winner's position; the console says neither; the report shows
+    the release alone (the trials only in the holder's view), at an ε that an edit of selection.json cannot lower."""
     key = next(seed_key(i) for i in range(100) if draw_trials(2.0, 1.0, derive(seed_key(i), "trials")) == 3)
     monkeypatch.setattr(search, "os_key", lambda: key)
     r = cli("train", "-m", "hydra/sweeper=private", "hydra.sweeper.mean_trials=2", "hydra.sweeper.shape=1",
             "train.lr=tag(log, interval(1e-3, 1e-1))", "method.max_grad_norm=0.5,1.0", "privacy.epsilon=4", *TINY,
             "hydra.sweep.dir=s")
     assert r.returncode == 0, r.stderr
-    trials = sorted(p for p in (tmp_path / "s").iterdir() if p.is_dir())
+    trials = sorted((tmp_path / "s").glob(search.TRIAL + "*"))
     assert len(trials) == 3
     summaries = [json.loads((t / "summary.json").read_text()) for t in trials]
-    record = json.loads((tmp_path / "s" / "selection.json").read_text())
+    released = tmp_path / "s" / search.RELEASED
+    record = json.loads((released / "selection.json").read_text())
     assert record["epsilon"] == 4.0 and record["law"] == "geometric" and record["ended"] == "completed"
     sigma = record["trial_sigma"]
     assert selection_epsilon(summaries[0]["sigma_accounted"], record["delta"], summaries[0]["sample_rate"], 2, 2.0,
                              1.0) <= 4.0 + 1e-9
     assert all(s["sigma"] >= sigma and s["status"] == "ok" for s in summaries)
-    assert len({t.name.split("train.lr=")[1] for t in trials}) == 3  # each trial its own draw
-    losses = [s["train_loss"] for s in summaries]
-    assert record["winner"] == trials[int(np.argmin(losses))].name
-    releases = [json.loads((t / "release.json").read_text())["for_release"] for t in trials]
-    assert releases.count(True) == 1 and releases[int(np.argmin(losses))]
+    assert len({s["lr"] for s in summaries}) == 3  # each trial its own draw
+    best = trials[int(np.argmin([s["train_loss"] for s in summaries]))]
+    assert json.loads((tmp_path / "s" / search.HOLDER).read_text())["winner"] == best.name
+    assert sorted(p.name for p in released.iterdir()) == ["config.yaml", "model.pt", "selection.json"]
+    assert (released / "config.yaml").read_text() == (best / "config.yaml").read_text()
+    weights, theirs = (torch.load(f / "model.pt", weights_only=True) for f in (released, best))
+    assert weights.keys() == theirs.keys() and all(torch.equal(weights[k], theirs[k]) for k in weights)
+    assert record["result"]["train_loss"] == min(s["train_loss"] for s in summaries)
+    text = (released / "selection.json").read_text() + (released / "config.yaml").read_text()
+    assert not any(t.name[len(search.TRIAL):] in text for t in trials) and "job" not in text
+    # the console: the search's first and last lines, nothing of a trial (Hydra's "Launching 3 jobs", "#0 : ...")
+    console = r.stdout + r.stderr
+    assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 2, console
+    assert not any(w in console for w in ("Launching", "#0", "#2", search.TRIAL, "lr=", "3 ")), console
+    assert (tmp_path / "s" / search.TRIALS_LOG).read_text().count("run folder") == 3  # the trials said it: the holder
     report = cli("report", "s", "--out", "r")
-    assert report.returncode == 0 and "Private selections" in report.stdout and "at ε = 4 and δ" in report.stdout
+    rows = [line for line in report.stdout.splitlines() if line.startswith("| grape")]
+    assert report.returncode == 0 and len(rows) == 1 and "| 4 |" in rows[0], report.stdout
+    assert "at ε = 4 and δ" in report.stdout and search.TRIAL not in report.stdout
+    holder = cli("report", "s", "--holder", "--out", "h")
+    assert len([line for line in holder.stdout.splitlines() if line.startswith("| grape")]) == 3
+    assert holder.stdout.startswith("**The holder's view, not for release**")
+    # selection.json edited to a smaller ε: the report shows the trials' own (dp-accounting's event, built here)
+    (released / "selection.json").write_text(json.dumps({**record, "epsilon": 0.5}))
+    s = summaries[0]
+    want = rdp_epsilon(dp_event.RepeatAndSelectDpEvent(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(s["sample_rate"], dp_accounting.GaussianDpEvent(
+            min(t["sigma_accounted"] for t in summaries))), 2), 2.0, 1.0), record["delta"])
+    edited = cli("report", "s", "--out", "r2")
+    (row,) = [line for line in edited.stdout.splitlines() if line.startswith("| grape")]
+    assert float(row.split("|")[2]) == pytest.approx(want, rel=1e-3) and 3.5 < want <= 4.0 + 1e-9
+    assert "says ε 0.5 where its trials' noise, rate and steps give" in edited.stdout
 
 
 def test_a_search_killed_mid_trial_resumes_with_the_same_number_of_trials(tmp_path):
@@ -178,20 +269,43 @@ def test_a_search_killed_mid_trial_resumes_with_the_same_number_of_trials(tmp_pa
     first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
     deadline = time.monotonic() + 240
-    while not list((tmp_path / "s").glob("0_*/checkpoint.pt")) and time.monotonic() < deadline:
+    while not list((tmp_path / "s").glob("trial-*/checkpoint.pt")) and time.monotonic() < deadline:
         time.sleep(0.2)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
     key = (tmp_path / "s" / "selection.key").read_text()
-    assert not (tmp_path / "s" / "selection.json").exists()
+    assert not (tmp_path / "s" / search.RELEASED).exists()
     second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-2000:]
+    # Hydra's own logging on (as a user's console has it): its count of the jobs goes to the holder's log alone
+    assert "Launching" not in second.stdout + second.stderr and len(second.stderr.strip().splitlines()) == 2
+    assert "Launching" in (tmp_path / "s" / search.TRIALS_LOG).read_text()
     assert (tmp_path / "s" / "selection.key").read_text() == key
     k = draw_trials(1.5, 1.0, derive(bytes.fromhex(json.loads(key)["key"]), "trials"))
-    trials = [p for p in (tmp_path / "s").iterdir() if p.is_dir()]
-    assert len(trials) == k and json.loads((tmp_path / "s" / "selection.json").read_text())["ended"] == "completed"
-    resumed = json.loads(next((tmp_path / "s").glob("0_*/summary.json")).read_text())
+    trials = list((tmp_path / "s").glob("trial-*"))
+    assert len(trials) == k and json.loads((tmp_path / "s" / search.RELEASED / "selection.json").read_text())[
+        "ended"] == "completed"
+    first_trial = search.TRIAL + derive(bytes.fromhex(json.loads(key)["key"]), "folder", 0).hex()[:16]
+    resumed = json.loads((tmp_path / "s" / first_trial / "summary.json").read_text())
     assert resumed["resumed_from_step"] is not None and resumed["status"] == "ok"
     # another law in the same folder is refused before anything runs, naming the folder's key
     other = subprocess.run([*command, "hydra.sweeper.shape=0"], env=env, capture_output=True, text=True, timeout=300)
     assert other.returncode == 2 and other.stderr.startswith("dpmem: error: hydra.sweep.dir:"), other.stderr
+
+
+def test_ctrl_c_in_a_private_search_ends_in_one_line_and_the_same_command_resumes(cli, tmp_path, monkeypatch):
+    from dpmem.engine import trainer
+    real = trainer.run_training
+
+    def interrupted(cfg, run_dir):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(trainer, "run_training", interrupted)
+    command = ["train", "-m", "hydra/sweeper=private", "train.lr=tag(log, interval(1e-3, 1e-1))", *TINY,
+               "hydra.sweep.dir=s"]
+    r = cli(*command)
+    assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].endswith("was interrupted: the same command resumes it (the same K and "
+                                                      "trials; finished trials are skipped)"), r.stderr
+    monkeypatch.setattr(trainer, "run_training", real)
+    r = cli(*command)
+    assert r.returncode == 0 and (tmp_path / "s" / search.RELEASED / "selection.json").exists(), r.stderr

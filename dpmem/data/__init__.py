@@ -3,6 +3,8 @@ that scores the model on the evaluation split."""
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from dpmem.config import ConfigError
@@ -22,6 +24,18 @@ def build_data(cfg, model_cfg) -> DataBundle:
     data = loaders[cfg.name](cfg)
     check_classes(data, "data.path" if cfg.path else "data.name", repr(cfg.path) if cfg.path else f"data={cfg.name}")
     return data
+
+
+def fingerprint(data: DataBundle) -> str:
+    """sha256 of the training split as loaded (each column's name, dtype, shape and bytes): what a checkpoint resumes
+    on. Of the examples rather than the files: it covers every source (a file in any format, a hub cache, synthetic
+    data) and exactly what the batches index, for one pass over tensors already in memory."""
+    h = hashlib.sha256()
+    for name, column in sorted(data.train.items()):
+        column = column.detach().cpu().contiguous()
+        h.update(f"{name}:{column.dtype}:{tuple(column.shape)};".encode())
+        h.update(column.view(-1).view(torch.uint8).numpy())  # every dtype's bytes (bfloat16 has no numpy type)
+    return h.hexdigest()
 
 
 def example_batch(data: DataBundle, size: int, device, columns: dict[str, torch.Tensor] | None = None

@@ -68,3 +68,22 @@ def remove(run_dir: Path) -> None:
     """A finished run resumes nothing, and keeps none of the secrets a checkpoint holds (a killed save's .tmp too)."""
     for name in (FILE, TMP):
         (Path(run_dir) / name).unlink(missing_ok=True)
+
+
+MODEL = "model.pt"
+
+
+def save_model(run_dir: Path, cfg, parts: Parts) -> None:
+    """train.save_model: the final weights alone (a state dict, loadable with weights_only=True), atomically; no key
+    of the noise or the batches, so it may be released with the run (a private search releases its winner's)."""
+    weights = sharding.model_state(parts.model) if cfg.train.fsdp else parts.model.state_dict()
+    if not distributed.is_main():
+        return
+    tmp = Path(run_dir) / (MODEL + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save({k: v.detach().cpu() for k, v in weights.items()}, f)
+        os.replace(tmp, Path(run_dir) / MODEL)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        reraise(e, Path(run_dir) / MODEL, _nbytes(weights))

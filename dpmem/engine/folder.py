@@ -25,11 +25,11 @@ from dpmem.config import ConfigError
 from dpmem.engine.summary import PRIVACY_LEDGER, read_ledger, replace_file
 
 # what a run leaves; train.overwrite=true removes them, never privacy.jsonl (append-only: every attempt's ε)
-RECORDS = ("summary.json", "metrics.jsonl", "checkpoint.pt", "checkpoint.pt.tmp")
+RECORDS = ("summary.json", "metrics.jsonl", "checkpoint.pt", "checkpoint.pt.tmp", "model.pt")
 # train.* settings of how a run is (re)started, not what it computes: a checkpoint resumes whatever these say
 # (dpmem.report.labels.NOT_TRAINING extends them to the report's sense of "the same run")
 NOT_FINGERPRINTED = ("resume", "skip_done", "overwrite", "checkpoint_every", "device", "compile", "compile_backend",
-                     "static_shapes")  # a compiled step equals the eager one (tests/test_compile.py): either resumes
+                     "static_shapes", "save_model")  # a compiled step equals the eager one (tests/test_compile.py): either resumes
 LOCK = ".lock"  # FolderLock's file: not a record (nothing refuses a folder for it, dpmem report does not list it)
 MARK = ".dpmem"  # the verb's name (`mark`), for a folder the training records do not tell `owner` whose it is
 TOOLS = ("train", "audit", "spectrum", "memory", "plan")
@@ -57,10 +57,11 @@ class FolderLock:
     killed run is taken over), and by `release` when the run ends, which removes the file (and the folder, if
     `acquire` made it and nothing else was written)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, key: str = "hydra.run.dir"):
         self.path = Path(run_dir) / LOCK
         self.fd: int | None = None
         self.made = False
+        self.key = key  # the setting that names the folder, for a refusal
 
     def acquire(self) -> None:
         """Take the lock, or raise FolderRefused naming the process that holds it."""
@@ -74,20 +75,20 @@ class FolderLock:
             except FileNotFoundError:  # the folder went between mkdir and open (its last holder removed it)
                 continue
             except IsADirectoryError:  # the folder is writable: what is wrong is the lock's own name
-                raise FolderRefused("hydra.run.dir", f"{self.path} is a folder, where dpmem keeps the file that "
+                raise FolderRefused(self.key, f"{self.path} is a folder, where dpmem keeps the file that "
                                     "lets one run at a time write here: remove it, or give this run another folder "
-                                    "(hydra.run.dir=...)") from None
+                                    f"({self.key}=...)") from None
             except OSError as e:  # read-only, full, not a folder: nothing of a run could be written there
-                raise FolderRefused("hydra.run.dir", f"cannot write into {run_dir} ({e.strerror})") from None
+                raise FolderRefused(self.key, f"cannot write into {run_dir} ({e.strerror})") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = _holder(fd)
                 os.close(fd)
-                raise FolderRefused("hydra.run.dir", f"{run_dir} is being written by another dpmem run ({holder}): "
+                raise FolderRefused(self.key, f"{run_dir} is being written by another dpmem run ({holder}): "
                                     "one run writes a folder at a time; wait for it to end (then this command "
                                     "resumes or refuses it as usual), or give this run another folder "
-                                    "(hydra.run.dir=...)") from None
+                                    f"({self.key}=...)") from None
             except OSError as e:  # a file system without locks: the run goes on, unguarded, and says so
                 os.close(fd)
                 print(f"dpmem: warning: cannot lock {self.path} ({e.strerror}): nothing stops another run from "
@@ -233,6 +234,10 @@ def check_owner(folder: Path, tool: str, overwrite: bool, key: str = "hydra.run.
     """Raise FolderRefused (nothing written) where `folder` holds anything but `tool`'s own run, unless
     `overwrite` (train.overwrite=true) asks to write into it anyway."""
     holder = owner(folder)
+    if tool != "train" and (holder == "train" or (Path(folder) / PRIVACY_LEDGER).exists()):
+        raise FolderRefused(key, f"{folder} holds a training run (its ε ledger, {PRIVACY_LEDGER}, records what it "
+                            f"released): dpmem {tool} never writes into one, whatever train.overwrite says; give it "
+                            f"another folder ({key}=...)")
     if holder in (None, tool) or overwrite:
         return
     if holder == "other":
@@ -415,13 +420,11 @@ def tool_dir(overrides: list[str], alias_key: str, alias: str | None, dated: str
 @contextlib.contextmanager
 def tool_folder(out: Path, tool: str, overwrite: bool, key: str, mark_first: bool = False):
     """A tool's output folder while the tool works in it: locked (`FolderLock`), refused where it holds another
-    tool's or a training run's records (`check_owner`; for plan, a training run's always: plan.json beside it would
-    end its resume), and marked as the tool's (first for audit and spectrum, which write as they go). A tool refused
-    (ConfigError) before it wrote more than its mark and config.yaml leaves a folder that was empty as it was."""
-    with FolderLock(out):
-        if tool == "plan" and owner(out) == "train":
-            raise ConfigError(key, f"{out} holds a training run: dpmem plan never writes into one; give another "
-                              "plan.dir")
+    tool's records (`check_owner`; a training run's always, whatever train.overwrite says: its ledger and records
+    are what it released), and marked as the tool's (first for audit and spectrum, which write as they go). A tool
+    refused (ConfigError) before it wrote more than its mark and config.yaml leaves a folder that was empty as it
+    was."""
+    with FolderLock(out, key):
         check_owner(out, tool, overwrite, key)
         fresh = owner(out) is None
         if mark_first:

@@ -26,9 +26,15 @@ def preflight(overrides: list[str]) -> None:
 
     hydra_args, _ = _split(overrides)
     try:  # Hydra's own settings (hydra.run.dir=...) are read by the same grammar, later, with a traceback
-        OverridesParser.create().parse_overrides(hydra_args)
+        parsed = OverridesParser.create().parse_overrides(hydra_args)
     except Exception as e:  # noqa: BLE001  (hydra's OverrideParseException and friends)
         raise ConfigError("override", str(e).splitlines()[0] + quoting(hydra_args)) from None
+    for o in parsed:  # Hydra refuses a sweep among its own settings ("requires --multirun", with -m given)
+        if o.is_sweep_override():
+            key, value = o.input_line.split("=", 1)
+            plain = key.removeprefix("hydra.sweeper.params.")
+            raise ConfigError(key, "a Hydra setting takes one value, not a sweep" + (
+                f": give the search space as {plain}={value} (the sweeper draws it the same)" if plain != key else ""))
     cfgs = compose_points(sweep_points(overrides)[:MAX_PREFLIGHT])
     if any(a in ("-m", "--multirun") for a in overrides):
         check_search_space(overrides)
@@ -101,7 +107,7 @@ def check_search_space(overrides: list[str]) -> None:
 def check_private_search(overrides: list[str]) -> None:
     """`dpmem train -m hydra/sweeper=private ...`, composed as Hydra will compose it and checked before Hydra starts:
     the law, the space, the score, the budget, a resumed folder's search. Raises ConfigError."""
-    from dpmem.engine.selection import KEY_FILE, describe, parse_space, plan_search, resumable
+    from dpmem.engine.selection import check_folder, describe, parse_space, plan_search
 
     hydra_args, task = _split(overrides)
     with initialized():
@@ -111,8 +117,8 @@ def check_private_search(overrides: list[str]) -> None:
         cfg = compose_point(fixed)  # the fixed overrides: what every trial shares
     search = plan_search(cfg, sweeper.mean_trials, sweeper.shape, task)
     folder = given(hydra_args, "hydra.sweep.dir")
-    if folder is not None and (Path(folder) / KEY_FILE).exists():  # a resume: the same search, or refused now
-        resumable(Path(folder), describe(search, fixed, dims))
+    if folder is not None:  # a new folder, or the same search resumed: anything else is refused now
+        check_folder(Path(folder).expanduser().absolute(), describe(search, fixed, dims))
     print(f"dpmem: private search: ε = {search.epsilon:g}, δ = {search.delta:.3g} for the whole search (each trial "
           f"σ = {search.sigma:.4g}, ε = {search.trial_epsilon:.4g} alone), {len(dims)} hyperparameter(s) drawn",
           file=sys.stderr)

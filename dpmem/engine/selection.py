@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,10 @@ from dpmem.config import ConfigError, enum_value
 from dpmem.privacy.randomness import derive, os_key
 
 KEY_FILE, SELECTION, RELEASE = "selection.key", "selection.json", "release.json"
+# the released folder (the winner's config.yaml and model.pt, and selection.json), and what stays with the holder: the
+# record of every trial (search.json) and what the trials printed (trials.log), which tell K
+RELEASED, HOLDER, TRIALS_LOG = "selection", "search.json", "trials.log"
+TRIAL = "trial-"  # a trial's folder: TRIAL and a name drawn from the key (`SearchState.name`)
 # what the accountant sees of a trial, and so the same in every trial: these keys, and the privacy and data groups
 # with every key below them (the method's options, as its clipping norm or rank, change no accounting)
 ACCOUNTED = ("method", "method.name", "train.batch_size", "train.steps", "train.epochs", "train.sampling")
@@ -115,6 +120,10 @@ def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
     if p.epsilon is None:
         raise ConfigError("privacy.epsilon", "a private search needs the budget of the whole search, e.g. "
                           "privacy.epsilon=4")
+    for seed in ("noise_seed", "sampler_seed"):  # a trial a config.yaml replays has ε ∞ against its holder
+        if p.get(seed) is not None:
+            raise ConfigError(f"privacy.{seed}", f"{p[seed]}: a private search's trials draw their noise and batches "
+                              "from the OS; a seed in config.yaml replays them (ε ∞ to its holder): leave it out")
     run = accounting_of(cfg)
     if run["accountant"] == "rc":
         raise ConfigError("privacy.accountant", f"{name}'s rc accountant has no RDP curve, which a private selection "
@@ -146,11 +155,13 @@ def describe(search: Search, fixed: list[str], dims: list[Dimension]) -> dict:
     return {"mean_trials": search.mean, "shape": search.shape, "space": sorted(fixed) + [str(d) for d in dims]}
 
 
-def resumable(folder: Path, what: dict) -> str:
-    """The key (hex) of the search in `folder`, if it is `what`'s. Raises ConfigError."""
+def resumable(folder: Path, what: dict) -> bytes:
+    """The key of the search in `folder`, if it is `what`'s. Raises ConfigError."""
     try:
         saved = json.loads((folder / KEY_FILE).read_text())
-        key, search = saved["key"], saved["search"]
+        key, search = bytes.fromhex(saved["key"]), saved["search"]
+        if len(key) < 16:
+            raise ValueError("a key of fewer than 128 bits")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError("hydra.sweep.dir", f"{folder / KEY_FILE} cannot be read ({type(e).__name__}): without it "
                           "the search cannot resume with its K; choose another folder") from None
@@ -160,64 +171,137 @@ def resumable(folder: Path, what: dict) -> str:
     return key
 
 
+def check_folder(folder: Path, what: dict) -> bytes | None:
+    """The key of the search `folder` holds, if it is `what`'s; None for a folder that is missing or empty (a new
+    search). Raises ConfigError for any other folder: one that holds files of its own, or a search whose key is gone
+    (a new key would draw a new K: a second search on the same data, after the first one's trials spent theirs)."""
+    from dpmem.engine.folder import LOCK
+
+    try:
+        names = {e.name for e in folder.iterdir()} - {LOCK}
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ConfigError("hydra.sweep.dir", f"{folder} cannot be read as a folder ({e.strerror})") from None
+    if not names:
+        return None
+    if KEY_FILE in names:
+        if names == {KEY_FILE} and (folder / KEY_FILE).stat().st_size == 0:
+            return None  # a key cut short (a full disk) before any trial ran: nothing was spent, a new one is drawn
+        return resumable(folder, what)
+    if names & {HOLDER, RELEASED, TRIALS_LOG} or any(n.startswith(TRIAL) for n in names):
+        held = (f"a private search whose {KEY_FILE} is gone: its K cannot be drawn again, and a new key would start a "
+                "second search on the same data (the first one's trials spent their ε)")
+    else:
+        held = f"files of its own ({', '.join(sorted(names)[:4])}{', ...' if len(names) > 4 else ''})"
+    raise ConfigError("hydra.sweep.dir", f"{folder} holds {held}: a private search writes into an empty folder, or "
+                      f"resumes its own from its {KEY_FILE}; give another hydra.sweep.dir")
+
+
 class SearchState:
-    """The search's secret key in the sweep folder (made once, read again on a resume); K and each trial's draw of
-    the space derive from it."""
+    """The search's secret key in the sweep folder (made once, read again on a resume); K, each trial's draw of
+    the space, its folder's name and the winner among tied scores derive from it."""
 
     def __init__(self, folder: Path, search: Search, fixed: list[str], dims: list[Dimension]):
+        from dpmem.engine.summary import DiskFull, replace_file
         from dpmem.privacy.selection import draw_trials
 
         what = describe(search, fixed, dims)
-        path = folder / KEY_FILE
-        if path.exists():
-            self.key = bytes.fromhex(resumable(folder, what))
-        else:
-            self.key = os_key()
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # as private as the data
-            with os.fdopen(fd, "w") as f:
-                json.dump({"key": self.key.hex(), "search": what}, f)
+        key = check_folder(folder, what)
+        if key is None:
+            key = os_key()
+            folder.mkdir(parents=True, exist_ok=True)
+            old = os.umask(0o077)  # as private as the data; written whole or not at all (a full disk leaves none)
+            try:
+                replace_file(folder / KEY_FILE, json.dumps({"key": key.hex(), "search": what}).encode())
+            except DiskFull as e:
+                raise ConfigError("hydra.sweep.dir", f"{e}: the search's key could not be written, nothing was "
+                                  "run") from None
+            finally:
+                os.umask(old)
+        self.key = key
         self.trials = draw_trials(search.mean, search.shape, derive(self.key, "trials"))
 
+    def _rng(self, purpose: str, index: int = 0) -> np.random.Generator:
+        return np.random.Generator(np.random.PCG64DXSM(int.from_bytes(derive(self.key, purpose, index), "little")))
+
     def point(self, trial: int, dims: list[Dimension]) -> list[str]:
-        rng = np.random.Generator(np.random.PCG64DXSM(int.from_bytes(derive(self.key, "trial", trial), "little")))
+        rng = self._rng("trial", trial)
         return [d.draw(rng) for d in dims]
 
+    def name(self, trial: int) -> str:
+        """A trial's folder: drawn from the key, so that neither a name nor the names' order tells its position."""
+        return TRIAL + derive(self.key, "folder", trial).hex()[:16]
 
-def trial_overrides(search: Search, fixed: list[str], point: list[str]) -> list[str]:
+    def tie(self, tied: list[int]) -> int:
+        """The winner among trials of equal score, uniformly (the position of none counts)."""
+        return tied[int(self._rng("ties").integers(len(tied)))]
+
+
+def trial_overrides(search: Search, fixed: list[str], point: list[str], name: str) -> list[str]:
     """A trial's overrides: the fixed ones, its draw of the space, its own ε (the search's budget replaced), the
-    score, and train.skip_done (a resumed search skips the trials that finished)."""
-    mine = ("privacy.epsilon", "train.objective", "train.skip_done")
+    score, train.skip_done (a resumed search skips the trials that finished), its final weights kept (the winner's
+    are released) and its folder's name."""
+    mine = ("privacy.epsilon", "train.objective", "train.skip_done", "train.save_model")
     return [*(o for o in fixed if o.split("=", 1)[0] not in mine), *point,
-            f"privacy.epsilon={search.trial_epsilon!r}", f"train.objective={search.objective}", "train.skip_done=true"]
+            f"privacy.epsilon={search.trial_epsilon!r}", f"train.objective={search.objective}", "train.skip_done=true",
+            "train.save_model=true", f"hydra.sweep.subdir={name}"]
 
 
-def finish(folder: Path, search: Search, results: list[tuple[Path, float | None]]) -> dict:
-    """selection.json and each trial's release.json, from each trial's folder and score (None: failed, the worst)."""
+def _read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+        return value if isinstance(value, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def finish(folder: Path, search: Search, state: SearchState, results: list[tuple[Path, float | None]],
+           points: list[list[str]]) -> dict:
+    """What the search releases, in `selection/` alone: selection.json (the ε, the law, the winner's hyperparameters
+    and private score), the winner's config.yaml and model.pt; nothing that tells K or the winner's position among
+    the trials. The holder's record (search.json: every trial's folder and score) and each trial's release.json stay
+    in the sweep folder, not for release. `results`: each trial's folder and score (None: failed), in trial order."""
+    from dpmem.engine.summary import replace_file
     from dpmem.privacy import composed_epsilon
     from dpmem.privacy.selection import law
 
     done = [i for i, (_, s) in enumerate(results) if s is not None and math.isfinite(s)]  # (None: failed; NaN, inf)
-    best = (min if search.minimise else max)(done, key=lambda i: results[i][1]) if done else None
-    summaries = []
-    for run_dir, _ in results:
-        try:
-            summaries.append(json.loads((run_dir / "summary.json").read_text()))
-        except (OSError, ValueError):
-            summaries.append(None)
-    low = [str(r.name) for (r, _), s in zip(results, summaries) if s and (s.get("sigma") or 0) < search.sigma]
+    best = None
+    if done:
+        top = (min if search.minimise else max)(results[i][1] for i in done)
+        best = state.tie([i for i in done if results[i][1] == top])
+    summaries = [_read_json(run_dir / "summary.json") for run_dir, _ in results]
+    low = [r.name for (r, _), s in zip(results, summaries) if s and (s.get("sigma") or 0) < search.sigma]
     if low:  # a trial ran with less noise than the selection's ε needs: nothing here may be released under it
         best = None
     ended = ("completed" if best is not None else "no trial drawn (Poisson law)" if not results
-             else f"no release: trials {', '.join(low)} ran with less noise than the selection needs" if low
+             else "no release: a trial ran with less noise than the selection needs" if low
              else "no release: every trial failed")
-    record = {"winner": results[best][0].name if best is not None else None,
-              "epsilon": search.epsilon if best is not None else 0.0, "delta": search.delta,
+    winner = (summaries[best] or {}) if best is not None else {}
+    record = {"epsilon": search.epsilon if best is not None else 0.0, "delta": search.delta,
               "mean_trials": search.mean, "shape": search.shape, "law": law(search.shape),
               "accountant": "rdp (dp-accounting RepeatAndSelectDpEvent)", "neighbouring": search.neighbouring,
               "trial_sigma": search.sigma, "trial_epsilon": search.trial_epsilon,
-              "score": f"{search.objective} ({'lowest' if search.minimise else 'highest'} wins)",
-              "ended": ended}
-    (folder / SELECTION).write_text(json.dumps(record, indent=2) + "\n")
+              "score": f"{search.objective} ({'lowest' if search.minimise else 'highest'} wins)", "ended": ended}
+    if best is not None:
+        record.update(hyperparameters=dict(p.split("=", 1) for p in points[best]),
+                      result={k: winner.get(k) for k in ("train_loss", "metric_name", "metric_final")},
+                      files=sorted([SELECTION, "config.yaml"] + (["model.pt"] if (results[best][0] / "model.pt")
+                                                                 .exists() else [])))
+    # the release, made whole beside the old one and then put in its place: one folder, nothing else in it
+    made = folder / (RELEASED + ".tmp")
+    shutil.rmtree(made, ignore_errors=True)
+    made.mkdir()
+    for name in record.get("files", []):
+        data = (json.dumps(record, indent=2) + "\n").encode() if name == SELECTION else \
+            (results[best][0] / name).read_bytes()
+        replace_file(made / name, data)
+    if best is None:
+        replace_file(made / SELECTION, (json.dumps(record, indent=2) + "\n").encode())
+    shutil.rmtree(folder / RELEASED, ignore_errors=True)
+    os.replace(made, folder / RELEASED)
+
     runs = [{"sigma": s.get("sigma_accounted") or s.get("sigma") or 0.0, "sample_rate": s["sample_rate"],
              "steps": s.get("steps_done") or 0, "sampling": s.get("sampling", "poisson"),
              "dataset_size": s.get("n_train")} for s in summaries if s and s.get("sample_rate")]
@@ -225,13 +309,55 @@ def finish(folder: Path, search: Search, results: list[tuple[Path, float | None]
         together = composed_epsilon(runs, search.delta, search.accountant, search.neighbouring) if runs else 0.0
     except ValueError:
         together = math.inf
+    not_for_release = (f"the holder's record of a private search: it tells K and each trial's position; publish "
+                       f"{RELEASED}/ alone")
+    holder = {"not_for_release": not_for_release, "released": f"{RELEASED}/", "ended": ended,
+              "winner": results[best][0].name if best is not None else None, "low_noise": low,
+              "epsilon_if_every_trial_released": together,
+              "trials": [{"folder": r.name, "score": s, "status": (m or {}).get("status")}
+                         for (r, s), m in zip(results, summaries)]}
+    replace_file(folder / HOLDER, (json.dumps(holder, indent=2) + "\n").encode())
     for i, (run_dir, _) in enumerate(results):
-        if not run_dir.is_dir():
-            continue
-        release = {"for_release": i == best, "selection": f"../{SELECTION}", "delta": search.delta}
-        release.update({"epsilon": search.epsilon} if i == best else
-                       {"why": "a trial of a private search: only its winner is released under the search's ε",
-                        "epsilon_if_released_too": together,
-                        "accountant": f"{search.accountant}, every trial of the search composed (as dpmem report)"})
-        (run_dir / RELEASE).write_text(json.dumps(release, indent=2) + "\n")
+        if run_dir.is_dir():
+            release = {"for_release": False, "selection": f"../{RELEASED}/{SELECTION}", "delta": search.delta,
+                       "why": (f"the winner, released as ../{RELEASED}/ (its config and weights): this folder's "
+                               "ledger times and .hydra/ tell its position among the trials" if i == best else
+                               "a trial of a private search: only its winner is released, under the search's ε"),
+                       "epsilon_if_released_too": together,
+                       "accountant": f"{search.accountant}, every trial of the search composed (as dpmem report "
+                                     "--holder)"}
+            replace_file(run_dir / RELEASE, (json.dumps(release, indent=2) + "\n").encode())
     return record
+
+
+def released_epsilon(folder: Path, record: dict) -> tuple[float, str | None]:
+    """The ε of the search in `folder` that `record` (its selection/selection.json) releases, recomputed from what
+    its trials ran (each one's accounted σ, rate and steps, at the law's larger ε of what selection.json and the key's
+    record say): at least the recorded one, so that no edit lowers it. With a line where the two disagree."""
+    from dpmem.privacy.selection import selection_epsilon
+
+    if record.get("ended") != "completed":
+        return 0.0, None
+    recorded = float(record.get("epsilon") or 0.0)
+    trials = [s for t in sorted(folder.glob(TRIAL + "*")) if (s := _read_json(t / "summary.json")) and
+              s.get("sample_rate") and s.get("steps_done")]
+    saved = _read_json(folder / KEY_FILE) or {}
+    laws = {(float(w["mean_trials"]), float(w["shape"])) for w in (record, saved.get("search") or {})
+            if "mean_trials" in w and "shape" in w}
+    if not trials or not laws:
+        return recorded, None
+    if any(s.get("derivable_from_config") for s in trials):  # (an older dpmem's search: seeds are refused now)
+        return math.inf, f"{folder}: its trials' noise or batches derive from seeds in their config.yaml: ε ∞"
+    sigma = min(float(s.get("sigma_accounted") or s["sigma"]) for s in trials)
+    rate, steps = max(float(s["sample_rate"]) for s in trials), max(int(s["steps_done"]) for s in trials)
+    s = trials[0]
+    try:
+        again = max(selection_epsilon(sigma, float(record["delta"]), rate, steps, mean, shape,
+                                      s.get("neighbouring") or "add_remove", s.get("sampling") or "poisson",
+                                      s.get("n_train")) for mean, shape in laws)
+    except (KeyError, TypeError, ValueError):
+        return recorded, None
+    if again > recorded * (1 + 1e-3):
+        return again, (f"{folder}/{RELEASED}/{SELECTION} says ε {recorded:.4g} where its trials' noise, rate and "
+                       f"steps give {again:.4g}: shown at {again:.4g}")
+    return max(recorded, again), None

@@ -21,10 +21,11 @@ from dpmem import distributed, precision, sharding
 from dpmem.compiling import Compiler
 from dpmem.config import ConfigError, enum_value
 from dpmem.data import build_data
+from dpmem.data import fingerprint as data_fingerprint
 from dpmem.data.bundle import Padded
 from dpmem.engine import checkpoint
 from dpmem.engine.assemble import Parts, assemble
-from dpmem.engine.folder import FolderLock, claim, fingerprint, write_config
+from dpmem.engine.folder import FolderLock, FolderRefused, _as_recorded, claim, write_config
 from dpmem.engine.summary import (PRIVACY_LEDGER, DiskFull, append_metrics, append_privacy, cut_metrics, json_ready,
                                   most_spent, privacy_records, summary_table, versions, write_summary)
 from dpmem.engine.tracking import NoTracker, open_tracker
@@ -78,6 +79,12 @@ def accounting_of(cfg) -> dict:
     n = build_data(cfg.data, cfg.model).n_train
     steps, sampling = run_length(cfg, n)
     return accounting(cfg.privacy, method_class(cfg.method.name).spec, n, cfg.train.batch_size, steps, sampling)
+
+
+def config_hash(cfg) -> str:
+    """What a privacy.jsonl line names its run's configuration by: the configuration a resume compares, as its
+    config.yaml records it (so that `dpmem report` can tell which of a folder's attempts its config.yaml ran)."""
+    return hashlib.sha256(json.dumps(_as_recorded(cfg), sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def eval_batch_size(t) -> int:
@@ -147,6 +154,9 @@ class Run:
         self.precision = precision.RunPrecision(enum_value(t.precision), self.device)
         torch.manual_seed(t.seed)
         data = build_data(cfg.data, cfg.model)
+        self.data_fingerprint = data_fingerprint(data)  # as loaded (dpmem audit's canaries are the audit's own)
+        if self.checkpoint is not None:
+            self._check_data()
         if self.data_hook is not None:
             data = self.data_hook(data)
         n = data.n_train
@@ -186,6 +196,7 @@ class Run:
             "steps": self.steps, "steps_done": 0, "batch_size": t.batch_size,
             **({"samples_seen": None, "samples_expected": 0.0} if self.mechanism.accounted else {"samples_seen": 0}),
             "physical_batch_size": t.physical_batch_size or t.batch_size, "n_train": n, "lr": t.lr,
+            "data_fingerprint": self.data_fingerprint,
             "world_size": distributed.world_size(), "backend": distributed.backend(), "fsdp": t.fsdp,
             "metric_name": self.data.metric_name, "metric_final": None, "metric_best": None, "train_loss": None,
             "peak_memory_bytes": None, "peak_memory_allocated_bytes": None, "peak_memory_source": None,
@@ -198,6 +209,22 @@ class Run:
             self.summary["subspace"] = {"path": m.subspace.path, "k": subspace.k, "where": subspace.where,
                                         "private": ok, "why": why}
         return parts
+
+    def _check_data(self) -> None:
+        """The checkpoint resumes only on the training data it was written on: its steps' batches index those
+        examples, and its ε counted them. FolderRefused (nothing written yet) where they changed; a checkpoint of an
+        older dpmem, which records none, is resumed unchecked, said so."""
+        had, path = self.checkpoint["summary"].get("data_fingerprint"), self.run_dir / checkpoint.FILE
+        d = self.cfg.data
+        where = f"data.path={d.path}" if d.path else f"data={d.name}"
+        if had is None:
+            if self.main:
+                print(f"dpmem: warning: {path} records no fingerprint of its training data (an older dpmem): it is "
+                      f"resumed without checking that {where} is what it trained on", file=sys.stderr)
+        elif had != self.data_fingerprint:
+            raise FolderRefused("train.resume", f"{path} was written on other training data: {where} changed since "
+                                f"(its training split's sha256 {had[:12]} -> {self.data_fingerprint[:12]}); put the "
+                                "data back to resume, or another folder (hydra.run.dir=...) for a run on this data")
 
     # the loop's names for its parts (dpmem.engine.assemble), not copies of them
     data = property(lambda self: self.parts.data)
@@ -215,7 +242,7 @@ class Run:
     def execute(self) -> dict:
         start = time.perf_counter()
         self._attempt = datetime.datetime.now().isoformat(timespec="seconds")  # names this attempt's ledger lines
-        self._config_hash = hashlib.sha256(fingerprint(self.cfg).encode()).hexdigest()[:12]
+        self._config_hash = config_hash(self.cfg)
         restore = self._catch_signals()
         self.tracker = open_tracker(self.cfg, self.run_dir) if self.main else NoTracker()
         try:
@@ -224,6 +251,8 @@ class Run:
                 self._spent(event="start")
             with self.precision:
                 self._train()
+            if self.cfg.train.save_model:
+                checkpoint.save_model(self.run_dir, self.cfg, self.parts)
             self.summary["status"] = "ok"
             if self.main:
                 checkpoint.remove(self.run_dir)
@@ -427,20 +456,24 @@ class Run:
 
     def _ledger_epsilon(self) -> float:
         """The most ε the folder's ledger shows this configuration released: over every line of it (a start line
-        appended later hides none), each line's ε as recorded or as recomputed from its σ, q, δ and steps, whichever
-        is larger; a line whose two disagree is said in one line."""
+        appended later hides none), each line's ε as recorded or as recomputed, whichever is larger; a line whose two
+        disagree is said in one line. Recomputed: each line's from its own σ, q, δ and steps (pld, rdp), and the
+        furthest line's from this run's configuration (the checkpoint's, which no edit of a line changes; every
+        accountant, rc too)."""
         records = privacy_records(self.run_dir)
         mine = [r for r in records if r.get("config") == self._config_hash] or records
-        recorded = most_spent(mine) or 0.0
-        understated = [(again, r) for r in mine if (again := line_epsilon(r)) is not None
-                       and r.get("epsilon") is not None and again > float(r["epsilon"]) * (1 + 1e-6)]
+        again = [(line_epsilon(r), r) for r in mine]
+        if furthest := max(mine, key=lambda r: r.get("steps_done") or 0, default=None):
+            again.append((self.mechanism.epsilon(furthest.get("steps_done") or 0), furthest))
+        again = [(eps, r) for eps, r in again if eps is not None]
+        understated = [(eps, r) for eps, r in again if r.get("epsilon") is not None
+                       and eps > float(r["epsilon"]) * (1 + 1e-6)]
         if understated:
-            again, r = max(understated, key=lambda pair: pair[0])
+            eps, r = max(understated, key=lambda pair: pair[0])
             print(f"dpmem: warning: {self.run_dir / PRIVACY_LEDGER}: a line at step {r.get('steps_done')} records "
-                  f"epsilon {float(r['epsilon']):.4g}, where its sigma, q, delta and steps give {again:.4g}: the "
-                  "larger is kept", file=sys.stderr)
-            recorded = max(recorded, again)
-        return recorded
+                  f"epsilon {float(r['epsilon']):.4g}, where its steps give {eps:.4g} (recomputed): the larger is "
+                  "kept", file=sys.stderr)
+        return max([most_spent(mine) or 0.0, *(eps for eps, _ in again)])
 
     def _summarised_epsilon(self) -> float:
         """ε the folder's summary (the resumed run's, written after its ledger lines) says was spent: a finite number,
@@ -514,7 +547,8 @@ class Run:
 
 
 RESUMED = ("steps_done", "samples_seen", "samples_expected", "metric_best", "peak_memory_bytes",
-           "peak_memory_allocated_bytes", "peak_memory_source")  # summary fields a resumed run carries over
+           "peak_memory_allocated_bytes", "peak_memory_source",
+           "data_fingerprint")  # summary fields a resumed run carries over (in its checkpoint: `Run._check_data`)
 
 
 def run_training(cfg, run_dir: Path) -> dict:

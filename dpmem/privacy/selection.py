@@ -32,9 +32,14 @@ def law(shape: float) -> str:
     return LAWS.get(shape, f"truncated negative binomial (shape {shape:g})")
 
 
+MAX_MEAN = 10_000  # a search's trials each train a model: more on average is a slip of the keyboard (1e9)
+
+
 def check_law(mean: float, shape: float) -> None:
     if not math.isfinite(mean) or mean < 1:
         raise ValueError(f"mean_trials={mean}: must be a number of at least 1")
+    if mean > MAX_MEAN:
+        raise ValueError(f"mean_trials={mean:g}: at most {MAX_MEAN:,} (each trial trains a model)")
     if math.isnan(shape) or shape < 0:
         raise ValueError(f"shape={shape}: must be at least 0 (0 logarithmic, 1 geometric, inf Poisson)")
 

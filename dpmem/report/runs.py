@@ -235,13 +235,19 @@ def memory_table(summaries: list[dict]) -> list[str]:
             *markdown_table(["method", "model", *map(str, batches)], rows)]
 
 
-def releases(folder: dict) -> list[dict]:
+def releases(folder: dict) -> tuple[list[dict], str | None]:
     """What a run folder released on its training data, one dict per release: each start in its privacy.jsonl with
     the resumes after it (a resume redraws the same batches and noise for the steps it redoes), the last one the
     folder's run and any earlier one an attempt abandoned with train.overwrite=true, which no summary shows; a
     folder without a ledger (a run without noise, an older dpmem) is its summary's run. Each holds what composing it
     needs (sigma: the noise multiplier accounted per step; steps: the most any line, or the summary, recorded), its
-    epsilon, and whether it was abandoned."""
+    epsilon, and whether it was abandoned.
+
+    A release of the configuration its config.yaml records (the folder's run, and an abandoned attempt whose lines
+    name that configuration) is taken at the conservative end of what its lines and that configuration say
+    (`_planned`): σ no larger, q and steps no smaller, ε the larger of the recorded and the recomputed, so that no
+    edit of the ledger or the summary lowers it. Returns the releases and the one line that says where the config's
+    was taken over the lines', or that the lines were taken as written; None where there is nothing to say."""
     s = folder  # a summary, or a folder without one ({run_dir, why, config, ledger})
     summary = {k: s.get(k) for k in ("steps_done", "sigma", "sigma_accounted", "sample_rate", "accountant", "delta",
                                       "sampling")}
@@ -256,20 +262,106 @@ def releases(folder: dict) -> list[dict]:
         attempts[-1].append(line)
     attempts = attempts or [[]]
     attempts[-1].append(summary)  # the summary is the last run's, maybe past its last line
-    out = []
+    # (a folder with neither ledger nor summary released nothing: its config.yaml is not read)
+    out, planned, said, as_written = [], _planned(s) if s["ledger"] or "status" in s else None, {}, []
     for i, lines in enumerate(attempts):
         # what an older ledger's lines lack, taken from the folder's summary
         known = {k: summary[k] for k in ("sampling", "dataset_size", "neighbouring") if k in summary}
         for line in lines:
             known.update((k, v) for k, v in line.items() if v is not None)
         spent = [float(line["epsilon"]) for line in lines if line.get("epsilon") is not None]
-        out.append({"sigma": float(known.get("sigma_accounted", known.get("sigma", 0.0))),
-                    "sample_rate": known.get("sample_rate"), "sampling": known.get("sampling", "poisson"),
-                    "steps": max((int(line.get("steps_done") or 0) for line in lines), default=0),
-                    "dataset_size": known.get("dataset_size"), "accountant": known.get("accountant"),
-                    "neighbouring": known.get("neighbouring", "add_remove"), "delta": known.get("delta"),
-                    "epsilon": max(spent, default=math.inf), "abandoned": i < len(attempts) - 1})
-    return out
+        r = {"sigma": float(known.get("sigma_accounted", known.get("sigma", 0.0))),
+             "sample_rate": known.get("sample_rate"), "sampling": known.get("sampling", "poisson"),
+             "steps": max((int(line.get("steps_done") or 0) for line in lines), default=0),
+             "dataset_size": known.get("dataset_size"), "accountant": known.get("accountant"),
+             "neighbouring": known.get("neighbouring", "add_remove"), "delta": known.get("delta"),
+             "epsilon": max(spent, default=math.inf), "abandoned": i < len(attempts) - 1}
+        out.append(r)
+        # the folder's run is its config.yaml's; an abandoned attempt is where its lines name no other configuration
+        if not isinstance(planned, dict) or (r["abandoned"] and not {line["config"] for line in lines
+                                                                     if line.get("config")} <= {planned["config"]}):
+            as_written.append(r)
+            continue
+        # the steps it plans: no line lowers them; the folder's summary may (a run that failed or ran out of memory
+        # is not counted as finished), the lines then raising them again
+        steps = planned["steps"]
+        if not r["abandoned"] and isinstance(s.get("steps_done"), int):
+            steps = min(steps, s["steps_done"])
+        taken = {"sigma": min(r["sigma"], planned["sigma"]), "steps": max(r["steps"], steps),
+                 "sample_rate": max(r["sample_rate"] or 0.0, planned["sample_rate"])}
+        again = planned["epsilon"](taken["sigma"], taken["sample_rate"], taken["steps"])
+        # what its lines say, each at its most favourable: the largest σ, the smallest q, the least ε at its end
+        sigmas = [float(line.get("sigma_accounted") or line["sigma"]) for line in lines if line.get("sigma")]
+        rates = [float(line["sample_rate"]) for line in lines if line.get("sample_rate")]
+        ended = [float(line["epsilon"]) for line in lines
+                 if line.get("epsilon") is not None and int(line.get("steps_done") or 0) == taken["steps"]]
+        for what, line, config in (("σ", -max(sigmas, default=planned["sigma"]), -planned["sigma"]),
+                                   ("q", min(rates, default=planned["sample_rate"]), planned["sample_rate"]),
+                                   ("steps", r["steps"], steps),
+                                   ("ε", min(ended, default=again), again)):
+            if line < config - 1e-6 * abs(config):  # the line on the side of less ε
+                said[f"{what} {abs(line):.4g} where its config.yaml gives {abs(config):.4g}"] = None
+        r.update(taken, epsilon=max([*spent, again]),
+                 **{k: planned[k] for k in ("delta", "accountant", "neighbouring", "sampling", "dataset_size")})
+    note = f"{PRIVACY_LEDGER} says {'; '.join(said)}: composed at the config's" if said else None
+    if as_written and isinstance(planned, str):
+        note = f"{planned}: composed from its {PRIVACY_LEDGER} and summary as written"
+    elif as_written and isinstance(planned, dict):
+        other = (f"{_count(len(as_written), 'attempt')} of another configuration than its config.yaml composed from "
+                 f"{PRIVACY_LEDGER} as written")
+        note = f"{note}; {other}" if note else other
+    return out, note and f"{s['run_dir']}: {note}"
+
+
+def _planned(folder: dict) -> dict | str | None:
+    """What a private run's config.yaml implies for its releases: σ accounted per step (calibrated to its
+    privacy.epsilon by its accountant, as the run calibrated it), q, the steps it plans, δ, the accountant's terms, its
+    `config_hash`, and `epsilon` (σ, q, steps -> ε). None for a run that accounts no ε; where config.yaml cannot
+    say, why. The data set's size is the smallest the folder records (the largest q, with which σ is calibrated):
+    the data set is not loaded, as it may not be on this machine, and a report reads many folders."""
+    from dpmem.engine.trainer import config_hash, run_length
+    from dpmem.methods import method_class
+    from dpmem.privacy import calibrate_sigma, epsilon_spent
+    from dpmem.privacy.accounting import joint_sigma
+    from dpmem.privacy.mechanism import accounting
+
+    path = Path(folder["run_dir"]) / "config.yaml"
+    if not path.is_file():
+        return f"it has no {path.name}"
+    sizes = [n for n in (folder.get("n_train"), *(line.get("dataset_size") for line in folder["ledger"]))
+             if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+    if not sizes:
+        return f"neither its summary nor its {PRIVACY_LEDGER} records the size of its data set"
+    try:
+        cfg = OmegaConf.load(path)
+        spec = method_class(cfg.method.name).spec
+        if not spec.private or cfg.privacy.epsilon is None:
+            return None
+        n = min(sizes)
+        steps, sampling = run_length(cfg, n)
+        terms = accounting(cfg.privacy, spec, n, cfg.train.batch_size, steps, sampling)
+        rc = terms["accountant"] == "rc"
+        if rc:
+            terms.update(k=cfg.method.k, d=_rc_dimension(cfg, folder), estimator=str(cfg.method.estimator))
+        sigma = calibrate_sigma(cfg.privacy.epsilon, **terms)
+        config = config_hash(cfg)
+    except Exception as e:  # noqa: BLE001  (a key missing or of another type, an unknown method, a budget unreachable)
+        return f"its {path.name} cannot say what it ran ({type(e).__name__})"
+    # rc composes the gradient's σ with the loss's noise itself; the others take the joint multiplier (the ledger's)
+    fixed = {k: v for k, v in terms.items() if k not in ("sample_rate", "steps")} | ({} if rc else {"loss_noise": None})
+    return {"sigma": sigma if rc else joint_sigma(sigma, terms["loss_noise"]), "sample_rate": terms["sample_rate"],
+            "steps": steps, "dataset_size": n, "config": config,
+            **{k: terms[k] for k in ("delta", "accountant", "neighbouring", "sampling")},
+            "epsilon": lambda sigma, q, steps: epsilon_spent(sigma, sample_rate=q, steps=steps, **fixed)}
+
+
+def _rc_dimension(cfg, folder: dict):
+    """rc's d: privacy.rc_dimension where it is a number; else the model's, which only building the model tells, as
+    the summary records it; without a summary inf, whose envelope bounds every d's."""
+    if isinstance(cfg.privacy.rc_dimension, int):
+        return cfg.privacy.rc_dimension
+    d = (folder.get("rc_accountant") or {}).get("d", "inf")
+    return math.inf if d in ("inf", math.inf) else int(d)
 
 
 def _count(n: int, what: str) -> str:
@@ -287,14 +379,19 @@ def search_privacy(folders: list[dict]) -> list[str]:
         data = f.get("data") or f["config"].get("data.name")
         if data is not None:  # a folder with neither summary nor config is listed with its ledger's ε
             groups[(data, f["config"].get("data.path"))].append(f)
-    seeded_lines, lines = [], []  # the seeded runs' lines first
+    seeded_lines, lines, notes = [], [], []  # the seeded runs' lines first, the folders' `releases` notes last
     for (data, path), group in sorted(groups.items(), key=str):
         name = data + (f" ({path})" if path else "")
         if derivable := [f for f in group if seeded(f)]:
             seeded_lines.append(f"{name}: {_count(len(derivable), 'seeded run')} not composed here: ε ∞ to a holder "
                                 "of their config.yaml (listed below)")
             group = [f for f in group if not seeded(f)]
-        made = [r for f in group for r in releases(f) if r["steps"]]
+        made = []
+        for f in group:
+            out, note = releases(f)
+            made += [r for r in out if r["steps"]]
+            if note and any(r["accountant"] and r["steps"] for r in out):  # one line per folder with a private release
+                notes.append(note)
         accounted = [r for r in made if r["accountant"] and r["sigma"] > 0 and math.isfinite(r["epsilon"])]
         if len(accounted) < 2:
             continue
@@ -320,7 +417,7 @@ def search_privacy(folders: list[dict]) -> list[str]:
         lines.append(head + f"releasing a result chosen among them releases all: ε = {composed:.4g} at δ = "
                      f"{delta:.2g} ({accountant}, composed)" + (f"; {_count(loose, 'more release')} outside any ε "
                                                                  "(no noise, or a leak)" if loose else ""))
-    return seeded_lines + lines
+    return seeded_lines + lines + notes
 
 
 def seeded_runs(summaries: list[dict]) -> list[str]:
@@ -335,19 +432,70 @@ def seeded_runs(summaries: list[dict]) -> list[str]:
     return lines
 
 
-def selections(folders: list[dict]) -> list[str]:
-    """A line per private search (hydra/sweeper=private, dpmem.engine.selection) among the folders' sweeps: what
-    its selection.json releases and at what ε, beside `search_privacy`'s composition of every trial."""
+def private_searches(summaries: list[dict], missing: list[dict], holder: bool) -> tuple[list, list, list[Path]]:
+    """The runs as the report shows them, and the folders of the private searches (hydra/sweeper=private) among them:
+    a search's trials replaced by the one row of what it released (its selection/), unless `holder` asks for the
+    holder's view (every trial, which tells K: not for release)."""
+    from dpmem.engine.selection import KEY_FILE, RELEASED, SELECTION
+
+    def search_of(f: dict) -> Path | None:
+        folder = Path(f["run_dir"])
+        if folder.name == RELEASED and (folder / SELECTION).exists():  # the release itself (its config.yaml)
+            return folder.parent
+        if (folder.parent / KEY_FILE).exists() or (folder.parent / RELEASED / SELECTION).exists():
+            return folder.parent
+        return None
+
+    found = {f["run_dir"]: search_of(f) for f in summaries + missing}
+    searches = sorted(set(filter(None, found.values())))
+    if holder:  # the trials, but not the release's folder (the winner's row is among them)
+        return ([f for f in summaries if Path(f["run_dir"]).name != RELEASED],
+                [f for f in missing if Path(f["run_dir"]).name != RELEASED], searches)
+    rows = [r for r in map(_released_row, searches) if r is not None]
+    return ([f for f in summaries if found[f["run_dir"]] is None] + rows,
+            [f for f in missing if found[f["run_dir"]] is None], searches)
+
+
+def _released_row(search: Path) -> dict | None:
+    """A private search's row: its released winner (selection/: selection.json and config.yaml) at the search's ε."""
+    from dpmem.engine.selection import RELEASED, SELECTION, released_epsilon
+
+    try:
+        record = json.loads((search / RELEASED / SELECTION).read_text())
+        tree = OmegaConf.to_container(OmegaConf.load(search / RELEASED / "config.yaml"))
+    except Exception:  # noqa: BLE001  (missing, unreadable: `selections` says so)
+        return None
+    config = _flat(tree)
+    result = record.get("result") or {}
+    return {"status": OK if record.get("ended") == "completed" else f"no release ({record.get('ended')})",
+            "method": config.get("method.name"), "data": config.get("data.name"), "model": config.get("model.name"),
+            "private": True, "epsilon_target": released_epsilon(search, record)[0], "delta": record.get("delta"),
+            "metric_name": result.get("metric_name"), "metric_final": result.get("metric_final"),
+            "train_loss": result.get("train_loss"), "run_dir": str(search / RELEASED), "config": config,
+            "ledger": [], "analysis": None}
+
+
+def selections(searches: list[Path], holder: bool) -> list[str]:
+    """A line per private search (dpmem.engine.selection): what its selection/ releases and at what ε (recomputed
+    from its trials where the holder has them: never below selection.json's)."""
+    from dpmem.engine.selection import HOLDER, RELEASED, SELECTION, released_epsilon
+
     lines = []
-    for path in sorted(filter(Path.exists, {Path(f["run_dir"]).parent / "selection.json" for f in folders})):
+    for folder in searches:
         try:
-            s = json.loads(path.read_text())
-            lines.append(f"{path.parent}: {s['ended']}; release only {s['winner'] or 'nothing'}, at ε = "
-                         f"{s['epsilon']:.4g} and δ = {s['delta']:.2g} for the whole search ({s['accountant']}; the "
-                         f"number of trials secret, {s['law']} of mean {s['mean_trials']:g}). Publishing any other "
-                         "of its trials too costs every release composed (above)")
+            s = json.loads((folder / RELEASED / SELECTION).read_text())
+            epsilon, note = released_epsilon(folder, s)
+            release = f"release {folder / RELEASED}/ alone" if s["ended"] == "completed" else "nothing released"
+            lines.append(f"{folder}: {s['ended']}; {release}, at ε = {epsilon:.4g} and δ = {s['delta']:.2g} for the "
+                         f"whole search ({s['accountant']}; the number of trials secret, {s['law']} of mean "
+                         f"{s['mean_trials']:g}); its ε adds to any other release on the same data")
+            lines += [note] if note else []
+            if holder:
+                lines.append(f"{folder}: holder's view, not for release: its trials are in the table and composed "
+                             f"above (each trial's folder and score: {folder / HOLDER})")
         except (OSError, ValueError, KeyError, TypeError) as e:
-            lines.append(f"{path.parent}: unreadable selection.json ({type(e).__name__}); its trials count as composed")
+            lines.append(f"{folder}: unreadable {RELEASED}/{SELECTION} ({type(e).__name__}): nothing of it is "
+                         "released; publishing its trials costs every one composed (dpmem report --holder)")
     return lines
 
 
@@ -439,17 +587,18 @@ def _listed(title: str, lines: list[str]) -> list[str]:
 
 
 def write(out: Path, summaries: list[dict], missing: list[dict], compare: bool = False,
-          select: str | None = None) -> str:
+          select: str | None = None, holder: bool = False) -> str:
     """report.md, report.csv and report.tex in `out` from `collect`'s summaries and folders without one (with
     `compare`, the papers' numbers in brackets; with `select="top3"`, one run per method, ε and data set:
     `top_three`); returns the markdown."""
     out.mkdir(parents=True, exist_ok=True)
+    summaries, missing, searches = private_searches(summaries, missing, holder)
     analysed = [f for f in summaries + missing if f["analysis"]]
     summaries = [s for s in summaries if not s["analysis"]]
     missing = [m for m in missing if not m["analysis"]]
     # every release counts, whatever verb wrote into its folder last: an analysis written over a training run
     # (train.overwrite=true) leaves that run's ledger (dpmem audit's own run, AUDIT/run, is none it wrote over)
-    overwritten = [f for f in analysed if "status" not in f and f["ledger"]
+    overwritten = [f for f in analysed if f["ledger"]
                    and not (Path(f["run_dir"]).name == "run" and _analysis(Path(f["run_dir"])) == "audit")]
     searched = search_privacy(summaries + missing + overwritten)
     summaries, repeats = distinct(summaries)
@@ -458,7 +607,10 @@ def write(out: Path, summaries: list[dict], missing: list[dict], compare: bool =
     columns, rows, texts, best = table(table_cells)
     texts, sources = with_published(table_cells, texts) if compare else (texts, [])
     metrics = sorted({str(c["metric"]) for c in table_cells.values()})
-    md = [f"Final {', '.join(metrics)} ({'losses as they are, others ' if any(map(is_loss, metrics)) else ''}%), "
+    md = [f"**The holder's view, not for release**: it lists every trial of {', '.join(map(str, searches))}, which "
+          "tells how many it ran (K, secret); publish a search's selection/ folder alone.", ""] \
+        if holder and searches else []
+    md += [f"Final {', '.join(metrics)} ({'losses as they are, others ' if any(map(is_loss, metrics)) else ''}%), "
           "mean ± standard error over seeds; **bold**: best private result per column; OOM: out of memory.", "",
           "| method | ε | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
     tex = [r"\begin{tabular}{ll" + "c" * len(columns) + "}", r"\toprule",
@@ -480,7 +632,7 @@ def write(out: Path, summaries: list[dict], missing: list[dict], compare: bool =
                      "private data):", searched)
            + _listed(f"Seeded runs ({len(derivable)}; in the table at ε {SEEDED}, never best private, composed into "
                      "no ε):", derivable)
-           + _listed("Private selections (docs/privacy.md, Private selection):", selections(summaries + missing))
+           + _listed("Private selections (docs/privacy.md, Private selection):", selections(searches, holder))
            + _listed(f"Not in the table ({len(left)}):", left)
            + _listed(f"Folders of an analysis, not results ({len(analysed)}; neither in the table nor composed with "
                      "the runs above):", analyses(analysed)))
