@@ -5,7 +5,7 @@ USAGE = """usage: dpmem train [-m] [key=value ...]
        dpmem plan [key=value ...]
        dpmem spectrum mode=layer|trajectory [key=value ...]
        dpmem audit [key=value ...]
-       dpmem report PATH... [--out DIR] [--published] [--select top3]
+       dpmem report PATH... [--out DIR] [--published] [--select top3] [--holder]
 
   dpmem train                                      the embedded default (ViT on digits, grape, eps=8)
   dpmem train method=adam privacy=none             a non-private baseline

@@ -247,8 +247,14 @@ def test_a_private_search_end_to_end(cli, tmp_path, monkeypatch):
     holder = cli("report", "s", "--holder", "--out", "h")
     assert len([line for line in holder.stdout.splitlines() if line.startswith("| grape")]) == 3
     assert holder.stdout.startswith("**The holder's view, not for release**")
-    # selection.json edited to a smaller ε: the report shows the trials' own (dp-accounting's event, built here)
-    (released / "selection.json").write_text(json.dumps({**record, "epsilon": 0.5}))
+    # selection.json edited to a smaller ε and mean, the key's law and the trials' σ too: the report shows the ε their
+    # configs and .hydra/ give (dp-accounting's event, built here from the unedited summaries)
+    (released / "selection.json").write_text(json.dumps({**record, "epsilon": 0.5, "mean_trials": 1.0}))
+    saved = json.loads((tmp_path / "s" / search.KEY_FILE).read_text())
+    saved["search"]["mean_trials"] = 1.0
+    (tmp_path / "s" / search.KEY_FILE).write_text(json.dumps(saved))
+    for t, summary in zip(trials, summaries):
+        (t / "summary.json").write_text(json.dumps({**summary, "sigma_accounted": 3 * summary["sigma_accounted"]}))
     s = summaries[0]
     want = rdp_epsilon(dp_event.RepeatAndSelectDpEvent(dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(s["sample_rate"], dp_accounting.GaussianDpEvent(

@@ -5,6 +5,7 @@ scores, where its key lives and what it writes: docs/privacy.md, Private selecti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -330,27 +331,37 @@ def finish(folder: Path, search: Search, state: SearchState, results: list[tuple
     return record
 
 
-def released_epsilon(folder: Path, record: dict) -> tuple[float, str | None]:
+def released_epsilon(folder: Path, record: dict, planned: list[dict] = ()) -> tuple[float, str | None]:
     """The ε of the search in `folder` that `record` (its selection/selection.json) releases, recomputed from what
-    its trials ran (each one's accounted σ, rate and steps, at the law's larger ε of what selection.json and the key's
-    record say): at least the recorded one, so that no edit lowers it. With a line where the two disagree."""
+    its trials ran: the least σ, the largest rate and steps of what their summaries and `planned` (what each trial's
+    config.yaml implies: σ, sample_rate, steps) say, under the law of the largest ε that selection.json, the key's
+    record or a trial's .hydra/hydra.yaml names. At least the recorded ε, so that no edit lowers it; with a line
+    where the two disagree."""
+    from omegaconf import OmegaConf
+
     from dpmem.privacy.selection import selection_epsilon
 
     if record.get("ended") != "completed":
         return 0.0, None
     recorded = float(record.get("epsilon") or 0.0)
-    trials = [s for t in sorted(folder.glob(TRIAL + "*")) if (s := _read_json(t / "summary.json")) and
-              s.get("sample_rate") and s.get("steps_done")]
-    saved = _read_json(folder / KEY_FILE) or {}
-    laws = {(float(w["mean_trials"]), float(w["shape"])) for w in (record, saved.get("search") or {})
-            if "mean_trials" in w and "shape" in w}
-    if not trials or not laws:
-        return recorded, None
+    folders = sorted(folder.glob(TRIAL + "*"))
+    trials = [s for t in folders if (s := _read_json(t / "summary.json")) and s.get("sample_rate")
+              and s.get("steps_done")]
     if any(s.get("derivable_from_config") for s in trials):  # (an older dpmem's search: seeds are refused now)
         return math.inf, f"{folder}: its trials' noise or batches derive from seeds in their config.yaml: ε ∞"
-    sigma = min(float(s.get("sigma_accounted") or s["sigma"]) for s in trials)
-    rate, steps = max(float(s["sample_rate"]) for s in trials), max(int(s["steps_done"]) for s in trials)
-    s = trials[0]
+    keyed = (_read_json(folder / KEY_FILE) or {}).get("search") or {}
+    laws = [(w.get("mean_trials"), w.get("shape")) for w in (record, keyed)]
+    for t in folders:
+        with contextlib.suppress(Exception):  # (missing, not YAML: the other records say)
+            sweeper = OmegaConf.load(t / ".hydra" / "hydra.yaml").hydra.sweeper
+            laws.append((sweeper.mean_trials, sweeper.shape))
+    laws = {(float(m), float(k)) for m, k in laws if m is not None and k is not None}
+    runs = [{"sigma": float(s.get("sigma_accounted") or s["sigma"]), "sample_rate": float(s["sample_rate"]),
+             "steps": int(s["steps_done"])} for s in trials] + list(planned)
+    if not runs or not laws or not trials:
+        return recorded, None
+    sigma, rate = min(r["sigma"] for r in runs), max(r["sample_rate"] for r in runs)
+    steps, s = max(r["steps"] for r in runs), trials[0]
     try:
         again = max(selection_epsilon(sigma, float(record["delta"]), rate, steps, mean, shape,
                                       s.get("neighbouring") or "add_remove", s.get("sampling") or "poisson",

@@ -458,7 +458,7 @@ def private_searches(summaries: list[dict], missing: list[dict], holder: bool) -
 
 def _released_row(search: Path) -> dict | None:
     """A private search's row: its released winner (selection/: selection.json and config.yaml) at the search's ε."""
-    from dpmem.engine.selection import RELEASED, SELECTION, released_epsilon
+    from dpmem.engine.selection import RELEASED, SELECTION
 
     try:
         record = json.loads((search / RELEASED / SELECTION).read_text())
@@ -469,22 +469,38 @@ def _released_row(search: Path) -> dict | None:
     result = record.get("result") or {}
     return {"status": OK if record.get("ended") == "completed" else f"no release ({record.get('ended')})",
             "method": config.get("method.name"), "data": config.get("data.name"), "model": config.get("model.name"),
-            "private": True, "epsilon_target": released_epsilon(search, record)[0], "delta": record.get("delta"),
+            "private": True, "epsilon_target": _search_epsilon(search, record)[0], "delta": record.get("delta"),
             "metric_name": result.get("metric_name"), "metric_final": result.get("metric_final"),
             "train_loss": result.get("train_loss"), "run_dir": str(search / RELEASED), "config": config,
             "ledger": [], "analysis": None}
 
 
+def _search_epsilon(search: Path, record: dict) -> tuple[float, str | None]:
+    """`released_epsilon`, with what each trial's config.yaml implies (`_planned`) among what it recomputes from."""
+    from dpmem.engine.selection import TRIAL, released_epsilon
+
+    planned = []
+    for trial in search.glob(TRIAL + "*"):
+        try:
+            summary = json.loads((trial / "summary.json").read_text())
+        except (OSError, ValueError):
+            summary = {}
+        plan = _planned({"run_dir": str(trial), "n_train": summary.get("n_train") if isinstance(summary, dict)
+                         else None, "ledger": privacy_records(trial)})
+        planned += [plan] if isinstance(plan, dict) else []
+    return released_epsilon(search, record, planned)
+
+
 def selections(searches: list[Path], holder: bool) -> list[str]:
     """A line per private search (dpmem.engine.selection): what its selection/ releases and at what ε (recomputed
     from its trials where the holder has them: never below selection.json's)."""
-    from dpmem.engine.selection import HOLDER, RELEASED, SELECTION, released_epsilon
+    from dpmem.engine.selection import HOLDER, RELEASED, SELECTION
 
     lines = []
     for folder in searches:
         try:
             s = json.loads((folder / RELEASED / SELECTION).read_text())
-            epsilon, note = released_epsilon(folder, s)
+            epsilon, note = _search_epsilon(folder, s)
             release = f"release {folder / RELEASED}/ alone" if s["ended"] == "completed" else "nothing released"
             lines.append(f"{folder}: {s['ended']}; {release}, at ε = {epsilon:.4g} and δ = {s['delta']:.2g} for the "
                          f"whole search ({s['accountant']}; the number of trials secret, {s['law']} of mean "
