@@ -18,6 +18,7 @@ import torch
 from dp_accounting import dp_event, rdp
 from scipy import stats
 
+from dpmem.config import ConfigError
 from dpmem.engine import selection as search
 from dpmem.privacy.randomness import derive, seed_key
 from dpmem.privacy.selection import (POISSON, calibrate_selection, draw_trials, gamma, pmf, selection_epsilon)
@@ -232,6 +233,7 @@ def test_a_private_search_end_to_end(cli, tmp_path, monkeypatch):
     assert (released / "config.yaml").read_text() == (best / "config.yaml").read_text()
     weights, theirs = (torch.load(f / "model.pt", weights_only=True) for f in (released, best))
     assert weights.keys() == theirs.keys() and all(torch.equal(weights[k], theirs[k]) for k in weights)
+    assert [t for t in trials if (t / "model.pt").exists()] == [best]  # the others' weights removed
     assert record["result"]["train_loss"] == min(s["train_loss"] for s in summaries)
     text = (released / "selection.json").read_text() + (released / "config.yaml").read_text()
     assert not any(t.name[len(search.TRIAL):] in text for t in trials) and "job" not in text
@@ -315,3 +317,18 @@ def test_ctrl_c_in_a_private_search_ends_in_one_line_and_the_same_command_resume
     monkeypatch.setattr(trainer, "run_training", real)
     r = cli(*command)
     assert r.returncode == 0 and (tmp_path / "s" / search.RELEASED / "selection.json").exists(), r.stderr
+
+
+def test_a_key_cut_short_before_any_trial_is_drawn_again_and_one_after_is_refused(tmp_path):
+    """A 0-byte selection.key (a full disk as the search began) with nothing else: no trial ran, so a new key is
+    drawn; beside a trial's folder it is refused (its K cannot be known)."""
+    plan = search.Search(10, 1.0, 4.0, DELTA, 1.0, 2.0, "train_loss", "add_remove", "pld")
+    dims = [search.Dimension("train.lr", values=(0.1,))]
+    (tmp_path / search.KEY_FILE).write_bytes(b"")
+    state = search.SearchState(tmp_path, plan, [], dims)
+    assert json.loads((tmp_path / search.KEY_FILE).read_text())["key"] == state.key.hex()
+    assert oct((tmp_path / search.KEY_FILE).stat().st_mode & 0o777) == "0o600"
+    (tmp_path / search.KEY_FILE).write_bytes(b"")
+    (tmp_path / state.name(0)).mkdir()
+    with pytest.raises(ConfigError, match=r"hydra\.sweep\.dir: .*selection\.key cannot be read"):
+        search.SearchState(tmp_path, plan, [], dims)

@@ -17,6 +17,7 @@ import numpy as np
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from dpmem.config import ConfigError, enum_value
+from dpmem.engine.checkpoint import MODEL  # a trial's final weights: the winner's released, the others' removed
 from dpmem.privacy.randomness import derive, os_key
 
 KEY_FILE, SELECTION, RELEASE = "selection.key", "selection.json", "release.json"
@@ -288,13 +289,20 @@ def finish(folder: Path, search: Search, state: SearchState, results: list[tuple
     if best is not None:
         record.update(hyperparameters=dict(p.split("=", 1) for p in points[best]),
                       result={k: winner.get(k) for k in ("train_loss", "metric_name", "metric_final")},
-                      files=sorted([SELECTION, "config.yaml"] + (["model.pt"] if (results[best][0] / "model.pt")
-                                                                 .exists() else [])))
+                      files=sorted([SELECTION, "config.yaml"] + ([MODEL] if (results[best][0] / MODEL).exists()
+                                                                 else [])))
     # the release, made whole beside the old one and then put in its place: one folder, nothing else in it
     made = folder / (RELEASED + ".tmp")
     shutil.rmtree(made, ignore_errors=True)
     made.mkdir()
     for name in record.get("files", []):
+        if name == MODEL:  # a large model's weights linked, not copied; its time the release's, not the trial's end
+            try:
+                os.link(results[best][0] / MODEL, made / MODEL)
+            except OSError:
+                shutil.copyfile(results[best][0] / MODEL, made / MODEL)
+            os.utime(made / MODEL)
+            continue
         data = (json.dumps(record, indent=2) + "\n").encode() if name == SELECTION else \
             (results[best][0] / name).read_bytes()
         replace_file(made / name, data)
@@ -302,6 +310,9 @@ def finish(folder: Path, search: Search, state: SearchState, results: list[tuple
         replace_file(made / SELECTION, (json.dumps(record, indent=2) + "\n").encode())
     shutil.rmtree(folder / RELEASED, ignore_errors=True)
     os.replace(made, folder / RELEASED)
+    for i, (run_dir, _) in enumerate(results):  # the other trials' weights: K models on disk no longer
+        if i != best:
+            (run_dir / MODEL).unlink(missing_ok=True)
 
     runs = [{"sigma": s.get("sigma_accounted") or s.get("sigma") or 0.0, "sample_rate": s["sample_rate"],
              "steps": s.get("steps_done") or 0, "sampling": s.get("sampling", "poisson"),
