@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import dp_accounting
 import numpy as np
@@ -21,7 +20,7 @@ from scipy import stats
 from dpmem.config import ConfigError
 from dpmem.engine import selection as search
 from dpmem.privacy.randomness import derive, seed_key
-from dpmem.privacy.selection import (POISSON, calibrate_selection, draw_trials, gamma, pmf, selection_epsilon)
+from dpmem.privacy.selection import POISSON, calibrate_selection, draw_trials, gamma, pmf, selection_epsilon
 
 Q, STEPS, DELTA = 256 / 1797, 100, 1e-5  # the default digits task at 100 steps
 TINY = ["model=vit-tiny", "data.image_size=8", "train.steps=2", "train.batch_size=64", "logging.progress=false",
@@ -249,8 +248,8 @@ def test_a_private_search_end_to_end(cli, tmp_path, monkeypatch):
     holder = cli("report", "s", "--holder", "--out", "h")
     assert len([line for line in holder.stdout.splitlines() if line.startswith("| grape")]) == 3
     assert holder.stdout.startswith("**The holder's view, not for release**")
-    # selection.json edited to a smaller ε and mean, the key's law and the trials' σ too: the report shows the ε their
-    # configs and .hydra/ give (dp-accounting's event, built here from the unedited summaries)
+    # selection.json edited to a smaller ε and mean, the key's law and the trials' σ too: the report shows the ε
+    # their configs and .hydra/ give (dp-accounting's event, built here from the unedited summaries)
     (released / "selection.json").write_text(json.dumps({**record, "epsilon": 0.5, "mean_trials": 1.0}))
     saved = json.loads((tmp_path / "s" / search.KEY_FILE).read_text())
     saved["search"]["mean_trials"] = 1.0

@@ -28,8 +28,9 @@ from dpmem.engine.summary import PRIVACY_LEDGER, read_ledger, replace_file
 RECORDS = ("summary.json", "metrics.jsonl", "checkpoint.pt", "checkpoint.pt.tmp", "model.pt")
 # train.* settings of how a run is (re)started, not what it computes: a checkpoint resumes whatever these say
 # (dpmem.report.labels.NOT_TRAINING extends them to the report's sense of "the same run")
+# (a compiled step equals the eager one, tests/test_compile.py: either resumes)
 NOT_FINGERPRINTED = ("resume", "skip_done", "overwrite", "checkpoint_every", "device", "compile", "compile_backend",
-                     "static_shapes", "save_model")  # a compiled step equals the eager one (tests/test_compile.py): either resumes
+                     "static_shapes", "save_model")
 LOCK = ".lock"  # FolderLock's file: not a record (nothing refuses a folder for it, dpmem report does not list it)
 MARK = ".dpmem"  # the verb's name (`mark`), for a folder the training records do not tell `owner` whose it is
 TOOLS = ("train", "audit", "spectrum", "memory", "plan")
