@@ -105,7 +105,7 @@ class Privatizer:
         self._compiled_forward = None  # a checkpointed model's forward (or a TF32 run's), compiled by `compile`
         self._streamed = "values"  # what streams out of the backward: "pairs" in a compiled TF32 one (`compile`)
         self._probes_made = False  # an eager forward has made the compiled forward's probes (`_backward`)
-        self._probe_shapes = None  # the (shape, dtype) of each probe draw of a step, in order (compiled dp-sgd-rc)
+        self._probe_shapes = None  # each parameter's probe draws' (shape, dtype), in order (compiled dp-sgd-rc)
         self._flat = None  # the compiled step's clipped sums, one flat tensor (`_compiled_pass`), until released
         self._sum_shapes = self._noise_runs = None  # the compiled step's: each sum's shape, the noise's runs' sizes
         # Keys drawn once per logical step, the same on every rank, from the noise's secret key (host-side: no sync):
@@ -203,10 +203,11 @@ class Privatizer:
         summed = {}  # made by the first micro-batch's clipped sums (`_accumulate`)
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(self._with_step_probes(microbatches)):
-            probes = Recorded(self._probe_draws) if estimated else None  # a compiled run learns which probes it draws
+            # a compiled run learns which probes each parameter draws
+            probes = [Recorded(d) for d in self._parameter_probes()] if estimated else None
             loss_sum = loss_sum + self.microbatch(mb, loss_fn, projections, summed, self._zero, self._check_coverage,
                                                   probes, shapes)
-            self._probe_shapes = probes.shapes if estimated else None
+            self._probe_shapes = [r.shapes for r in probes] if estimated else None
             self._check_coverage = False
             for observer in self.observers:
                 observer.on_accumulated(self, summed, i)
@@ -247,6 +248,14 @@ class Privatizer:
                 self._probe_draws.key, self._probe_draws.count = key, 0
             yield mb
 
+    def _parameter_probes(self) -> list[Draws]:
+        """Each parameter's probe draws for this micro-batch, keyed by the step's key and its place in `params`: the
+        probes a layer gets do not hang on the order the layers are reduced in, which differs (an eager backward pass
+        estimates a layer whose output gradient is large as it reaches it, the others after it; a compiled one, whose
+        graph cannot draw, all after it)."""
+        draws = self._probe_draws
+        return [Draws(draws.key, f"{draws.purpose}/{i}", draws.device) for i in range(len(self.params))]
+
     def _compiled_pass(self, microbatches, loss_fn, shapes, projections):
         """One-pass clipping by the compiled micro-batch: every parameter's clipped sum in one flat tensor (the first
         micro-batch's own, later ones added in place), kept for the release and returned as views."""
@@ -255,7 +264,8 @@ class Privatizer:
         flat, loss_sum = None, torch.zeros((), device=self.device)
         for mb in self._with_step_probes(microbatches):
             # the estimators' probes drawn here, as the eager step draws them, and passed in
-            probes = Drawn.of(self._probe_draws, self._probe_shapes) if self._probe_draws is not None else None
+            probes = None if self._probe_draws is None else [
+                Drawn.of(d, s) for d, s in zip(self._parameter_probes(), self._probe_shapes)]
             part, loss = self._compiled(mb, loss_fn, projections, self._zero, probes)
             # the first part kept (a copy where the next replay would overwrite it), later ones added into it
             flat = (part.clone() if self._copy_first else part) if flat is None else flat.add_(part)
@@ -276,12 +286,15 @@ class Privatizer:
         with autograd's batch gradient (the first micro-batch). `shapes`: each parameter's kept shape, which a
         streamed value takes; None: nothing streams (a compiled one-pass step)."""
         two_pass = self.plan.passes == 2
-        if two_pass:  # norms only; with the check, Σᵢ gᵢ too
-            norm = reducers.norms(self.plan.norms, self.plan.k, probes or self._probe_draws)
-            keep = reducers.with_sum(norm) if check else norm
-        else:
-            keep = self._reducer(probes)  # materialize: dense per-sample gradients; book-keeping: the factors
-        reduce = {p: reducers.projected(projections[p], keep) if p in projections else keep for p in self.params}
+
+        def reducer(draws):
+            if two_pass:  # norms only; with the check, Σᵢ gᵢ too
+                norm = reducers.norms(self.plan.norms, self.plan.k, draws)
+                return reducers.with_sum(norm) if check else norm
+            return self._reducer(draws)  # materialize: dense per-sample gradients; book-keeping: the factors
+        keeps = [reducer(d) for d in probes] if probes else [reducer(None)] * len(self.params)
+        reduce = {p: reducers.projected(projections[p], keep) if p in projections else keep
+                  for p, keep in zip(self.params, keeps)}
         losses, kept, batch_grads = self._backward(mb, loss_fn, zero, reduce, check, shapes, two_pass)
         for p, g in batch_grads.items():
             p.grad = g

@@ -236,9 +236,10 @@ class Taps:
         return kept, batch_grads
 
     def _order(self, tape: Tape) -> list[int]:
-        """The uses in the order they are reduced, the same whether or not they streamed (an estimator draws its
-        probes in it): last to first, as the backward pass reaches the layers that can stream, then those that
-        cannot (a weight used several times, the fallback's layers)."""
+        """The uses in the order they are reduced after the backward pass: last to first, as the backward pass
+        reaches the layers that can stream, then those that cannot (a weight used several times, the fallback's
+        layers). Those that streamed were reduced in the backward pass, so an estimator's probes are its
+        parameter's own draws (`Privatizer._parameter_probes`), not the next in this order."""
         alone = [owner.rule is not None and tape.calls[id(owner)] == 1 and id(owner) not in self._shared
                  for owner in tape.owners]
         last_first = list(reversed(range(len(tape.owners))))
