@@ -8,7 +8,7 @@ from scipy import stats
 
 from dpmem.engine.trainer import Run
 from dpmem.privacy.mechanism import GaussianMechanism
-from dpmem.privacy.randomness import Draws, derive, seed_key
+from dpmem.privacy.randomness import Draws, Drawn, derive, seed_key
 from dpmem.privacy.sampling import poisson_batches
 from helpers import config
 
@@ -113,3 +113,15 @@ def test_cuda_noise_is_standard_normal_and_keyed_by_128_bits():
     assert z.device.type == "cuda" and stats.kstest(z.double().cpu().numpy(), "norm").pvalue > 1e-3
     a, b = os_like_keys()
     assert not torch.equal(noise(a, "cuda"), noise(b, "cuda"))
+
+
+def test_draws_made_ahead_are_handed_out_only_as_they_were_made():
+    """A compiled step's probes are made on the host and handed out in order: one asked for in another shape or
+    dtype (a draw meant for another layer) is an error, not a silent swap."""
+    drawn = Drawn.of(Draws(seed_key(1), "probes"), [((2, 3), torch.float32), ((4,), torch.float64)])
+    assert torch.equal(drawn.randn(2, 3), Draws(seed_key(1), "probes").randn(2, 3))
+    with pytest.raises(RuntimeError, match=r"draw 1 was made as \(4,\) torch.float64, and is asked for as \(4,\) "
+                       r"torch.float32"):
+        drawn.randn(4)
+    assert torch.equal(drawn.randn(4, dtype=torch.float64), Drawn.of(Draws(seed_key(1), "probes"), [
+        ((2, 3), torch.float32), ((4,), torch.float64)]).values[1])

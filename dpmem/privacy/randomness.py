@@ -132,7 +132,12 @@ class Drawn:
         return cls([draws.randn(*shape, dtype=dtype) for shape, dtype in shapes])
 
     def randn(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The next draw, which must be of the shape and dtype asked for: a draw meant for another use is an error,
+        not a silent swap."""
         value = self.values[self.count]
+        if tuple(value.shape) != shape or value.dtype != dtype:
+            raise RuntimeError(f"draw {self.count} was made as {tuple(value.shape)} {value.dtype}, and is asked for as "
+                               f"{shape} {dtype}: the draws are handed out in another order than they were made in")
         self.count += 1
         return value
 
