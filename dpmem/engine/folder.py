@@ -258,16 +258,16 @@ def mark(folder: Path, tool: str) -> None:
 
 def _recorded_config(run_dir: Path) -> dict | None:
     """The configuration the folder's run recorded (its resolved config.yaml; else .hydra/config.yaml), as
-    `_as_recorded` gives it; None where neither can be read."""
+    `as_recorded` gives it; None where neither can be read."""
     for path in (run_dir / "config.yaml", run_dir / ".hydra" / "config.yaml"):
         try:
-            return _as_recorded(OmegaConf.load(path))
+            return as_recorded(OmegaConf.load(path))
         except Exception:  # noqa: BLE001  (missing, not YAML, an interpolation that no longer resolves)
             continue
     return None
 
 
-def _as_recorded(cfg) -> dict:
+def as_recorded(cfg) -> dict:
     """What `fingerprint` compares, as config.yaml records it (enums by name)."""
     return _compared(OmegaConf.to_container(OmegaConf.create(OmegaConf.to_yaml(cfg, resolve=True)), resolve=True))
 
@@ -304,7 +304,7 @@ def _done(cfg, run_dir: Path) -> dict | tuple | None:
         print(f"dpmem: warning: {run_dir} holds a finished run but no readable config.yaml: which configuration it "
               "ran cannot be told, so it is not taken as done (train.skip_done)", file=sys.stderr)
         return None
-    if changed := _changes(recorded, _as_recorded(cfg)):
+    if changed := _changes(recorded, as_recorded(cfg)):
         return ("train.skip_done", f"{run_dir} holds a run that finished ok with another configuration ({changed}), "
                 "not this one's result; give this run another folder (hydra.run.dir=...), or train.overwrite=true "
                 "replaces it")

@@ -250,7 +250,8 @@ def trial_overrides(search: Search, fixed: list[str], point: list[str], name: st
             "train.save_model=true", f"hydra.sweep.subdir={name}"]
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
+    """A JSON object's file, or None where it is missing, unreadable or not an object."""
     try:
         value = json.loads(path.read_text())
         return value if isinstance(value, dict) else None
@@ -273,7 +274,7 @@ def finish(folder: Path, search: Search, state: SearchState, results: list[tuple
     if done:
         top = (min if search.minimise else max)(results[i][1] for i in done)
         best = state.tie([i for i in done if results[i][1] == top])
-    summaries = [_read_json(run_dir / "summary.json") for run_dir, _ in results]
+    summaries = [read_json(run_dir / "summary.json") for run_dir, _ in results]
     low = [r.name for (r, _), s in zip(results, summaries) if s and (s.get("sigma") or 0) < search.sigma]
     if low:  # a trial ran with less noise than the selection's ε needs: nothing here may be released under it
         best = None
@@ -356,11 +357,11 @@ def released_epsilon(folder: Path, record: dict, planned: list[dict] = ()) -> tu
         return 0.0, None
     recorded = float(record.get("epsilon") or 0.0)
     folders = sorted(folder.glob(TRIAL + "*"))
-    trials = [s for t in folders if (s := _read_json(t / "summary.json")) and s.get("sample_rate")
+    trials = [s for t in folders if (s := read_json(t / "summary.json")) and s.get("sample_rate")
               and s.get("steps_done")]
     if any(s.get("derivable_from_config") for s in trials):  # (an older dpmem's search: seeds are refused now)
         return math.inf, f"{folder}: its trials' noise or batches derive from seeds in their config.yaml: ε ∞"
-    keyed = (_read_json(folder / KEY_FILE) or {}).get("search") or {}
+    keyed = (read_json(folder / KEY_FILE) or {}).get("search") or {}
     laws = [(w.get("mean_trials"), w.get("shape")) for w in (record, keyed)]
     for t in folders:
         with contextlib.suppress(Exception):  # (missing, not YAML: the other records say)

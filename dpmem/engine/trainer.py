@@ -25,7 +25,7 @@ from dpmem.data import fingerprint as data_fingerprint
 from dpmem.data.bundle import Padded
 from dpmem.engine import checkpoint
 from dpmem.engine.assemble import Parts, assemble
-from dpmem.engine.folder import FolderLock, FolderRefused, _as_recorded, claim, write_config
+from dpmem.engine.folder import FolderLock, FolderRefused, as_recorded, claim, write_config
 from dpmem.engine.summary import (PRIVACY_LEDGER, DiskFull, append_metrics, append_privacy, cut_metrics, json_ready,
                                   most_spent, privacy_records, summary_table, versions, write_summary)
 from dpmem.engine.tracking import NoTracker, open_tracker
@@ -74,9 +74,10 @@ def run_length(cfg, n: int) -> tuple[int, str]:
     return steps, ("poisson" if private else "shuffle") if sampling == "auto" else sampling
 
 
-def accounting_of(cfg) -> dict:
-    """`dpmem.privacy.mechanism.accounting` for a run of `cfg`, before anything is built."""
-    n = build_data(cfg.data, cfg.model).n_train
+def accounting_of(cfg, n: int | None = None) -> dict:
+    """`dpmem.privacy.mechanism.accounting` for a run of `cfg` over `n` records (None: its data's, loaded), before
+    anything is built."""
+    n = build_data(cfg.data, cfg.model).n_train if n is None else n
     steps, sampling = run_length(cfg, n)
     return accounting(cfg.privacy, method_class(cfg.method.name).spec, n, cfg.train.batch_size, steps, sampling)
 
@@ -84,7 +85,7 @@ def accounting_of(cfg) -> dict:
 def config_hash(cfg) -> str:
     """What a privacy.jsonl line names its run's configuration by: the configuration a resume compares, as its
     config.yaml records it (so that `dpmem report` can tell which of a folder's attempts its config.yaml ran)."""
-    return hashlib.sha256(json.dumps(_as_recorded(cfg), sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return hashlib.sha256(json.dumps(as_recorded(cfg), sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def eval_batch_size(t) -> int:

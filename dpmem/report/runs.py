@@ -319,11 +319,10 @@ def _planned(folder: dict) -> dict | str | None:
     `config_hash`, and `epsilon` (σ, q, steps -> ε). None for a run that accounts no ε; where config.yaml cannot
     say, why. The data set's size is the smallest the folder records (the largest q, with which σ is calibrated):
     the data set is not loaded, as it may not be on this machine, and a report reads many folders."""
-    from dpmem.engine.trainer import config_hash, run_length
+    from dpmem.engine.trainer import accounting_of, config_hash
     from dpmem.methods import method_class
     from dpmem.privacy import calibrate_sigma, epsilon_spent
     from dpmem.privacy.accounting import joint_sigma
-    from dpmem.privacy.mechanism import accounting
 
     path = Path(folder["run_dir"]) / "config.yaml"
     if not path.is_file():
@@ -338,8 +337,7 @@ def _planned(folder: dict) -> dict | str | None:
         if not spec.private or cfg.privacy.epsilon is None:
             return None
         n = min(sizes)
-        steps, sampling = run_length(cfg, n)
-        terms = accounting(cfg.privacy, spec, n, cfg.train.batch_size, steps, sampling)
+        terms = accounting_of(cfg, n)
         rc = terms["accountant"] == "rc"
         if rc:
             terms.update(k=cfg.method.k, d=_rc_dimension(cfg, folder), estimator=str(cfg.method.estimator))
@@ -350,7 +348,7 @@ def _planned(folder: dict) -> dict | str | None:
     # rc composes the gradient's σ with the loss's noise itself; the others take the joint multiplier (the ledger's)
     fixed = {k: v for k, v in terms.items() if k not in ("sample_rate", "steps")} | ({} if rc else {"loss_noise": None})
     return {"sigma": sigma if rc else joint_sigma(sigma, terms["loss_noise"]), "sample_rate": terms["sample_rate"],
-            "steps": steps, "dataset_size": n, "config": config,
+            "steps": terms["steps"], "dataset_size": n, "config": config,
             **{k: terms[k] for k in ("delta", "accountant", "neighbouring", "sampling")},
             "epsilon": lambda sigma, q, steps: epsilon_spent(sigma, sample_rate=q, steps=steps, **fixed)}
 
@@ -432,10 +430,10 @@ def seeded_runs(summaries: list[dict]) -> list[str]:
     return lines
 
 
-def private_searches(summaries: list[dict], missing: list[dict], holder: bool) -> tuple[list, list, list[Path]]:
-    """The runs as the report shows them, and the folders of the private searches (hydra/sweeper=private) among them:
-    a search's trials replaced by the one row of what it released (its selection/), unless `holder` asks for the
-    holder's view (every trial, which tells K: not for release)."""
+def private_searches(summaries: list[dict], missing: list[dict], holder: bool) -> tuple[list, list, dict]:
+    """The runs as the report shows them, and the private searches (hydra/sweeper=private) among them, each folder
+    with its ε (`_search_epsilon`): a search's trials replaced by the one row of what it released (its selection/),
+    unless `holder` asks for the holder's view (every trial, which tells K: not for release)."""
     from dpmem.engine.selection import KEY_FILE, RELEASED, SELECTION
 
     def search_of(f: dict) -> Path | None:
@@ -447,16 +445,16 @@ def private_searches(summaries: list[dict], missing: list[dict], holder: bool) -
         return None
 
     found = {f["run_dir"]: search_of(f) for f in summaries + missing}
-    searches = sorted(set(filter(None, found.values())))
+    searches = {folder: _search_epsilon(folder) for folder in sorted(set(filter(None, found.values())))}
     if holder:  # the trials, but not the release's folder (the winner's row is among them)
         return ([f for f in summaries if Path(f["run_dir"]).name != RELEASED],
                 [f for f in missing if Path(f["run_dir"]).name != RELEASED], searches)
-    rows = [r for r in map(_released_row, searches) if r is not None]
+    rows = [r for folder, (epsilon, _) in searches.items() if (r := _released_row(folder, epsilon)) is not None]
     return ([f for f in summaries if found[f["run_dir"]] is None] + rows,
             [f for f in missing if found[f["run_dir"]] is None], searches)
 
 
-def _released_row(search: Path) -> dict | None:
+def _released_row(search: Path, epsilon: float) -> dict | None:
     """A private search's row: its released winner (selection/: selection.json and config.yaml) at the search's ε."""
     from dpmem.engine.selection import RELEASED, SELECTION
 
@@ -469,38 +467,37 @@ def _released_row(search: Path) -> dict | None:
     result = record.get("result") or {}
     return {"status": OK if record.get("ended") == "completed" else f"no release ({record.get('ended')})",
             "method": config.get("method.name"), "data": config.get("data.name"), "model": config.get("model.name"),
-            "private": True, "epsilon_target": _search_epsilon(search, record)[0], "delta": record.get("delta"),
+            "private": True, "epsilon_target": epsilon, "delta": record.get("delta"),
             "metric_name": result.get("metric_name"), "metric_final": result.get("metric_final"),
             "train_loss": result.get("train_loss"), "run_dir": str(search / RELEASED), "config": config,
             "ledger": [], "analysis": None}
 
 
-def _search_epsilon(search: Path, record: dict) -> tuple[float, str | None]:
-    """`released_epsilon`, with what each trial's config.yaml implies (`_planned`) among what it recomputes from."""
-    from dpmem.engine.selection import TRIAL, released_epsilon
+def _search_epsilon(search: Path) -> tuple[float, str | None]:
+    """`released_epsilon` of the search's selection.json (0 where it cannot be read: nothing is released), with what
+    each trial's config.yaml implies (`_planned`) among what it recomputes from."""
+    from dpmem.engine.selection import RELEASED, SELECTION, TRIAL, read_json, released_epsilon
 
+    record = read_json(search / RELEASED / SELECTION)
+    if record is None:
+        return 0.0, None
     planned = []
     for trial in search.glob(TRIAL + "*"):
-        try:
-            summary = json.loads((trial / "summary.json").read_text())
-        except (OSError, ValueError):
-            summary = {}
-        plan = _planned({"run_dir": str(trial), "n_train": summary.get("n_train") if isinstance(summary, dict)
-                         else None, "ledger": privacy_records(trial)})
+        plan = _planned({"run_dir": str(trial), "n_train": (read_json(trial / "summary.json") or {}).get("n_train"),
+                         "ledger": privacy_records(trial)})
         planned += [plan] if isinstance(plan, dict) else []
     return released_epsilon(search, record, planned)
 
 
-def selections(searches: list[Path], holder: bool) -> list[str]:
+def selections(searches: dict, holder: bool) -> list[str]:
     """A line per private search (dpmem.engine.selection): what its selection/ releases and at what ε (recomputed
     from its trials where the holder has them: never below selection.json's)."""
     from dpmem.engine.selection import HOLDER, RELEASED, SELECTION
 
     lines = []
-    for folder in searches:
+    for folder, (epsilon, note) in searches.items():
         try:
             s = json.loads((folder / RELEASED / SELECTION).read_text())
-            epsilon, note = _search_epsilon(folder, s)
             release = f"release {folder / RELEASED}/ alone" if s["ended"] == "completed" else "nothing released"
             lines.append(f"{folder}: {s['ended']}; {release}, at ε = {epsilon:.4g} and δ = {s['delta']:.2g} for the "
                          f"whole search ({s['accountant']}; the number of trials secret, {s['law']} of mean "
