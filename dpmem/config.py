@@ -32,6 +32,12 @@ class Accountant(Enum):
     rc = "rc"  # DP-SGD-RC: PLD over the random sensitivity of randomized clipping (envelope of Prop. 5.2)
 
 
+class Noise(Enum):  # dpmem.privacy.strategies: how a step's noise is correlated with earlier steps'
+    independent = "independent"  # fresh noise every step (DP-SGD)
+    bandmf = "bandmf"  # banded matrix factorization: b bands, b − 1 noise buffers (or r×n ones under grape)
+    bisr = "bisr"  # banded inverse square root: the last p draws regenerated from their keys, no buffer
+
+
 class Neighbouring(Enum):
     add_remove = "add_remove"
     replace_one = "replace_one"
@@ -42,6 +48,9 @@ class Sampling(Enum):
     poisson = "poisson"  # each example joins a step independently with rate q = B/n
     fixed = "fixed"  # B examples drawn without replacement at every step (RDP, replace_one)
     shuffle = "shuffle"  # epochs of shuffled fixed-size batches: no privacy accounting exists, non-private only
+    # the records split by a keyed permutation into G fixed groups; step t samples group t mod G at rate
+    # B / floor(n/G): what correlated noise (privacy.noise) is accounted with (dpmem.privacy.sampling)
+    cyclic = "cyclic"
 
 
 class Schedule(Enum):
@@ -291,6 +300,10 @@ class PrivacyConfig:
     train_loss: LossRelease = LossRelease.private
     loss_bound: float = 5.0  # L: each per-sample loss is clipped to [0, L]
     loss_noise: float = 10.0  # c: std c·σ·L on the loss sum, σ the gradient noise multiplier (c = 10: 0.5% more σ)
+    # correlated noise (DP matrix factorization, docs/privacy.md): independent | bandmf | bisr, with
+    # train.sampling=cyclic; bands: bandmf's b (C's bands, b − 1 buffers), bisr's p (C⁻¹'s, p draws per step)
+    noise: Noise = Noise.independent
+    bands: Optional[int] = None
 
 
 class Objective(Enum):
@@ -557,6 +570,14 @@ def validate_groups(cfg: Any) -> None:
     for key in ("loss_bound", "loss_noise"):
         if not 0 < p[key] < math.inf:
             raise ConfigError(f"privacy.{key}", f"{p[key]} must be a finite number > 0")
+    correlated = p.get("noise", Noise.independent) != Noise.independent
+    bands = p.get("bands")
+    if bands is not None and (isinstance(bands, bool) or bands < 1 or (bands > 1 and not correlated)):
+        raise ConfigError("privacy.bands", f"{bands}: the bands of a correlated strategy (privacy.noise=bandmf|bisr), "
+                          "a positive integer; independent noise has none (leave it null)")
+    if correlated and p.get("bands") is None:
+        raise ConfigError("privacy.bands", f"privacy.noise={enum_value(p.noise)} needs its number of bands, e.g. "
+                          "privacy.bands=4 (bandmf: b − 1 noise buffers; bisr: p draws per step)")
     d = p.rc_dimension
     if d not in ("model", "max_layer") and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
         raise ConfigError("privacy.rc_dimension", f"{d!r}: allowed model, max_layer or a positive integer")

@@ -79,7 +79,9 @@ def accounting_of(cfg, n: int | None = None) -> dict:
     anything is built."""
     n = build_data(cfg.data, cfg.model).n_train if n is None else n
     steps, sampling = run_length(cfg, n)
-    return accounting(cfg.privacy, method_class(cfg.method.name).spec, n, cfg.train.batch_size, steps, sampling)
+    spec = method_class(cfg.method.name).spec
+    return accounting(cfg.privacy, spec, n, cfg.train.batch_size, steps, sampling,
+                      cfg.method.get("refresh") if spec.private else None)
 
 
 def config_hash(cfg) -> str:
@@ -517,7 +519,8 @@ class Run:
         """The logical batches of the run's `steps` steps, as the sampler draws them."""
         sampler = self.mechanism.sampler
         sampler.count = 0  # step t's batch is draw t
-        return make_batches(self.sampling, self.data.n_train, self.cfg.train.batch_size, self.steps, sampler)
+        return make_batches(self.sampling, self.data.n_train, self.cfg.train.batch_size, self.steps, sampler,
+                            self.mechanism.groups)
 
     # -- the way in for tools that drive the steps themselves (dpmem spectrum's layer mode) -----------------
     def steps_on_device(self):

@@ -10,11 +10,10 @@ import torch
 from torch import nn
 
 from dpmem import sharding
-from dpmem.config import (Accountant, ConfigError, LossRelease, MethodConfig, Neighbouring, Objective, Sampling,
+from dpmem.config import (Accountant, ConfigError, LossRelease, MethodConfig, Neighbouring, Noise, Objective, Sampling,
                           enum_value)
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.privacy.mechanism import GaussianMechanism
-from dpmem.privacy.randomness import os_key
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]  # per-sample losses, shape (B,)
@@ -152,6 +151,7 @@ class Method:
         for key, value in m.items():  # a NaN or infinite option trains garbage that looks fine: none is allowed
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"method.{key}", f"{value} must be a finite number")
+        cls._check_noise(cfg)
         if not cls.spec.private:
             return
         if not m.max_grad_norm > 0:
@@ -186,6 +186,31 @@ class Method:
         if randomized and p.neighbouring != Neighbouring.add_remove:
             raise ConfigError("privacy.neighbouring", f"the rc accountant of {m.name} is for add_remove only; "
                               "allowed: add_remove")
+
+    @classmethod
+    def _check_noise(cls, cfg) -> None:
+        """Correlated noise (privacy.noise) and cyclic sampling come together, for a method whose accountant has an
+        analysis of them."""
+        t, p, m = cfg.train, cfg.privacy, cfg.method
+        noise, cyclic = p.get("noise", Noise.independent), t.sampling == Sampling.cyclic
+        if noise == Noise.independent:
+            if cyclic:
+                raise ConfigError("train.sampling", "cyclic samples the groups of correlated noise (privacy.noise="
+                                  "bandmf|bisr); independent noise is amplified more by poisson (the default)")
+            return
+        name = enum_value(noise)
+        if not cls.spec.private:
+            raise ConfigError("privacy.noise", f"{name}: {m.name} is not private and adds no noise; allowed: "
+                              "independent")
+        if cls.spec.accountant == "rc":
+            raise ConfigError("privacy.noise", f"{name}: {m.name}'s accountant (randomized clipping's envelope) has "
+                              "no analysis of correlated noise; allowed: independent")
+        if not cyclic:
+            raise ConfigError("train.sampling", f"privacy.noise={name} is accounted under cyclic Poisson sampling "
+                              "(a record joins only every G-th step); set train.sampling=cyclic")
+        if t.get("fsdp") and noise == Noise.bandmf:
+            raise ConfigError("privacy.noise", "bandmf under train.fsdp=true: its buffers would be each rank's "
+                              "shards, which a checkpoint does not gather; allowed with FSDP: bisr (no buffer)")
 
     def compile(self, compiler) -> None:
         """train.compile: the step's functions compiled by `compiler` (`dpmem.compiling.Compiler`)."""
@@ -232,16 +257,14 @@ class Method:
         return [] if self.optimizer is None else optimizer_state(self.optimizer)
 
     def state_dict(self) -> dict:
-        """What a checkpoint needs besides the weights: optimiser state and the noise's draws (key and count, so a
-        resumed run draws the noise the lost steps drew: the same batches give the same release, nothing new)."""
+        """What a checkpoint needs besides the weights: optimiser state and the mechanism's (its draws, so a resumed
+        run draws the noise the lost steps drew: the same batches give the same release, nothing new)."""
         state = {}
         if self.optimizer is not None:  # under FSDP, gathered whole (every rank takes part; rank 0 gets it)
             state["optimizer"] = (sharding.optimizer_state(self.model, self.optimizer)
                                   if sharding.model_sharded(self.model) else self.optimizer.state_dict())
-        if self.mechanism is not None and self.mechanism.draws is not None:
-            state["noise"] = {**self.mechanism.draws.state_dict(), "device": self.mechanism.draws.device.type}
-        if self.mechanism is not None and self.mechanism.loss_draws is not None:
-            state["loss_noise"] = self.mechanism.loss_draws.state_dict()
+        if self.mechanism is not None:
+            state["mechanism"] = self.mechanism.state_dict()
         if self.privatizer is not None and self.privatizer.step_keys is not None:  # probes', FSDP noise's step keys
             state["steps"] = self.privatizer.step_keys.state_dict()
         return state
@@ -252,26 +275,12 @@ class Method:
                 sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
             else:
                 self.optimizer.load_state_dict(state["optimizer"])
-        if "noise" in state:
-            self.restore_noise(state["noise"])
-        if "loss_noise" in state and self.noise_reseeded is None:
-            self.mechanism.loss_draws.load_state_dict(state["loss_noise"])
+        # an older checkpoint kept the noise's and the loss's draws apart
+        saved = state.get("mechanism") or {k: state[k] for k in ("noise", "loss_noise") if k in state}
+        if self.mechanism is not None and saved:
+            self.noise_reseeded = self.mechanism.load_state_dict(saved)
         if "steps" in state:
             self.privatizer.step_keys.load_state_dict(state["steps"])
-
-    def restore_noise(self, saved: dict) -> None:
-        """The noise's saved draws, if they were drawn on this kind of device. A CUDA draw and a CPU draw of one key
-        differ (two Philox streams, numpy's PCG64DXSM): on another device the noise is keyed afresh from the OS and
-        `noise_reseeded` says so (steps redrawn after the checkpoint get new noise)."""
-        draws = self.mechanism.draws
-        if saved["device"] == draws.device.type:
-            draws.load_state_dict(saved)
-            return
-        draws.key = os_key()
-        if self.mechanism.loss_draws is not None:
-            self.mechanism.loss_draws.key = draws.key
-        self.noise_reseeded = (f"the checkpoint's noise was drawn on {saved['device']}, this run is on "
-                               f"{draws.device.type}")
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr

@@ -23,7 +23,7 @@ from dpmem.privacy import rc_envelope as rc
 NeighborRel = dp_accounting.NeighboringRelation
 RELATIONS = {"add_remove": NeighborRel.ADD_OR_REMOVE_ONE, "replace_one": NeighborRel.REPLACE_ONE}
 ACCOUNTANTS = ("pld", "rdp", "rc")
-SAMPLINGS = ("poisson", "fixed")
+SAMPLINGS = ("poisson", "fixed", "cyclic")
 # PLD discretisation: 1e-3 keeps a 1000-step composition under a second and errs on the pessimistic side.
 PLD_DISCRETIZATION = 1e-3
 MIN_SIGMA, MAX_SIGMA = 0.05, 1e3
@@ -49,8 +49,22 @@ def _accountant(accountant: str, neighbouring: str):
     return rdp.RdpAccountant(neighboring_relation=rel)
 
 
-def _event(sigma: float, sample_rate: float, steps: int, sampling: str, dataset_size: int | None):
+def _event(sigma: float, sample_rate: float, steps: int, sampling: str, dataset_size: int | None,
+           groups: int | None = None, noise: tuple | None = None):
+    """The DP event of `steps` steps of noise multiplier `sigma` (the joint one, `joint_sigma`). Cyclic sampling
+    (correlated noise, `dpmem.privacy.strategies`): a banded strategy of at most `groups` bands is ceil(steps/G)
+    compositions of a Poisson-subsampled Gaussian at the group's rate (Choquette-Choo et al. 2023, jax-privacy's
+    `amplified_bandmf_event`); bisr's C is not banded, so no amplification is claimed: one Gaussian of its sensitivity
+    over the steps' participations, G apart (`cyclic_sensitivity`)."""
     gaussian = dp_accounting.GaussianDpEvent(sigma)
+    if sampling == "cyclic":
+        if not groups or dataset_size is None:
+            raise ValueError("cyclic sampling needs groups and dataset_size")
+        if noise is not None and noise[0] == "bisr":
+            return dp_accounting.GaussianDpEvent(sigma / cyclic_sensitivity(noise, steps, groups))
+        rate = group_rate(sample_rate, dataset_size, groups)
+        return dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(rate, gaussian),
+                                                 math.ceil(steps / groups))
     if sampling == "poisson":
         step = dp_accounting.PoissonSampledDpEvent(sample_rate, gaussian)
     elif sampling == "fixed":
@@ -60,6 +74,28 @@ def _event(sigma: float, sample_rate: float, steps: int, sampling: str, dataset_
     else:
         raise ValueError(f"sampling {sampling!r}: allowed {', '.join(SAMPLINGS)}")
     return dp_accounting.SelfComposedDpEvent(step, steps)
+
+
+def group_rate(sample_rate: float, dataset_size: int, groups: int) -> float:
+    """Cyclic sampling's rate within a group: the batch size over the smallest group's size, B / floor(n/G) (as
+    jax-privacy's DpsgdTrainingAccountant takes it), which a step samples its group's records at."""
+    return round(sample_rate * dataset_size) / (dataset_size // groups)
+
+
+def cyclic_sensitivity(noise: tuple, steps: int, groups: int) -> float:
+    """The sensitivity, in units of the per-participation multiplier, of a record's releases over `steps` steps of
+    strategy `noise` ((name, bands, horizon)) with participations `groups` apart: √max(s², k), s the strategy's
+    min-separation sensitivity, k = ceil(steps/G) participations. max(s², k) bounds the gradient's s²/σ² and the
+    loss's k/(cσ)² together in units of the joint multiplier 1/σ_j² = 1/σ² + 1/(cσ)² (s² alone where s² ≥ k, as
+    bisr's is)."""
+    from dpmem.privacy.strategies import make_strategy
+    k = math.ceil(steps / groups)
+    return math.sqrt(max(make_strategy(*noise).sensitivity(steps, groups) ** 2, k))
+
+
+def _tuple(noise) -> tuple | None:
+    """A strategy as a tuple (a ledger's JSON gives a list)."""
+    return None if noise is None else tuple(noise)
 
 
 def joint_sigma(sigma: float, loss_noise: float | None) -> float:
@@ -90,7 +126,8 @@ def _check(delta: float, sample_rate: float, steps: int) -> None:
 def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, accountant: str = "pld",
                   neighbouring: str = "add_remove", sampling: str = "poisson",
                   dataset_size: int | None = None, k: int = 32, d: float | None = None,
-                  estimator: str = "hutch", loss_noise: float | None = None) -> float:
+                  estimator: str = "hutch", loss_noise: float | None = None, groups: int | None = None,
+                  noise: tuple | None = None) -> float:
     """Epsilon after `steps` sampled Gaussian steps with noise multiplier `sigma` (inf if sigma is 0), each with
     the batch's noised loss when `loss_noise` is given (see the module's docstring).
 
@@ -108,6 +145,8 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
             or math.inf; see dpmem.methods.rc.rc_dimension).
         estimator: rc only: "hutch" or "hutchpp".
         loss_noise: c, where the training loss is released privately with noise c·σ·L.
+        groups: cyclic sampling's G (correlated noise).
+        noise: the correlated strategy (name, bands, horizon) under cyclic sampling; None: independent noise.
 
     Returns:
         ε at `delta`.
@@ -127,7 +166,8 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
     if accountant == "rc":
         return rc.rc_epsilon(sigma, delta, sample_rate, steps, k, d, estimator, PLD_DISCRETIZATION, loss_noise)
     acc = _accountant(accountant, neighbouring)
-    event = _event(joint_sigma(sigma, loss_noise), sample_rate, steps, sampling, dataset_size)
+    event = _event(joint_sigma(sigma, loss_noise), sample_rate, steps, sampling, dataset_size, groups,
+                   _tuple(noise))
     if not acc.supports(event):
         raise ValueError(f"accountant {accountant} does not support {sampling} sampling under {neighbouring}")
     return float(acc.compose(event).get_epsilon(delta))
@@ -145,7 +185,8 @@ def composed_epsilon(runs: list[dict], delta: float, accountant: str = "pld",
             continue
         if r["sigma"] <= 0:
             return math.inf
-        events.append(_event(r["sigma"], r["sample_rate"], r["steps"], r["sampling"], r.get("dataset_size")))
+        events.append(_event(r["sigma"], r["sample_rate"], r["steps"], r["sampling"], r.get("dataset_size"),
+                             r.get("groups"), _tuple(r.get("noise"))))
     if not events:
         return 0.0
     acc = _accountant(accountant, neighbouring)
@@ -178,7 +219,8 @@ def _bracket(eps, epsilon: float, max_sigma: float, unreachable: str) -> tuple[f
 def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "pld",
                     neighbouring: str = "add_remove", sampling: str = "poisson",
                     dataset_size: int | None = None, tolerance: float = 1e-3, k: int = 32, d: float | None = None,
-                    estimator: str = "hutch", loss_noise: float | None = None) -> float:
+                    estimator: str = "hutch", loss_noise: float | None = None, groups: int | None = None,
+                    noise: tuple | None = None) -> float:
     """The smallest noise multiplier of the gradient whose epsilon after `steps` steps (with the loss releases of
     `loss_noise`) is at most `epsilon`.
 
@@ -206,7 +248,7 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
 
     def eps(s: float) -> float:  # rc's of the gradient's multiplier, the others' of the joint one
         return epsilon_spent(s, delta, sample_rate, steps, accountant, neighbouring, sampling, dataset_size, k, d,
-                             estimator, loss_noise if accountant == "rc" else None)
+                             estimator, loss_noise if accountant == "rc" else None, groups, noise)
 
     if accountant == "rc":
         # bisection: rc has no dp-accounting event, and its epsilon is inf (not a number to interpolate) while the
@@ -220,7 +262,8 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
     # a budget looser than the least noise's ε is refused by RDP's bound at once (RDP is above PLD's ε, and PLD at
     # σ = MIN_SIGMA needs a minute of buckets): what `_bracket` would conclude after halving down to MIN_SIGMA
     try:
-        least = epsilon_spent(MIN_SIGMA, delta, sample_rate, steps, "rdp", neighbouring, sampling, dataset_size)
+        least = epsilon_spent(MIN_SIGMA, delta, sample_rate, steps, "rdp", neighbouring, sampling, dataset_size,
+                              groups=groups, noise=noise)
     except ValueError:  # an event RDP does not support (Poisson under replace-one): `_bracket` alone decides
         least = math.inf
     if epsilon >= least:
@@ -231,7 +274,7 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
                       f"{sample_rate:.4g} over {steps} steps")
     sigma = dp_accounting.calibrate_dp_mechanism(
         lambda: _accountant(accountant, neighbouring),
-        lambda s: _event(s, sample_rate, steps, sampling, dataset_size),
+        lambda s: _event(s, sample_rate, steps, sampling, dataset_size, groups, _tuple(noise)),
         epsilon, delta,
         bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi),
         discrete=False, tol=tolerance)

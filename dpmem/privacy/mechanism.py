@@ -26,8 +26,10 @@ import torch
 from dpmem import distributed, sharding
 from dpmem.config import ConfigError, enum_value, resolve_delta
 from dpmem.persample.clipping import clip_factors
-from dpmem.privacy.accounting import UnreachableTarget, calibrate_sigma, epsilon_spent, joint_sigma
+from dpmem.privacy.accounting import UnreachableTarget, calibrate_sigma, epsilon_spent, group_rate, joint_sigma
+from dpmem.privacy.correlated import CorrelatedNoise
 from dpmem.privacy.randomness import Draws, key_of, normal, os_key, seed_key
+from dpmem.privacy.strategies import Strategy, make_strategy
 
 NOISE_BUCKET = 2**24  # elements of noise drawn at once (64 MiB in float32)
 
@@ -52,6 +54,9 @@ class GaussianMechanism:
             canaries, dpmem spectrum's recorder, a subspace's projection).
         plan: how the clipped sums are formed (`dpmem.methods.clipping_plan.ClippingPlan`), a run's (`calibrate`)
             or a broken one (`dpmem.audit.variants`); None: the method's configured plan (DPZero clips a scalar).
+        strategy: how a release's noise is correlated with earlier ones (`dpmem.privacy.strategies`); None or
+            independent: fresh noise each release.
+        restart: a projected method's refresh F, where correlated noise restarts (`dpmem.privacy.correlated`).
 
     A run's mechanism (`calibrate`) also holds its accounting; one built by hand accounts nothing (`accounted`).
     """
@@ -71,6 +76,9 @@ class GaussianMechanism:
     loss_release: str = "exact"  # the training loss: private (in ε), exact (outside it) or none
     summary: dict = field(default_factory=dict)  # the run summary's privacy fields
     sampler: Draws | None = None  # the batches' draws: their key is kept in the checkpoint alone
+    strategy: Strategy | None = None
+    restart: int | None = None
+    groups: int | None = None  # cyclic sampling's G: the sampler's groups (`dpmem.privacy.sampling`)
 
     def __post_init__(self):
         # refused here, where a bad value would otherwise flip the noise's sign, zero every gradient or divide by 0
@@ -86,6 +94,9 @@ class GaussianMechanism:
         self.releases = 0  # gradient releases so far (steps), counted by `release`, `release_flat`, `release_scalar`
         self.leak: str | None = None  # why a private run is not private after all (a subspace from its own data)
         self.released = 0.0  # the most ε an earlier attempt of this run recorded (privacy.jsonl): already spent
+        correlated = self.strategy is not None and self.strategy.name != "independent"
+        self.correlated = (CorrelatedNoise(self.strategy, self.draws.key if self.draws is not None else None,
+                                           self.restart) if correlated else None)
 
     # -- accounting -----------------------------------------------------------------------------------------------
     @property
@@ -111,7 +122,8 @@ class GaussianMechanism:
         s = self.summary
         return {"delta": self.delta, "sigma": s["sigma"], "sigma_accounted": s["sigma_accounted"],
                 "sample_rate": self.sample_rate, "accountant": s["accountant"], "neighbouring": s["neighbouring"],
-                "sampling": s["sampling"], "dataset_size": self.accountant["dataset_size"]}
+                "sampling": s["sampling"], "dataset_size": self.accountant["dataset_size"],
+                "groups": self.accountant.get("groups"), "noise": self.accountant.get("noise")}
 
     def outside_epsilon(self, static_shapes: bool) -> dict[str, str]:
         """What an accounted run's folder (and wandb, and its progress bar) shows that ε does not cover, and why (what
@@ -153,17 +165,18 @@ class GaussianMechanism:
         Each of the sums' runs (`_runs`) gets one standard normal vector of its total size (one keyed draw), split
         into its sums in order: one draw and one for-each add per run, where a draw per sum would cost a kernel per
         parameter. `release_flat` takes the same draws."""
-        for run in self._runs(summed, own):
+        for index, run in enumerate(self._runs(summed, own)):
             first, draws, std = run[0]
             if std == 0:  # sigma = 0 only for privacy=none: clipping without noise
                 continue
             sizes = [p.numel() for p, *_ in run]
-            chunks = normal(draws, (sum(sizes),), first.device, first.dtype).split(sizes)
+            shard = f"/{distributed.rank()}" if draws is own and own is not None else ""
+            chunks = self._noise(f"{index}{shard}", draws, (sum(sizes),), first.device, first.dtype).split(sizes)
             torch._foreach_add_([p for p, *_ in run], [c if p.dim() == 1 else c.view(p.shape)
                                                        for (p, *_), c in zip(run, chunks)], alpha=std)
         if summed:
             torch._foreach_div_([sharding.local(s) for s in summed.values()], self.expected_batch_size)
-        self.releases += 1
+        self._released()
         return summed
 
     def flat_runs(self, summed: dict) -> list[tuple[int, float]]:
@@ -176,19 +189,20 @@ class GaussianMechanism:
         one division. Eager: on one flat tensor it is an op per run, and a compiled graph's guarded entry would cost
         the host more than it saves."""
         start = 0
-        for size, std in runs:
+        for index, (size, std) in enumerate(runs):
             if std:
-                flat[start:start + size].add_(normal(self.draws, (size,), flat.device, flat.dtype), alpha=std)
+                flat[start:start + size].add_(self._noise(str(index), self.draws, (size,), flat.device, flat.dtype),
+                                              alpha=std)
             start += size
-        self.releases += 1
+        self._released()
         return flat.div_(self.expected_batch_size)
 
     def release_scalar(self, total: torch.Tensor) -> torch.Tensor:
         """DPZero's release of its clipped sum of scalars (the same on every rank: one key)."""
         std = self.noise_std(None)
         if std:
-            total = total + std * normal(self.draws, (), total.device, total.dtype)
-        self.releases += 1
+            total = total + std * self._noise("0", self.draws, (), total.device, total.dtype)
+        self._released()
         return total / self.expected_batch_size
 
     def released_loss(self, clipped_sum: torch.Tensor) -> torch.Tensor:
@@ -198,6 +212,56 @@ class GaussianMechanism:
             return clipped_sum
         z = normal(self.loss_draws, (), clipped_sum.device, clipped_sum.dtype)
         return clipped_sum + self.loss_sigma * self.loss_bound * z
+
+    def _noise(self, run: str, draws: Draws | None, shape: tuple, device, dtype) -> torch.Tensor:
+        """Run `run`'s standard normal noise of this release: fresh from `draws`, or the correlated strategy's."""
+        if self.correlated is None:
+            return normal(draws, shape, device, dtype)
+        return self.correlated.noise(run, shape, device, dtype)
+
+    def _released(self) -> None:
+        self.releases += 1
+        if self.correlated is not None:
+            self.correlated.advance()
+
+    # -- state ----------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the mechanism: its draws (key and count), the loss's, the releases so far and
+        correlated noise's state (bandmf's buffers). As private as the data: it derives the noise."""
+        state = {"releases": self.releases}
+        if self.draws is not None:
+            state["noise"] = {**self.draws.state_dict(), "device": self.draws.device.type}
+        if self.loss_draws is not None:
+            state["loss_noise"] = self.loss_draws.state_dict()
+        if self.correlated is not None:
+            state["correlated"] = self.correlated.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> str | None:
+        """The saved state, if its noise was drawn on this kind of device. A CUDA draw and a CPU draw of one key
+        differ (two Philox streams, numpy's PCG64DXSM): on another device independent noise is keyed afresh from the
+        OS (steps redrawn after the checkpoint get new noise), and that is returned as why; correlated noise cannot
+        be (its past draws are the strategy's), and is refused."""
+        self.releases = state.get("releases", self.releases)
+        saved = state.get("noise")
+        if saved is None or self.draws is None:
+            return None
+        if saved["device"] != self.draws.device.type:
+            why = f"the checkpoint's noise was drawn on {saved['device']}, this run is on {self.draws.device.type}"
+            if self.correlated is not None:
+                raise ValueError(f"{why}: correlated noise continues its earlier draws, which only the same kind "
+                                 "of device draws again; resume it on that device")
+            self.draws.key = os_key()
+            if self.loss_draws is not None:
+                self.loss_draws.key = self.draws.key
+            return why
+        self.draws.load_state_dict(saved)
+        if self.loss_draws is not None and "loss_noise" in state:
+            self.loss_draws.load_state_dict(state["loss_noise"])
+        if self.correlated is not None:
+            self.correlated.key = self.draws.key
+            self.correlated.load_state_dict(state["correlated"])
+        return None
 
     def _runs(self, summed: dict, own: Draws | None):
         """Consecutive (part, draws, std) of one source of draws, device, dtype and std, at most NOISE_BUCKET
@@ -224,11 +288,32 @@ def accountant_of(privacy, spec) -> str:
     return spec.accountant if accountant == "auto" else accountant
 
 
-def accounting(privacy, spec, n: int, batch_size: int, steps: int, sampling: str) -> dict:
+def accounting(privacy, spec, n: int, batch_size: int, steps: int, sampling: str, restart: int | None = None) -> dict:
     """What a run is accounted with, from its data's size alone (rc's envelope aside), before anything is built (a
-    plan, a private search): the keyword arguments of calibrate_sigma and epsilon_spent after ε."""
+    plan, a private search): the keyword arguments of calibrate_sigma and epsilon_spent after ε. `restart`: a
+    projected method's refresh F (correlated noise restarts there: `noise_terms`)."""
     return {"delta": resolve_delta(privacy.delta, n), "sample_rate": batch_size / n, "steps": steps,
-            **_accountant_keywords(privacy, spec, n, sampling, enum_value(privacy.train_loss))}
+            **_accountant_keywords(privacy, spec, n, sampling, enum_value(privacy.train_loss)),
+            **noise_terms(privacy, n, batch_size, steps, sampling, restart)}
+
+
+def noise_terms(privacy, n: int, batch_size: int, steps: int, sampling: str, restart: int | None = None) -> dict:
+    """Correlated noise's accounting terms: `groups`, cyclic sampling's G (bandmf: its bands, the separation its
+    amplified analysis needs; bisr: the steps of an epoch, floor(n/B), the most separation the data allows, since
+    bisr's participations cost sensitivity), and `noise`, the strategy (name, bands, horizon): its coefficients are
+    made for the run's steps, or a projected method's refresh window where the correlation restarts. Both None for
+    independent noise. Raises ConfigError where a group is smaller than the batch."""
+    name = enum_value(privacy.get("noise", "independent"))
+    if sampling != "cyclic" or name == "independent":
+        return {"groups": None, "noise": None}
+    bands = int(privacy.bands)
+    groups = bands if name == "bandmf" else max(1, n // batch_size)
+    if n // groups < batch_size:
+        raise ConfigError("privacy.bands", f"{bands} groups of {n} records hold {n // groups} each, fewer than "
+                          f"train.batch_size={batch_size}: bandmf samples a step's batch from one group; allowed "
+                          f"at most {n // batch_size} bands (or a smaller batch)")
+    horizon = min(steps, restart) if restart else steps
+    return {"groups": groups, "noise": (name, min(bands, horizon), horizon)}
 
 
 def _accountant_keywords(privacy, spec, n: int, sampling: str, loss_release: str) -> dict:
@@ -264,6 +349,8 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
     loss_release = (enum_value(p.train_loss) if accounted
                     else "none" if enum_value(p.train_loss) == "none" else "exact")
     keywords = _accountant_keywords(p, spec, n, sampling, loss_release)
+    restart = m.get("refresh") if spec.private else None  # a projected method's window: correlated noise restarts
+    keywords.update(noise_terms(p, n, t.batch_size, steps, sampling, restart))
     if keywords["accountant"] == "rc":  # the envelope of randomized clipping depends on the model
         if accounted and q >= 1:
             raise ConfigError("train.batch_size", f"{t.batch_size} samples every record at every step "
@@ -303,6 +390,13 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
         "neighbouring": keywords["neighbouring"] if accounted else None,
         "clipping": plan.name if plan is not None else None,
         "rc_accountant": rc if keywords["accountant"] == "rc" else None,
+        # correlated noise: the strategy and what its accounting reads (`dpmem.privacy.accounting._event`)
+        "noise": enum_value(p.get("noise", "independent")) if spec.private else None,
+        "bands": keywords["noise"][1] if keywords["noise"] else None,
+        "noise_horizon": keywords["noise"][2] if keywords["noise"] else None,
+        "groups": keywords["groups"],
+        "group_rate": group_rate(q, n, keywords["groups"]) if keywords["groups"] else None,
+        "privacy_analysis": _analysis(keywords) if accounted else None,
     }
     # the batches' key: from privacy.sampler_seed if given; for an accounted run from the OS (rank 0's, on every
     # rank), since ε assumes nobody knows which steps held a record; otherwise from the run seed (a baseline's
@@ -310,9 +404,25 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
     sampler = Draws(os_key() if accounted and p.sampler_seed is None
                     else seed_key(t.seed if p.sampler_seed is None else p.sampler_seed), "batches")
     draws = Draws(key_of(p.noise_seed), "noise", device) if spec.private and device.type != "meta" else None
+    strategy = make_strategy(*keywords["noise"]) if keywords["noise"] else None
     return GaussianMechanism(sigma, m.max_grad_norm if spec.private else math.inf, q * n, draws, q,
                              p.loss_bound if private_loss else math.inf, loss_sigma or 0.0, tuple(observers), plan,
-                             spec.private, delta, keywords, loss_release, summary, sampler)
+                             spec.private, delta, keywords, loss_release, summary, sampler, strategy,
+                             restart if strategy is not None else None, keywords["groups"])
+
+
+def _analysis(keywords: dict) -> str:
+    """What ε is computed as, in words: the summary's, the ledger's and the report's name for the accountant's event."""
+    noise, groups = keywords["noise"], keywords["groups"]
+    if keywords["accountant"] == "rc":
+        return "randomized clipping's envelope under Poisson sampling (rc)"
+    if noise is None:
+        return f"{keywords['sampling']}-subsampled Gaussian, composed over the steps"
+    if noise[0] == "bisr":
+        return (f"one Gaussian of bisr's sensitivity over participations {groups} steps apart (cyclic groups), no "
+                "amplification")
+    return (f"amplified bandmf: ceil(steps / {groups}) compositions of a Poisson-subsampled Gaussian at the group's "
+            "rate (cyclic groups)")
 
 
 def line_epsilon(line: dict) -> float | None:
@@ -325,6 +435,7 @@ def line_epsilon(line: dict) -> float | None:
         sigma = float(line.get("sigma_accounted") or line["sigma"])
         return epsilon_spent(sigma, float(line["delta"]), float(line["sample_rate"]), int(line["steps_done"]),
                              line["accountant"], line.get("neighbouring") or "add_remove",
-                             line.get("sampling") or "poisson", line.get("dataset_size"))
+                             line.get("sampling") or "poisson", line.get("dataset_size"), groups=line.get("groups"),
+                             noise=line.get("noise"))
     except (KeyError, TypeError, ValueError):
         return None

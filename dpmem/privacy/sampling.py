@@ -42,9 +42,27 @@ def shuffled_batches(n: int, batch_size: int, steps: int, draws: Draws) -> Itera
             done += 1
 
 
-def make_batches(kind: str, n: int, batch_size: int, steps: int, draws: Draws):
+def cyclic_batches(n: int, batch_size: int, groups: int, steps: int, draws: Draws) -> Iterator[torch.Tensor]:
+    """Cyclic Poisson sampling (Choquette-Choo et al. 2023): the records split into `groups` fixed groups by a
+    permutation keyed from the sampler's key (drawn once, whatever the step); step t samples group t mod G, each of
+    its records joining independently at the group's rate B / floor(n/G) (`dpmem.privacy.accounting.group_rate`).
+    A record can join only every G-th step: what correlated noise's accounting needs."""
+    if not 1 <= groups <= n // batch_size:
+        raise ValueError(f"groups={groups}: allowed 1 to n // batch_size = {n // batch_size}")
+    members = np.array_split(Draws(draws.key, "groups").numpy().permutation(n), groups)
+    rate = batch_size / (n // groups)
+    for t in range(steps):
+        group = members[t % groups]
+        yield _indices(np.sort(group[draws.numpy().random(len(group)) < rate]))
+
+
+def make_batches(kind: str, n: int, batch_size: int, steps: int, draws: Draws, groups: int | None = None):
     if kind == "poisson":
         return poisson_batches(n, batch_size / n, steps, draws)
+    if kind == "cyclic":
+        if groups is None:
+            raise ValueError("cyclic sampling needs its number of groups (a correlated strategy's)")
+        return cyclic_batches(n, batch_size, groups, steps, draws)
     if kind not in ("fixed", "shuffle"):
-        raise ValueError(f"sampling {kind!r}: allowed poisson, fixed, shuffle")
+        raise ValueError(f"sampling {kind!r}: allowed poisson, fixed, shuffle, cyclic")
     return (fixed_batches if kind == "fixed" else shuffled_batches)(n, batch_size, steps, draws)

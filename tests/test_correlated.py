@@ -1,0 +1,209 @@
+"""Correlated noise (privacy.noise=bandmf|bisr, train.sampling=cyclic): each release's noise is the matrix
+mechanism's C⁻¹z (checked against C built densely here, and z drawn again from its key), the compiled step's flat
+release equals the eager one, cyclic sampling keeps a record in its group's steps, and ε is dp-accounting's event
+built here from the summary (and jax-privacy's, where it is installed)."""
+
+import json
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+import torch
+
+from dpmem.config import ConfigError
+from dpmem.engine.trainer import Run, run_training
+from dpmem.methods import METHODS, validate
+from dpmem.privacy.mechanism import GaussianMechanism
+from dpmem.privacy.randomness import Draws, derive, seed_key
+from dpmem.privacy.sampling import cyclic_batches
+from dpmem.privacy.strategies import make_strategy
+from helpers import config, dies_at
+
+SMALL = ["model=vit-tiny", "data.image_size=8", "model.arch.hidden_size=16", "model.arch.num_hidden_layers=1",
+         "model.arch.num_attention_heads=2", "model.arch.intermediate_size=32", "model.arch.patch_size=4",
+         "train.device=cpu"]
+SEEDS = ["privacy.noise_seed=3", "privacy.sampler_seed=3"]
+
+
+def dense_c(strategy, steps, restart=None):
+    """C over `steps` releases, built densely: the strategy's Toeplitz matrix, block-diagonal where a projected
+    method's window restarts it (1-based steps t ≡ 0 mod F begin a block)."""
+    starts = [0] + ([t - 1 for t in range(restart, steps + 1, restart) if t > 1] if restart else [])
+    c = np.zeros((steps, steps))
+    for begin, end in zip(starts, starts[1:] + [steps]):
+        coefs = strategy.strategy_coefs(end - begin)
+        for i in range(begin, end):
+            c[i, begin:i + 1] = coefs[:i + 1 - begin][::-1]
+    return c
+
+
+def noises(mechanism, steps, shapes, flat=False):
+    """The noise of `steps` releases of zero sums (of `shapes`), one row per release, times q·n / σC."""
+    rows = []
+    for _ in range(steps):
+        if flat:
+            out = mechanism.release_flat(torch.zeros(sum(math.prod(s) for s in shapes), dtype=torch.float64),
+                                         [(sum(math.prod(s) for s in shapes), mechanism.noise_std(None))])
+        else:
+            summed = {i: torch.zeros(s, dtype=torch.float64) for i, s in enumerate(shapes)}
+            out = torch.cat([t.flatten() for t in mechanism.release(summed).values()])
+        rows.append(out.numpy() * mechanism.expected_batch_size / mechanism.noise_std(None))
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("name,bands,restart", [("bandmf", 3, None), ("bisr", 3, None), ("bandmf", 3, 4),
+                                                ("bisr", 4, 3)])
+def test_each_release_is_the_matrix_mechanisms_and_c_times_the_noise_is_white(name, bands, restart):
+    steps, shapes = 9, [(40, 50), (1000,)]
+    strategy = make_strategy(name, bands, min(steps, restart or steps))
+    mechanism = GaussianMechanism(2.0, 0.5, 8.0, Draws(seed_key(5), "noise"), strategy=strategy, restart=restart)
+    w = noises(mechanism, steps, shapes)
+    z = dense_c(strategy, steps, restart) @ w  # z = C w: the fresh draws, if w = C⁻¹ z
+    drawn = np.stack([Draws(derive(seed_key(5), "correlated/0", i), "noise").randn(3000, dtype=torch.float64).numpy()
+                      for i in range(steps)])
+    np.testing.assert_allclose(z, drawn, atol=1e-9)
+    # and without the keys: z's rows are uncorrelated standard normals (C w white), w's are not
+    corr = np.corrcoef(z)
+    assert np.abs(corr - np.eye(steps)).max() < 0.08 and np.abs(z.std(1) - 1).max() < 0.05
+    assert np.abs(np.corrcoef(w) - np.eye(steps)).max() > 0.2
+
+
+def test_the_compiled_steps_flat_release_draws_the_eager_ones_noise():
+    for name in ("bandmf", "bisr"):
+        strategy = make_strategy(name, 3, 6)
+        eager = GaussianMechanism(1.0, 1.0, 4.0, Draws(seed_key(2), "noise"), strategy=strategy)
+        flat = GaussianMechanism(1.0, 1.0, 4.0, Draws(seed_key(2), "noise"), strategy=strategy)
+        np.testing.assert_array_equal(noises(eager, 6, [(500,)]), noises(flat, 6, [(500,)], flat=True))
+
+
+def test_cyclic_sampling_keeps_each_record_in_its_groups_steps_at_the_groups_rate():
+    n, batch, groups, steps = 1000, 50, 4, 400
+    seen = {}
+    sizes = []
+    for t, index in enumerate(cyclic_batches(n, batch, groups, steps, Draws(seed_key(1), "batches"))):
+        sizes.append(len(index))
+        for i in index.tolist():
+            seen.setdefault(i, set()).add(t % groups)
+    assert all(len(g) == 1 for g in seen.values())  # a record joins only its own group's steps
+    assert sorted(len([i for i, g in seen.items() if g == {k}]) for k in range(groups)) == [250] * 4
+    assert abs(np.mean(sizes) - batch) < 1.5  # rate B / floor(n/G) in a group of n/G: B a step on average
+    again = list(cyclic_batches(n, batch, groups, 3, Draws(seed_key(1), "batches")))
+    assert all(torch.equal(a, b) for a, b in zip(again, list(cyclic_batches(n, batch, groups, steps,
+                                                                             Draws(seed_key(1), "batches")))))
+
+
+def amplified(sigma, q_group, steps, groups, delta):
+    """dp-accounting's ε of ceil(T/G) Poisson-subsampled Gaussians at the group's rate (Choquette-Choo et al. 2023)."""
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q_group, dp_accounting.GaussianDpEvent(sigma)), math.ceil(steps / groups))
+    return dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3).compose(event).get_epsilon(delta)
+
+
+@pytest.mark.parametrize("method", ["dp-adam", "grape"])
+def test_a_bandmf_run_spends_the_amplified_event_of_its_summary(tmp_path, method):
+    own = ["method.rank=4"] if method == "grape" else []
+    s = run_training(config(f"method={method}", "privacy.noise=bandmf", "privacy.bands=3", "train.sampling=cyclic",
+                            "train.steps=7", "privacy.epsilon=4", *SMALL, *SEEDS, *own), tmp_path)
+    assert s["status"] == "ok" and s["noise"] == "bandmf" and s["groups"] == 3 and s["bands"] == 3
+    n, batch = s["n_train"], 32
+    assert s["group_rate"] == batch / (n // 3)
+    # the gradient's and the loss's releases as one multiplier (privacy.train_loss=private: c = 10)
+    joint = s["sigma"] / math.sqrt(1 + 10 ** -2)
+    spent = amplified(joint, batch / (n // 3), 7, 3, s["delta"])
+    assert s["epsilon_spent"] == pytest.approx(spent, rel=1e-9) and spent <= 4
+    jp = pytest.importorskip("jax_privacy.experimental.accounting")
+    event = jp.amplified_bandmf_event(joint, 7, num_bands=3, sampling_prob=batch / (n // 3))
+    theirs = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3).compose(event).get_epsilon(s["delta"])
+    assert s["epsilon_spent"] == pytest.approx(theirs, rel=1e-9)
+
+
+def test_a_bisr_run_spends_one_gaussian_of_its_min_separation_sensitivity(tmp_path):
+    s = run_training(config("method=dp-adam", "privacy.noise=bisr", "privacy.bands=3", "train.sampling=cyclic",
+                            "train.steps=30", "train.batch_size=128", "privacy.epsilon=4", *SMALL, *SEEDS), tmp_path)
+    n = s["n_train"]
+    groups = n // 128
+    assert s["status"] == "ok" and s["groups"] == groups and s["noise_horizon"] == 30
+    k = math.ceil(30 / groups)
+    # C densely: the inverse of bisr's banded C⁻¹ over the 30 steps; its worst participation pattern by brute force
+    # over the offsets (k participations `groups` apart: C's coefficients are positive and decreasing)
+    d = np.array(make_strategy("bisr", 3, 30).coefs)
+    cinv = sum(np.diag(np.full(30 - j, d[j]), -j) for j in range(3))
+    c = np.linalg.inv(cinv)
+    assert np.abs(np.linalg.norm(c, axis=0).max() - 1) < 1e-9
+    sens = max(np.linalg.norm(c @ np.isin(np.arange(30), np.arange(o, 30, groups)).astype(float))
+               for o in range(groups))
+    joint = s["sigma"] / math.sqrt(1 + 10 ** -2)
+    event = dp_accounting.GaussianDpEvent(joint / max(sens, math.sqrt(k)))
+    spent = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3).compose(event).get_epsilon(s["delta"])
+    assert s["epsilon_spent"] == pytest.approx(spent, rel=1e-6) and spent <= 4
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["privacy.noise=bandmf", "privacy.bands=4"], "train.sampling"),
+    (["train.sampling=cyclic"], "train.sampling"),
+    (["privacy.noise=bandmf"], "privacy.bands"),
+    (["privacy.bands=3"], "privacy.bands"),
+    (["method=dp-sgd-rc", "privacy.noise=bisr", "privacy.bands=2", "train.sampling=cyclic"], "privacy.noise"),
+    (["method=adam", "privacy=none", "privacy.noise=bisr", "privacy.bands=2", "train.sampling=cyclic"],
+     "privacy.noise"),
+])
+def test_correlated_noise_without_what_it_is_accounted_with_is_refused_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        validate(config(*overrides))
+    assert e.value.key == key
+
+
+def test_more_bands_than_groups_of_a_batch_is_refused_naming_the_bands(tmp_path):
+    with pytest.raises(ConfigError, match="privacy.bands: 50 groups"):
+        run_training(config("method=dp-adam", "privacy.noise=bandmf", "privacy.bands=50", "train.sampling=cyclic",
+                            *SMALL), tmp_path)
+
+
+@pytest.mark.parametrize("method,noise", [("dp-adam", "bandmf"), ("grape", "bandmf"), ("dp-adam", "bisr")])
+def test_a_run_killed_mid_band_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, method, noise):
+    captured = {}
+    real_execute = Run.execute
+
+    def keep(self):
+        captured[self.run_dir.name] = self
+        return real_execute(self)
+    monkeypatch.setattr("dpmem.engine.trainer.Run.execute", keep)
+    own = ["method.refresh=3", "method.rank=4"] if method == "grape" else []
+    cfg = lambda *more: config(f"method={method}", f"privacy.noise={noise}", "privacy.bands=3",  # noqa: E731
+                               "train.sampling=cyclic", "train.steps=7", "privacy.epsilon=1", *SMALL, *SEEDS, *own,
+                               *more)
+    oracle = run_training(cfg(), tmp_path / "oracle")
+    real_step = dies_at(monkeypatch, METHODS[method], 6)
+    with pytest.raises(RuntimeError, match="went away"):
+        run_training(cfg("train.checkpoint_every=2"), tmp_path / "resumed")
+    monkeypatch.setattr(METHODS[method], "step", real_step)
+    resumed = run_training(cfg("train.checkpoint_every=2"), tmp_path / "resumed")  # from step 4: buffers of 2 and 3
+    assert resumed["resumed_from_step"] == 4 and resumed["epsilon_spent"] == oracle["epsilon_spent"]
+    for (name, a), b in zip(captured["oracle"].model.named_parameters(), captured["resumed"].model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_grapes_buffers_are_projected_and_bisr_keeps_none(tmp_path, monkeypatch):
+    """bandmf keeps b − 1 vectors of each release's size: r × n per projected matrix under grape (the rest full),
+    every parameter's size under dp-adam; bisr none."""
+    kept = {}
+    real_execute = Run.execute
+
+    def keep(self):
+        out = real_execute(self)
+        kept[self.run_dir.name] = (self.method, self.method.mechanism.correlated.tensors())
+        return out
+    monkeypatch.setattr("dpmem.engine.trainer.Run.execute", keep)
+    for method, noise in (("dp-adam", "bandmf"), ("grape", "bandmf"), ("dp-adam", "bisr")):
+        run_training(config(f"method={method}", f"privacy.noise={noise}", "privacy.bands=4", "train.sampling=cyclic",
+                            "train.steps=5", "method.rank=2" if method == "grape" else "train.seed=0", *SMALL, *SEEDS),
+                     tmp_path / f"{method}-{noise}")
+    size = lambda name: sum(t.numel() for t in kept[name][1])  # noqa: E731
+    adam = kept["dp-adam-bandmf"][0]
+    full = sum(p.numel() for p in adam.model.parameters() if p.requires_grad)
+    assert size("dp-adam-bandmf") == 3 * full  # b − 1 = 3 buffers of every trainable parameter
+    grape = kept["grape-bandmf"][0]
+    projected = sum(grape.shapes[p].numel() for p in grape.privatizer.params)
+    assert size("grape-bandmf") == 3 * projected < 3 * full
+    assert size("dp-adam-bisr") == 0
