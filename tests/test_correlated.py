@@ -207,3 +207,26 @@ def test_grapes_buffers_are_projected_and_bisr_keeps_none(tmp_path, monkeypatch)
     projected = sum(grape.shapes[p].numel() for p in grape.privatizer.params)
     assert size("grape-bandmf") == 3 * projected < 3 * full
     assert size("dp-adam-bisr") == 0
+
+
+def test_the_report_keeps_each_strategy_a_row_and_composes_their_events(tmp_path, capsys):
+    from dpmem.report.runs import collect, write
+    runs = {}
+    for noise in ("independent", "bandmf"):
+        more = ["privacy.noise=bandmf", "privacy.bands=2", "train.sampling=cyclic"] if noise == "bandmf" else []
+        runs[noise] = run_training(config("method=dp-adam", "train.steps=4", "privacy.epsilon=2", *SMALL, *more),
+                                   tmp_path / noise)
+    summaries, missing = collect([tmp_path])
+    md = write(tmp_path / "report", summaries, missing)
+    assert "dp-adam (bands=2, noise=bandmf, sampling=cyclic)" in md and "dp-adam (bands=None, noise=independent" in md
+    assert f"{tmp_path / 'bandmf'}: bandmf (2 bands, 2 cyclic groups): amplified bandmf" in md
+    # the two releases composed: the Poisson run's 4 steps and the bandmf run's ceil(4/2) group steps, built here
+    ind, band = runs["independent"], runs["bandmf"]
+    c = 1 / math.sqrt(1 + 10 ** -2)
+    events = [dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+                  32 / ind["n_train"], dp_accounting.GaussianDpEvent(ind["sigma"] * c)), 4),
+              dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+                  32 / (band["n_train"] // 2), dp_accounting.GaussianDpEvent(band["sigma"] * c)), 2)]
+    both = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3).compose(
+        dp_accounting.ComposedDpEvent(events)).get_epsilon(max(ind["delta"], band["delta"]))
+    assert f"ε = {both:.4g}" in md

@@ -127,6 +127,10 @@ def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
             raise ConfigError(f"privacy.{seed}", f"{p[seed]}: a private search's trials draw their noise and batches "
                               "from the OS; a seed in config.yaml replays them (ε ∞ to its holder): leave it out")
     run = accounting_of(cfg)
+    if run["noise"] is not None:
+        raise ConfigError("privacy.noise", f"{run['noise'][0]}: a private search composes its trials as "
+                          "Poisson-subsampled DP-SGD (RepeatAndSelectDpEvent); correlated noise's trials are not "
+                          "accounted there yet: allowed: independent")
     if run["accountant"] == "rc":
         raise ConfigError("privacy.accountant", f"{name}'s rc accountant has no RDP curve, which a private selection "
                           "composes (dp-accounting's RepeatAndSelectDpEvent): use a method accounted by pld or rdp")

@@ -123,7 +123,8 @@ class GaussianMechanism:
         return {"delta": self.delta, "sigma": s["sigma"], "sigma_accounted": s["sigma_accounted"],
                 "sample_rate": self.sample_rate, "accountant": s["accountant"], "neighbouring": s["neighbouring"],
                 "sampling": s["sampling"], "dataset_size": self.accountant["dataset_size"],
-                "groups": self.accountant.get("groups"), "noise": self.accountant.get("noise")}
+                "groups": self.accountant.get("groups"), "strategy": self.accountant.get("noise"),
+                "privacy_analysis": s.get("privacy_analysis")}
 
     def outside_epsilon(self, static_shapes: bool) -> dict[str, str]:
         """What an accounted run's folder (and wandb, and its progress bar) shows that ε does not cover, and why (what
@@ -436,6 +437,6 @@ def line_epsilon(line: dict) -> float | None:
         return epsilon_spent(sigma, float(line["delta"]), float(line["sample_rate"]), int(line["steps_done"]),
                              line["accountant"], line.get("neighbouring") or "add_remove",
                              line.get("sampling") or "poisson", line.get("dataset_size"), groups=line.get("groups"),
-                             noise=line.get("noise"))
+                             noise=line.get("strategy"))
     except (KeyError, TypeError, ValueError):
         return None

@@ -18,6 +18,8 @@ NOT_A_VARIANT = (*NOT_TRAINING, "train.seed", "data.fewshot_seed", "privacy.", "
 
 # a generated problem's settings (data=median) are what its runs compare, though they are data options
 PROBLEM = ("data.A", "data.dimension", "data.d_min", "data.alpha")
+# how the noise is correlated, though a privacy option: independent and bandmf runs are a row each, never averaged
+STRATEGY = ("privacy.noise", "privacy.bands")
 
 
 def variants(summaries: list[dict]) -> None:
@@ -29,7 +31,7 @@ def variants(summaries: list[dict]) -> None:
         by_method[(s["method"], s["data"])].append(s)
     for runs in by_method.values():
         keys = set().union(*(r["config"] for r in runs))
-        varying = sorted(k for k in keys if (k in PROBLEM or not k.startswith(NOT_A_VARIANT))
+        varying = sorted(k for k in keys if (k in PROBLEM + STRATEGY or not k.startswith(NOT_A_VARIANT))
                          and len({json.dumps(r["config"].get(k), sort_keys=True) for r in runs}) > 1)
         for r in runs:
             r["variant"] = ", ".join(f"{k.split('.', 1)[-1]}={r['config'].get(k)}" for k in varying)

@@ -250,7 +250,9 @@ def releases(folder: dict) -> tuple[list[dict], str | None]:
     was taken over the lines', or that the lines were taken as written; None where there is nothing to say."""
     s = folder  # a summary, or a folder without one ({run_dir, why, config, ledger})
     summary = {k: s.get(k) for k in ("steps_done", "sigma", "sigma_accounted", "sample_rate", "accountant", "delta",
-                                      "sampling")}
+                                      "sampling", "groups")}
+    if s.get("noise") not in (None, "independent"):  # correlated noise: the strategy its accounting reads
+        summary["strategy"] = [s["noise"], s.get("bands"), s.get("noise_horizon")]
     summary.update(epsilon=s.get("epsilon_spent"), dataset_size=s.get("n_train"),  # as a ledger line names them
                    neighbouring=s.get("neighbouring") or s["config"].get("privacy.neighbouring"))
     summary = {k: v for k, v in summary.items() if v is not None}
@@ -266,7 +268,8 @@ def releases(folder: dict) -> tuple[list[dict], str | None]:
     out, planned, said, as_written = [], _planned(s) if s["ledger"] or "status" in s else None, {}, []
     for i, lines in enumerate(attempts):
         # what an older ledger's lines lack, taken from the folder's summary
-        known = {k: summary[k] for k in ("sampling", "dataset_size", "neighbouring") if k in summary}
+        known = {k: summary[k] for k in ("sampling", "dataset_size", "neighbouring", "groups", "strategy")
+                 if k in summary}
         for line in lines:
             known.update((k, v) for k, v in line.items() if v is not None)
         spent = [float(line["epsilon"]) for line in lines if line.get("epsilon") is not None]
@@ -274,6 +277,7 @@ def releases(folder: dict) -> tuple[list[dict], str | None]:
              "sample_rate": known.get("sample_rate"), "sampling": known.get("sampling", "poisson"),
              "steps": max((int(line.get("steps_done") or 0) for line in lines), default=0),
              "dataset_size": known.get("dataset_size"), "accountant": known.get("accountant"),
+             "groups": known.get("groups"), "noise": known.get("strategy"),
              "neighbouring": known.get("neighbouring", "add_remove"), "delta": known.get("delta"),
              "epsilon": max(spent, default=math.inf), "abandoned": i < len(attempts) - 1}
         out.append(r)
@@ -301,8 +305,8 @@ def releases(folder: dict) -> tuple[list[dict], str | None]:
                                    ("ε", min(ended, default=again), again)):
             if line < config - 1e-6 * abs(config):  # the line on the side of less ε
                 said[f"{what} {abs(line):.4g} where its config.yaml gives {abs(config):.4g}"] = None
-        r.update(taken, epsilon=max([*spent, again]),
-                 **{k: planned[k] for k in ("delta", "accountant", "neighbouring", "sampling", "dataset_size")})
+        r.update(taken, epsilon=max([*spent, again]), **{k: planned[k] for k in (
+            "delta", "accountant", "neighbouring", "sampling", "dataset_size", "groups", "noise")})
     note = f"{PRIVACY_LEDGER} says {'; '.join(said)}: composed at the config's" if said else None
     if as_written and isinstance(planned, str):
         note = f"{planned}: composed from its {PRIVACY_LEDGER} and summary as written"
@@ -349,7 +353,7 @@ def _planned(folder: dict) -> dict | str | None:
     fixed = {k: v for k, v in terms.items() if k not in ("sample_rate", "steps")} | ({} if rc else {"loss_noise": None})
     return {"sigma": sigma if rc else joint_sigma(sigma, terms["loss_noise"]), "sample_rate": terms["sample_rate"],
             "steps": terms["steps"], "dataset_size": n, "config": config,
-            **{k: terms[k] for k in ("delta", "accountant", "neighbouring", "sampling")},
+            **{k: terms[k] for k in ("delta", "accountant", "neighbouring", "sampling", "groups", "noise")},
             "epsilon": lambda sigma, q, steps: epsilon_spent(sigma, sample_rate=q, steps=steps, **fixed)}
 
 
@@ -646,6 +650,9 @@ def write(out: Path, summaries: list[dict], missing: list[dict], compare: bool =
            + _listed(f"Seeded runs ({len(derivable)}; in the table at ε {SEEDED}, never best private, composed into "
                      "no ε):", derivable)
            + _listed("Private selections (docs/privacy.md, Private selection):", selections(searches, holder))
+           + _listed("Correlated noise (docs/privacy.md, Correlated noise): how each run's ε was computed:",
+                     [f"{s['run_dir']}: {s['noise']} ({s.get('bands')} bands, {s.get('groups')} cyclic groups): "
+                      f"{s.get('privacy_analysis')}" for s in summaries if s.get("noise") not in (None, "independent")])
            + _listed(f"Not in the table ({len(left)}):", left)
            + _listed(f"Folders of an analysis, not results ({len(analysed)}; neither in the table nor composed with "
                      "the runs above):", analyses(analysed)))
