@@ -230,3 +230,32 @@ def test_the_report_keeps_each_strategy_a_row_and_composes_their_events(tmp_path
     both = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3).compose(
         dp_accounting.ComposedDpEvent(events)).get_epsilon(max(ind["delta"], band["delta"]))
     assert f"ε = {both:.4g}" in md
+
+
+@pytest.mark.parametrize("edit", ["config", "ledger"])
+def test_no_edit_of_how_a_run_sampled_or_correlated_its_noise_lowers_the_composed_epsilon(tmp_path, edit):
+    from omegaconf import OmegaConf
+
+    from dpmem.report.runs import collect, write
+    for noise in ("independent", "bandmf"):
+        more = ["privacy.noise=bandmf", "privacy.bands=4", "train.sampling=cyclic"] if noise == "bandmf" else []
+        run_training(config("method=dp-adam", "train.steps=8", "privacy.epsilon=2", *SMALL, *more), tmp_path / noise)
+
+    def composed():
+        md = write(tmp_path / "report", *collect([tmp_path / "independent", tmp_path / "bandmf"]))
+        return float(md.split("releases all: ε = ")[1].split()[0]), md
+    before, _ = composed()
+    folder = tmp_path / "bandmf"
+    if edit == "config":  # claim independent Poisson noise in config.yaml
+        cfg = OmegaConf.load(folder / "config.yaml")
+        cfg.privacy.noise, cfg.privacy.bands, cfg.train.sampling = "independent", None, "auto"
+        OmegaConf.save(cfg, folder / "config.yaml")
+    else:  # claim independent Poisson noise in every ledger line and in the summary
+        lines = [json.loads(x) for x in (folder / "privacy.jsonl").read_text().splitlines()]
+        (folder / "privacy.jsonl").write_text("".join(json.dumps({**line, "sampling": "poisson", "groups": None,
+                                                                  "strategy": None}) + "\n" for line in lines))
+        summary = json.loads((folder / "summary.json").read_text())
+        summary.update(noise="independent", sampling="poisson", groups=None)
+        (folder / "summary.json").write_text(json.dumps(summary))
+    after, md = composed()
+    assert after >= before * (1 - 1e-9), md

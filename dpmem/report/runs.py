@@ -294,6 +294,19 @@ def releases(folder: dict) -> tuple[list[dict], str | None]:
         taken = {"sigma": min(r["sigma"], planned["sigma"]), "steps": max(r["steps"], steps),
                  "sample_rate": max(r["sample_rate"] or 0.0, planned["sample_rate"])}
         again = planned["epsilon"](taken["sigma"], taken["sample_rate"], taken["steps"])
+        # how it sampled and correlated its noise: where its lines and its config.yaml disagree, the event of the two
+        # that spends more is composed (an edit of either cannot pick the more favourable one)
+        event = {k: planned[k] for k in ("sampling", "groups", "noise")}
+        written = {"sampling": r["sampling"], "groups": r["groups"], "noise": r["noise"] and tuple(r["noise"])}
+        if written != event:
+            try:
+                other = planned["epsilon"](taken["sigma"], taken["sample_rate"], taken["steps"], **written)
+            except (TypeError, ValueError):  # what the lines say cannot be accounted: the config's stands
+                other = -math.inf
+            if other > again:
+                said[f"{_event_text(written)} where its config.yaml gives {_event_text(event)} (that of the larger "
+                     "ε taken)"] = None
+                again, event = other, written
         # what its lines say, each at its most favourable: the largest σ, the smallest q, the least ε at its end
         sigmas = [float(line.get("sigma_accounted") or line["sigma"]) for line in lines if line.get("sigma")]
         rates = [float(line["sample_rate"]) for line in lines if line.get("sample_rate")]
@@ -305,8 +318,8 @@ def releases(folder: dict) -> tuple[list[dict], str | None]:
                                    ("ε", min(ended, default=again), again)):
             if line < config - 1e-6 * abs(config):  # the line on the side of less ε
                 said[f"{what} {abs(line):.4g} where its config.yaml gives {abs(config):.4g}"] = None
-        r.update(taken, epsilon=max([*spent, again]), **{k: planned[k] for k in (
-            "delta", "accountant", "neighbouring", "sampling", "dataset_size", "groups", "noise")})
+        r.update(taken, epsilon=max([*spent, again]), **event,
+                 **{k: planned[k] for k in ("delta", "accountant", "neighbouring", "dataset_size")})
     note = f"{PRIVACY_LEDGER} says {'; '.join(said)}: composed at the config's" if said else None
     if as_written and isinstance(planned, str):
         note = f"{planned}: composed from its {PRIVACY_LEDGER} and summary as written"
@@ -315,6 +328,12 @@ def releases(folder: dict) -> tuple[list[dict], str | None]:
                  f"{PRIVACY_LEDGER} as written")
         note = f"{note}; {other}" if note else other
     return out, note and f"{s['run_dir']}: {note}"
+
+
+def _event_text(event: dict) -> str:
+    """How a run sampled and correlated its noise, in words: "poisson", "cyclic (bandmf, 4 bands, 4 groups)"."""
+    noise = event["noise"]
+    return event["sampling"] + (f" ({noise[0]}, {noise[1]} bands, {event['groups']} groups)" if noise else "")
 
 
 def _planned(folder: dict) -> dict | str | None:
@@ -354,7 +373,8 @@ def _planned(folder: dict) -> dict | str | None:
     return {"sigma": sigma if rc else joint_sigma(sigma, terms["loss_noise"]), "sample_rate": terms["sample_rate"],
             "steps": terms["steps"], "dataset_size": n, "config": config,
             **{k: terms[k] for k in ("delta", "accountant", "neighbouring", "sampling", "groups", "noise")},
-            "epsilon": lambda sigma, q, steps: epsilon_spent(sigma, sample_rate=q, steps=steps, **fixed)}
+            "epsilon": lambda sigma, q, steps, **event: epsilon_spent(sigma, sample_rate=q, steps=steps,
+                                                                     **(fixed | event))}
 
 
 def _rc_dimension(cfg, folder: dict):
