@@ -42,9 +42,11 @@ def noises(mechanism, steps, shapes, flat=False):
     """The noise of `steps` releases of zero sums (of `shapes`), one row per release, times q·n / σC."""
     rows = []
     for _ in range(steps):
-        if flat:
-            out = mechanism.release_flat(torch.zeros(sum(math.prod(s) for s in shapes), dtype=torch.float64),
-                                         [(sum(math.prod(s) for s in shapes), mechanism.noise_std(None))])
+        if flat:  # the compiled step's: views of one flat sum
+            whole = torch.zeros(sum(math.prod(s) for s in shapes), dtype=torch.float64)
+            views = dict(enumerate(v.view(s) for v, s in zip(whole.split([math.prod(s) for s in shapes]), shapes)))
+            mechanism.release(views, flat=whole)
+            out = whole
         else:
             summed = {i: torch.zeros(s, dtype=torch.float64) for i, s in enumerate(shapes)}
             out = torch.cat([t.flatten() for t in mechanism.release(summed).values()])

@@ -16,6 +16,7 @@ from dpmem.data import DataBundle
 from dpmem.methods import Method, build_method, method_class
 from dpmem.methods.privatize import Observer
 from dpmem.methods.rc import check_probes, max_layer_dimension, rc_dimension
+from dpmem.methods.subspace import SubspaceProjection
 from dpmem.models import build_model, checkpoint_activations
 from dpmem.privacy.mechanism import GaussianMechanism, accountant_of, calibrate
 from dpmem.privacy.randomness import Draws, seed_key
@@ -65,6 +66,10 @@ def assemble(cfg, device: torch.device, data: DataBundle, model: nn.Module | Non
     model.train()
     if observers and not spec.private:
         raise ConfigError("method.name", f"{m.name} is not private: it has no privatised quantity to observe")
+    if spec.private and spec.privatised_gradient and m.subspace.path is not None:
+        # subspace re-training's projection, the innermost observer: it sees the clipped sums before it projects
+        # them, and the release after (the mechanism is a frozen description: it is made with its observers)
+        observers = (*observers, SubspaceProjection(m.subspace, model))
     if steps is not None:
         rc = envelope(cfg, model) if accountant_of(cfg.privacy, spec) == "rc" else None
         mechanism = calibrate(cfg, spec, data.n_train, steps, sampling, device, rc, tuple(observers))

@@ -33,7 +33,6 @@ from dpmem.metering import Meter
 from dpmem.methods import check_fsdp, method_class
 from dpmem.methods.subspace import SubspaceProjection, privacy_of
 from dpmem.privacy.mechanism import accounting, line_epsilon
-from dpmem.privacy.randomness import Draws
 from dpmem.privacy.sampling import make_batches
 
 
@@ -438,13 +437,13 @@ class Run:
         state = self.checkpoint
         self.checkpoint = None  # not kept beside the model it was loaded into
         step = checkpoint.restore(state, self.cfg, self.parts)
-        self.mechanism.sampler = Draws(bytes.fromhex(state["sampler_key"]), "batches")  # the lost run's batches
+        self.mechanism.sampler.key = bytes.fromhex(state["sampler_key"])  # the lost run's batches
         self.summary.update(state["summary"], resumed_from_step=step)
         if self.main:
             print(f"dpmem: resuming {self.run_dir} from its checkpoint at step {step}", file=sys.stderr)
             # from privacy.jsonl (dpmem.engine.folder.claim refused a private run whose ledger is missing or
             # unreadable) and the folder's summary
-            self.mechanism.released = max(self._ledger_epsilon(), self._summarised_epsilon())
+            self.mechanism.spent_before(max(self._ledger_epsilon(), self._summarised_epsilon()))
         if self.method.noise_reseeded is not None:
             self.summary["noise_reseeded"] = self.method.noise_reseeded
             print(f"dpmem: warning: {self.method.noise_reseeded}, whose states do not carry over: the noise is "

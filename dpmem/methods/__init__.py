@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 from omegaconf import OmegaConf
@@ -72,8 +73,11 @@ def build_method(cfg, model, lr: float, mechanism: GaussianMechanism | None, see
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"{cfg.name}: the model has no trainable parameter (every one has requires_grad=False): "
                          "nothing to train")
-    if cls.spec.privatised_gradient and cfg.subspace.path is not None:
-        mechanism.observers = (*mechanism.observers, SubspaceProjection(cfg.subspace, model))
+    if (cls.spec.privatised_gradient and cfg.subspace.path is not None
+            and not any(isinstance(o, SubspaceProjection) for o in mechanism.observers)):
+        # the mechanism is a frozen description: one with the projection too, before anything is drawn
+        mechanism = dataclasses.replace(mechanism, observers=(*mechanism.observers,
+                                                              SubspaceProjection(cfg.subspace, model)))
     return cls(model, cfg, lr, mechanism=mechanism, seed=seed)
 
 

@@ -120,7 +120,7 @@ class ZerothOrder(Method):
             along = self.canaries.directional(self._directions(seed))
             planted = along[self.canaries.sample(self.mechanism.sample_rate)].to(estimates.device, estimates.dtype)
             total = self.clipped_sum(torch.cat([estimates, planted]))
-            g = self.mechanism.release_scalar(total)
+            g = self.mechanism.release({None: total.clone()})[None]  # `total` kept: the noise check reads it
             C = self.mechanism.max_grad_norm
             # the noise check's value: what the release added to the clipped sum it was handed, in units of C
             added = (float(g) * self.mechanism.expected_batch_size - float(total)) / C
@@ -149,4 +149,5 @@ class DPZero(ZerothOrder):
 
     def aggregate(self, estimates: torch.Tensor, count: int | None = None) -> torch.Tensor:
         # `count` is not needed: the clipped sum is divided by the expected batch size
-        return self.mechanism.release_scalar(self.clipped_sum(estimates))
+        # a scalar's release: under key None (a broken mechanism's `noise_std(None)`), one draw on every rank
+        return self.mechanism.release({None: self.clipped_sum(estimates)})[None]

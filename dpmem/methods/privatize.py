@@ -19,6 +19,7 @@ from dpmem.data.bundle import weights
 from dpmem.metering import memory_label
 from dpmem.methods.base import batch_size
 from dpmem.methods.clipping_plan import ClippingPlan
+from dpmem.methods.compiled_step import CompiledStep
 from dpmem.methods.coverage import verify_coverage
 from dpmem.models import checkpointed
 from dpmem.persample import Projection, reducers, weighted_sum
@@ -101,13 +102,7 @@ class Privatizer:
         self.closed = False  # `close` removed the taps: a step then would clip nothing
         self._check_coverage = check_coverage
         self._zero = self.taps.zero()  # the probes' leaf (`Taps.zero`)
-        self._compiled = None  # the micro-batch, compiled by `compile`
-        self._compiled_forward = None  # a checkpointed model's forward (or a TF32 run's), compiled by `compile`
-        self._streamed = "values"  # what streams out of the backward: "pairs" in a compiled TF32 one (`compile`)
-        self._probes_made = False  # an eager forward has made the compiled forward's probes (`_backward`)
-        self._probe_shapes = None  # each parameter's probe draws' (shape, dtype), in order (compiled dp-sgd-rc)
-        self._flat = None  # the compiled step's clipped sums, one flat tensor (`_compiled_pass`), until released
-        self._sum_shapes = self._noise_runs = None  # the compiled step's: each sum's shape, the noise's runs' sizes
+        self.compiled = CompiledStep()  # what `compile` compiled, and its state between steps
         # Keys drawn once per logical step, the same on every rank, from the noise's secret key (host-side: no sync):
         # dp-sgd-rc's probes (each micro-batch, on each rank, draws them again from the step's key, so neither the
         # physical batch size nor the number of ranks changes them) and, under FSDP, each rank's noise on its shards.
@@ -127,14 +122,14 @@ class Privatizer:
         if self.sharded or self.observers:
             raise ValueError("a compiled private step needs no FSDP and no observers (dpmem audit)")
         if checkpointed(self.model) or compiler.tf32:
-            self._compiled_forward = compiler(self._forward, "forward")
-            self._streamed = "pairs" if compiler.tf32 else "values"
+            self.compiled.forward = compiler(self._forward, "forward")
+            self.compiled.streamed = "pairs" if compiler.tf32 else "values"
             return
         if len({p.dtype for p in self.params}) > 1:
             raise ValueError("a compiled private step needs the trainable parameters in one dtype (its clipped sums "
                              "are one flat buffer)")
-        self._compiled = compiler(self._microbatch_flat, "microbatch")
-        self._copy_first = compiler.reuses_outputs
+        self.compiled.microbatch = compiler(self._microbatch_flat, "microbatch")
+        self.compiled.copy_first = compiler.reuses_outputs
 
     def close(self) -> None:
         """Remove every hook it put on the model (idempotent)."""
@@ -176,12 +171,11 @@ class Privatizer:
             microbatches, loss_fn = observer.on_microbatches(self, microbatches, loss_fn)
         summed, loss_sum = self.clip_and_accumulate(microbatches, loss_fn, shapes, projections)
         loss_sum = self.mechanism.released_loss(loss_sum)
-        if self._flat is not None:  # a compiled step (a compiled run's first step is eager)
+        if self.compiled.flat is not None:  # a compiled step (a compiled run's first step is eager)
             # the ranks' sums reduced eagerly (a collective); the release noises the flat sum's runs in place
-            flat, self._flat = self._flat, None
+            flat, self.compiled.flat = self.compiled.flat, None
             distributed.sum_([flat])
-            self.mechanism.release_flat(flat, self._noise_runs)
-            return PrivateGradient(summed, loss_sum)
+            return PrivateGradient(self.mechanism.release(summed, flat=flat), loss_sum)
         with exact_float32(self.device):
             summed = self.sum_over_ranks(summed)
             for observer in self.observers:
@@ -197,7 +191,7 @@ class Privatizer:
         if projections and self.plan.passes != 1:
             raise ValueError(f"projected per-sample gradients need one-pass clipping, not {self.plan.name!r}")
         projections, estimated = projections or {}, self._probe_draws is not None
-        compiled = self._compiled is not None and (self._probe_shapes is not None or not estimated)
+        compiled = self.compiled.microbatch is not None and (self.compiled.probe_shapes is not None or not estimated)
         if compiled and not self._check_coverage:
             return self._compiled_pass(microbatches, loss_fn, shapes, projections)
         summed = {}  # made by the first micro-batch's clipped sums (`_accumulate`)
@@ -207,7 +201,7 @@ class Privatizer:
             probes = [Recorded(d) for d in self._parameter_probes()] if estimated else None
             loss_sum = loss_sum + self.microbatch(mb, loss_fn, projections, summed, self._zero, self._check_coverage,
                                                   probes, shapes)
-            self._probe_shapes = [r.shapes for r in probes] if estimated else None
+            self.compiled.probe_shapes = [r.shapes for r in probes] if estimated else None
             self._check_coverage = False
             for observer in self.observers:
                 observer.on_accumulated(self, summed, i)
@@ -259,24 +253,23 @@ class Privatizer:
     def _compiled_pass(self, microbatches, loss_fn, shapes, projections):
         """One-pass clipping by the compiled micro-batch: every parameter's clipped sum in one flat tensor (the first
         micro-batch's own, later ones added in place), kept for the release and returned as views."""
-        if self._sum_shapes is None:
-            self._sum_shapes = [torch.Size(shapes[p]) for p in self.params]
+        step = self.compiled
+        if step.sum_shapes is None:
+            step.sum_shapes = [torch.Size(shapes[p]) for p in self.params]
         flat, loss_sum = None, torch.zeros((), device=self.device)
         for mb in self._with_step_probes(microbatches):
             # the estimators' probes drawn here, as the eager step draws them, and passed in
             probes = None if self._probe_draws is None else [
-                Drawn.of(d, s) for d, s in zip(self._parameter_probes(), self._probe_shapes)]
-            part, loss = self._compiled(mb, loss_fn, projections, self._zero, probes)
+                Drawn.of(d, s) for d, s in zip(self._parameter_probes(), step.probe_shapes)]
+            part, loss = step.microbatch(mb, loss_fn, projections, self._zero, probes)
             # the first part kept (a copy where the next replay would overwrite it), later ones added into it
-            flat = (part.clone() if self._copy_first else part) if flat is None else flat.add_(part)
+            flat = (part.clone() if step.copy_first else part) if flat is None else flat.add_(part)
             loss_sum = loss_sum + loss
         if flat is None:
-            flat = torch.zeros(sum(s.numel() for s in self._sum_shapes), device=self.device, dtype=self.params[0].dtype)
-        self._flat = flat
-        chunks = flat.split([s.numel() for s in self._sum_shapes])  # a vector's chunk as it is: a view op fewer
-        summed = {p: c if len(s) == 1 else c.view(s) for p, c, s in zip(self.params, chunks, self._sum_shapes)}
-        if self._noise_runs is None:  # the release's runs over these sums: consecutive slices of flat
-            self._noise_runs = self.mechanism.flat_runs(summed)
+            flat = torch.zeros(sum(s.numel() for s in step.sum_shapes), device=self.device, dtype=self.params[0].dtype)
+        step.flat = flat
+        chunks = flat.split([s.numel() for s in step.sum_shapes])  # a vector's chunk as it is: a view op fewer
+        summed = {p: c if len(s) == 1 else c.view(s) for p, c, s in zip(self.params, chunks, step.sum_shapes)}
         return summed, loss_sum
 
     def microbatch(self, mb, loss_fn, projections, summed, zero, check, probes, shapes) -> torch.Tensor:
@@ -347,9 +340,9 @@ class Privatizer:
         is None or `check` (the coverage check's first micro-batch, which compares with autograd's batch gradient:
         under FSDP that is the reduce-scattered `.grad`, from a backward pass of its own)."""
         # a compiled forward (a checkpointed model's, a TF32 run's) runs once an eager one has made its probes
-        compiled = self._compiled_forward is not None and not check
-        forward = self._compiled_forward if compiled and self._probes_made else self._forward
-        stream = None if shapes is None or check else self._streamed
+        compiled = self.compiled.forward is not None and not check
+        forward = self.compiled.forward if compiled and self.compiled.probes_made else self._forward
+        stream = None if shapes is None or check else self.compiled.streamed
         while True:
             with self.taps.recording(zero, batch_size(mb), reduce, shapes, stream, compiled) as tape:
                 losses = per_sample(forward(mb, loss_fn), mb)
@@ -362,7 +355,7 @@ class Privatizer:
                                                          retain_graph)
             except RepeatedUse:  # a layer called twice: run again, its uses summed before they are reduced
                 continue
-            self._probes_made = self._probes_made or compiled
+            self.compiled.probes_made = self.compiled.probes_made or compiled
             return losses, kept, batch_grads  # under FSDP the batch gradient is in .grad already
 
     def _forward(self, mb, loss_fn) -> torch.Tensor:
@@ -372,7 +365,7 @@ class Privatizer:
     def _microbatch_flat(self, mb, loss_fn, projections, zero, probes) -> tuple[torch.Tensor, torch.Tensor]:
         """`microbatch` with its clipped sums returned as one flat tensor, in the parameters' order (the compiled
         step's: one output, not one per parameter), and its clipped loss sum."""
-        summed, shapes = {}, dict(zip(self.params, self._sum_shapes))
+        summed, shapes = {}, dict(zip(self.params, self.compiled.sum_shapes))
         # one pass keeps its layers whole: a graph with a function per layer ran host-bound grape at 0.83× compiled
         # AdamW's samples/s, 0.91× without (docs/benchmarks/compile.md); two passes stream their norms
         loss = self.microbatch(mb, loss_fn, projections, summed, zero, False, probes,

@@ -34,7 +34,24 @@ from dpmem.privacy.strategies import Strategy, make_strategy
 NOISE_BUCKET = 2**24  # elements of noise drawn at once (64 MiB in float32)
 
 
-@dataclass
+class MechanismState:
+    """What a mechanism changes as it releases, and all a checkpoint needs of it (`GaussianMechanism.state_dict`):
+    the releases so far, the loss's draws, correlated noise's state (bandmf's buffers), and what ε it must not go
+    below. The draws' keys and counts live in their `Draws` objects (the description's `draws` and `sampler`)."""
+
+    def __init__(self, draws: Draws | None, loss_sigma: float, strategy: Strategy | None, restart: int | None):
+        # the loss's draws apart from the gradient's: only rank 0 draws them (`released_loss`)
+        self.loss_draws = Draws(draws.key, "loss", draws.device) if draws is not None and loss_sigma > 0 else None
+        self.releases = 0  # gradient releases so far (steps), counted by `release`
+        correlated = strategy is not None and strategy.name != "independent"
+        self.correlated = (CorrelatedNoise(strategy, draws.key if draws is not None else None, restart)
+                           if correlated else None)
+        self.leak: str | None = None  # why a private run is not private after all (a subspace from its own data)
+        self.released = 0.0  # the most ε an earlier attempt of this run recorded (privacy.jsonl): already spent
+        self.flat_runs = None  # a compiled step's runs over its flat sum, the same every step (`release`)
+
+
+@dataclass(frozen=True)
 class GaussianMechanism:
     """The Gaussian mechanism of a private step: std σ·C on the clipped sum, divided by the expected batch size q·n
     (fixed, so that the normalisation itself reveals nothing about the sampled batch); and, where the training loss
@@ -59,6 +76,8 @@ class GaussianMechanism:
         restart: a projected method's refresh F, where correlated noise restarts (`dpmem.privacy.correlated`).
 
     A run's mechanism (`calibrate`) also holds its accounting; one built by hand accounts nothing (`accounted`).
+    It is a frozen description: what changes as it releases is its `state` (`MechanismState`), which it alone
+    saves and restores (`state_dict`, `load_state_dict`), and the keys and counts inside its `Draws`.
     """
     sigma: float
     max_grad_norm: float
@@ -88,15 +107,13 @@ class GaussianMechanism:
             value = getattr(self, name)
             if not isinstance(value, numbers.Real) or isinstance(value, bool) or not ok(value):  # NaN fails `ok`
                 raise ValueError(f"GaussianMechanism: {name}={value!r}: allowed a number {allowed}")
-        # the loss's draws apart from the gradient's: only rank 0 draws them (`released_loss`)
-        self.loss_draws = (Draws(self.draws.key, "loss", self.draws.device)
-                           if self.draws is not None and self.loss_sigma > 0 else None)
-        self.releases = 0  # gradient releases so far (steps), counted by `release`, `release_flat`, `release_scalar`
-        self.leak: str | None = None  # why a private run is not private after all (a subspace from its own data)
-        self.released = 0.0  # the most ε an earlier attempt of this run recorded (privacy.jsonl): already spent
-        correlated = self.strategy is not None and self.strategy.name != "independent"
-        self.correlated = (CorrelatedNoise(self.strategy, self.draws.key if self.draws is not None else None,
-                                           self.restart) if correlated else None)
+        object.__setattr__(self, "state", MechanismState(self.draws, self.loss_sigma, self.strategy, self.restart))
+
+    # the state's, read where the description is read
+    releases = property(lambda self: self.state.releases)
+    loss_draws = property(lambda self: self.state.loss_draws)
+    correlated = property(lambda self: self.state.correlated)
+    leak = property(lambda self: self.state.leak)
 
     # -- accounting -----------------------------------------------------------------------------------------------
     @property
@@ -110,11 +127,16 @@ class GaussianMechanism:
             return math.inf
         if not distributed.is_main():
             return math.nan
-        return max(epsilon_spent(self.sigma, self.delta, self.sample_rate, steps, **self.accountant), self.released)
+        return max(epsilon_spent(self.sigma, self.delta, self.sample_rate, steps, **self.accountant),
+                   self.state.released)
+
+    def spent_before(self, epsilon: float) -> None:
+        """What an earlier attempt of this run released (a resume reads it from the ledger): ε never goes below."""
+        self.state.released = max(self.state.released, epsilon)
 
     def mark_leak(self, why: str) -> None:
         """ε is void: the run releases what its own data chose (a subspace computed from the training set)."""
-        self.leak = why
+        self.state.leak = why
         self.summary.update(private=False, epsilon_spent=math.inf)
 
     def ledger_fields(self) -> dict:
@@ -158,14 +180,19 @@ class GaussianMechanism:
         return losses if math.isinf(self.loss_bound) else losses.clamp(0, self.loss_bound)
 
     # -- releases -------------------------------------------------------------------------------------------------
-    def release(self, summed: dict, own: Draws | None = None) -> dict:
-        """Each clipped sum noised and divided by q·n, in place. A sum every rank holds whole gets the same draw on
-        every rank (the draws have one key); a sum sharded by FSDP gets, on each rank, a draw for its own shard from
+    def release(self, summed: dict, own: Draws | None = None, flat: torch.Tensor | None = None) -> dict:
+        """Each clipped sum noised and divided by q·n, in place: the one release of every path (eager, FSDP, the
+        compiled step, DPZero's scalar under key None). A sum every rank holds whole gets the same draw on every
+        rank (the draws have one key); a sum sharded by FSDP gets, on each rank, a draw for its own shard from
         `own`, that rank's draws of the step.
 
-        Each of the sums' runs (`_runs`) gets one standard normal vector of its total size (one keyed draw), split
-        into its sums in order: one draw and one for-each add per run, where a draw per sum would cost a kernel per
-        parameter. `release_flat` takes the same draws."""
+        Each of the sums' runs (`_runs`) gets one standard normal vector of its total size (one keyed draw, or the
+        correlated strategy's), split into its sums in order: one draw and one for-each add per run, where a draw
+        per sum would cost a kernel per parameter. `flat`: the compiled step's flat clipped sum, of which `summed`
+        holds views, in order: each run's noise is added to its slice of it and one division follows (an op per
+        run; a compiled graph's guarded entry would cost the host more than it saves)."""
+        if flat is not None:
+            return self._release_flat(summed, flat)
         for index, run in enumerate(self._runs(summed, own)):
             first, draws, std = run[0]
             if std == 0:  # sigma = 0 only for privacy=none: clipping without noise
@@ -180,31 +207,20 @@ class GaussianMechanism:
         self._released()
         return summed
 
-    def flat_runs(self, summed: dict) -> list[tuple[int, float]]:
-        """The (size, std) of `release`'s runs over `summed` (views of one flat tensor, whole on every rank), in
-        order: consecutive slices of the flat tensor, which `release_flat` noises as `release` would the dict."""
-        return [(sum(p.numel() for p, *_ in run), run[0][2]) for run in self._runs(summed, None)]
-
-    def release_flat(self, flat: torch.Tensor, runs: list[tuple[int, float]]) -> torch.Tensor:
-        """The compiled step's release of its flat clipped sum, in place: each run's draw added to its slice, then
-        one division. Eager: on one flat tensor it is an op per run, and a compiled graph's guarded entry would cost
-        the host more than it saves."""
+    def _release_flat(self, summed: dict, flat: torch.Tensor) -> dict:
+        """`release` on the compiled step's flat sum: its runs, (size, std), are the first compiled step's (a broken
+        mechanism whose std varies by release is never compiled: the audit's observers refuse it)."""
+        if self.state.flat_runs is None:
+            self.state.flat_runs = [(sum(p.numel() for p, *_ in run), run[0][2]) for run in self._runs(summed, None)]
         start = 0
-        for index, (size, std) in enumerate(runs):
+        for index, (size, std) in enumerate(self.state.flat_runs):
             if std:
                 flat[start:start + size].add_(self._noise(str(index), self.draws, (size,), flat.device, flat.dtype),
                                               alpha=std)
             start += size
+        flat.div_(self.expected_batch_size)
         self._released()
-        return flat.div_(self.expected_batch_size)
-
-    def release_scalar(self, total: torch.Tensor) -> torch.Tensor:
-        """DPZero's release of its clipped sum of scalars (the same on every rank: one key)."""
-        std = self.noise_std(None)
-        if std:
-            total = total + std * self._noise("0", self.draws, (), total.device, total.dtype)
-        self._released()
-        return total / self.expected_batch_size
+        return summed
 
     def released_loss(self, clipped_sum: torch.Tensor) -> torch.Tensor:
         """This rank's clipped loss sum as released: with N(0, (loss_sigma·L)²) on rank 0 alone, since the trainer
@@ -221,7 +237,7 @@ class GaussianMechanism:
         return self.correlated.noise(run, shape, device, dtype)
 
     def _released(self) -> None:
-        self.releases += 1
+        self.state.releases += 1
         if self.correlated is not None:
             self.correlated.advance()
 
@@ -229,7 +245,7 @@ class GaussianMechanism:
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the mechanism: its draws (key and count), the loss's, the releases so far and
         correlated noise's state (bandmf's buffers). As private as the data: it derives the noise."""
-        state = {"releases": self.releases}
+        state = {"releases": self.state.releases}
         if self.draws is not None:
             state["noise"] = {**self.draws.state_dict(), "device": self.draws.device.type}
         if self.loss_draws is not None:
@@ -243,7 +259,7 @@ class GaussianMechanism:
         differ (two Philox streams, numpy's PCG64DXSM): on another device independent noise is keyed afresh from the
         OS (steps redrawn after the checkpoint get new noise), and that is returned as why; correlated noise cannot
         be (its past draws are the strategy's), and is refused."""
-        self.releases = state.get("releases", self.releases)
+        self.state.releases = state.get("releases", self.state.releases)
         saved = state.get("noise")
         if saved is None or self.draws is None:
             return None
