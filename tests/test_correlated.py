@@ -261,3 +261,27 @@ def test_no_edit_of_how_a_run_sampled_or_correlated_its_noise_lowers_the_compose
         (folder / "summary.json").write_text(json.dumps(summary))
     after, md = composed()
     assert after >= before * (1 - 1e-9), md
+
+
+@pytest.mark.parametrize("method,noise", [("dp-adam", "bandmf"), ("grape", "bisr")])
+def test_a_compiled_correlated_run_is_one_graph_and_trains_to_the_eager_weights(tmp_path, monkeypatch, method, noise):
+    """The compiled micro-batch is one graph; its flat sum is released by the same mechanism, eagerly (the
+    correlated draws are made there, on the host's key, as the eager step makes them): the weights agree."""
+    kept = {}
+    real_execute = Run.execute
+
+    def keep(self):
+        out = real_execute(self)
+        kept[self.run_dir.name] = torch.cat([p.detach().flatten() for p in self.model.parameters()])
+        return out
+    monkeypatch.setattr("dpmem.engine.trainer.Run.execute", keep)
+    own = ["method.rank=4", "method.refresh=3"] if method == "grape" else []
+    overrides = [f"method={method}", f"privacy.noise={noise}", "privacy.bands=3", "train.sampling=cyclic",
+                 "train.steps=6", "train.physical_batch_size=16", "train.static_shapes=true", *SMALL, *SEEDS, *own]
+    eager = run_training(config(*overrides), tmp_path / "eager")
+    compiled = run_training(config(*overrides, "train.compile=true", "train.compile_backend=eager"),
+                            tmp_path / "compiled")
+    assert compiled["epsilon_spent"] == eager["epsilon_spent"]
+    assert compiled["compiled"]["graphs_per_function"] == {"microbatch": 1}, compiled["compiled"]
+    assert compiled["compiled"]["graph_breaks"] == 0 and compiled["compiled"]["recompiles"] == 0
+    torch.testing.assert_close(kept["compiled"], kept["eager"], rtol=1e-5, atol=1e-6)

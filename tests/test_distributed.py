@@ -63,6 +63,11 @@ NOISE = ["method=dp-sgd", "train.lr=1.0", "train.steps=1", "privacy.noise_seed=5
 RC = ["method=dp-sgd-rc", "method.k=4", "privacy=none", "privacy.noise_seed=2", "train.steps=4",
       "train.physical_batch_size=8", *ADAM]
 GHOST = ["method=dp-adam", "method.clipping=ghost"]
+# correlated noise (issue 65), noise on: every rank draws the same whole noise (and keeps the same buffers), FSDP's
+# ranks each their shards' (bisr: no buffer to gather)
+CORRELATED = {name: [*GHOST, f"privacy.noise={name}", "privacy.bands=2", "train.sampling=cyclic", "privacy=eps1",
+                     "privacy.noise_seed=5", "privacy.sampler_seed=5", "train.steps=4", "train.physical_batch_size=8",
+                     *ADAM] for name in ("bandmf", "bisr")}
 # FSDP (two ranks only) runs these jobs again with sharded parameters; the two-rank data-parallel run is the oracle
 FSDP = ["adam", "dp-adam-ghost", "dp-sgd-mixed", "dp-sgd-rc", "grape", "dp-adam-ghost-bf16"]
 TEXT = ["model=roberta-tiny", "model.head=mlm", "data=synthetic", "data.seq_len=12", *GHOST, "privacy=none",
@@ -88,7 +93,8 @@ def jobs(device):
     out = [{"name": name, "overrides": COMMON + dev + own + ["privacy=none"]} for name, own in METHODS.items()]
     return out + [{"name": "noise-off", "overrides": COMMON + dev + NOISE + ["privacy=none"]},
                   {"name": "noise-on", "overrides": COMMON + dev + NOISE + ["privacy=eps1"]},
-                  {"name": "rc", "overrides": COMMON + dev + RC}]
+                  {"name": "rc", "overrides": COMMON + dev + RC}] + [
+        {"name": name, "overrides": COMMON + dev + own} for name, own in CORRELATED.items()]
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -101,11 +107,13 @@ def runs(request, tmp_path_factory):
     single.mkdir(), pair.mkdir()
     memory = {"name": "memory", "overrides": MEMORY + [f"train.device={device}"]}
     (single / "jobs.json").write_text(json.dumps(jobs(device) + [memory]))
-    resumed = [{"name": "rc-resumed", "overrides": jobs(device)[-1]["overrides"] + ["train.checkpoint_every=2"],
-                "die_at_step": 3},
-               {"name": "left", "overrides": jobs(device)[-1]["overrides"] + ["train.checkpoint_every=2"],
+    rc_job = next(job["overrides"] for job in jobs(device) if job["name"] == "rc")
+    resumed = [{"name": "rc-resumed", "overrides": rc_job + ["train.checkpoint_every=2"], "die_at_step": 3},
+               {"name": "left", "overrides": rc_job + ["train.checkpoint_every=2"],
                 "die_at_step": 3, "resume": False}]
     by_name = {job["name"]: job["overrides"] for job in jobs(device)}
+    resumed += [{"name": "bandmf-resumed", "overrides": by_name["bandmf"] + ["train.checkpoint_every=2"],
+                 "die_at_step": 3}]  # its checkpoint holds step 2's buffer: killed mid-band
     sharded = [{"name": f"fsdp-{name}", "overrides": by_name[name] + ["train.fsdp=true"]} for name in FSDP]
     sharded += [{"name": f"fsdp-{name}", "overrides": by_name[name] + FSDP_NOISE + ["train.fsdp=true"]}
                 for name in ("noise-on", "noise-off")]
@@ -121,6 +129,9 @@ def runs(request, tmp_path_factory):
                  ["train.checkpoint_every=2"], "die_at_step": 3},
                 {"name": "fsdp-noisy", "overrides": noisy},
                 {"name": "fsdp-noisy-resumed", "overrides": noisy + ["train.checkpoint_every=2"], "die_at_step": 3}]
+    bisr = by_name["bisr"] + FSDP_NOISE + ["train.fsdp=true"]
+    sharded += [{"name": "fsdp-bisr", "overrides": bisr},
+                {"name": "fsdp-bisr-resumed", "overrides": bisr + ["train.checkpoint_every=2"], "die_at_step": 3}]
     # a text model whose task calls its parts (base model, then tied LM head), with dropout: data-parallel and FSDP
     text = {"name": "roberta", "overrides": [o for o in COMMON if o not in SMALL] + [f"train.device={device}", *TEXT]}
     sharded += [text, {"name": "fsdp-roberta", "overrides": text["overrides"] + ["train.fsdp=true"]}]
@@ -147,7 +158,7 @@ def summary(folder: Path, name: str) -> dict:
     return json.loads((folder / name / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("name", [*METHODS, "noise-on", "rc"])
+@pytest.mark.parametrize("name", [*METHODS, "noise-on", "rc", *CORRELATED])
 def test_two_ranks_train_to_the_parameters_of_one_process(runs, name):
     single, pair = runs
     one, two = params(single, name), params(pair, name)
@@ -375,6 +386,18 @@ def test_fsdp_refuses_what_it_cannot_run(tmp_path, overrides, key, words):
         else:
             Run(cfg, tmp_path).prepare()
     assert refused.value.key == key and words in str(refused.value), str(refused.value)
+
+
+def test_correlated_noise_resumes_mid_band_on_two_ranks_and_bisr_runs_under_fsdp(runs):
+    _, pair = runs
+    for run, again in (("bandmf", "bandmf-resumed"), ("fsdp-bisr", "fsdp-bisr-resumed")):
+        resumed = summary(pair, again)
+        assert resumed["status"] == "ok" and resumed["resumed_from_step"] == 2, resumed["error"]
+        for key, value in params(pair, run).items():
+            torch.testing.assert_close(params(pair, again)[key], value, rtol=0, atol=0, msg=f"{again}: {key}")
+    sharded, replicated = summary(pair, "fsdp-bisr"), summary(pair, "bisr")
+    assert sharded["status"] == "ok" and sharded["fsdp"] is True and sharded["noise"] == "bisr"
+    assert sharded["epsilon_spent"] == replicated["epsilon_spent"]
 
 
 @pytest.mark.parametrize("name", ["grape", "noisy"])
