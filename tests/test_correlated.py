@@ -285,3 +285,19 @@ def test_a_compiled_correlated_run_is_one_graph_and_trains_to_the_eager_weights(
     assert compiled["compiled"]["graphs_per_function"] == {"microbatch": 1}, compiled["compiled"]
     assert compiled["compiled"]["graph_breaks"] == 0 and compiled["compiled"]["recompiles"] == 0
     torch.testing.assert_close(kept["compiled"], kept["eager"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_correlated_run_checkpointed_on_another_kind_of_device_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Independent noise is keyed afresh there (docs/sharp-edges.md); correlated noise would continue draws that
+    device cannot make again. The checkpoint is marked as a CUDA one here (a CPU machine has no other device)."""
+    overrides = ["method=dp-adam", "privacy.noise=bandmf", "privacy.bands=2", "train.sampling=cyclic",
+                 "train.checkpoint_every=2", "train.steps=4", *SMALL]
+    real_step = dies_at(monkeypatch, METHODS["dp-adam"], 3)
+    with pytest.raises(RuntimeError, match="went away"):
+        run_training(config(*overrides), tmp_path)
+    monkeypatch.setattr(METHODS["dp-adam"], "step", real_step)
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    state["method"]["mechanism"]["noise"]["device"] = "cuda"
+    torch.save(state, tmp_path / "checkpoint.pt")
+    with pytest.raises(ConfigError, match="train.device: the checkpoint's noise was drawn on cuda.*resume it on cuda"):
+        run_training(config(*overrides), tmp_path)

@@ -266,8 +266,8 @@ class GaussianMechanism:
         if saved["device"] != self.draws.device.type:
             why = f"the checkpoint's noise was drawn on {saved['device']}, this run is on {self.draws.device.type}"
             if self.correlated is not None:
-                raise ValueError(f"{why}: correlated noise continues its earlier draws, which only the same kind "
-                                 "of device draws again; resume it on that device")
+                raise ConfigError("train.device", f"{why}: correlated noise continues its earlier draws, which only "
+                                  f"the same kind of device draws again; resume it on {saved['device']}")
             self.draws.key = os_key()
             if self.loss_draws is not None:
                 self.loss_draws.key = self.draws.key
