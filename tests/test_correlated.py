@@ -301,3 +301,26 @@ def test_a_correlated_run_checkpointed_on_another_kind_of_device_is_refused_in_o
     torch.save(state, tmp_path / "checkpoint.pt")
     with pytest.raises(ConfigError, match="train.device: the checkpoint's noise was drawn on cuda.*resume it on cuda"):
         run_training(config(*overrides), tmp_path)
+
+
+def test_every_clipping_mode_and_galore_dp_naive_release_the_same_correlated_noise(tmp_path, monkeypatch):
+    """The strategy lives in the release, after any clipping mode has formed the clipped sums: with the same
+    batches and noise keys, dp-adam's five modes train to materialize's weights (to float32's rounding of the
+    clipped sums: a mode's noise gone astray would move them by a step), and galore-dp-naive runs with its buffers
+    restarted at each refresh."""
+    kept = {}
+    real_execute = Run.execute
+
+    def keep(self):
+        out = real_execute(self)
+        kept[self.run_dir.name] = torch.cat([p.detach().flatten() for p in self.model.parameters()])
+        return out
+    monkeypatch.setattr("dpmem.engine.trainer.Run.execute", keep)
+    common = ["privacy.noise=bandmf", "privacy.bands=3", "train.sampling=cyclic", "train.steps=4", *SMALL, *SEEDS]
+    for mode in ("materialize", "bk", "fgc", "ghost", "mixed"):
+        s = run_training(config("method=dp-adam", f"method.clipping={mode}", *common), tmp_path / mode)
+        assert s["status"] == "ok" and s["clipping"] == mode
+    for mode in ("bk", "fgc", "ghost", "mixed"):
+        torch.testing.assert_close(kept[mode], kept["materialize"], rtol=1e-4, atol=2e-5, msg=mode)
+    s = run_training(config("method=galore-dp-naive", "method.rank=4", "method.refresh=2", *common), tmp_path / "g")
+    assert s["status"] == "ok" and s["noise"] == "bandmf" and s["noise_horizon"] == 2
