@@ -129,9 +129,10 @@ def runs(request, tmp_path_factory):
                  ["train.checkpoint_every=2"], "die_at_step": 3},
                 {"name": "fsdp-noisy", "overrides": noisy},
                 {"name": "fsdp-noisy-resumed", "overrides": noisy + ["train.checkpoint_every=2"], "die_at_step": 3}]
-    bisr = by_name["bisr"] + FSDP_NOISE + ["train.fsdp=true"]
-    sharded += [{"name": "fsdp-bisr", "overrides": bisr},
-                {"name": "fsdp-bisr-resumed", "overrides": bisr + ["train.checkpoint_every=2"], "die_at_step": 3}]
+    for name in CORRELATED:  # bandmf's checkpoint gathers each rank's shard buffers; bisr keeps none
+        over = by_name[name] + FSDP_NOISE + ["train.fsdp=true"]
+        sharded += [{"name": f"fsdp-{name}", "overrides": over},
+                    {"name": f"fsdp-{name}-resumed", "overrides": over + ["train.checkpoint_every=2"], "die_at_step": 3}]
     # a text model whose task calls its parts (base model, then tied LM head), with dropout: data-parallel and FSDP
     text = {"name": "roberta", "overrides": [o for o in COMMON if o not in SMALL] + [f"train.device={device}", *TEXT]}
     sharded += [text, {"name": "fsdp-roberta", "overrides": text["overrides"] + ["train.fsdp=true"]}]
@@ -388,16 +389,17 @@ def test_fsdp_refuses_what_it_cannot_run(tmp_path, overrides, key, words):
     assert refused.value.key == key and words in str(refused.value), str(refused.value)
 
 
-def test_correlated_noise_resumes_mid_band_on_two_ranks_and_bisr_runs_under_fsdp(runs):
+def test_correlated_noise_resumes_mid_band_on_two_ranks_and_under_fsdp(runs):
     _, pair = runs
-    for run, again in (("bandmf", "bandmf-resumed"), ("fsdp-bisr", "fsdp-bisr-resumed")):
-        resumed = summary(pair, again)
+    for run in ("bandmf", "fsdp-bandmf", "fsdp-bisr"):
+        resumed = summary(pair, f"{run}-resumed")
         assert resumed["status"] == "ok" and resumed["resumed_from_step"] == 2, resumed["error"]
         for key, value in params(pair, run).items():
-            torch.testing.assert_close(params(pair, again)[key], value, rtol=0, atol=0, msg=f"{again}: {key}")
-    sharded, replicated = summary(pair, "fsdp-bisr"), summary(pair, "bisr")
-    assert sharded["status"] == "ok" and sharded["fsdp"] is True and sharded["noise"] == "bisr"
-    assert sharded["epsilon_spent"] == replicated["epsilon_spent"]
+            torch.testing.assert_close(params(pair, f"{run}-resumed")[key], value, rtol=0, atol=0, msg=f"{run}: {key}")
+    for name in CORRELATED:
+        sharded, replicated = summary(pair, f"fsdp-{name}"), summary(pair, name)
+        assert sharded["status"] == "ok" and sharded["fsdp"] is True and sharded["noise"] == name
+        assert sharded["epsilon_spent"] == replicated["epsilon_spent"]
 
 
 @pytest.mark.parametrize("name", ["grape", "noisy"])

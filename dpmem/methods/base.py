@@ -208,9 +208,6 @@ class Method:
         if not cyclic:
             raise ConfigError("train.sampling", f"privacy.noise={name} is accounted under cyclic Poisson sampling "
                               "(a record joins only every G-th step); set train.sampling=cyclic")
-        if t.get("fsdp") and noise == Noise.bandmf:
-            raise ConfigError("privacy.noise", "bandmf under train.fsdp=true: its buffers would be each rank's "
-                              "shards, which a checkpoint does not gather; allowed with FSDP: bisr (no buffer)")
 
     def compile(self, compiler) -> None:
         """train.compile: the step's functions compiled by `compiler` (`dpmem.compiling.Compiler`)."""

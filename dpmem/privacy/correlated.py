@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from dpmem import distributed
 from dpmem.privacy.randomness import Draws, derive
 from dpmem.privacy.strategies import Strategy
 
@@ -69,11 +70,20 @@ class CorrelatedNoise:
         return Draws(derive(self.key, f"correlated/{run}", i), "noise", device).randn(*shape, dtype=dtype)
 
     def state_dict(self) -> dict:
-        return {"index": self.index, "buffers": {run: list(kept) for run, kept in self.buffers.items()}}
+        """The release index and the buffers. Under FSDP each rank's buffers are its shards' (runs named by rank):
+        every rank's are gathered, and each takes its own back (`load_state_dict`)."""
+        buffers = {run: [t.cpu() for t in kept] for run, kept in self.buffers.items()}
+        if any("/" in run for run in buffers):  # every FSDP rank saves (checkpoint.save), so all take part
+            buffers = {"by_rank": distributed.gathered(buffers)}
+        return {"index": self.index, "buffers": buffers}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, device) -> None:
+        """`state_dict`'s, the buffers onto `device` (a checkpoint loads onto the CPU)."""
         self.index = state["index"]
-        self.buffers = {run: list(kept) for run, kept in state["buffers"].items()}
+        buffers = state["buffers"]
+        if "by_rank" in buffers:
+            buffers = buffers["by_rank"][distributed.rank()]
+        self.buffers = {run: [t.to(device) for t in kept] for run, kept in buffers.items()}
 
     def tensors(self) -> list[torch.Tensor]:
         """The buffers, for the memory meter."""

@@ -277,7 +277,7 @@ class GaussianMechanism:
             self.loss_draws.load_state_dict(state["loss_noise"])
         if self.correlated is not None:
             self.correlated.key = self.draws.key
-            self.correlated.load_state_dict(state["correlated"])
+            self.correlated.load_state_dict(state["correlated"], self.draws.device)
         return None
 
     def _runs(self, summed: dict, own: Draws | None):
