@@ -59,14 +59,22 @@ def _bandmf_loss(tail: np.ndarray, n: int) -> tuple[float, np.ndarray]:
     forward solve on the reversed vector (a lower-triangular Toeplitz matrix is persymmetric), and ∂E/∂c_j =
     −Σ_i λ_i β_{i−j}. Fixing c_0 = 1 costs nothing (the loss is scale-invariant) and removes the flat direction."""
     c = np.concatenate(([1.0], tail))
-    beta = signal.lfilter([1.0], c, np.ones(n))
-    weights = (n - np.arange(n)) / n
-    error = weights @ beta**2
+    with np.errstate(over="ignore", invalid="ignore"):
+        beta = signal.lfilter([1.0], c, np.ones(n))
+        weights = (n - np.arange(n)) / n
+        error = weights @ beta**2
+    if not np.isfinite(error):
+        # a line search's step past the stable region (a root of c in the unit disc: 1/c(x) grows without bound, the
+        # error overflows): a steep finite wall, so that it steps back rather than stop where it began
+        return 1e100 * (1 + tail @ tail), 2e100 * tail
     adjoint = signal.lfilter([1.0], c, (2 * weights * beta)[::-1])[::-1]
     d_error = -np.array([adjoint[j:] @ beta[: n - j] for j in range(len(c))])
     norm2 = c @ c
     grad = 2 * c * error + norm2 * d_error
     return norm2 * error, grad[1:]
+
+
+STEP_SCALE = 100.0  # the optimiser's variables are c × 100: its first, unit, step moves c by 0.01
 
 
 @functools.lru_cache
@@ -80,9 +88,13 @@ def _bandmf_coefs(n: int, bands: int) -> tuple[float, ...]:
     if bands == 1:
         return (1.0,)
     start = _binomial_series(-0.5, bands)
-    found = optimize.minimize(_bandmf_loss, start[1:], args=(n,), jac=True, method="L-BFGS-B",
+
+    def scaled(u):  # L-BFGS-B's first step has length 1: in c, past the stable region (|c_1| < 1 for b = 2)
+        loss, grad = _bandmf_loss(u / STEP_SCALE, n)
+        return loss, grad / STEP_SCALE
+    found = optimize.minimize(scaled, start[1:] * STEP_SCALE, jac=True, method="L-BFGS-B",
                               options={"maxiter": 1000, "ftol": 1e-15, "gtol": 1e-12, "maxcor": 20})
-    c = np.concatenate(([1.0], found.x))
+    c = np.concatenate(([1.0], found.x / STEP_SCALE))
     return tuple(float(v) for v in c / np.linalg.norm(c))
 
 
