@@ -1,7 +1,7 @@
 """What a run measures besides its metric: `Meter`, its peak memory and training throughput; and the live-tensor
 counter it reads on the CPU and meta (on CUDA, the allocator's peaks): a TorchDispatchMode that counts the bytes of
 live tensor storages, exact and device-independent, and says what they were at the peak, by CATEGORIES, which
-`memory_label` assigns."""
+`memory_label` assigns (and the counter itself, for gradients and correlated noise's buffers)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from dpmem import sharding
 
-CATEGORIES = ("parameters", "gradients", "per_sample", "optimizer_state", "activations", "temporaries")
+CATEGORIES = ("parameters", "gradients", "per_sample", "optimizer_state", "noise_buffers", "activations", "temporaries")
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to a multiple of 512 bytes
 
 # What the code running now is making; storages created under no label are temporaries. A context variable, so
@@ -56,13 +56,15 @@ class LiveTensorCounter(TorchDispatchMode):
     `track`/`track_state` add storages made before (parameters, optimiser state). `current` and `peak` are in
     bytes, each storage rounded up to a multiple of `block` (1: exact bytes; CUDA_BLOCK: what CUDA's allocator
     would hand out). `peak_breakdown` splits the peak by category; a storage that is some parameter's `.grad` at
-    the peak counts as a gradient whatever made it."""
+    the peak counts as a gradient, and one that correlated noise keeps (bandmf's last b − 1 noise vectors) as a noise
+    buffer, whatever made it."""
 
     def __init__(self, block: int = 1):
         super().__init__()
         self.block = block
         self._live: dict[int, tuple[weakref.ref, int, str]] = {}
         self._params: list[torch.nn.Parameter] = []
+        self._noise = None  # the method's correlated noise (`dpmem.privacy.correlated.CorrelatedNoise`), if any
         self.current = self.peak = 0
         self.by_category = dict.fromkeys(CATEGORIES, 0)
         self.peak_breakdown = dict.fromkeys(CATEGORIES, 0)
@@ -73,10 +75,14 @@ class LiveTensorCounter(TorchDispatchMode):
         return self
 
     def track_state(self, model: torch.nn.Module, method=None) -> "LiveTensorCounter":
-        """Everything that exists between steps: parameters and buffers, gradients, the method's optimiser state."""
+        """Everything that exists between steps: parameters and buffers, gradients, the method's optimiser state
+        and its mechanism's noise buffers."""
         self._params = list(model.parameters())
         self.track(self._params).track(model.buffers())
         self.track((p.grad for p in self._params if p.grad is not None), "gradients")
+        noise = getattr(getattr(method, "mechanism", None), "correlated", None)
+        self.track(noise.tensors() if noise is not None else [], "noise_buffers")
+        self._noise = noise
         return self.track(method.state_tensors() if method is not None else [], "optimizer_state")
 
     def _add(self, t, category: str) -> None:
@@ -133,6 +139,8 @@ class LiveTensorCounter(TorchDispatchMode):
 
     def _new_peak(self) -> None:
         self.peak = self.current
+        if self._noise is not None:
+            self._keep_noise()
         breakdown = dict(self.by_category)
         # storages, not gradients: FSDP's gradient shards can be views of one reduce-scatter buffer. Read without
         # torch-function modes: a plan's modes would see every `.grad` read, at every new peak (half a plan's time)
@@ -144,6 +152,22 @@ class LiveTensorCounter(TorchDispatchMode):
                 breakdown[entry[2]] -= entry[1]
                 breakdown["gradients"] += entry[1]
         self.peak_breakdown = breakdown
+
+    def _keep_noise(self) -> None:
+        """A release draws each noise vector as a temporary; one that correlated noise keeps counts as a noise buffer
+        from then until it dies. Each run's vectors are newest first, and those made before the count are tracked
+        as noise buffers (`track_state`): the ones kept since the last peak come before the first already counted,
+        so a peak reads a few per run, not all b − 1 (OPT-6.7B's release has 400 runs)."""
+        with torch._C.DisableTorchFunction():
+            for kept in self._noise.buffers.values():
+                for t in kept:
+                    key = id(t.untyped_storage())
+                    entry = self._live.get(key)
+                    if entry is None or entry[2] == "noise_buffers":
+                        break
+                    self._live[key] = (entry[0], entry[1], "noise_buffers")
+                    self.by_category[entry[2]] -= entry[1]
+                    self.by_category["noise_buffers"] += entry[1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

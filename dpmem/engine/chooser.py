@@ -1,6 +1,7 @@
 """`dpmem plan` (docs/plan.md): every candidate configuration (plan.candidates × plan.checkpointing) at the run's
 logical batch, with the largest physical batch whose planned peak fits memory.budget (`largest_physical`), timed by
-a roofline of the ops its steps dispatch (dpmem.engine.roofline) for each of plan.precisions, ranked (RANKING)."""
+a roofline of the ops its steps dispatch (dpmem.engine.roofline) for each of plan.precisions, ranked (RANKING).
+Under privacy.noise=bandmf, each row also gives the most bands that fit beside it (`fitting_bands`, BANDS_RULE)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from dpmem.engine.trainer import accounting_of
 from dpmem.methods import method_class
 from dpmem.privacy import UnreachableTarget, calibrate_sigma
 
-STATE = ("parameters", "gradients", "optimizer_state")  # what activation checkpointing cannot shrink
+STATE = ("parameters", "gradients", "optimizer_state", "noise_buffers")  # what activation checkpointing cannot shrink
 PROBE = 8  # the second physical batch size planned, to measure the peak's growth per sample
 FULL_PLANS = 3  # full plans per candidate, at most, to find its largest fitting size
 CLOSE_ENOUGH = 1.05  # a fitting size within 5% of the next guess is kept (a plan of OPT-6.7B costs ~8 s)
@@ -29,6 +30,14 @@ RANKING = ("Ranked by estimated samples/s within each family of methods: {asked}
            "pass), then zeroth-order ones (dpzero, mezo: forward passes only). A zeroth-order step's samples are "
            "cheap, but it needs many more steps to the same result (experiment=dpgrape/fig6-convergence runs DPZero "
            "for 10 times DP-GRAPE's steps), so samples/s does not compare across the two.")
+BANDS_RULE = ("bandmf's bands (privacy.bands=b): a step keeps its last b − 1 noise vectors, each the size of what it "
+              "releases (the clipped sums: every trainable parameter for dp-adam and galore-dp-naive; grape's r×n "
+              "projections and its unprojected parameters; dpzero's one scalar), live through every step and "
+              "evaluation, so peak(b) = peak(b₀) + (b − b₀) × one band's bytes at any physical batch (b, b₀ ≥ 2; "
+              "b₀ the planned bands). The most bands that fit: the largest b whose reserved estimate is within the "
+              "budget, up to min(steps, a projected method's refresh), where bands are cut, and floor(n / logical "
+              "batch): bandmf's cyclic groups, one per band, must each hold a batch. A row's speed is estimated at "
+              "b₀ (each band adds one pass over a band's bytes to a step).")
 
 
 def family(method: str) -> str:
@@ -58,18 +67,18 @@ def _fits(row: dict, budget: int) -> bool:
     return row["reserved_estimate_bytes"] <= budget
 
 
-def largest_physical(cfg, budget: int, counted: Callable[[int], dict]) -> tuple[int, dict]:
-    """The largest physical batch ≤ train.batch_size whose plan fits `budget`, and its plan by `counted` (ops
-    counted); (0, the plan at 1) if not one sample fits. Quick plans (one metered step of one micro-batch) at 1
-    (nothing fits: done) and PROBE give the peak's growth per sample (a peak is affine in the physical batch); the
-    largest size that then fits is planned in full (two micro-batches, whatever the logical batch); from there the
-    line through the last two peaks gives the next size (halving between the sizes known to fit and not to, where
-    the line leaves them), for at most FULL_PLANS full plans."""
+def largest_physical(cfg, budget: int, counted: Callable[[int], dict]) -> tuple[int, dict, dict]:
+    """The largest physical batch ≤ train.batch_size whose plan fits `budget`, its plan by `counted` (ops
+    counted), and the quick plan at 1; (0, the plan at 1, the quick plan) if not one sample fits. Quick plans (one
+    metered step of one micro-batch) at 1 (nothing fits: done) and PROBE give the peak's growth per sample (a peak
+    is affine in the physical batch); the largest size that then fits is planned in full (two micro-batches,
+    whatever the logical batch); from there the line through the last two peaks gives the next size (halving
+    between the sizes known to fit and not to, where the line leaves them), for at most FULL_PLANS full plans."""
     batch = cfg.train.batch_size
     quick = OmegaConf.merge(cfg, {"memory": {"steps": 2}})
     first = plan(quick, batch, 1, first_micro_batches=1)
     if not _fits(first, budget):
-        return 0, first
+        return 0, first, first
     limit = budget / (1 + cfg.memory.allocator_overhead)  # the tensor bytes that fit
 
     def guess(a: tuple[int, int], b: tuple[int, int]) -> int:
@@ -99,20 +108,25 @@ def largest_physical(cfg, budget: int, counted: Callable[[int], dict]) -> tuple[
     if best is None and fails > 1:  # no try fitted: the smallest size decides
         row = counted(1)
         fits, best = (1, row) if _fits(row, budget) else (0, None)
-    return (fits, best) if best is not None else (0, row)
+    return (fits, best, first) if best is not None else (0, row, first)
 
 
 def candidate(cfg, budget: int, device: Device, precisions: tuple[str, ...]) -> dict:
-    """One configuration's largest fitting physical batch, its peak, and its estimated step at each precision."""
+    """One configuration's largest fitting physical batch, its peak, its estimated step at each precision, and under
+    bandmf the most bands that fit beside it (`fitting_bands`) and beside its quick plan at physical batch 1."""
     counter = functools.partial(OpCounter, device, precisions)
 
     def counted(size: int) -> dict:
         return plan(cfg, cfg.train.batch_size, size, first_micro_batches=2, roofline=counter, account=True)
-    physical, row = largest_physical(cfg, budget, counted)
+    physical, row, first = largest_physical(cfg, budget, counted)
+    overhead = cfg.memory.allocator_overhead
+    bands = fitting_bands(row["noise"], row["peak_bytes"], budget, overhead)
+    if bands:  # at physical batch 1, from its quick plan: a lower bound of the peak there
+        bands["largest_at_1"] = fitting_bands(first["noise"], first["peak_bytes"], budget, overhead)["largest"]
     found = {"physical_batch_size": physical, "peak_bytes": row["peak_bytes"],
              "reserved_estimate_bytes": row["reserved_estimate_bytes"], "fits": physical > 0,
              "state_bytes": sum(row["breakdown"][c] for c in STATE), "breakdown": row["breakdown"],
-             "peak_part": row["peak_part"], "micro_batches": row["micro_batches"]}
+             "peak_part": row["peak_part"], "micro_batches": row["micro_batches"], "bands": bands}
     if physical:
         privacy = row["privacy"] or {}
         found["sigma"], found["epsilon"] = privacy.get("sigma"), privacy.get("epsilon_target")
@@ -122,6 +136,43 @@ def candidate(cfg, budget: int, device: Device, precisions: tuple[str, ...]) -> 
                               for p in precisions}
         found["top_ops"] = sorted(two["by_op"].items(), key=lambda kv: -kv[1][0])[:8]
     return found
+
+
+def fitting_bands(noise: dict | None, peak: int, budget: int, overhead: float) -> dict | None:
+    """Under bandmf, the most bands whose peak fits `budget` beside a plan of `peak` bytes at `noise['bands']` bands
+    (BANDS_RULE), and the peak at each power of two up to the most that change anything; None for other noise, or a
+    band that keeps nothing (b = 1: no buffer to extrapolate from)."""
+    if not noise or not noise.get("band_bytes") or noise["bands"] < 2:
+        return None
+    planned, band, most = noise["bands"], noise["band_bytes"], noise["most_bands"]
+
+    def peak_at(b: int) -> int:
+        return peak + (b - planned) * band
+
+    def fits(b: int) -> bool:
+        return reserved_estimate(peak_at(b), overhead) <= budget
+    guess = planned + math.floor((budget / (1 + overhead) - peak) / band)  # the line, then its rounding checked
+    largest = max(1, min(most, guess))
+    while largest >= 2 and not fits(largest):
+        largest -= 1
+    while largest < most and fits(largest + 1):
+        largest += 1
+    largest = largest if largest >= 2 else None
+    shown = sorted({*(2**k for k in range(1, most.bit_length()) if 2**k <= most), planned, most,
+                    *([largest] if largest else [])})
+    return {"planned": planned, "band_bytes": band, "most": most, "largest": largest,
+            "peaks": [{"bands": b, "peak_bytes": peak_at(b), "reserved_estimate_bytes":
+                       reserved_estimate(peak_at(b), overhead), "fits": fits(b)} for b in shown]}
+
+
+def bands_text(bands: dict, physical: int) -> str:
+    """A row's bands in one line: what a band costs, and the most that fit at its physical batch and at 1."""
+    def most(largest: int | None, at: int) -> str:
+        return f"privacy.bands ≤ {largest} at physical batch {at}" if largest else f"none at physical batch {at}"
+    fit = most(bands["largest"], physical or 1) + (f", {most(bands['largest_at_1'], 1)}" if physical > 1 else "")
+    return (f"bandmf keeps b − 1 noise buffers of {size_text(bands['band_bytes'])} each (planned b = "
+            f"{bands['planned']}); fit: {fit} (b ≥ 2; usable: at most {bands['most']}, as the horizon and the groups "
+            "allow)")
 
 
 def choose(compose: Callable[[list[str]], object], overrides: list[str], budget: int, device: Device,
@@ -152,14 +203,14 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
     rows, refused, interrupted = [], [], False
     try:
         for option in pc.candidates:
-            state = None  # the first variant's parameters, gradients and optimiser state, which checkpointing keeps
+            state = None  # the first variant's state between steps (STATE), which checkpointing keeps
             for checkpointing in sorted(dict.fromkeys(pc.checkpointing)):
                 chosen = [*option.split(), f"train.activation_checkpointing={str(checkpointing).lower()}"]
                 label = " ".join(chosen)
                 if state is not None and reserved_estimate(state, base.memory.allocator_overhead) > budget:
-                    refused.append({"configuration": label, "why": f"its parameters, gradients and optimizer "
-                                    f"state alone ({state / 2**30:.2f} GiB) exceed the budget, with or without "
-                                    "checkpointing"})
+                    refused.append({"configuration": label, "why": f"its parameters, gradients, optimizer "
+                                    f"state and noise buffers alone ({state / 2**30:.2f} GiB) exceed the budget, "
+                                    "with or without checkpointing"})
                     log(f"dpmem plan: {label}: not planned ({refused[-1]['why']})")
                     continue
                 try:
@@ -178,6 +229,8 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
                 log(f"dpmem plan: {label}: " + (f"physical batch {found['physical_batch_size']}, peak "
                     f"{found['peak_bytes'] / 2**30:.2f} GiB" if found["fits"] else
                     f"does not fit (peak ≥ {found['peak_bytes'] / 2**30:.2f} GiB at physical batch 1)"))
+                if found["bands"]:
+                    log(f"dpmem plan: {label}: " + bands_text(found["bands"], found["physical_batch_size"]))
                 row = {"configuration": label, "overrides": chosen, "method": cfg.method.name,
                        "checkpointing": checkpointing, **found}
                 if found["fits"]:  # at its fastest precision (the memory is the same)
@@ -200,6 +253,7 @@ def choose(compose: Callable[[list[str]], object], overrides: list[str], budget:
             "model": base.model.name, "data": base.data.name, "precisions": list(precisions),
             "rows": rank(rows, asked), "refused": refused,
             "ranking": RANKING.format(asked=f"the method asked for (method={asked}) first, then " if asked else ""),
+            "bands_rule": BANDS_RULE if any(r["bands"] for r in rows) else None,
             "interrupted": interrupted}
 
 
@@ -232,7 +286,12 @@ def nothing_fits(rows: list[dict], budget: int) -> ConfigError:
     """The refusal of a plan in which no planned candidate fits `budget` (`choose` refuses one where none was
     planned): the smallest peak, and where it was planned."""
     smallest = min(rows, key=lambda r: r["reserved_estimate_bytes"])
+    fewer = max((r for r in rows if r["bands"] and r["bands"]["largest"]), key=lambda r: r["bands"]["largest"],
+                default=None)  # bandmf: a row that fits with fewer bands
+    bands = (f"; with privacy.bands ≤ {fewer['bands']['largest']} (not {fewer['bands']['planned']}), "
+             f"{fewer['configuration']} fits at physical batch 1" if fewer else
+             "; bandmf's noise buffers included: not even privacy.bands=2 fits" if smallest["bands"] else "")
     return ConfigError("memory.budget", f"nothing fits {size_text(budget)}: the smallest peak is ≥ "
                        f"{size_text(smallest['peak_bytes'])} (reserved estimate ≥ "
                        f"{size_text(smallest['reserved_estimate_bytes'])}), {smallest['configuration']} at physical "
-                       "batch 1")
+                       f"batch 1{bands}")

@@ -9,6 +9,7 @@ the rank's share of the logical batch. FSDP shards the state, and gathers and fr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import re
@@ -27,10 +28,11 @@ from dpmem.config import ConfigError, enum_value
 from dpmem.data import build_data, example_batch
 from dpmem.engine.assemble import Parts, assemble
 from dpmem.engine.roofline import OpCounter
-from dpmem.engine.trainer import eval_batch_size, run_length
+from dpmem.engine.trainer import accounting_of, eval_batch_size, run_length
 from dpmem.metering import CUDA_BLOCK, LiveTensorCounter, labelled_forward, memory_label
-from dpmem.methods import check_fsdp
+from dpmem.methods import check_fsdp, method_class
 from dpmem.models import build_model
+from dpmem.privacy.strategies import Strategy, make_strategy
 
 # GPU memory is quoted in binary units whatever the suffix (a "24GB" card and an "80GB" H100 hold 24 and 80 GiB)
 UNITS = {"b": 1, "kb": 2**10, "mb": 2**20, "gb": 2**30, "tb": 2**40,
@@ -147,7 +149,11 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     device as a run has them; from the second micro-batch on, a step's peak repeats, so k = 2 plans a logical batch
     of any size at the cost of two micro-batches. `roofline`: the last two steps (at least 3 are run) are counted
     by a fresh counter each, with one micro-batch and with two (`dpmem.engine.roofline.step_seconds`). `account`:
-    the plan carries σ (calibrated as the run would) and ε."""
+    the plan carries σ (calibrated as the run would) and ε.
+
+    Correlated noise (privacy.noise) is drawn as the run draws it; bandmf's b − 1 buffers are all held from the
+    first metered step (`_fill_noise_buffers`), as a run holds them from its b-th step on, and `noise` says what one
+    band costs (`dpmem.engine.chooser` extrapolates other b from it)."""
     t, m, mem = cfg.train, cfg.method, cfg.memory
     if enum_value(t.precision) == "bf16":  # tf32 rounds inside the matmuls: its tensors are fp32's
         raise ConfigError("train.precision", "memory is planned in float32: autocast has no meta backend, so a bf16 "
@@ -169,6 +175,7 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     tic = time.perf_counter()
     torch.manual_seed(t.seed)
     data = build_data(cfg.data, cfg.model)
+    strategy = noise_strategy(cfg, data.n_train)  # the run's, at its own logical batch (a budget search varies it)
     # the run's mechanism (σ calibrated for its steps) where asked; else a stand-in, as σ changes no memory
     length = dict(zip(("steps", "sampling"), run_length(cfg, data.n_train))) if account and world == 1 else {}
     with torch.device("meta" if world > 1 else device):
@@ -183,7 +190,8 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     with ranks as mesh:
         if mesh is not None:
             model = model.to_empty(device=device)  # fake tensors, uninitialised
-        parts = assemble(cfg, device, data, model, mesh=mesh, recompute=lambda: AttentionKernels(target), **length)
+        parts = assemble(cfg, device, data, model, mesh=mesh, recompute=lambda: AttentionKernels(target),
+                         mechanism_of=_drawing(strategy), **length)
         method = parts.method
         sizes = [physical] * (per_rank // physical) + ([per_rank % physical] if per_rank % physical else [])
         micro = [example_batch(data, size, device) for size in sizes]
@@ -196,6 +204,7 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
         counted, steps = [ops for _, ops in metered if ops is not None], len(metered) + 1
         with AttentionKernels(target), UnknownValues() as unknown:
             method.step(run[:1] if roofline else run, loss_fn)  # (creates the state: unmetered)
+            band = _fill_noise_buffers(parts.mechanism, block)
             counter = LiveTensorCounter(block).track_state(model, method)
             counter.track((v for mb in micro for v in mb.values()), "activations")  # the inputs
             _cuda_peaks(device)  # on a real GPU, its allocator's peaks from here on beside the count (validate_memory)
@@ -225,8 +234,49 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
         "micro_batches": len(sizes), "micro_batches_run": min(len(sizes), first_micro_batches or len(sizes)),
         "roofline": [ops.summary() for ops in counted] if counted else None,
         "privacy": (parts.mechanism.summary or None) if parts.mechanism is not None else None,
+        "noise": None if strategy is None else {
+            "strategy": strategy.name, "bands": strategy.bands, "buffers": strategy.buffers, "band_bytes": band,
+            "most_bands": most_bands(strategy, data.n_train, t.batch_size)},
         "wall_s": time.perf_counter() - tic, **cuda,
     }
+
+
+def noise_strategy(cfg, n: int) -> Strategy | None:
+    """The correlated strategy a run of `cfg` over `n` records draws its noise with, its bands cut at its horizon as
+    the run's are (`dpmem.privacy.mechanism.noise_terms`, which refuses groups smaller than a batch); None for
+    independent noise."""
+    noise = enum_value(cfg.privacy.get("noise", "independent"))
+    if noise == "independent" or not method_class(cfg.method.name).spec.private:
+        return None
+    return make_strategy(*accounting_of(cfg, n)["noise"])
+
+
+def most_bands(strategy: Strategy, n: int, batch_size: int) -> int | None:
+    """The most bands that change anything: bandmf's are cut at its horizon (the run's steps, or a projected
+    method's refresh), and its cyclic groups, one per band, must each hold a logical batch. None for bisr."""
+    return min(strategy.horizon, n // batch_size) if strategy.name == "bandmf" else None
+
+
+def _drawing(strategy: Strategy | None):
+    """assemble's `mechanism_of` that makes the plan's mechanism (a stand-in, or the run's) draw `strategy`'s noise,
+    never restarting: a projected method's refresh empties bandmf's buffers for one step, and the plan is of the
+    steps that hold them all."""
+    if strategy is None:
+        return None
+    return lambda mechanism, model: dataclasses.replace(mechanism, strategy=strategy, restart=None)
+
+
+def _fill_noise_buffers(mechanism, block: int) -> int | None:
+    """bandmf keeps its last b − 1 noise vectors; after the plan's first step it has one. The others are made here
+    (zeros: the values change no memory), so that the metered steps hold what a run holds from its b-th step on.
+    Returns one band's bytes, one vector per run of the release each rounded to `block`; None where nothing is
+    kept."""
+    noise = mechanism.correlated if mechanism is not None else None
+    if noise is None or not noise.buffers:
+        return None
+    for kept in noise.buffers.values():
+        kept.extend(torch.zeros_like(kept[0]) for _ in range(noise.strategy.buffers - len(kept)))
+    return sum(-(-kept[0].untyped_storage().nbytes() // block) * block for kept in noise.buffers.values())
 
 
 def reserved_estimate(tensor_bytes: float, allocator_overhead: float) -> int:
