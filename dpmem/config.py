@@ -44,7 +44,7 @@ class Neighbouring(Enum):
 
 
 class Sampling(Enum):
-    auto = "auto"  # poisson for private methods, shuffle for non-private ones
+    auto = "auto"  # poisson for private methods (cyclic with correlated noise), shuffle for non-private ones
     poisson = "poisson"  # each example joins a step independently with rate q = B/n
     fixed = "fixed"  # B examples drawn without replacement at every step (RDP, replace_one)
     shuffle = "shuffle"  # epochs of shuffled fixed-size batches: no privacy accounting exists, non-private only

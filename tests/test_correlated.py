@@ -143,7 +143,7 @@ def test_a_bisr_run_spends_one_gaussian_of_its_min_separation_sensitivity(tmp_pa
 
 
 @pytest.mark.parametrize("overrides,key", [
-    (["privacy.noise=bandmf", "privacy.bands=4"], "train.sampling"),
+    (["privacy.noise=bandmf", "privacy.bands=4", "train.sampling=poisson"], "train.sampling"),
     (["train.sampling=cyclic"], "train.sampling"),
     (["privacy.noise=bandmf"], "privacy.bands"),
     (["privacy.bands=3"], "privacy.bands"),
@@ -155,6 +155,12 @@ def test_correlated_noise_without_what_it_is_accounted_with_is_refused_naming_th
     with pytest.raises(ConfigError) as e:
         validate(config(*overrides))
     assert e.value.key == key
+
+
+def test_auto_sampling_is_cyclic_for_correlated_noise_and_poisson_for_independent():
+    from dpmem.engine.trainer import run_length
+    assert run_length(config("privacy.noise=bisr", "privacy.bands=2"), 1000)[1] == "cyclic"
+    assert run_length(config("method=dp-adam"), 1000)[1] == "poisson"
 
 
 def test_more_bands_than_groups_of_a_batch_is_refused_naming_the_bands(tmp_path):

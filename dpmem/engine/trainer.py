@@ -70,6 +70,8 @@ def run_length(cfg, n: int) -> tuple[int, str]:
     steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * n / t.batch_size))
     sampling = enum_value(t.sampling)
     private = method_class(cfg.method.name).spec.private
+    if sampling == "auto" and private and enum_value(cfg.privacy.get("noise", "independent")) != "independent":
+        return steps, "cyclic"  # what correlated noise is accounted with
     return steps, ("poisson" if private else "shuffle") if sampling == "auto" else sampling
 
 

@@ -192,7 +192,8 @@ class Method:
         """Correlated noise (privacy.noise) and cyclic sampling come together, for a method whose accountant has an
         analysis of them."""
         t, p, m = cfg.train, cfg.privacy, cfg.method
-        noise, cyclic = p.get("noise", Noise.independent), t.sampling == Sampling.cyclic
+        noise = p.get("noise", Noise.independent)
+        cyclic = t.sampling == Sampling.cyclic or (t.sampling == Sampling.auto and noise != Noise.independent)
         if noise == Noise.independent:
             if cyclic:
                 raise ConfigError("train.sampling", "cyclic samples the groups of correlated noise (privacy.noise="
@@ -207,7 +208,7 @@ class Method:
                               "no analysis of correlated noise; allowed: independent")
         if not cyclic:
             raise ConfigError("train.sampling", f"privacy.noise={name} is accounted under cyclic Poisson sampling "
-                              "(a record joins only every G-th step); set train.sampling=cyclic")
+                              "(a record joins only every G-th step); set train.sampling=cyclic (or auto)")
 
     def compile(self, compiler) -> None:
         """train.compile: the step's functions compiled by `compiler` (`dpmem.compiling.Compiler`)."""
