@@ -144,7 +144,7 @@ def test_the_plan_gives_the_most_bands_that_fit_and_plans_confirm_it():
 
 
 def test_dpmem_plan_prints_and_writes_the_bands_that_fit(tmp_path, cli):
-    """The CLI: each row's bands in plan.json, the rule beside them, and the line on stderr."""
+    """The CLI: each row's bands in plan.json, the rule beside them, and the line on stderr and in plan.md."""
     out = tmp_path / "plan"
     r = cli("plan", *VIT, *noise("bandmf", 3), 'plan.candidates=["method=dp-adam"]', "plan.checkpointing=[false]",
             "plan.device=cpu", "memory.budget=8MiB", f"plan.dir={out}")
@@ -152,7 +152,8 @@ def test_dpmem_plan_prints_and_writes_the_bands_that_fit(tmp_path, cli):
     result = json.loads((out / "plan.json").read_text())
     (row,) = result["rows"]
     assert row["fits"] and row["bands"]["largest"] >= 3 and result["bands_rule"].startswith("bandmf's bands")
-    assert f"privacy.bands ≤ {row['bands']['largest']} at physical batch {row['physical_batch_size']}" in r.stderr
+    said = f"privacy.bands ≤ {row['bands']['largest']} at physical batch {row['physical_batch_size']}"
+    assert said in r.stderr and said in (out / "plan.md").read_text()
 
 
 def test_where_no_bands_fit_the_refusal_says_how_many_would():

@@ -7,6 +7,7 @@ import json
 import shlex
 from pathlib import Path
 
+from dpmem.engine.chooser import bands_text
 from dpmem.engine.summary import json_ready
 from dpmem.report import GIB, markdown_table, pyplot, save_figure
 
@@ -70,6 +71,10 @@ def write(out: Path, result: dict, overrides: list[str], top: int) -> str:
     # (a plan where nothing fits is an error before anything is written: dpmem.engine.chooser.nothing_fits)
     text += "\nThe best " + ("configuration" if len(best) == 1 else f"{len(best)} configurations") + ":\n\n"
     text += "\n".join(f"{i}. `{r['command']}`" for i, r in enumerate(best, 1)) + "\n"
+    if result.get("bands_rule"):  # bandmf: how many bands fit beside each configuration that fits
+        text += ("\nCorrelated noise: " + result["bands_rule"] + "\n\n"
+                 + "\n".join(f"- `{r['command']}`: {bands_text(r['bands'], r['physical_batch_size'])}"
+                             for r in best if r["bands"]) + "\n")
     if result["refused"]:
         text += "\nNot planned:\n\n" + "\n".join(f"- {r['configuration']}: {r['why']}"
                                                 for r in result["refused"]) + "\n"
