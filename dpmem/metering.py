@@ -182,9 +182,11 @@ class Meter:
     (it slows every op). Metering starts at the second step: the first runs a one-off coverage check that keeps the
     batch gradient. Throughput: samples per second of training, evaluation time left out."""
 
-    def __init__(self, device: torch.device, steps: int, memory_steps: int):
+    def __init__(self, device: torch.device, steps: int, memory_steps: int, first: int = 1):
+        """`first`: the first step (0-based) metered, at least 1; bandmf holds all its b − 1 buffers from step b − 1."""
         self.device = device
-        self.start, self.stop = min(1, steps - 1), min(1, steps - 1) + memory_steps
+        self.start = min(max(1, first), steps - 1) if steps > 1 else 0
+        self.stop = self.start + memory_steps
         self.counter: LiveTensorCounter | None = None
         self.peak: int | None = None
         self._began, self._paused = time.perf_counter(), 0.0

@@ -167,3 +167,19 @@ def test_where_no_bands_fit_the_refusal_says_how_many_would():
     assert not row["fits"] and row["bands"]["largest"] == 5
     error = nothing_fits([{**row, "configuration": "method=dp-adam"}], budget)
     assert error.key == "memory.budget" and "privacy.bands ≤ 5 (not 12)" in str(error)
+
+
+def test_a_cpu_runs_reported_peak_holds_all_of_bandmfs_buffers(tmp_path):
+    """A run's own meter (logging.memory_steps on the CPU) counts from the step where bandmf holds its b − 1
+    buffers, not from the second: with 2 metered steps it would have seen two buffers of five."""
+    from dpmem.engine.trainer import run_training
+    common = ["method=dp-adam", "train.steps=9", "logging.memory_steps=2", "train.device=cpu", "privacy.epsilon=8",
+              "data.image_size=8", "model.arch.patch_size=4", "model.arch.hidden_size=16",
+              "model.arch.num_hidden_layers=1", "model.arch.num_attention_heads=2", "model.arch.intermediate_size=32",
+              "train.static_shapes=true", "privacy.sampler_seed=1"]  # every micro-batch one shape: one activation peak
+    peaks = {}
+    for name, more in (("independent", []), ("bandmf", noise("bandmf", 6))):
+        peaks[name] = run_training(config(*common, *more), tmp_path / name)["peak_memory_bytes"]
+    # b − 1 = 5 buffers beside what independent noise holds, less about one release: independent noise's own draw
+    # is live at its peak (from the second step the meter saw 2 bands more, not 4)
+    assert peaks["bandmf"] - peaks["independent"] >= 4 * released_bytes(config(*common))

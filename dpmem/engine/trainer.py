@@ -345,7 +345,9 @@ class Run:
         expected = self.mechanism.expected_batch_size if self.mechanism.accounted else None
         samples, loss_sum, loss_count = s["samples_expected" if expected else "samples_seen"], None, 0
         # compiled: no live-tensor counter on the CPU (dynamo refuses a dispatch mode); CUDA's allocator counts
-        self.meter = meter = Meter(self.device, self.steps, 0 if self.compiler is not None else log_cfg.memory_steps)
+        strategy = self.mechanism.strategy if self.mechanism is not None else None
+        self.meter = meter = Meter(self.device, self.steps, 0 if self.compiler is not None else log_cfg.memory_steps,
+                                   first=strategy.buffers if strategy is not None else 1)
         try:
             for step, index in enumerate(self.batches()):
                 if step < done:  # drawn again and skipped, so the sampler is where the lost run had it
