@@ -13,7 +13,8 @@ from scipy import optimize, stats
 from torch import nn
 
 from dpmem.audit import run_audit, variants
-from dpmem.audit.bound import audit_bound, epsilon_lower_bound, noise_check, p_value, whole_noise_check
+from dpmem.audit.bound import (audit_bound, correlation_check, epsilon_lower_bound, noise_check, p_value,
+                               whole_noise_check)
 from dpmem.audit.canaries import BatchCanaries, GradientCanaries
 from dpmem.composition import CONF_DIR
 from dpmem.config import ConfigError
@@ -22,6 +23,7 @@ from dpmem.methods.privatize import Privatizer
 from dpmem.persample import taps
 from dpmem.privacy import calibrate_sigma
 from dpmem.privacy.mechanism import GaussianMechanism
+from dpmem.privacy.strategies import make_strategy
 from helpers import seeded
 
 
@@ -92,11 +94,12 @@ class SharedOverPositions(nn.Module):
 
 
 def privatizer_audit(clipping="materialize", eps=2.0, m=1000, n=512, batch=256, steps=20, delta=1e-5, seed=0,
-                     plant="sum", chunks=1, positions=0, uses=16, hidden=0, mechanism_of=None):
+                     plant="sum", chunks=1, positions=0, uses=16, hidden=0, mechanism_of=None, noise=None, bands=4):
     """The bound and the noise checks of `m` gradient canaries planted in the clipped sum (plant="sum") or joining
     the micro-batches (plant="batch"), over `steps` Poisson-sampled steps split into `chunks` micro-batches each;
     `positions` > 0 uses the linear layer that many times per sample; `hidden` > 0 puts a hidden layer of that
-    width before it; `mechanism_of` makes a broken mechanism of the calibrated one (`dpmem.audit.variants`)."""
+    width before it; `mechanism_of` makes a broken mechanism of the calibrated one (`dpmem.audit.variants`);
+    `noise` (bandmf, bisr) correlates the noise with that strategy of `bands` bands made for the `steps`."""
     torch.manual_seed(seed)
     q = batch / n
     sigma = calibrate_sigma(eps, delta, q, steps)
@@ -112,7 +115,8 @@ def privatizer_audit(clipping="materialize", eps=2.0, m=1000, n=512, batch=256, 
     canaries = (GradientCanaries(m, norm=10.0, seed=seed) if plant == "sum"
                 else BatchCanaries(m, norm=10.0, seed=seed, uses=uses))
     noise = GaussianMechanism(sigma, 1.0, q * n, seeded(seed), sample_rate=q, observers=(canaries,),
-                              plan=ClippingPlan.of(clipping))
+                              plan=ClippingPlan.of(clipping),
+                              strategy=make_strategy(noise, bands, steps) if noise else None)
     if mechanism_of is not None:
         noise = mechanism_of(noise, model, canaries)
     with Privatizer(model, noise, noise.plan) as privatizer:
@@ -129,7 +133,8 @@ def privatizer_audit(clipping="materialize", eps=2.0, m=1000, n=512, batch=256, 
     names = {p: name for name, p in model.named_parameters()}
     return {**bound, **noise_check(canaries.noise_squares, canaries.noise_count, canaries.sigma),
             **whole_noise_check(canaries.step_squares, canaries.tensor_sizes, canaries.sigma,
-                                [names[p] for p in canaries.tensor_keys]),
+                                [names[p] for p in canaries.tensor_keys], differences=canaries.step_differences),
+            **correlation_check(canaries.noise_cosines, canaries.noise_dim),
             "untouched": canaries.untouched}  # the canaries sat where the first step's sum was 0: no real gradient
 
 
@@ -393,3 +398,122 @@ def test_more_canaries_than_coordinates_are_refused_before_training_and_as_many_
     record, _ = run_audit(config(f"method={method}", f"audit.canaries={room}", "train.steps=2",
                                  *RANK.get(method, [])), tmp_path / "full")
     assert record["canaries"] == room
+
+
+# -- issue 65: the noise checks follow the claimed noise's correlation across steps
+def fresh_cosines(rng, steps, dim, lags, rho=0.0):
+    """The canaries' cosines (`GradientCanaries.noise_cosines`) of `steps` noise vectors of `dim` values, each
+    rho times the last plus fresh standard normal noise (rho = 0: the claim)."""
+    z = rng.standard_normal((steps, dim))
+    for t in range(1, steps):
+        z[t] += rho * z[t - 1]
+    unit = z / np.linalg.norm(z, axis=1, keepdims=True)
+    return [[float(unit[t] @ unit[t - lag]) for lag in range(1, min(t, lags) + 1)] for t in range(steps)]
+
+
+def test_the_correlation_check_is_exact_under_fresh_noise_and_sees_a_small_correlation():
+    """Under the claim each pair's cosine has the exact law of a sample correlation (Student's t of dim − 1
+    degrees of freedom), so at 2 values a step (a Cauchy t, where a normal approximation is far off) the lag's
+    p-value is uniform, and the worst pair's is the least of T − 1 independent uniforms: both checked by a
+    Kolmogorov–Smirnov test over 1000 seeded runs (it rejects the normal approximation's p-values at any of
+    these sizes). A correlation of 0.1 on every step is flagged at 500 values over 20 steps (the pooled score
+    about 0.1·√(500·19) ≈ 10 where 5.2 flags, 10⁻⁶ over 4 lags); one step repeating the last is flagged alone."""
+    rng, steps = np.random.default_rng(0), 12
+    records = [correlation_check(fresh_cosines(rng, steps, 2, 1), 2) for _ in range(1000)]
+    assert not any(r["correlation_flagged"] for r in records)
+    assert stats.kstest([r["worst_lag_p_value"] for r in records], "uniform").pvalue > 1e-3
+    least = [1 - (1 - r["worst_pair_p_value"]) ** (steps - 1) for r in records]  # P[min of T − 1 uniforms ≤ p]
+    assert stats.kstest(least, "uniform").pvalue > 1e-3
+    correlated = correlation_check(fresh_cosines(rng, 20, 500, 4, rho=0.1), 500)
+    assert correlated["correlation_flagged"] and correlated["worst_lag"] == 1
+    assert correlated["worst_lag_correlation"] == pytest.approx(0.1, abs=0.03)
+    repeated = fresh_cosines(rng, 20, 500, 4)
+    repeated[9][0] = 1.0  # step 9's noise is step 8's
+    record = correlation_check(repeated, 500)
+    assert record["correlation_flagged"] and record["worst_pair"] == [8, 9] and record["worst_pair_p_value"] == 0
+    assert not correlation_check(fresh_cosines(rng, 20, 500, 4), 500)["correlation_flagged"]
+
+
+@pytest.mark.parametrize("name", ["bandmf", "bisr"])
+def test_whitening_by_the_claimed_strategy_gives_back_its_draws_across_restarts(name):
+    """C times the strategy's noise C⁻¹z, coordinate by coordinate over 12 releases whose correlation restarts
+    every 5 steps (a projected method's refresh), is the keyed draws z, which an independent strategy of the same
+    key draws; without the restart it is not, after one."""
+    from dpmem.audit.canaries import Whitening
+    from dpmem.privacy.correlated import CorrelatedNoise
+    strategy, key = make_strategy(name, 4, 5), seeded(0).key
+    fresh, correlated = (CorrelatedNoise(s, key, 5) for s in (make_strategy("independent", 1, 5), strategy))
+    whitening, unrestarted = Whitening(strategy, 5), Whitening(strategy, None)
+    gaps = []
+    for _ in range(12):
+        z, w = (noise.noise("0", (7,), "cpu", torch.float64) for noise in (fresh, correlated))
+        assert torch.allclose(whitening({"x": w})["x"], z, atol=1e-12)
+        gaps.append(float((unrestarted({"x": w})["x"] - z).abs().max()))
+        fresh.advance()
+        correlated.advance()
+    # the same until the first restart (release 4), then not while the last block's noise is in reach (b − 1 steps)
+    assert max(gaps[:4]) < 1e-12 < min(gaps[4:7])
+    assert Whitening(None, None)({"x": z})["x"] is z  # independent noise is its own draws
+
+
+@pytest.mark.parametrize("plant,step", [("sum", 7), ("batch", 0)])
+def test_noise_reused_on_two_consecutive_steps_is_caught_by_the_noise_checks(plant, step):
+    """The same noise on steps `step` and `step + 1` (true ε ∞: their difference is noise-free) audited 0.17,
+    unflagged: each step's noise has the claimed scale, and the bound cannot see one step pair. The left-out
+    canaries' noise of the two steps has cosine 1 (p = 0, exact), and the whole model's difference of the two
+    releases holds no noise, only the clipped sums' change. Batch canaries record the first step's noise too."""
+    record = privatizer_audit(plant=plant, uses=1, mechanism_of=variants.noise_reused_on(step))
+    assert record["epsilon_lower_bound"] < 2.0 and not record["noise_flagged"]
+    assert record["correlation_flagged"] and record["worst_pair"] == [step, step + 1]
+    assert record["worst_pair_correlation"] == pytest.approx(1.0) and record["worst_pair_p_value"] == 0
+    assert record["whole_noise_flagged"] and record["worst_difference"] == step + 1
+    assert record["worst_difference_ratio"] < 0.2  # about √2 on every other pair
+    assert record["worst_tensor_ratio"] > 0.9 and record["worst_step_ratio"] > 0.9
+
+
+def test_correlated_noise_is_checked_after_un_correlating_and_broken_strategies_are_caught():
+    """bandmf and bisr (4 bands over 20 steps) noise a release by σ(C⁻¹z)_i, which varies by σ²Σ_j (C⁻¹)²_ij, more
+    than σ² (hiding a cut below it): the checks multiply by the claimed C first, so both read 1.00 and, from one
+    noise key, see the same draws z. No correct strategy is flagged (each family at 10⁻⁶, seeds pinned). bandmf
+    with its buffers dropped (z/c_0 each step: lag-1 correlation about 0.6 after C) and with its last band's
+    coefficient halved (lag 3, about 0.17) are flagged by the correlation check: over 508 left-out canaries and 19
+    or 17 step pairs their pooled scores are 63 and 16 where 5.2 flags (10⁻⁶ over 4 lags, two-sided), so its power
+    is about 1; their scale is not below the claim."""
+    correct = {noise: privatizer_audit(noise=noise) for noise in (None, "bandmf", "bisr")}
+    for record in correct.values():
+        assert not (record["noise_flagged"] or record["whole_noise_flagged"] or record["correlation_flagged"])
+        assert record["noise_ratio"] == pytest.approx(1.0, abs=0.03) and record["worst_lag_p_value"] > 1e-3
+    # the same z but for the float32 releases' rounding
+    assert correct["bandmf"]["noise_ratio"] == pytest.approx(correct["bisr"]["noise_ratio"], rel=1e-6)
+    assert correct["bandmf"]["worst_lag"] == 4  # up to b lags tested
+    dropped = privatizer_audit(noise="bandmf", mechanism_of=variants.buffers_dropped())
+    halved = privatizer_audit(noise="bandmf", mechanism_of=variants.band_halved(3))
+    assert dropped["correlation_flagged"] and dropped["worst_lag"] == 1 and dropped["worst_lag_correlation"] > 0.4
+    assert halved["correlation_flagged"] and halved["worst_lag"] == 3 and halved["worst_lag_correlation"] > 0.1
+    assert not (dropped["noise_flagged"] or halved["noise_flagged"])
+
+
+CYCLIC = ["train.sampling=cyclic", "privacy.bands=4", "train.batch_size=300", "train.steps=20"]
+
+
+@pytest.mark.parametrize("overrides", [["method=dp-adam", "privacy.noise=bandmf"],
+                                       ["method=grape", *RANK["grape"], "method.refresh=6", "privacy.noise=bisr"],
+                                       ["method=dpzero", "privacy.noise=bandmf"]])
+def test_dpmem_audit_follows_the_claimed_correlated_noise(tmp_path, overrides):
+    """Through `dpmem audit` (canaries in the batch, in grape's projection, in DPZero's scalar): the run's
+    strategy, restarting at grape's refresh, is what its noise checks un-correlate by, so a correct run reads the
+    claimed noise and is not flagged; the record names the strategy."""
+    record, text = run_audit(config(*overrides, *CYCLIC), tmp_path)
+    assert not record["flagged"] and record["strategy"] in text and record["bands"] == 4
+    dpzero = "method=dpzero" in overrides
+    assert record["noise_ratio"] == pytest.approx(1.0, abs=0.5 if dpzero else 0.1)  # dpzero: 20 values
+    assert (record["worst_lag"] is None) == dpzero  # one scalar a step has no direction to correlate
+
+
+def test_dpmem_audit_flags_noise_reused_on_two_steps(tmp_path):
+    """The blind spot end to end (it audited 0.17, unflagged): flagged, and the table names the pair. The run's
+    memory meter counts what the swapped noise keeps (it asks `correlated` for its tensors)."""
+    record, text = run_audit(config("method=dp-adam", "logging.memory_steps=2"), tmp_path,
+                             mechanism_of=variants.noise_reused_on(4))
+    assert record["flagged"] and record["correlation_flagged"] and record["worst_pair"] == [4, 5]
+    assert "steps 4–5: 1.00 (0) flagged" in text

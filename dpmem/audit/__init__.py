@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from dpmem.audit.bound import audit_bound, noise_check, whole_noise_check
+from dpmem.audit.bound import audit_bound, correlation_check, noise_check, whole_noise_check
 from dpmem.audit.canaries import BatchCanaries, GradientCanaries, InputCanaries, allowed, host_weights
 from dpmem.config import ConfigError, enum_value
 from dpmem.data import build_data
@@ -45,25 +45,30 @@ def run_audit(cfg, out: Path, mechanism_of=None) -> tuple[dict, str]:
               observers=() if inputs else (canaries,),
               mechanism_of=(lambda m, model: mechanism_of(m, model, canaries)) if mechanism_of else None)
     parts = run.prepare()
+    if not inputs:  # the claimed strategy, which the noise checks un-correlate the releases by
+        canaries.follow(parts.mechanism)
     summary = run.execute()
     if summary["status"] != "ok":
         raise RuntimeError(f"the audited run ended {summary['status']}: {summary['error']}")
     if inputs is not None:
         inputs.score(parts, batch=max(1, cfg.train.physical_batch_size or cfg.train.batch_size))
     mechanism = parts.mechanism
-    groups = canaries.groups() if isinstance(canaries, GradientCanaries) else None
+    gradient = isinstance(canaries, GradientCanaries)
+    groups = canaries.groups() if gradient else None
     bound = audit_bound(canaries.scores.numpy(), canaries.included.numpy(), delta=mechanism.delta, beta=a.beta,
                         groups=groups.numpy() if groups is not None else None)
     noise = noise_check(canaries.noise_squares, canaries.noise_count, canaries.sigma) \
-        if isinstance(canaries, GradientCanaries) else noise_check(0.0, 0, None)
+        if gradient else noise_check(0.0, 0, None)
+    correlation = correlation_check(canaries.noise_cosines if gradient else [], getattr(canaries, "noise_dim", 0))
     names: dict[int, str] = {}  # a tied weight by all its names
     for n, q in parts.model.named_parameters(remove_duplicate=False):
         names[id(q)] = f"{names[id(q)]} = {n}" if id(q) in names else n
     whole = whole_noise_check(getattr(canaries, "step_squares", []), getattr(canaries, "tensor_sizes", []),
                               getattr(canaries, "sigma", None),
-                              [names.get(id(k), str(k)) for k in getattr(canaries, "tensor_keys", [])])
+                              [names.get(id(k), str(k)) for k in getattr(canaries, "tensor_keys", [])],
+                              differences=getattr(canaries, "step_differences", None))
     flagged = (bound["epsilon_lower_bound"] > summary["epsilon_spent"] or noise["noise_flagged"]
-               or whole["whole_noise_flagged"])
+               or whole["whole_noise_flagged"] or correlation["correlation_flagged"])
     placed = getattr(canaries, "where", None) or {}  # gradient canaries: key -> (canary ids, flat indices)
     where = {names.get(id(key), str(key)): len(ids) for key, (ids, _) in placed.items()}
     record = {"method": name, "clipping": summary["clipping"], "model": cfg.model.name, "data": cfg.data.name,
@@ -71,8 +76,9 @@ def run_audit(cfg, out: Path, mechanism_of=None) -> tuple[dict, str]:
               "untouched": getattr(canaries, "untouched", None),
               "physical_batch_size": cfg.train.physical_batch_size,
               "epsilon_claimed": summary["epsilon_spent"], "delta": mechanism.delta,
+              "strategy": summary.get("noise"), "bands": summary.get("bands"),
               "sigma": summary["sigma"], "steps": summary["steps_done"], "sample_rate": mechanism.sample_rate,
-              **bound, **noise, **whole, "flagged": flagged, "confidence": 1 - a.beta,
+              **bound, **noise, **whole, **correlation, "flagged": flagged, "confidence": 1 - a.beta,
               "seconds": time.perf_counter() - start,
               "scores": canaries.scores.tolist(), "in": canaries.included.tolist(), "run_dir": str(out / "run")}
     (out / "audit.json").write_text(json.dumps(json_ready(record), indent=1) + "\n")
@@ -150,15 +156,39 @@ def table(records: list[dict]) -> str:
     for r in records:
         kind = f"{r['kind']} ({r['plant']})" if r.get("plant") else r["kind"]
         noise = "—" if r.get("noise_ratio") is None else f"{r['noise_ratio']:.3f} ({r['noise_p_value']:.2g})"
-        whole = ("—" if r.get("worst_tensor_ratio") is None else
-                 f"{r['worst_tensor_ratio']:.3f} ({r['worst_tensor']}), {r['worst_step_ratio']:.3f} (step "
-                 f"{r['worst_step']})" + (" flagged" if r["whole_noise_flagged"] else ""))
         rows.append([r["method"], r["clipping"] or "—", kind, str(r["canaries"]), f"{r['epsilon_claimed']:.3g}",
-                     f"{r['delta']:.2g}", f"{r['epsilon_lower_bound']:.3f}", str(r["k"]),
-                     f"{r['correct']} / {r['guesses']}", noise, whole, f"{r['seconds']:.0f}"])
-    head = ["method", "clipping", "canaries (plant)", "m", "claimed ε", "δ", f"audited ε ≥ ({confidence})", "k",
-            "correct / guesses", "noise / claimed (p)", "least-noised tensor, step / claimed", "time (s)"]
+                     f"{r['delta']:.2g}", strategy_cell(r), f"{r['epsilon_lower_bound']:.3f}", str(r["k"]),
+                     f"{r['correct']} / {r['guesses']}", noise, whole_noise_cell(r), correlation_cell(r),
+                     f"{r['seconds']:.0f}"])
+    head = ["method", "clipping", "canaries (plant)", "m", "claimed ε", "δ", "noise", f"audited ε ≥ ({confidence})",
+            "k", "correct / guesses", "noise / claimed (p)", "least-noised tensor, step, step pair / claimed",
+            "noise correlation (p)", "time (s)"]
     return "\n".join(markdown_table(head, rows)) + "\n"
+
+
+def strategy_cell(r: dict) -> str:
+    """The claimed noise: independent, or a correlated strategy with its bands."""
+    return f"{r['strategy']} ({r['bands']})" if r.get("bands") else r.get("strategy") or "—"
+
+
+def whole_noise_cell(r: dict) -> str:
+    """The whole model's noise check (`bound.whole_noise_check`): the least-noised tensor, step and step pair."""
+    if r.get("worst_tensor_ratio") is None:
+        return "—"
+    pair = ("" if r.get("worst_difference") is None else
+            f", {r['worst_difference_ratio']:.3f} (steps {r['worst_difference'] - 1}–{r['worst_difference']})")
+    return (f"{r['worst_tensor_ratio']:.3f} ({r['worst_tensor']}), {r['worst_step_ratio']:.3f} (step "
+            f"{r['worst_step']}){pair}" + (" flagged" if r["whole_noise_flagged"] else ""))
+
+
+def correlation_cell(r: dict) -> str:
+    """The noise correlation check (`bound.correlation_check`): the worst lag over all steps, the worst pair."""
+    if r.get("worst_lag") is None:
+        return "—"
+    a, b = r["worst_pair"]
+    return (f"lag {r['worst_lag']}: {r['worst_lag_correlation']:.3f} ({r['worst_lag_p_value']:.2g}); steps {a}–{b}: "
+            f"{r['worst_pair_correlation']:.2f} ({r['worst_pair_p_value']:.2g})"
+            + (" flagged" if r["correlation_flagged"] else ""))
 
 
 def figure(out: Path, record: dict) -> None:

@@ -18,12 +18,14 @@ from dpmem import distributed
 from dpmem.config import ConfigError
 from dpmem.methods.base import batch_size
 from dpmem.methods.privatize import Observer
+from dpmem.privacy.correlated import CorrelatedNoise
+from dpmem.privacy.strategies import Strategy
 
 
 class GradientCanaries(Observer):
     """The Privatizer's observer (planted in the clipped sums, scored on the release), or DPZero's (its scalars)."""
 
-    live = True  # this step's release counts in the scores (the whole model's noise check counts every release)
+    live = True  # this step's release counts in the scores (the noise checks count every release)
 
     def __init__(self, m: int, norm: float, seed: int):
         self.m, self.norm = m, norm
@@ -33,10 +35,16 @@ class GradientCanaries(Observer):
         self.where: dict | None = None  # key -> (canary ids, flat indices), placed at the first step
         self.untouched = False  # every canary placed where the first step's real gradients were zero
         self.background: dict | None = None  # the step's real clipped sum at the canaries' coordinates (by key)
-        # the released values at the left-out canaries' coordinates, in units of C/(q·n): their count and squares
-        self.sigma, self.noise_count, self.noise_squares = None, 0, 0.0
-        # Σ y² of every released tensor at every step, in the same units (steps × tensors), its size and key
-        self.step_squares, self.tensor_sizes, self.tensor_keys = [], [], []
+        # the noise at the left-out canaries' coordinates (the release less the real samples' clipped sum), in units
+        # of C/(q·n), un-correlated by the claimed strategy (`follow`): its values a step, their count and squares,
+        # and each step's cosines with the last steps' (`bound.correlation_check`)
+        self.sigma, self.noise_dim, self.noise_count, self.noise_squares = None, 0, 0, 0.0
+        self.noise_cosines: list[list[float]] = []
+        self._noise_whitening, self._recent = None, []  # the last steps' noise vectors, newest first
+        # Σ u² of every released tensor at every step, u the release un-correlated the same way, in the same units
+        # (steps × tensors), its size and key; Σ (u_t − u_{t−1})² over all of them, a step from the second on
+        self.step_squares, self.tensor_sizes, self.tensor_keys, self.step_differences = [], [], [], []
+        self._release_whitening, self._last = None, None
 
     def place(self, shapes: dict, first: dict | None = None, allowed: dict | None = None) -> None:
         """m distinct coordinates spread over every key (a parameter, its shape in `shapes`), so that a fault in any
@@ -112,26 +120,53 @@ class GradientCanaries(Observer):
                 summed[key] += planted.to(summed[key].dtype)
         return summed
 
+    def follow(self, mechanism) -> None:
+        """The claimed noise's strategy (`mechanism.strategy`, restarting at `mechanism.restart`), which the noise
+        checks un-correlate the releases by: once, before the first release's values are recorded (`run_audit` for
+        DPZero's scalars, whose step does not hand the canaries its mechanism; the first `on_noised` otherwise)."""
+        if self._noise_whitening is None:
+            self._noise_whitening = Whitening(mechanism.strategy, mechanism.restart)
+            self._release_whitening = Whitening(mechanism.strategy, mechanism.restart)
+
     def on_noised(self, privatizer, released: dict) -> dict:
-        """A canary's score gets the release at its coordinate less `background` over q·n; the noise check's squares,
-        the left-out canaries' such values in units of C/(q·n) (the claimed noise σz alone, under the claim)."""
+        """A canary's score gets the release at its coordinate less `background` over q·n; the noise checks, the
+        left-out canaries' such values in units of C/(q·n) (the claimed noise alone, under the claim), and every
+        released tensor's squares (`bound.whole_noise_check`), the first step's too."""
         noise = privatizer.mechanism
+        self.follow(noise)
         self.sigma, n = noise.sigma, noise.expected_batch_size
         scale = n / noise.max_grad_norm
-        for key, values in (self.at_canaries(released) if self.live else {}).items():
+        out = []
+        for key, values in self.at_canaries(released).items():
             ids = self.where[key][0]
             values -= self.background[key] / n
-            self.scores[ids] += values
-            out = values[~self.included[ids]] * scale
-            self.noise_count += len(out)
-            self.noise_squares += float(out.square().sum())
-        # Σ y² of every released tensor at every step, the first too (`bound.whole_noise_check`): a float per tensor
-        with torch.no_grad():
-            squares = torch.stack([_squares(v) for v in released.values()]) * scale ** 2
-        self.step_squares.append(squares.cpu().tolist())
+            if self.live:
+                self.scores[ids] += values
+            out.append(values[~self.included[ids]] * scale)
+        self._record_noise(torch.cat(out))
+        u = self._release_whitening(released)
+        with torch.no_grad():  # a float per tensor, and one for the step's difference from the last
+            self.step_squares.append((torch.stack([_squares(v) for v in u.values()]) * scale ** 2).cpu().tolist())
+            if self._last is not None:
+                change = sum(_squares(v, self._last[key]) for key, v in u.items())
+                self.step_differences.append(float(change) * scale ** 2)
+        # the release itself (independent noise) becomes the gradient, which the optimiser may change: a copy
+        self._last = {key: v.clone() if v is released[key] else v for key, v in u.items()}
         if not self.tensor_sizes:
             self.tensor_sizes, self.tensor_keys = [v.numel() for v in released.values()], list(released)
         return released
+
+    def _record_noise(self, values: torch.Tensor) -> None:
+        """One step's noise values (float64, on the host), un-correlated: their squares, and their cosines with the
+        last steps' (as many as the strategy's bands; 0 where either is all zeros)."""
+        z = self._noise_whitening({"noise": values})["noise"]
+        self.noise_dim = len(z)
+        self.noise_count += len(z)
+        self.noise_squares += float(z.square().sum())
+        norm = float(torch.linalg.vector_norm(z))
+        self.noise_cosines.append([float(z @ old) / (norm * float(torch.linalg.vector_norm(old)) or 1.0)
+                                   for old in self._recent])
+        self._recent = [z, *self._recent][:self._noise_whitening.bands]
 
     def at_canaries(self, summed: dict) -> dict:
         """`summed`'s values at the canaries' coordinates, by key (float64, on the host; 0 where a key is missing):
@@ -174,18 +209,65 @@ class GradientCanaries(Observer):
         claim, the noise itself (the release's square, B clipped scalars beside σC, would say little about σ)."""
         self.scores += released * clipped / max_grad_norm
         self.sigma = sigma
-        self.noise_count += 1
-        self.noise_squares += added ** 2
+        if self._noise_whitening is None:
+            raise RuntimeError("DPZero's canaries un-correlate its noise by the claimed strategy: follow(mechanism) "
+                               "before the first step (run_audit does)")
+        self._record_noise(torch.tensor([added], dtype=torch.float64))
 
 
 SQUARES_CHUNK = 2**22  # elements summed in float64 at once: a float64 copy of a whole embedding would be 300 MB
 
 
-def _squares(v: torch.Tensor) -> torch.Tensor:
-    """Σ v² in float64, a chunk at a time (float32's sum of 10⁷ squares errs by 1e-3, above the check's resolution)."""
-    flat = v.reshape(-1)
-    return sum(torch.linalg.vector_norm(flat[i:i + SQUARES_CHUNK], dtype=torch.float64).square()
+def _squares(v: torch.Tensor, less: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ (v − less)² (Σ v² without `less`) in float64, a chunk at a time (float32's sum of 10⁷ squares errs by 1e-3,
+    above the check's resolution; a whole difference would be another copy of the gradient)."""
+    flat, other = v.reshape(-1), less.reshape(-1) if less is not None else None
+    return sum(torch.linalg.vector_norm(flat[i:i + SQUARES_CHUNK] if other is None
+                                        else flat[i:i + SQUARES_CHUNK] - other[i:i + SQUARES_CHUNK],
+                                        dtype=torch.float64).square()
                for i in range(0, flat.numel(), SQUARES_CHUNK))
+
+
+class Whitening:
+    """u = C y over the releases, coordinate by coordinate, C the claimed strategy's (`dpmem.privacy.strategies`),
+    block-diagonal where its correlation restarts (`CorrelatedNoise.block_start`, the claim's own): the claimed noise
+    σC⁻¹z becomes σz, standard normal and fresh each step, which the noise checks test. bandmf (C banded, c its b
+    coefficients): u_i = Σ_{j<b} c_j y_{i−j}, its last b − 1 inputs kept; bisr (C⁻¹ banded, d): u_i = (y_i −
+    Σ_{0<j<p} d_j u_{i−j}) / d_0, its last p − 1 outputs kept; independent noise: u = y, nothing kept. Called once
+    per release, in order, with a dict of tensors (the same keys each time); what it returns it may keep: read-only."""
+
+    def __init__(self, strategy: Strategy | None, restart: int | None):
+        correlated = strategy is not None and strategy.name != "independent"
+        self.coefs = strategy.coefs if correlated else (1.0,)
+        self.recursive = correlated and strategy.name == "bisr"
+        self.bands = len(self.coefs)  # the lags the noise checks test: up to the strategy's bands, 1 for independent
+        self.blocks = CorrelatedNoise(strategy, None, restart) if correlated else None
+        self.index, self.kept = 0, {}
+
+    def __call__(self, values: dict) -> dict:
+        i, self.index = self.index, self.index + 1
+        if self.blocks is None:
+            return values
+        if self.blocks.block_start(i) == i:
+            self.kept.clear()
+        out = {}
+        for key, y in values.items():
+            kept = self.kept.get(key, [])
+            wide = torch.promote_types(y.dtype, torch.float32)  # bisr's recursion in bfloat16 would drift
+            if self.recursive:
+                u = y.to(wide, copy=True)
+                for d, old in zip(self.coefs[1:], kept):
+                    u.sub_(old, alpha=d)
+                u.div_(self.coefs[0])
+                newest = u
+            else:
+                u = y.to(wide) * self.coefs[0]
+                for c, old in zip(self.coefs[1:], kept):
+                    u.add_(old, alpha=c)
+                newest = y.to(wide, copy=True)
+            self.kept[key] = [newest, *kept][:self.bands - 1]
+            out[key] = u
+        return out
 
 
 FLOOR = 2  # a share of m / (FLOOR · keys) canaries for every key; the rest in proportion to size
@@ -310,6 +392,7 @@ class BatchCanaries(GradientCanaries):
     def on_clipped(self, privatizer, summed: dict) -> dict:
         if self.where is None:  # the first step's sums, which no canary joined: where the canaries live
             self.place({p: p.shape for p in self.owners}, summed, {p: self._allowed(p) for p in self.owners})
+            self.background = self.at_canaries(summed)  # the noise checks' first values (no score this step)
         elif self.live:  # the real samples' clipped sum at the canaries' coordinates, over every rank
             local = self._local if self._local is not None else self.at_canaries({})
             joined = torch.cat(list(local.values())).to(privatizer.device)

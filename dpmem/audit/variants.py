@@ -3,7 +3,8 @@ of the calibrated one: each function below returns a `mechanism_of(mechanism, mo
 `run_audit(..., mechanism_of=...)` (and tests/test_audit.py's `privatizer_audit`). `tests/test_audit.py` asserts the
 audit catches each, `scripts/audit_variants.py` measures how far. Issue 42's three: skip_real_clipping(),
 noise_per_microbatch(), norms_per_use(); issue 54's four: noise_cut_away_from(), clipping_from(name),
-noise_skipped_on(step), noise_divided_by(4)."""
+noise_skipped_on(step), noise_divided_by(4); issue 65's three, in the noise's correlation across steps:
+noise_reused_on(step), buffers_dropped(), band_halved(band)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ import torch
 from dpmem.methods.privatize import Observer
 from dpmem.persample.factored import Factored
 from dpmem.persample.norms import exact_squared_norms
+from dpmem.privacy.correlated import CorrelatedNoise
 from dpmem.privacy.mechanism import GaussianMechanism
+from dpmem.privacy.strategies import make_strategy
 
 
 class BrokenMechanism(GaussianMechanism):
     """`base` itself (σ, C, q·n, draws, loss release, observers, plan, accounting: one state), which a subclass
     breaks; `fields` are the subclass's own settings."""
+
+    __setattr__ = object.__setattr__  # a run's mechanism may be a frozen description; a broken one keeps step state
 
     def __init__(self, base: GaussianMechanism, **fields):
         self.__dict__.update(base.__dict__, **fields)
@@ -139,3 +144,69 @@ def norms_by(rule):
     """The mechanism's plan with its norm rule replaced by `rule`, a function of a per-sample gradient."""
     return lambda mechanism, model, canaries: BrokenMechanism(
         mechanism, plan=dataclasses.replace(mechanism.plan, norms=rule))
+
+
+class ReusedNoise:
+    """The noise of release `step` (0-based) carried again by release `step + 1`, a `NoiseSwapped` source (what the
+    mechanism asks of it: `noise(run, shape, device, dtype)` and `advance()`): the two releases' difference is the
+    clipped sums' alone, noise-free (true ε ∞). `base` draws every release's noise as the mechanism would, and moves
+    on as usual."""
+
+    def __init__(self, base, step: int):
+        self.base, self.step, self.index, self.kept = base, step, 0, {}
+
+    def noise(self, run: str, shape: tuple, device, dtype) -> torch.Tensor:
+        w = self.base.noise(run, shape, device, dtype)
+        if self.index == self.step:  # a noise vector is kept, not changed, by whoever draws it (bandmf keeps it)
+            self.kept[run] = w
+        return self.kept.pop(run) if self.index == self.step + 1 else w
+
+    def advance(self) -> None:
+        self.index += 1
+        self.base.advance()
+
+    def __getattr__(self, name: str):
+        """What else the run asks of its noise (its memory meter: `tensors()`, `buffers`) is `base`'s."""
+        return getattr(self.__dict__["base"], name)
+
+
+class NoiseSwapped(BrokenMechanism):
+    """Each release's noise drawn by `source` in place of the mechanism's own correlated noise (`correlated`: what
+    the mechanism asks for a release's noise, and moves on, whatever its strategy; None: fresh keyed draws)."""
+
+    source = None
+    correlated = property(lambda self: self.source)
+
+
+def noise_reused_on(step: int):
+    """Release `step + 1` (0-based) carries release `step`'s noise draw again. Independent noise (the mechanism has
+    no `correlated`) is drawn fresh from torch's generator here, as a mechanism without keys draws it: the keyed
+    draws are the mechanism's own."""
+    return lambda mechanism, model, canaries: NoiseSwapped(mechanism, source=ReusedNoise(
+        mechanism.correlated or CorrelatedNoise(make_strategy("independent", 1, 1), None), step))
+
+
+def strategy_changed(change):
+    """The noise drawn with the strategy `change(claimed)` from the claimed one's keys (the same z), while the run
+    claims, and accounts, the strategy it was given: the audit un-correlates by the claimed C."""
+    def mechanism_of(mechanism, model, canaries):
+        noise = mechanism.correlated
+        if noise is None:
+            raise ValueError("a changed strategy needs a correlated one to change (privacy.noise=bandmf|bisr)")
+        return NoiseSwapped(mechanism, source=CorrelatedNoise(change(noise.strategy), noise.key, noise.restart))
+    return mechanism_of
+
+
+def buffers_dropped():
+    """bandmf without its b − 1 buffers: each release's noise σz/c_0, the fresh draw over C's first coefficient
+    (variance σ²/c_0² where the claim's is σ²Σ_j (C⁻¹)²_ij, and no correlation across steps)."""
+    return strategy_changed(lambda s: dataclasses.replace(s, bands=1, coefs=s.coefs[:1]))
+
+
+def band_halved(band: int):
+    """The strategy's coefficient of `band` (0 < band < b; C's for bandmf) halved: C⁻¹ is another matrix's."""
+    def change(s):
+        if not 0 < band < s.bands:
+            raise ValueError(f"band {band}: allowed 1 to {s.bands - 1} (the strategy's bands less its first)")
+        return dataclasses.replace(s, coefs=tuple(c / 2 if j == band else c for j, c in enumerate(s.coefs)))
+    return strategy_changed(change)
