@@ -517,3 +517,22 @@ def test_dpmem_audit_flags_noise_reused_on_two_steps(tmp_path):
                              mechanism_of=variants.noise_reused_on(4))
     assert record["flagged"] and record["correlation_flagged"] and record["worst_pair"] == [4, 5]
     assert "steps 4–5: 1.00 (0) flagged" in text
+
+
+def test_canaries_are_sampled_as_records_are_under_cyclic_sampling():
+    """Correlated noise's records join only their cyclic group's steps, at the group's rate: so do the canaries,
+    else the bound would rate a participation the accountant does not assume (each step at q)."""
+    from types import SimpleNamespace
+
+    from dpmem.audit.canaries import GradientCanaries
+    canaries = GradientCanaries(400, 1.0, seed=3)
+    mechanism = SimpleNamespace(groups=4, sample_rate=0.05, accountant={"dataset_size": 1000}, releases=0)
+    joined = torch.zeros(400, 4)
+    for t in range(400):
+        mechanism.releases = t
+        joined[:, t % 4] += canaries.sample(mechanism).float()
+    assert not joined[~canaries.included].any()
+    own = joined.gather(1, canaries.group.view(-1, 1)).squeeze(1)
+    assert joined.sum() == own.sum()  # never on another group's step
+    rate = own[canaries.included].mean() / 100  # 100 turns each; the group rate is 50 / floor(1000 / 4) = 0.2
+    assert abs(float(rate) - 0.2) < 0.02

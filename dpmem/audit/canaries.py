@@ -18,6 +18,7 @@ from dpmem import distributed
 from dpmem.config import ConfigError
 from dpmem.methods.base import batch_size
 from dpmem.methods.privatize import Observer
+from dpmem.privacy.accounting import group_rate
 from dpmem.privacy.correlated import CorrelatedNoise
 from dpmem.privacy.strategies import Strategy
 
@@ -31,6 +32,7 @@ class GradientCanaries(Observer):
         self.m, self.norm = m, norm
         self.gen = torch.Generator().manual_seed(seed)
         self.included = torch.rand(m, generator=self.gen) < 0.5  # the secret bits
+        self.group: torch.Tensor | None = None  # under cyclic sampling, each canary's group (`sample`)
         self.scores = torch.zeros(m, dtype=torch.float64)
         self.where: dict | None = None  # key -> (canary ids, flat indices), placed at the first step
         self.untouched = False  # every canary placed where the first step's real gradients were zero
@@ -101,9 +103,18 @@ class GradientCanaries(Observer):
                 seen.setdefault(j, None)
         return torch.tensor(list(seen)[:k])
 
-    def sample(self, rate: float) -> torch.Tensor:
-        """This step's Poisson sample of the included canaries (the run's rate q, as for real examples)."""
-        return self.included & (torch.rand(self.m, generator=self.gen) < rate)
+    def sample(self, mechanism) -> torch.Tensor:
+        """This step's sample of the included canaries, as the run samples its records: Poisson at its rate q, or
+        under cyclic sampling (correlated noise) each canary in a group of its own, drawn once, joining its group's
+        steps alone at the group's rate, which is what the accountant assumes of a record."""
+        groups = mechanism.groups
+        if not groups:
+            return self.included & (torch.rand(self.m, generator=self.gen) < mechanism.sample_rate)
+        if self.group is None:
+            self.group = torch.randint(groups, (self.m,), generator=self.gen)
+        rate = group_rate(mechanism.sample_rate, mechanism.accountant["dataset_size"], groups)
+        turn = self.group == mechanism.releases % groups  # releases so far: this step's index
+        return self.included & turn & (torch.rand(self.m, generator=self.gen) < rate)
 
     # -- first-order methods: planted into the clipped sums, scored on the released gradient ---------------------
     def on_clipped(self, privatizer, summed: dict) -> dict:
@@ -112,7 +123,7 @@ class GradientCanaries(Observer):
         if self.where is None:
             self.place({key: s.shape for key, s in summed.items()}, summed)
         self.background = self.at_canaries(summed)  # the real samples' clipped sum, before any canary joins it
-        sampled = self.sample(privatizer.mechanism.sample_rate)
+        sampled = self.sample(privatizer.mechanism)
         for key, (ids, flat) in self.where.items():
             hit = flat[sampled[ids]]
             if len(hit):  # each canary lives in one key: its norm there is its whole norm
@@ -335,7 +346,7 @@ class BatchCanaries(GradientCanaries):
         self._local = None  # this rank's real clipped sum at the canaries' coordinates (`on_accumulated`)
         if not self.live:
             return micro, loss_fn
-        sampled = self.sample(privatizer.mechanism.sample_rate)
+        sampled = self.sample(privatizer.mechanism)
         count = int(sampled.sum())
         if not count or not distributed.is_main():  # one rank holds the canaries, as one holds a sample
             return micro, loss_fn

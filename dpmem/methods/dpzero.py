@@ -118,7 +118,7 @@ class ZerothOrder(Method):
             g = self.aggregate(estimates, count)
         else:  # a canary's scalar is its gradient along this step's direction, clipped with the real ones
             along = self.canaries.directional(self._directions(seed))
-            planted = along[self.canaries.sample(self.mechanism.sample_rate)].to(estimates.device, estimates.dtype)
+            planted = along[self.canaries.sample(self.mechanism)].to(estimates.device, estimates.dtype)
             total = self.clipped_sum(torch.cat([estimates, planted]))
             g = self.mechanism.release({None: total.clone()})[None]  # `total` kept: the noise check reads it
             C = self.mechanism.max_grad_norm
