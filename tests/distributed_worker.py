@@ -68,8 +68,9 @@ def forced(run: Run, folder: Path) -> None:
     what dynamo raised (every rank traces the same graph, so every rank raises alike), or "compiled", is written
     down, and the step goes back to eager."""
     privatizer, real = run.method.privatizer, run.method.step
-    privatizer._compiled = Compiler(torch.device("cpu"), "aot_eager")(privatizer._microbatch_flat, "microbatch")
-    privatizer._copy_first, calls = False, []
+    step_state = privatizer.compiled
+    step_state.microbatch = Compiler(torch.device("cpu"), "aot_eager")(privatizer._microbatch_flat, "microbatch")
+    step_state.copy_first, calls = False, []
 
     def step(micro, loss_fn):
         calls.append(1)
@@ -78,11 +79,11 @@ def forced(run: Run, folder: Path) -> None:
         try:
             out, said = real(micro, loss_fn), "compiled"
         except Exception as e:  # noqa: BLE001  (whatever stopped it is the finding)
-            privatizer._compiled, privatizer._flat = None, None
+            step_state.microbatch, step_state.flat = None, None
             out, said = real(micro, loss_fn), f"{type(e).__name__}: {e}"
         if distributed.is_main():
             (folder.parent / f"{folder.name}.compile.txt").write_text(said)
-        privatizer._compiled = None
+        step_state.microbatch = None
         return out
     run.method.step = step
 
