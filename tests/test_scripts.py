@@ -73,6 +73,27 @@ def test_the_private_step_dispatches_at_most_a_third_more_ops_than_adamw(tmp_pat
     assert ops["dpmem dp-adam (bk)"] <= 1.4 * adamw and ops["dpmem grape"] <= 1.3 * adamw, ops
 
 
+def test_bench_correlated_writes_accuracy_error_and_step_tables(tmp_path):
+    """--quick runs every part at toy sizes: `dpmem train` with each noise, the strategies' error beside
+    jax-privacy's (equal), the choice of bands, and the step of each method with each noise."""
+    out = tmp_path / "correlated.md"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_correlated.py"), "--quick", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = out.read_text()
+    assert "QUICK RUN" in text
+    rows = {tuple(cells[:3]): cells for line in text.splitlines() if line.startswith("| vit-digits ")
+            for cells in [[c.strip() for c in line.split("|")[1:-1]]]}
+    accuracy = rows[("vit-digits", "dp-adam", "1")]
+    assert "(b = 2)" in accuracy[4] and "(p = 2)" in accuracy[5] and len(accuracy[6].split(" / ")) == 3
+    assert {cells[2]: cells[6] for key, cells in rows.items() if key[2] in ("bandmf", "bisr")} == {
+        "bandmf": "1.0000", "bisr": "1.0000"}  # dpmem's prefix RMSE ÷ jax-privacy's
+    steps = [line.split(" | ")[0][2:] for line in text.splitlines() if line.startswith("| dpmem ")]
+    assert len(steps) == 6 and "dpmem grape, bisr (p = 2)" in steps  # each method with each noise
+    assert sum(" | dpmem bisr | " in line for line in text.splitlines()) == 1  # the generators alone
+
+
 def test_rc_sigma_writes_its_three_tables(tmp_path):
     """σ in the tables is calibrate_sigma's, and the ratio column divides by the DP-SGD σ in the heading."""
     from dpmem.privacy import calibrate_sigma
