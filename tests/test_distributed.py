@@ -132,7 +132,8 @@ def runs(request, tmp_path_factory):
     for name in CORRELATED:  # bandmf's checkpoint gathers each rank's shard buffers; bisr keeps none
         over = by_name[name] + FSDP_NOISE + ["train.fsdp=true"]
         sharded += [{"name": f"fsdp-{name}", "overrides": over},
-                    {"name": f"fsdp-{name}-resumed", "overrides": over + ["train.checkpoint_every=2"], "die_at_step": 3}]
+                    {"name": f"fsdp-{name}-resumed", "overrides": over + ["train.checkpoint_every=2"],
+                     "die_at_step": 3}]
     # a text model whose task calls its parts (base model, then tied LM head), with dropout: data-parallel and FSDP
     text = {"name": "roberta", "overrides": [o for o in COMMON if o not in SMALL] + [f"train.device={device}", *TEXT]}
     sharded += [text, {"name": "fsdp-roberta", "overrides": text["overrides"] + ["train.fsdp=true"]}]
