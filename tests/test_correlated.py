@@ -27,6 +27,20 @@ SMALL = ["model=vit-tiny", "data=synthetic", "data.n_train=160", "data.image_siz
 SEEDS = ["privacy.noise_seed=3", "privacy.sampler_seed=3"]
 
 
+@pytest.fixture
+def kept(monkeypatch):
+    """Each run's trained weights, flat, by its folder's name."""
+    weights = {}
+    real_execute = Run.execute
+
+    def keep(self):
+        out = real_execute(self)
+        weights[self.run_dir.name] = torch.cat([p.detach().flatten() for p in self.model.parameters()])
+        return out
+    monkeypatch.setattr("dpmem.engine.trainer.Run.execute", keep)
+    return weights
+
+
 def dense_c(strategy, steps, restart=None):
     """C over `steps` releases, built densely: the strategy's Toeplitz matrix, block-diagonal where a projected
     method's window restarts it (1-based steps t ≡ 0 mod F begin a block)."""
@@ -271,17 +285,9 @@ def test_no_edit_of_how_a_run_sampled_or_correlated_its_noise_lowers_the_compose
 
 
 @pytest.mark.parametrize("method,noise", [("dp-adam", "bandmf"), ("grape", "bisr")])
-def test_a_compiled_correlated_run_is_one_graph_and_trains_to_the_eager_weights(tmp_path, monkeypatch, method, noise):
+def test_a_compiled_correlated_run_is_one_graph_and_trains_to_the_eager_weights(tmp_path, kept, method, noise):
     """The compiled micro-batch is one graph; its flat sum is released by the same mechanism, eagerly (the
     correlated draws are made there, on the host's key, as the eager step makes them): the weights agree."""
-    kept = {}
-    real_execute = Run.execute
-
-    def keep(self):
-        out = real_execute(self)
-        kept[self.run_dir.name] = torch.cat([p.detach().flatten() for p in self.model.parameters()])
-        return out
-    monkeypatch.setattr("dpmem.engine.trainer.Run.execute", keep)
     own = ["method.rank=4", "method.refresh=3"] if method == "grape" else []
     overrides = [f"method={method}", f"privacy.noise={noise}", "privacy.bands=3", "train.sampling=cyclic",
                  "train.steps=6", "train.physical_batch_size=16", "train.static_shapes=true", *SMALL, *SEEDS, *own]
@@ -310,19 +316,11 @@ def test_a_correlated_run_checkpointed_on_another_kind_of_device_is_refused_in_o
         run_training(config(*overrides), tmp_path)
 
 
-def test_every_clipping_mode_and_galore_dp_naive_release_the_same_correlated_noise(tmp_path, monkeypatch):
+def test_every_clipping_mode_and_galore_dp_naive_release_the_same_correlated_noise(tmp_path, kept):
     """The strategy lives in the release, after any clipping mode has formed the clipped sums: with the same
     batches and noise keys, dp-adam's five modes train to materialize's weights (to float32's rounding of the
     clipped sums: a mode's noise gone astray would move them by a step), and galore-dp-naive runs with its buffers
     restarted at each refresh."""
-    kept = {}
-    real_execute = Run.execute
-
-    def keep(self):
-        out = real_execute(self)
-        kept[self.run_dir.name] = torch.cat([p.detach().flatten() for p in self.model.parameters()])
-        return out
-    monkeypatch.setattr("dpmem.engine.trainer.Run.execute", keep)
     common = ["privacy.noise=bandmf", "privacy.bands=3", "train.sampling=cyclic", "train.steps=4", *SMALL, *SEEDS]
     for mode in ("materialize", "bk", "fgc", "ghost", "mixed"):
         s = run_training(config("method=dp-adam", f"method.clipping={mode}", *common), tmp_path / mode)
