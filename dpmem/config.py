@@ -38,6 +38,16 @@ class Noise(Enum):  # dpmem.privacy.strategies: how a step's noise is correlated
     bisr = "bisr"  # banded inverse square root: the last p draws regenerated from their keys, no buffer
 
 
+class Unit(Enum):  # what ε protects (docs/privacy.md, "The privacy unit")
+    record = "record"  # one training record
+    user = "user"  # everything one user wrote (the data's user column, or data.users)
+
+
+class UserSampling(Enum):  # privacy.unit=user: how a step samples and clips (Charles et al. 2024)
+    users = "users"  # ULS: Poisson-sample users, clip each user's summed gradient (at most k records a step)
+    records = "records"  # ELS: Poisson-sample records, clip each; a user's ≤ k records accounted as a mixture
+
+
 class Neighbouring(Enum):
     add_remove = "add_remove"
     replace_one = "replace_one"
@@ -144,6 +154,7 @@ class Columns:
     text: str = "text"
     text_pair: Optional[str] = None  # the second text of a pair task
     label: str = "label"
+    user: Optional[str] = None  # who wrote each record (privacy.unit=user); None = no user column
 
 
 @dataclass
@@ -172,6 +183,9 @@ class DataConfig:
     seq_len: int = 128
     num_classes: int = 10
     n_train: Optional[int] = None  # synthetic: examples made; text tasks: training examples drawn (None = all)
+    # users made up for a data set without a user column (privacy.unit=user): the training records given to this
+    # many users by Zipf's law (split_seed), a few writing many, most one or two (dpmem.data.users)
+    users: Optional[int] = None
     # data=median (Li et al. 2022 §4.1): β ∈ R^dimension, A = diag of 1 (const), 1/√k (sqr) or 1/k (linear), the
     # examples' first d_min coordinates drawn N(1, 1), the ridge weight alpha of (α/2)‖β‖²
     dimension: int = 100
@@ -304,6 +318,11 @@ class PrivacyConfig:
     # train.sampling=cyclic; bands: bandmf's b (C's bands, b − 1 buffers), bisr's p (C⁻¹'s, p draws per step)
     noise: Noise = Noise.independent
     bands: Optional[int] = None
+    # what ε protects: a record, or a user's whole contribution (the data's user column or data.users); a user's
+    # records: at most records_per_user (k) of them count, by user_sampling (ULS: per step; ELS: over the run)
+    unit: Unit = Unit.record
+    user_sampling: UserSampling = UserSampling.users
+    records_per_user: Optional[int] = None
 
 
 class Objective(Enum):
@@ -578,6 +597,22 @@ def validate_groups(cfg: Any) -> None:
     if correlated and p.get("bands") is None:
         raise ConfigError("privacy.bands", f"privacy.noise={enum_value(p.noise)} needs its number of bands, e.g. "
                           "privacy.bands=4 (bandmf: b − 1 noise buffers; bisr: p draws per step)")
+    k, by_user = p.get("records_per_user"), p.get("unit", Unit.record) == Unit.user
+    if k is not None and (isinstance(k, bool) or k < 1 or not by_user):
+        raise ConfigError("privacy.records_per_user", f"{k}: the most records of one user a step (ULS) or the run "
+                          "(ELS) uses, a positive integer, with privacy.unit=user")
+    if by_user and k is None:
+        raise ConfigError("privacy.records_per_user", "privacy.unit=user needs the most records of one user that "
+                          "count, e.g. privacy.records_per_user=4 (the rest are left out: docs/privacy.md)")
+    if by_user and correlated:
+        raise ConfigError("privacy.noise", f"{enum_value(p.noise)}: correlated noise is accounted per record "
+                          "(cyclic groups of records); with privacy.unit=user allowed: independent")
+    if by_user and p.neighbouring != Neighbouring.add_remove:
+        raise ConfigError("privacy.neighbouring", "user-level privacy is accounted for adding or removing one "
+                          "user; allowed with privacy.unit=user: add_remove")
+    users = cfg.data.get("users")
+    if users is not None and (isinstance(users, bool) or users < 1):
+        raise ConfigError("data.users", f"{users}: the number of users to give the records to, a positive integer")
     d = p.rc_dimension
     if d not in ("model", "max_layer") and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
         raise ConfigError("privacy.rc_dimension", f"{d!r}: allowed model, max_layer or a positive integer")

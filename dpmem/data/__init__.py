@@ -22,6 +22,12 @@ def build_data(cfg, model_cfg) -> DataBundle:
     if cfg.name not in loaders:
         raise ConfigError("data.name", f"{cfg.name!r} is unknown; allowed: {', '.join(loaders)}")
     data = loaders[cfg.name](cfg)
+    if cfg.get("users") is not None:
+        if data.users is not None:
+            raise ConfigError("data.users", f"data.columns.user={cfg.columns.user!r} names the data's own users; "
+                              "made-up users (data.users) are for data without a user column")
+        from dpmem.data.users import made_up
+        data.users = made_up(data.n_train, cfg.users, cfg.split_seed)
     check_classes(data, "data.path" if cfg.path else "data.name", repr(cfg.path) if cfg.path else f"data={cfg.name}")
     return data
 
@@ -31,7 +37,8 @@ def fingerprint(data: DataBundle) -> str:
     on. Of the examples rather than the files: it covers every source (a file in any format, a hub cache, synthetic
     data) and exactly what the batches index, for one pass over tensors already in memory."""
     h = hashlib.sha256()
-    for name, column in sorted(data.train.items()):
+    columns = {**data.train, **({"users": data.users} if data.users is not None else {})}  # who wrote what, too
+    for name, column in sorted(columns.items()):
         column = column.detach().cpu().contiguous()
         h.update(f"{name}:{column.dtype}:{tuple(column.shape)};".encode())
         h.update(column.view(-1).view(torch.uint8).numpy())  # every dtype's bytes (bfloat16 has no numpy type)

@@ -28,6 +28,8 @@ class DataBundle:
     # right-padded token columns: a batch drops the padding all its examples share (same losses, less compute)
     trim_padding: bool = False
     problem: Optional[dict] = None  # what a model built for this data set takes from it (data=median: A, alpha)
+    # who wrote each training record (int64 ids, dpmem.data.users): data.columns.user or data.users; None = unknown
+    users: Optional[torch.Tensor] = None
 
     @property
     def higher_is_better(self) -> bool:
@@ -90,12 +92,27 @@ class Padded(dict):
         self.weights = (torch.arange(len(rows), device=rows.device) < real).float()
 
 
+class Grouped(dict):
+    """A micro-batch of users' records (ULS, privacy.unit=user): k slots to a user, user after user, each slot a
+    record of that user or empty (`present` 0: a copy of some record whose loss weighs 0, so its gradient is 0).
+    What is clipped is a user's summed gradient: `weights` (U,) are 1 for a sampled user, 0 for a padding one
+    (train.static_shapes, FSDP's padding micro-batches)."""
+
+    def __init__(self, columns: dict[str, torch.Tensor], k: int, present: torch.Tensor, device=None):
+        """`present` (U·k,) on the host (the real users counted there, without a sync), moved to `device`."""
+        super().__init__(columns)
+        users = present.view(-1, k).amax(1)  # a user with no record is padding
+        self.k, self.real = k, int(users.sum())
+        self.present, self.weights = present.to(device), users.to(device)
+
+
 def weights(batch: dict[str, torch.Tensor]) -> torch.Tensor | float:
-    """How much each sample of a micro-batch counts in the step (its clip factor, its loss): a `Padded` one's
-    weights, else 1."""
-    return batch.weights if isinstance(batch, Padded) else 1.0
+    """How much each clipped unit of a micro-batch counts in the step (its clip factor, its loss): a `Padded` one's
+    weights per sample, a `Grouped` one's per user, else 1."""
+    return batch.weights if isinstance(batch, (Padded, Grouped)) else 1.0
 
 
 def real_size(batch: dict[str, torch.Tensor]) -> int:
-    """The samples of a micro-batch that count (weigh 1), known on the host."""
-    return batch.real if isinstance(batch, Padded) else len(next(iter(batch.values())))
+    """The clipped units of a micro-batch that count (weigh 1: samples, or a `Grouped` one's users), known on the
+    host."""
+    return batch.real if isinstance(batch, (Padded, Grouped)) else len(next(iter(batch.values())))

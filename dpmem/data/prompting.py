@@ -145,7 +145,16 @@ def bundle(cfg, model_cfg, task, train_records: list[dict], test_records: Option
     columns = [_classification(enc, template, split, pad_to) for split in (train, evaluated)]
     loss, predict = text.task(head, word_ids)
     return DataBundle(columns[0], columns[1], classes, tuple(columns[0]["input_ids"].shape[1:]), loss, predict,
-                      trim_padding=not task.fixed_length)
+                      trim_padding=not task.fixed_length, users=_users(train))
+
+
+def _users(train: list[dict]) -> Optional[torch.Tensor]:
+    """The training records' user ids (`dpmem.data.users.ids_of`) where the records name their user (a file's
+    data.columns.user), else None."""
+    if not train or "user" not in train[0]:
+        return None
+    from dpmem.data.users import ids_of
+    return ids_of(r["user"] for r in train)
 
 
 def _names(records_: list[dict]) -> Optional[list[str]]:

@@ -12,7 +12,7 @@ from torch import nn
 
 from dpmem import distributed, sharding
 from dpmem.config import ConfigError, enum_value
-from dpmem.data import DataBundle
+from dpmem.data import DataBundle, users
 from dpmem.methods import Method, build_method, method_class
 from dpmem.methods.privatize import Observer
 from dpmem.methods.rc import check_probes, max_layer_dimension, rc_dimension
@@ -72,7 +72,8 @@ def assemble(cfg, device: torch.device, data: DataBundle, model: nn.Module | Non
         observers = (*observers, SubspaceProjection(m.subspace, model))
     if steps is not None:
         rc = envelope(cfg, model) if accountant_of(cfg.privacy, spec) == "rc" else None
-        mechanism = calibrate(cfg, spec, data.n_train, steps, sampling, device, rc, tuple(observers))
+        mechanism = calibrate(cfg, spec, data.n_train, steps, sampling, device, rc, tuple(observers),
+                              users.count(data))
     else:
         # no draws where nothing is drawn: on meta, and on the fake tensors of simulated ranks
         draws = None if device.type == "meta" or mesh is not None else Draws(seed_key(0), "noise", device)

@@ -20,9 +20,9 @@ from tqdm import tqdm
 from dpmem import distributed, precision, sharding
 from dpmem.compiling import Compiler
 from dpmem.config import ConfigError, enum_value
-from dpmem.data import build_data
+from dpmem.data import build_data, users
 from dpmem.data import fingerprint as data_fingerprint
-from dpmem.data.bundle import Padded
+from dpmem.data.bundle import Grouped, Padded
 from dpmem.engine import checkpoint
 from dpmem.engine.assemble import Parts, assemble
 from dpmem.engine.folder import FolderLock, FolderRefused, as_recorded, claim, write_config
@@ -33,7 +33,7 @@ from dpmem.metering import Meter
 from dpmem.methods import check_fsdp, method_class
 from dpmem.methods.subspace import SubspaceProjection, privacy_of
 from dpmem.privacy.mechanism import accounting, line_epsilon
-from dpmem.privacy.sampling import make_batches
+from dpmem.privacy.sampling import make_batches, user_batches
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,11 +62,12 @@ def lr_at(step: int, total: int, cfg) -> float:
 
 
 def run_length(cfg, n: int) -> tuple[int, str]:
-    """A run's steps (train.steps, or train.epochs over n examples at the logical batch size) and its sampling
-    (auto: Poisson for a private method, shuffled epochs otherwise)."""
+    """A run's steps (train.steps, or train.epochs over n examples at the logical batch size; ULS: n users) and its
+    sampling (auto: Poisson for a private method, shuffled epochs otherwise)."""
     t = cfg.train
     if t.batch_size > n:
-        raise ConfigError("train.batch_size", f"{t.batch_size} is larger than the training set ({n})")
+        what = "users" if users.uls(cfg.privacy) else "training set"
+        raise ConfigError("train.batch_size", f"{t.batch_size} is larger than the {what} ({n})")
     steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * n / t.batch_size))
     sampling = enum_value(t.sampling)
     private = method_class(cfg.method.name).spec.private
@@ -75,14 +76,16 @@ def run_length(cfg, n: int) -> tuple[int, str]:
     return steps, ("poisson" if private else "shuffle") if sampling == "auto" else sampling
 
 
-def accounting_of(cfg, n: int | None = None) -> dict:
-    """`dpmem.privacy.mechanism.accounting` for a run of `cfg` over `n` records (None: its data's, loaded), before
-    anything is built."""
-    n = build_data(cfg.data, cfg.model).n_train if n is None else n
-    steps, sampling = run_length(cfg, n)
+def accounting_of(cfg, n: int | None = None, count: int | None = None) -> dict:
+    """`dpmem.privacy.mechanism.accounting` for a run of `cfg` over `n` records of `count` users (None: its data's,
+    loaded), before anything is built."""
+    if n is None:
+        data, _ = users.for_training(cfg.privacy, build_data(cfg.data, cfg.model), cfg.data.split_seed)
+        n, count = data.n_train, users.count(data)
+    steps, sampling = run_length(cfg, count if users.uls(cfg.privacy) and count else n)
     spec = method_class(cfg.method.name).spec
     return accounting(cfg.privacy, spec, n, cfg.train.batch_size, steps, sampling,
-                      cfg.method.get("refresh") if spec.private else None)
+                      cfg.method.get("refresh") if spec.private else None, count)
 
 
 def config_hash(cfg) -> str:
@@ -161,10 +164,12 @@ class Run:
         self.data_fingerprint = data_fingerprint(data)  # as loaded (dpmem audit's canaries are the audit's own)
         if self.checkpoint is not None:
             self._check_data()
+        data, self.users = users.for_training(cfg.privacy, data, cfg.data.split_seed)  # ELS's bound, once
+        self.grouped = users.Users(data.users) if users.uls(cfg.privacy) else None  # ULS samples these
         if self.data_hook is not None:
             data = self.data_hook(data)
         n = data.n_train
-        self.steps, self.sampling = run_length(cfg, n)
+        self.steps, self.sampling = run_length(cfg, users.count(data) if users.uls(cfg.privacy) else n)
         if t.fsdp:
             check_fsdp(m)
         if t.fsdp and distributed.world_size() == 1:
@@ -200,6 +205,7 @@ class Run:
             "steps": self.steps, "steps_done": 0, "batch_size": t.batch_size,
             **({"samples_seen": None, "samples_expected": 0.0} if self.mechanism.accounted else {"samples_seen": 0}),
             "physical_batch_size": t.physical_batch_size or t.batch_size, "n_train": n, "lr": t.lr,
+            **({"user_data": self.users} if self.users is not None else {}),
             "data_fingerprint": self.data_fingerprint,
             "world_size": distributed.world_size(), "backend": distributed.backend(), "fsdp": t.fsdp,
             "metric_name": self.data.metric_name, "metric_final": None, "metric_best": None, "train_loss": None,
@@ -507,12 +513,24 @@ class Run:
         physical = t.physical_batch_size or t.batch_size
         chunks = list(index.split(physical)) if len(index) else []
         padding = distributed.most(len(chunks)) - len(chunks) if t.fsdp else 0
+        if self.grouped is not None:  # ULS: (users, k) rows, `physical` users to a micro-batch
+            empty = torch.full((physical if self.static_shapes else 1, index.shape[1]), -1, dtype=torch.long)
+            return [self._users_on_device(c, physical if self.static_shapes else len(c))
+                    for c in chunks + [empty] * padding]
         if self.static_shapes:  # every micro-batch a Padded one, full ones too: one code path (and graph) for all
             micro = [Padded(self._on_device(torch.cat([c, c[:1].expand(physical - len(c))])), len(c)) for c in chunks]
         else:
             micro = [self._on_device(chunk) for chunk in chunks]
         size = physical if self.static_shapes else 1
         return micro + [Padded(self._on_device(torch.zeros(size, dtype=torch.long)), 0) for _ in range(padding)]
+
+    def _users_on_device(self, rows: torch.Tensor, size: int) -> Grouped:
+        """ULS: the records of `rows` ((users, k) indices, -1 empty) as a `Grouped` micro-batch of `size` users (the
+        missing ones padding), an empty slot holding a copy of the data's first record, whose loss weighs 0."""
+        rows = torch.cat([rows, rows.new_full((size - len(rows), rows.shape[1]), -1)])
+        present = (rows >= 0).reshape(-1)
+        index = rows.reshape(-1).clamp(min=0)
+        return Grouped(self._on_device(index), rows.shape[1], present.float(), self.device)
 
     def _on_device(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
         batch = self.data.batch(self.data.train, index, trim=not self.static_shapes)
@@ -522,6 +540,9 @@ class Run:
         """The logical batches of the run's `steps` steps, as the sampler draws them."""
         sampler = self.mechanism.sampler
         sampler.count = 0  # step t's batch is draw t
+        if self.grouped is not None:
+            return user_batches(self.grouped, self.mechanism.sample_rate, int(self.cfg.privacy.records_per_user),
+                                self.steps, sampler)
         return make_batches(self.sampling, self.data.n_train, self.cfg.train.batch_size, self.steps, sampler,
                             self.mechanism.groups)
 

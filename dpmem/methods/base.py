@@ -152,6 +152,7 @@ class Method:
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"method.{key}", f"{value} must be a finite number")
         cls._check_noise(cfg)
+        cls._check_unit(cfg)
         if not cls.spec.private:
             return
         if not m.max_grad_norm > 0:
@@ -209,6 +210,31 @@ class Method:
         if not cyclic:
             raise ConfigError("train.sampling", f"privacy.noise={name} is accounted under cyclic Poisson sampling "
                               "(a record joins only every G-th step); set train.sampling=cyclic (or auto)")
+
+    @classmethod
+    def _check_unit(cls, cfg) -> None:
+        """privacy.unit=user: a private method whose accountant has a user-level analysis, under Poisson sampling;
+        ULS (user_sampling=users) for the methods whose step clips per-sample gradients (`uls`)."""
+        t, p, m = cfg.train, cfg.privacy, cfg.method
+        if enum_value(p.get("unit", "record")) != "user":
+            return
+        if not cls.spec.private:
+            raise ConfigError("privacy.unit", f"user: {m.name} is not private and protects no one; allowed: record")
+        if cls.spec.accountant == "rc":
+            raise ConfigError("privacy.unit", f"user: {m.name}'s accountant (randomized clipping's envelope) bounds "
+                              "one record's random sensitivity, not a user's; allowed: record")
+        if t.sampling not in (Sampling.poisson, Sampling.auto):
+            raise ConfigError("train.sampling", f"{enum_value(t.sampling)}: user-level privacy is accounted under "
+                              "Poisson sampling (of users, or of records for ELS); allowed: poisson, auto")
+        els = enum_value(p.user_sampling) == "records"
+        if els and p.accountant == Accountant.rdp:
+            raise ConfigError("privacy.accountant", "rdp: ELS's user is a mixture of Gaussians, which dp-accounting "
+                              "accounts by PLD alone; allowed: pld, auto")
+        if not els and not cls.uls:
+            raise ConfigError("privacy.user_sampling", f"users: {m.name} {cls.uls_refusal}; allowed: records (ELS)")
+
+    uls = True  # its step can clip each user's summed gradient (privacy.user_sampling=users)
+    uls_refusal = ""  # why not, where it cannot
 
     def compile(self, compiler) -> None:
         """train.compile: the step's functions compiled by `compiler` (`dpmem.compiling.Compiler`)."""

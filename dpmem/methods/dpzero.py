@@ -28,6 +28,9 @@ class ZerothOrder(Method):
 
     config = ZerothOrderConfig
     spec = MethodSpec(compiled_step=True, zeroth_order=True)  # its forwards compiled (`compile`)
+    uls = False
+    uls_refusal = ("clips each record's scalar (L⁺ − L⁻)/2λ, its two forwards run record by record, not user by "
+                   "user")
 
     @classmethod
     def check(cls, cfg) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dpmem import distributed, sharding
-from dpmem.data.bundle import weights
+from dpmem.data.bundle import Grouped, weights
 from dpmem.metering import memory_label
 from dpmem.methods.base import batch_size
 from dpmem.methods.clipping_plan import ClippingPlan
@@ -288,6 +288,10 @@ class Privatizer:
         keeps = [reducer(d) for d in probes] if probes else [reducer(None)] * len(self.params)
         reduce = {p: reducers.projected(projections[p], keep) if p in projections else keep
                   for p, keep in zip(self.params, keeps)}
+        k = mb.k if isinstance(mb, Grouped) else None  # ULS: a user's k records, normed and clipped as one
+        if k is not None:
+            reduce = {p: reducers.by_user(r, k) for p, r in reduce.items()}
+            loss_fn = _present_only(loss_fn)
         losses, kept, batch_grads = self._backward(mb, loss_fn, zero, reduce, check, shapes, two_pass)
         for p, g in batch_grads.items():
             p.grad = g
@@ -303,7 +307,7 @@ class Privatizer:
                 squares = _squares(kept)  # the squared norms made as each parameter was reduced (the rows' now)
                 grads = {p: r.grads for p, r in kept.items()}
                 if check:
-                    ones = torch.ones(batch_size(mb), device=self.device)
+                    ones = torch.ones(len(mb.weights) if k else batch_size(mb), device=self.device)
                     verify_coverage(self.model, self.params, weighted_sum(grads, ones),
                                     lambda p, g: reducers.projection(projections[p]).project(g) if p in projections
                                     else g, self.taps.compute)
@@ -314,8 +318,11 @@ class Privatizer:
                     _accumulate(summed, p, part)
             del grads
         if two_pass:
-            self._second_pass(losses, factors, summed)
-        return (self.mechanism.clipped_losses(losses.detach()) * weights(mb)).sum()
+            self._second_pass(losses, factors.repeat_interleave(k) if k else factors, summed)
+        clipped = self.mechanism.clipped_losses(losses.detach())
+        if k:  # a user's loss: the mean of its records' clipped losses, in [0, L] as a record's is
+            clipped = clipped.view(-1, k).sum(1) / mb.present.view(-1, k).sum(1).clamp(min=1)
+        return (clipped * weights(mb)).sum()
 
     def _second_pass(self, losses, factors, summed) -> None:
         """Two-pass clipping's second backward pass: autograd forms Σᵢ fᵢ gᵢ, in the model's own precision, added
@@ -379,6 +386,12 @@ class Privatizer:
             return {p: summed[p] if p in summed else
                     torch.zeros_like(p) if shapes is None else torch.zeros(shapes[p], device=p.device, dtype=p.dtype)
                     for p in self.params}
+
+
+def _present_only(loss_fn):
+    """ULS: the per-record losses with an empty slot's weighing 0 (`Grouped.present`), so that its gradient, which
+    joins its user's sum, is 0."""
+    return lambda model, mb: loss_fn(model, mb) * mb.present
 
 
 def _squares(kept: dict) -> dict:

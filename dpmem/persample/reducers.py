@@ -112,3 +112,21 @@ def normed(rule: str = "mixed", k: int = 32, draws: Draws | None = None,
 def with_sum(reducer: Reducer) -> Reducer:
     """`reducer`'s values, as `Summed` (for the coverage check)."""
     return lambda g: Summed(reducer(g), weighted_sum_of(g, torch.ones(g.shape[0], device=g.device)))
+
+
+def joined(g, k: int):
+    """Per-record gradients (B = U·k records, k to a user, user after user) as per-user sums (U): a factored one's
+    sides (B, T, n) viewed as (U, k·T, n), ids (B, T) as (U, k·T), so that Σ_t over a user's joined tokens is the
+    sum of its records' gradients (the ghost and book-keeping identities then norm and weigh users as they do
+    samples); a dense one (B, *shape) summed over each user's k rows."""
+    if isinstance(g, Factored):
+        def side(t):
+            return t.reshape(t.shape[0] // k, k * t.shape[1], *t.shape[2:])
+        return Factored([(side(left), side(right)) for left, right in g.terms], g.rows, g.cols, g.param_shape)
+    return g.reshape(g.shape[0] // k, k, *g.shape[1:]).sum(1)
+
+
+def by_user(reducer: Reducer, k: int) -> Reducer:
+    """`reducer` on each user's summed gradient (`joined`): ULS's per-user clipping under any clipping plan. It does
+    not stream (its value is per user, not per sample)."""
+    return lambda g: reducer(joined(g, k))

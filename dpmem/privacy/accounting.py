@@ -16,7 +16,8 @@ import numbers
 
 import dp_accounting
 from absl import logging as absl_logging
-from dp_accounting import pld, rdp
+from dp_accounting import dp_event, pld, rdp
+from scipy.stats import binom
 
 from dpmem.privacy import rc_envelope as rc
 
@@ -26,6 +27,9 @@ ACCOUNTANTS = ("pld", "rdp", "rc")
 SAMPLINGS = ("poisson", "fixed", "cyclic")
 # PLD discretisation: 1e-3 keeps a 1000-step composition under a second and errs on the pessimistic side.
 PLD_DISCRETIZATION = 1e-3
+# ELS's mixture of Gaussians builds its privacy loss by root-finding per bucket, 5–10× slower than a Gaussian's: at
+# 1e-2 its ε over 500 steps stays within 1e-4 (relative) of 1e-3's, above it, and calibration takes seconds
+MIXTURE_DISCRETIZATION = 1e-2
 MIN_SIGMA, MAX_SIGMA = 0.05, 1e3
 # Randomized clipping with few probes has a heavy-tailed sensitivity (k = 1, 2 need noise multipliers in the
 # hundreds to hundreds of thousands), so rc searches further before refusing a target.
@@ -38,25 +42,36 @@ class UnreachableTarget(ValueError):
     pass
 
 
-def _accountant(accountant: str, neighbouring: str):
+def _accountant(accountant: str, neighbouring: str, mixture: bool = False):
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant {accountant!r}: allowed {', '.join(ACCOUNTANTS)}")
     if neighbouring not in RELATIONS:
         raise ValueError(f"neighbouring {neighbouring!r}: allowed {', '.join(RELATIONS)}")
     rel = RELATIONS[neighbouring]
     if accountant == "pld":
-        return pld.PLDAccountant(rel, value_discretization_interval=PLD_DISCRETIZATION)
+        return pld.PLDAccountant(rel, value_discretization_interval=MIXTURE_DISCRETIZATION if mixture
+                                 else PLD_DISCRETIZATION)
     return rdp.RdpAccountant(neighboring_relation=rel)
 
 
 def _event(sigma: float, sample_rate: float, steps: int, sampling: str, dataset_size: int | None,
-           groups: int | None = None, noise: tuple | None = None):
+           groups: int | None = None, noise: tuple | None = None, user_records: int | None = None):
     """The DP event of `steps` steps of noise multiplier `sigma` (the joint one, `joint_sigma`). Cyclic sampling
     (correlated noise, `dpmem.privacy.strategies`): a banded strategy of at most `groups` bands is ceil(steps/G)
     compositions of a Poisson-subsampled Gaussian at the group's rate (Choquette-Choo et al. 2023, jax-privacy's
     `amplified_bandmf_event`); bisr's C is not banded, so no amplification is claimed: one Gaussian of its sensitivity
-    over the steps' participations, G apart (`cyclic_sensitivity`)."""
+    over the steps' participations, G apart (`cyclic_sensitivity`). `user_records` (ELS, privacy.unit=user with
+    user_sampling=records): a user's k records each join a step at rate q, and each moves the clipped sum by at most
+    C, so a step is a mixture of Gaussians of sensitivity j with probability Binomial(k, q)(j) (Charles et al. 2024,
+    dp-accounting's MixtureOfGaussiansDpEvent; PLD only)."""
     gaussian = dp_accounting.GaussianDpEvent(sigma)
+    if user_records is not None:
+        if sampling != "poisson":
+            raise ValueError(f"user-level accounting of records (ELS) is for poisson sampling, not {sampling}")
+        k = int(user_records)
+        mixture = dp_event.MixtureOfGaussiansDpEvent(sigma, list(range(k + 1)),
+                                                          [float(p) for p in binom.pmf(range(k + 1), k, sample_rate)])
+        return dp_accounting.SelfComposedDpEvent(mixture, steps)
     if sampling == "cyclic":
         if not groups or dataset_size is None:
             raise ValueError("cyclic sampling needs groups and dataset_size")
@@ -127,7 +142,7 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
                   neighbouring: str = "add_remove", sampling: str = "poisson",
                   dataset_size: int | None = None, k: int = 32, d: float | None = None,
                   estimator: str = "hutch", loss_noise: float | None = None, groups: int | None = None,
-                  noise: tuple | None = None) -> float:
+                  noise: tuple | None = None, user_records: int | None = None) -> float:
     """Epsilon after `steps` sampled Gaussian steps with noise multiplier `sigma` (inf if sigma is 0), each with
     the batch's noised loss when `loss_noise` is given (see the module's docstring).
 
@@ -147,6 +162,7 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
         loss_noise: c, where the training loss is released privately with noise c·σ·L.
         groups: cyclic sampling's G (correlated noise).
         noise: the correlated strategy (name, bands, horizon) under cyclic sampling; None: independent noise.
+        user_records: ELS's k: ε of a user of at most k records, each sampled at `sample_rate` (`_event`).
 
     Returns:
         ε at `delta`.
@@ -165,9 +181,9 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
         return math.inf
     if accountant == "rc":
         return rc.rc_epsilon(sigma, delta, sample_rate, steps, k, d, estimator, PLD_DISCRETIZATION, loss_noise)
-    acc = _accountant(accountant, neighbouring)
+    acc = _accountant(accountant, neighbouring, user_records is not None)
     event = _event(joint_sigma(sigma, loss_noise), sample_rate, steps, sampling, dataset_size, groups,
-                   _tuple(noise))
+                   _tuple(noise), user_records)
     if not acc.supports(event):
         raise ValueError(f"accountant {accountant} does not support {sampling} sampling under {neighbouring}")
     return float(acc.compose(event).get_epsilon(delta))
@@ -186,10 +202,10 @@ def composed_epsilon(runs: list[dict], delta: float, accountant: str = "pld",
         if r["sigma"] <= 0:
             return math.inf
         events.append(_event(r["sigma"], r["sample_rate"], r["steps"], r["sampling"], r.get("dataset_size"),
-                             r.get("groups"), _tuple(r.get("noise"))))
+                             r.get("groups"), _tuple(r.get("noise")), r.get("user_records")))
     if not events:
         return 0.0
-    acc = _accountant(accountant, neighbouring)
+    acc = _accountant(accountant, neighbouring, any(r.get("user_records") for r in runs))
     event = dp_accounting.ComposedDpEvent(events)
     if not acc.supports(event):
         raise ValueError(f"accountant {accountant} does not support these runs' sampling under {neighbouring}")
@@ -220,7 +236,7 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
                     neighbouring: str = "add_remove", sampling: str = "poisson",
                     dataset_size: int | None = None, tolerance: float = 1e-3, k: int = 32, d: float | None = None,
                     estimator: str = "hutch", loss_noise: float | None = None, groups: int | None = None,
-                    noise: tuple | None = None) -> float:
+                    noise: tuple | None = None, user_records: int | None = None) -> float:
     """The smallest noise multiplier of the gradient whose epsilon after `steps` steps (with the loss releases of
     `loss_noise`) is at most `epsilon`.
 
@@ -248,7 +264,7 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
 
     def eps(s: float) -> float:  # rc's of the gradient's multiplier, the others' of the joint one
         return epsilon_spent(s, delta, sample_rate, steps, accountant, neighbouring, sampling, dataset_size, k, d,
-                             estimator, loss_noise if accountant == "rc" else None, groups, noise)
+                             estimator, loss_noise if accountant == "rc" else None, groups, noise, user_records)
 
     if accountant == "rc":
         # bisection: rc has no dp-accounting event, and its epsilon is inf (not a number to interpolate) while the
@@ -263,7 +279,7 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
     # σ = MIN_SIGMA needs a minute of buckets): what `_bracket` would conclude after halving down to MIN_SIGMA
     try:
         least = epsilon_spent(MIN_SIGMA, delta, sample_rate, steps, "rdp", neighbouring, sampling, dataset_size,
-                              groups=groups, noise=noise)
+                              groups=groups, noise=noise, user_records=user_records)
     except ValueError:  # an event RDP does not support (Poisson under replace-one): `_bracket` alone decides
         least = math.inf
     if epsilon >= least:
@@ -273,8 +289,8 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
     lo, hi = _bracket(eps, epsilon, MAX_SIGMA, f"epsilon={epsilon} at delta={delta} is unreachable with sample rate "
                       f"{sample_rate:.4g} over {steps} steps")
     sigma = dp_accounting.calibrate_dp_mechanism(
-        lambda: _accountant(accountant, neighbouring),
-        lambda s: _event(s, sample_rate, steps, sampling, dataset_size, groups, _tuple(noise)),
+        lambda: _accountant(accountant, neighbouring, user_records is not None),
+        lambda s: _event(s, sample_rate, steps, sampling, dataset_size, groups, _tuple(noise), user_records),
         epsilon, delta,
         bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi),
         discrete=False, tol=tolerance)

@@ -146,6 +146,7 @@ class GaussianMechanism:
                 "sample_rate": self.sample_rate, "accountant": s["accountant"], "neighbouring": s["neighbouring"],
                 "sampling": s["sampling"], "dataset_size": self.accountant["dataset_size"],
                 "groups": self.accountant.get("groups"), "strategy": self.accountant.get("noise"),
+                "user_records": self.accountant.get("user_records"), "unit": s.get("unit"),
                 "privacy_analysis": s.get("privacy_analysis")}
 
     def outside_epsilon(self, static_shapes: bool) -> dict[str, str]:
@@ -305,13 +306,35 @@ def accountant_of(privacy, spec) -> str:
     return spec.accountant if accountant == "auto" else accountant
 
 
-def accounting(privacy, spec, n: int, batch_size: int, steps: int, sampling: str, restart: int | None = None) -> dict:
+def accounting(privacy, spec, n: int, batch_size: int, steps: int, sampling: str, restart: int | None = None,
+               users: int | None = None) -> dict:
     """What a run is accounted with, from its data's size alone (rc's envelope aside), before anything is built (a
     plan, a private search): the keyword arguments of calibrate_sigma and epsilon_spent after ε. `restart`: a
-    projected method's refresh F (correlated noise restarts there: `noise_terms`)."""
-    return {"delta": resolve_delta(privacy.delta, n), "sample_rate": batch_size / n, "steps": steps,
-            **_accountant_keywords(privacy, spec, n, sampling, enum_value(privacy.train_loss)),
-            **noise_terms(privacy, n, batch_size, steps, sampling, restart)}
+    projected method's refresh F (correlated noise restarts there: `noise_terms`). `users`: how many users the
+    training records have (privacy.unit=user)."""
+    unit = unit_terms(privacy, n, users, batch_size)
+    return {"delta": resolve_delta(privacy.delta, unit["units"]), "sample_rate": unit["sample_rate"], "steps": steps,
+            **_accountant_keywords(privacy, spec, unit["units"] if unit["uls"] else n, sampling,
+                                   enum_value(privacy.train_loss)),
+            **noise_terms(privacy, n, batch_size, steps, sampling, restart), "user_records": unit["user_records"]}
+
+
+def unit_terms(privacy, n: int, users: int | None, batch_size: int) -> dict:
+    """What the privacy unit (privacy.unit) makes of the accounting: `units`, the number of them (what δ = auto and
+    δ·n read); `sample_rate`, the rate at which a step samples what it clips (records; ULS: users); `user_records`,
+    ELS's k (a user of at most k records, each sampled at that rate: `accounting._event`); `uls`. Raises
+    ConfigError where the data names no users or the batch outnumbers them."""
+    if enum_value(privacy.get("unit", "record")) != "user":
+        return {"units": n, "sample_rate": batch_size / n, "user_records": None, "uls": False}
+    if users is None:
+        raise ConfigError("privacy.unit", "user: the data names no users; set data.columns.user (data=csv|jsonl) "
+                          "or make them up with data.users=N")
+    uls = enum_value(privacy.user_sampling) == "users"
+    if uls and batch_size > users:
+        raise ConfigError("train.batch_size", f"{batch_size} users a step (ULS samples users) of {users}: allowed "
+                          f"at most {users}")
+    return {"units": users, "sample_rate": batch_size / (users if uls else n),
+            "user_records": None if uls else int(privacy.records_per_user), "uls": uls}
 
 
 def noise_terms(privacy, n: int, batch_size: int, steps: int, sampling: str, restart: int | None = None) -> dict:
@@ -341,7 +364,7 @@ def _accountant_keywords(privacy, spec, n: int, sampling: str, loss_release: str
 
 
 def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device, rc: dict | None = None,
-              observers: tuple = ()) -> GaussianMechanism:
+              observers: tuple = (), users: int | None = None) -> GaussianMechanism:
     """The mechanism of a run of `cfg` (its method's MethodSpec `spec`) over `n` records for `steps` steps: σ
     calibrated to privacy.epsilon at δ (under torchrun on rank 0, every rank taking its σ or its error), the noise
     keyed from the OS unless privacy.noise_seed is given (rank 0's key on every rank: dpmem.distributed), the
@@ -356,18 +379,22 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
                if not spec.private and p.epsilon is not None else None)
     if ignored and distributed.is_main():
         print(f"dpmem: warning: {ignored}", file=sys.stderr)
-    q, delta = t.batch_size / n, resolve_delta(p.delta, n) if accounted else None
-    if accounted and delta * n >= 1:
-        print(f"dpmem: warning: delta = {delta:.3g} is at least 1/n = {1 / n:.3g}: at that delta a mechanism "
-              "that publishes one random training record whole is still (epsilon, delta)-DP; the default "
-              "privacy.delta=auto is min(1e-5, 1/n^1.1)", file=sys.stderr)
+    unit = unit_terms(p, n, users, t.batch_size)  # (privacy.unit=user with a non-private method: Method.check)
+    units, q = unit["units"], unit["sample_rate"]  # n: the records; units: users under privacy.unit=user
+    sampled = units if unit["uls"] else n  # what a step samples (and clips) from: records, or ULS's users
+    delta = resolve_delta(p.delta, units) if accounted else None
+    if accounted and delta * units >= 1:
+        what = "users" if enum_value(p.get("unit", "record")) == "user" else "records"
+        print(f"dpmem: warning: delta = {delta:.3g} is at least 1/n = {1 / units:.3g} (n = {units} {what}): at that "
+              f"delta a mechanism that publishes one random {what[:-1]}'s data whole is still (epsilon, delta)-DP; "
+              "the default privacy.delta=auto is min(1e-5, 1/n^1.1)", file=sys.stderr)
     # the training loss: released with the gradient, in ε (loss_noise), outside it, or not at all;
     # a non-private run's loss is exact, or none where privacy.train_loss=none asks for no loss at all
     loss_release = (enum_value(p.train_loss) if accounted
                     else "none" if enum_value(p.train_loss) == "none" else "exact")
-    keywords = _accountant_keywords(p, spec, n, sampling, loss_release)
+    keywords = _accountant_keywords(p, spec, sampled, sampling, loss_release)
     restart = m.get("refresh") if spec.private else None  # a projected method's window: correlated noise restarts
-    keywords.update(noise_terms(p, n, t.batch_size, steps, sampling, restart))
+    keywords.update(noise_terms(p, n, t.batch_size, steps, sampling, restart), user_records=unit["user_records"])
     if keywords["accountant"] == "rc":  # the envelope of randomized clipping depends on the model
         if accounted and q >= 1:
             raise ConfigError("train.batch_size", f"{t.batch_size} samples every record at every step "
@@ -396,7 +423,7 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
         "private": spec.private, "epsilon_target": p.epsilon if accounted else None, "privacy_ignored": ignored,
         "derivable_from_config": derivable if accounted else None,
         "epsilon_spent": 0.0 if accounted else math.inf, "delta": delta,
-        "delta_times_n": delta * n if accounted else None, "sigma": sigma if spec.private else None,
+        "delta_times_n": delta * units if accounted else None, "sigma": sigma if spec.private else None,
         # the multiplier dp-accounting composes per step: the gradient's and the loss's releases as one
         "sigma_accounted": (joint_sigma(sigma, keywords["loss_noise"])
                             if accounted and keywords["accountant"] != "rc" else None),
@@ -413,7 +440,11 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
         "noise_horizon": keywords["noise"][2] if keywords["noise"] else None,
         "groups": keywords["groups"],
         "group_rate": group_rate(q, n, keywords["groups"]) if keywords["groups"] else None,
-        "privacy_analysis": _analysis(keywords) if accounted else None,
+        "privacy_analysis": _analysis(keywords, unit["uls"]) if accounted else None,
+        # what ε protects: a record, or a user's records (ULS: sampled and clipped by user; ELS: by record)
+        "unit": enum_value(p.get("unit", "record")) if spec.private else None,
+        **({"user_sampling": enum_value(p.user_sampling), "records_per_user": p.records_per_user, "users": units}
+           if spec.private and enum_value(p.get("unit", "record")) == "user" else {}),
     }
     # the batches' key: from privacy.sampler_seed if given; for an accounted run from the OS (rank 0's, on every
     # rank), since ε assumes nobody knows which steps held a record; otherwise from the run seed (a baseline's
@@ -422,19 +453,23 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
                     else seed_key(t.seed if p.sampler_seed is None else p.sampler_seed), "batches")
     draws = Draws(key_of(p.noise_seed), "noise", device) if spec.private and device.type != "meta" else None
     strategy = make_strategy(*keywords["noise"]) if keywords["noise"] else None
-    return GaussianMechanism(sigma, m.max_grad_norm if spec.private else math.inf, q * n, draws, q,
+    return GaussianMechanism(sigma, m.max_grad_norm if spec.private else math.inf, q * sampled, draws, q,
                              p.loss_bound if private_loss else math.inf, loss_sigma or 0.0, tuple(observers), plan,
                              spec.private, delta, keywords, loss_release, summary, sampler, strategy,
                              restart if strategy is not None else None, keywords["groups"])
 
 
-def _analysis(keywords: dict) -> str:
-    """What ε is computed as, in words: the summary's, the ledger's and the report's name for the accountant's event."""
+def _analysis(keywords: dict, uls: bool = False) -> str:
+    """What ε is computed as, in words: the summary's, the ledger's and the report's name for the accountant's event
+    (`uls`: the units sampled are users)."""
     noise, groups = keywords["noise"], keywords["groups"]
     if keywords["accountant"] == "rc":
         return "randomized clipping's envelope under Poisson sampling (rc)"
+    if keywords.get("user_records"):
+        return (f"a user of at most {keywords['user_records']} records (ELS): a mixture of Gaussians of sensitivity "
+                "j ~ Binomial(k, q) per step, composed over the steps")
     if noise is None:
-        return f"{keywords['sampling']}-subsampled Gaussian, composed over the steps"
+        return f"{keywords['sampling']}-subsampled Gaussian{' of users (ULS)' if uls else ''}, composed over the steps"
     if noise[0] == "bisr":
         return (f"one Gaussian of bisr's sensitivity over participations {groups} steps apart (cyclic groups), no "
                 "amplification")
@@ -453,6 +488,6 @@ def line_epsilon(line: dict) -> float | None:
         return epsilon_spent(sigma, float(line["delta"]), float(line["sample_rate"]), int(line["steps_done"]),
                              line["accountant"], line.get("neighbouring") or "add_remove",
                              line.get("sampling") or "poisson", line.get("dataset_size"), groups=line.get("groups"),
-                             noise=line.get("strategy"))
+                             noise=line.get("strategy"), user_records=line.get("user_records"))
     except (KeyError, TypeError, ValueError):
         return None

@@ -56,6 +56,18 @@ def cyclic_batches(n: int, batch_size: int, groups: int, steps: int, draws: Draw
         yield _indices(np.sort(group[draws.numpy().random(len(group)) < rate]))
 
 
+def user_batches(users, sample_rate: float, k: int, steps: int, draws: Draws) -> Iterator[torch.Tensor]:
+    """ULS (privacy.unit=user): each user joins each step independently with probability `sample_rate`, and brings at
+    most k of its records, a user of more bringing k chosen by the step's draw (`dpmem.data.users.Users.batch`): a
+    (users, k) index, -1 in the empty slots."""
+    if not 0 < sample_rate <= 1:
+        raise ValueError(f"sample_rate={sample_rate}: a probability, in (0, 1]")
+    for _ in range(steps):
+        rng = draws.numpy()
+        chosen = np.flatnonzero(rng.random(len(users)) < sample_rate)
+        yield users.batch(chosen, k, int(rng.integers(2 ** 63))).view(-1, k)
+
+
 def make_batches(kind: str, n: int, batch_size: int, steps: int, draws: Draws, groups: int | None = None):
     if kind == "poisson":
         return poisson_batches(n, batch_size / n, steps, draws)

@@ -1,0 +1,208 @@
+"""User-level privacy (privacy.unit=user): ULS's per-user clipping against torch.func per-record gradients summed per
+user in float64, its accounting and ELS's against dp-accounting events built here, the contribution bound, the
+users of a data set, and the refusals."""
+
+import json
+import math
+
+import dp_accounting
+import pytest
+import torch
+from dp_accounting import dp_event
+from dp_accounting.pld import pld_privacy_accountant
+from scipy.stats import binom
+from torch.func import functional_call, grad, vmap
+
+from dpmem.config import ConfigError
+from dpmem.data import build_data, fingerprint
+from dpmem.data.bundle import Grouped
+from dpmem.data.users import Users, bounded, made_up
+from dpmem.engine.trainer import run_training
+from dpmem.methods import validate
+from dpmem.methods.clipping_plan import ClippingPlan
+from dpmem.methods.privatize import Privatizer
+from dpmem.persample.projection import Projection
+from dpmem.privacy.accounting import epsilon_spent
+from dpmem.privacy.mechanism import GaussianMechanism
+from helpers import Layers, config, layers_batch, layers_loss, seeded
+from text_fixtures import make_tokenizer
+
+K = 2  # records per user in the clipping tests: 10 records, 5 users
+PRESENT = torch.tensor([1, 1, 1, 0, 1, 1, 0, 1, 1, 1], dtype=torch.float64)  # two empty slots
+C = 0.5
+
+
+def user_batch():
+    """Ten records (two of `layers_batch`'s), K to a user, in float64."""
+    a, b = layers_batch(0), layers_batch(1)
+    return {k: torch.cat([a[k], b[k]]) for k in a}
+
+
+def oracle(model, batch, projections=None):
+    """(Σ_u min(1, C/‖g_u‖)·g_u, C): g_u the sum of user u's present records' gradients (torch.func, one per
+    record), projected where `projections` says (DP-GRAPE), normed over every parameter; C their median norm, so
+    that some users are clipped and some not."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def one(p, x, ids, y):
+        return layers_loss(lambda *a: functional_call(model, p, a), {"x": x[None], "ids": ids[None],
+                                                                      "y": y[None]}).sum()
+    per = vmap(grad(one), in_dims=(None, 0, 0, 0))(params, batch["x"], batch["ids"], batch["y"])
+    users = {}
+    for n, g in per.items():
+        g = (g * PRESENT.view(-1, *[1] * (g.dim() - 1))).view(-1, K, *g.shape[1:]).sum(1)
+        if projections and n in projections:
+            g = torch.stack([projections[n].project(u) for u in g])
+        users[n] = g
+    norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in users.values()]).sum(0).sqrt()
+    c = float(norms.median())
+    factors = (c / (norms + 1e-6)).clamp(max=1.0)
+    return {n: (g * factors.view(-1, *[1] * (g.dim() - 1))).sum(0) for n, g in users.items()}, c
+
+
+def projections_of(model):
+    g = torch.Generator().manual_seed(5)
+    return {"tokens.weight": Projection(torch.randn(6, 2, generator=g, dtype=torch.float64), 0),
+            "flat.weight": Projection(torch.randn(48, 3, generator=g, dtype=torch.float64), 1)}
+
+
+@pytest.mark.parametrize("plan", ["materialize", "bk", "ghost", "mixed", "fgc", "grape-bk", "grape-materialize"])
+def test_per_user_clipped_sum_equals_torch_func_summed_per_user(plan):
+    torch.manual_seed(0)
+    model = Layers().double()
+    batch = user_batch()
+    names = dict(model.named_parameters())
+    projected = plan.startswith("grape")
+    by_name = projections_of(model) if projected else {}
+    want, c = oracle(model, batch, by_name)
+    with Privatizer(model, GaussianMechanism(0.0, c, 1.0, seeded(3)),
+                    plan=ClippingPlan.of(plan.removeprefix("grape-"), projected=projected)) as privatizer:
+        projections = {names[n]: proj for n, proj in by_name.items()}
+        shapes = {p: want[n].shape for n, p in names.items()}
+        got = privatizer.gradient([Grouped(batch, K, PRESENT.float())], layers_loss, shapes, projections).gradient
+    for n, p in names.items():
+        err = (got[p].double() - want[n]).norm() / want[n].norm()
+        assert err < 1e-5, f"{plan}, {n}: relative error {err:.2e}"
+
+
+def test_an_empty_slot_changes_nothing():
+    """A user's empty slot holds some record's copy (the data's first); what it holds must not reach the sum."""
+    torch.manual_seed(0)
+    model = Layers().double()
+    batch, other = user_batch(), user_batch()
+    other["x"][3] += 5.0  # slot 3 is empty
+    sums = []
+    for b in (batch, other):
+        with Privatizer(model, GaussianMechanism(0.0, C, 1.0, seeded(3)), plan=ClippingPlan.of("ghost")) as pr:
+            g = pr.gradient([Grouped(b, K, PRESENT.float())], layers_loss, {p: p.shape for p in pr.params}).gradient
+        sums.append(torch.cat([v.flatten() for v in g.values()]))
+    assert torch.equal(sums[0], sums[1])
+
+
+# -- the users of a data set, and ELS's bound
+def test_made_up_users_are_heavy_tailed_and_fixed_by_the_split_seed():
+    users = made_up(5000, 500, seed=0)
+    counts = torch.bincount(users)
+    assert torch.equal(users, made_up(5000, 500, seed=0)) and not torch.equal(users, made_up(5000, 500, seed=1))
+    # Zipf's law with exponent 1: user 1 writes about 1/H_500 ≈ 15 % of the records, the median user one or two
+    assert 0.12 < counts.max() / 5000 < 0.19
+    assert counts[counts > 0].median() <= 3
+
+
+def test_the_bound_keeps_at_most_k_per_user_and_no_other_users_choice_changes():
+    users = made_up(2000, 100, seed=3)
+    kept = bounded(users, 3, seed=7)
+    per_user = torch.bincount(users[kept])
+    assert per_user.max() <= 3
+    assert torch.equal(per_user, torch.bincount(users).clamp(max=3))
+    # without user 0's records, every other user keeps the same records (indices mapped to the reduced split)
+    rest = torch.nonzero(users != 0).squeeze(1)
+    kept_rest = rest[bounded(users[rest], 3, seed=7)]
+    assert torch.equal(kept_rest, kept[users[kept] != 0])
+
+
+def test_uls_batches_take_at_most_k_records_of_each_sampled_user():
+    users = Users(made_up(500, 50, seed=1))
+    rows = users.batch(torch.arange(len(users)).numpy(), 4, key=11).view(-1, 4)
+    for u, row in enumerate(rows):
+        own = set(users.order[users.starts[u]:users.starts[u + 1]].tolist())
+        taken = [r for r in row.tolist() if r >= 0]
+        assert len(taken) == min(4, len(own)) and set(taken) <= own
+
+
+def test_a_csv_user_column_names_the_users_and_the_fingerprint_covers_them(tmp_path):
+    tokenizer = make_tokenizer(tmp_path / "tok", "roberta")
+    rows = "text,label,author\n" + "".join(f"review {i},{i % 2},{'ann' if i < 6 else 'bob' if i < 9 else i}\n"
+                                          for i in range(20))
+    (tmp_path / "a.csv").write_text(rows)
+    (tmp_path / "b.csv").write_text(rows.replace("bob", "ann"))
+    cfgs = [config("data=csv", f"data.path={tmp_path / f}", "data.columns.user=author", "data.test_fraction=0.1",
+                   "model=roberta-tiny", f"model.tokenizer={tokenizer}") for f in ("a.csv", "b.csv")]
+    data = [build_data(c.data, c.model) for c in cfgs]
+    assert data[0].users is not None and len(data[0].users) == data[0].n_train
+    assert len(torch.unique(data[0].users)) > len(torch.unique(data[1].users))
+    assert fingerprint(data[0]) != fingerprint(data[1])  # the same texts, other authors
+
+
+# -- accounting: against dp-accounting events built here
+def _summary(tmp_path, *overrides):
+    run_training(config("model=vit-tiny", "data=digits", "data.users=300", "privacy.unit=user",
+                        "privacy.records_per_user=4", "method=dp-adam", "train.steps=4", "train.batch_size=24",
+                        "privacy.epsilon=8", "privacy.train_loss=exact", "train.device=cpu",
+                        "logging.progress=false", "model.arch.hidden_size=16", "model.arch.num_hidden_layers=1",
+                        "model.arch.num_attention_heads=2", "model.arch.intermediate_size=16", *overrides), tmp_path)
+    return json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_uls_is_a_poisson_subsampled_gaussian_over_users(tmp_path):
+    s = _summary(tmp_path)
+    assert s["status"] == "ok" and s["unit"] == "user" and s["user_sampling"] == "users"
+    users = s["users"]
+    assert users == s["user_data"]["users"] and users < 300 and s["n_train"] > users  # every record kept
+    assert math.isclose(s["sample_rate"], 24 / users)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(24 / users, dp_accounting.GaussianDpEvent(s["sigma"])), s["steps_done"])
+    want = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4).compose(event).get_epsilon(
+        s["delta"])
+    assert want <= s["epsilon_spent"] <= 8 and s["epsilon_spent"] == pytest.approx(want, rel=2e-3)
+
+
+def test_els_is_a_mixture_of_gaussians_of_a_users_records(tmp_path):
+    s = _summary(tmp_path, "privacy.user_sampling=records")
+    assert s["status"] == "ok" and s["user_sampling"] == "records"
+    assert s["user_data"]["records_left_out"] > 0
+    q, k = s["sample_rate"], 4
+    assert math.isclose(q, 24 / s["n_train"])
+    mixture = dp_event.MixtureOfGaussiansDpEvent(s["sigma"], [0, 1, 2, 3, 4],
+                                                 [binom.pmf(j, k, q) for j in range(k + 1)])
+    want = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4).compose(
+        dp_accounting.SelfComposedDpEvent(mixture, s["steps_done"])).get_epsilon(s["delta"])
+    assert want <= s["epsilon_spent"] <= 8 and s["epsilon_spent"] == pytest.approx(want, rel=2e-3)
+    # a user of k records costs more than a record: the same σ at the record level spends less
+    assert epsilon_spent(s["sigma"], s["delta"], q, s["steps_done"]) < s["epsilon_spent"]
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (("privacy.unit=user",), "privacy.records_per_user"),
+    (("privacy.records_per_user=4",), "privacy.records_per_user"),
+    (("privacy.unit=user", "privacy.records_per_user=4", "method=adam", "privacy=none"), "privacy.unit"),
+    (("privacy.unit=user", "privacy.records_per_user=4", "method=dp-sgd-rc"), "privacy.unit"),
+    (("privacy.unit=user", "privacy.records_per_user=4", "method=dpzero"), "privacy.user_sampling"),
+    (("privacy.unit=user", "privacy.records_per_user=4", "privacy.user_sampling=records", "privacy.accountant=rdp"),
+     "privacy.accountant"),
+    (("privacy.unit=user", "privacy.records_per_user=4", "privacy.noise=bandmf", "privacy.bands=2"), "privacy.noise"),
+    (("privacy.unit=user", "privacy.records_per_user=4", "privacy.neighbouring=replace_one"),
+     "privacy.neighbouring"),
+    (("privacy.unit=user", "privacy.records_per_user=4", "train.sampling=fixed"), "train.sampling"),
+    (("data.users=0",), "data.users"),
+])
+def test_user_level_refusals_name_their_key(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        validate(config("data.users=50", "privacy=eps8", *overrides))
+    assert e.value.key == key
+
+
+def test_a_user_run_on_data_without_users_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="names no users"):
+        run_training(config("privacy.unit=user", "privacy.records_per_user=2", "train.steps=1",
+                            "train.device=cpu", "logging.progress=false"), tmp_path)
