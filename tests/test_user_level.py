@@ -2,6 +2,7 @@
 user in float64, its accounting and ELS's against dp-accounting events built here, the contribution bound, the
 users of a data set, and the refusals."""
 
+import csv
 import json
 import math
 
@@ -13,18 +14,19 @@ from dp_accounting.pld import pld_privacy_accountant
 from scipy.stats import binom
 from torch.func import functional_call, grad, vmap
 
+from dpmem.cli import main
 from dpmem.config import ConfigError
 from dpmem.data import build_data, fingerprint
 from dpmem.data.bundle import Grouped
 from dpmem.data.users import Users, bounded, made_up
-from dpmem.engine.trainer import run_training
-from dpmem.methods import validate
+from dpmem.engine.trainer import Run, run_training
+from dpmem.methods import METHODS, validate
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import Privatizer
 from dpmem.persample.projection import Projection
 from dpmem.privacy.accounting import epsilon_spent
 from dpmem.privacy.mechanism import GaussianMechanism
-from helpers import Layers, config, layers_batch, layers_loss, seeded
+from helpers import Layers, config, dies_at, layers_batch, layers_loss, seeded
 from text_fixtures import make_tokenizer
 
 K = 2  # records per user in the clipping tests: 10 records, 5 users
@@ -206,3 +208,70 @@ def test_a_user_run_on_data_without_users_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="names no users"):
         run_training(config("privacy.unit=user", "privacy.records_per_user=2", "train.steps=1",
                             "train.device=cpu", "logging.progress=false"), tmp_path)
+
+
+# -- compiled, resumed
+SMALL_VIT = ("model=vit-tiny", "data=digits", "data.users=120", "privacy.unit=user", "privacy.records_per_user=3",
+             "model.arch.hidden_size=16", "model.arch.num_hidden_layers=1", "model.arch.num_attention_heads=2",
+             "model.arch.intermediate_size=16", "model.arch.patch_size=4", "train.batch_size=12",
+             "train.physical_batch_size=8", "privacy.epsilon=1", "privacy.noise_seed=3", "privacy.sampler_seed=3",
+             "train.device=cpu", "logging.progress=false", "logging.memory_steps=0")
+
+
+class Kept:
+    """Each run's `Run`, by folder name, so that a test can compare the trained weights."""
+
+    def __init__(self, monkeypatch):
+        self.runs, real = {}, Run.execute
+
+        def keep(run):
+            self.runs[run.run_dir.name] = run
+            return real(run)
+        monkeypatch.setattr("dpmem.engine.trainer.Run.execute", keep)
+
+    def weights(self, name):
+        return torch.cat([p.detach().flatten() for p in self.runs[name].model.parameters()])
+
+
+@pytest.mark.parametrize("method", [("method=dp-adam",), ("method=grape", "method.rank=4", "method.refresh=2")])
+def test_a_compiled_uls_step_is_one_graph_and_trains_as_the_eager_one(tmp_path, monkeypatch, method):
+    kept = Kept(monkeypatch)
+    eager = run_training(config(*SMALL_VIT, *method, "train.steps=3", "train.static_shapes=true"), tmp_path / "eager")
+    compiled = run_training(config(*SMALL_VIT, *method, "train.steps=3", "train.compile=true",
+                                   "train.compile_backend=eager"), tmp_path / "compiled")
+    assert eager["status"] == compiled["status"] == "ok" and compiled["epsilon_spent"] == eager["epsilon_spent"]
+    capture = json.loads((tmp_path / "compiled" / "summary.json").read_text())["compiled"]
+    assert capture["graphs_per_function"] == {"microbatch": 1} and capture["recompiles"] == 0, capture
+    torch.testing.assert_close(kept.weights("compiled"), kept.weights("eager"), rtol=1e-5, atol=1e-6)
+
+
+def test_a_uls_run_that_dies_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
+    kept = Kept(monkeypatch)
+    cfg = config(*SMALL_VIT, "method=dp-adam", "train.steps=5", "train.checkpoint_every=2")
+    oracle = run_training(cfg, tmp_path / "oracle")
+    real_step = dies_at(monkeypatch, METHODS["dp-adam"], 4)
+    with pytest.raises(RuntimeError, match="went away"):
+        run_training(cfg, tmp_path / "resumed")
+    monkeypatch.setattr(METHODS["dp-adam"], "step", real_step)
+    resumed = run_training(cfg, tmp_path / "resumed")
+    assert resumed["resumed_from_step"] == 2 and resumed["epsilon_spent"] == oracle["epsilon_spent"]
+    assert torch.equal(kept.weights("resumed"), kept.weights("oracle"))
+
+
+def test_the_report_labels_the_unit_and_never_composes_a_users_and_a_records_epsilon(tmp_path, capsys):
+    root = tmp_path / "runs"
+    tiny = [o for o in SMALL_VIT if not o.startswith(("privacy.unit", "privacy.records_per_user", "privacy.noise_seed",
+                                                        "privacy.sampler_seed", "privacy.epsilon"))]
+    for name, unit in (("r1", ()), ("r2", ()), ("u1", ("privacy.unit=user", "privacy.records_per_user=3")),
+                       ("u2", ("privacy.unit=user", "privacy.records_per_user=3"))):
+        run_training(config(*tiny, "method=dp-adam", "train.steps=2", "privacy.epsilon=2", *unit), root / name)
+    main(["report", str(root), "--out", str(tmp_path / "out")])
+    md = (tmp_path / "out" / "report.md").read_text()
+    rows = {r["epsilon"] for r in csv.DictReader((tmp_path / "out" / "report.csv").open())}
+    assert rows == {"2", "2 (per user)"}
+    composed = [line for line in md.splitlines() if "private releases on the same training data" in line]
+    assert len(composed) == 2, md  # one per unit: the two records' runs, and the two users' runs
+    assert sum("user-level ε" in line for line in composed) == 1
+    # each line's ε is its two runs' composed at its own unit's accounting: a user-level one costs more
+    user, record = sorted(composed, key=lambda line: "user-level" not in line)
+    assert float(user.split("ε = ")[1].split()[0]) > 0 and float(record.split("ε = ")[1].split()[0]) > 0

@@ -146,7 +146,7 @@ class GaussianMechanism:
                 "sample_rate": self.sample_rate, "accountant": s["accountant"], "neighbouring": s["neighbouring"],
                 "sampling": s["sampling"], "dataset_size": self.accountant["dataset_size"],
                 "groups": self.accountant.get("groups"), "strategy": self.accountant.get("noise"),
-                "user_records": self.accountant.get("user_records"), "unit": s.get("unit"),
+                "user_records": self.accountant.get("user_records"), "unit": s.get("unit"), "users": s.get("users"),
                 "privacy_analysis": s.get("privacy_analysis")}
 
     def outside_epsilon(self, static_shapes: bool) -> dict[str, str]:

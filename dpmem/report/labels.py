@@ -18,6 +18,7 @@ NOT_A_VARIANT = (*NOT_TRAINING, "train.seed", "data.fewshot_seed", "privacy.", "
 
 # a generated problem's settings (data=median) are what its runs compare, though they are data options
 PROBLEM = ("data.A", "data.dimension", "data.d_min", "data.alpha")
+USER = " (per user)"  # a user-level ε's mark (privacy.unit=user), wherever it is shown beside record-level ones
 # how the noise is correlated, though a privacy option: independent and bandmf runs are a row each, never averaged
 STRATEGY = ("privacy.noise", "privacy.bands")
 

@@ -22,7 +22,7 @@ from dpmem.data import is_loss
 from dpmem.engine.folder import MARK
 from dpmem.engine.summary import PRIVACY_LEDGER, most_spent, privacy_records
 from dpmem.report import figures, markdown_table
-from dpmem.report.labels import NOT_TRAINING, row_label, variants
+from dpmem.report.labels import NOT_TRAINING, USER, row_label, variants
 
 OK = "ok"
 REQUIRED = ("status", "method", "data")  # what a row needs; every other field a summary may lack (older versions)
@@ -155,7 +155,15 @@ def _epsilon(s: dict) -> str:
     eps = s.get("epsilon_target")
     if eps is None or not s.get("private", True):
         return "non-private"
-    return SEEDED if seeded(s) else f"{eps:g}"
+    return SEEDED if seeded(s) else f"{eps:g}" + (USER if unit_of(s) == "user" else "")
+
+
+def unit_of(s: dict) -> str:
+    """What a run's ε protects: user where its config.yaml (privacy.unit) and what it wrote (its summary, else its
+    ledger) both say so, else record: a record-level run whose files were edited to claim more is not shown as
+    protecting users."""
+    written = s.get("unit") or next((line["unit"] for line in s.get("ledger", ()) if line.get("unit")), None)
+    return "user" if s["config"].get("privacy.unit") == "user" and written == "user" else "record"
 
 
 def data_column(summaries: list[dict]):
@@ -204,8 +212,8 @@ def _natural(label: str) -> list:
             for part in re.split(r"(\d+(?:\.\d+)?)", label)]
 
 
-def _epsilon_order(eps: str) -> float:
-    return math.inf if eps in ("non-private", SEEDED) else float(eps)
+def _epsilon_order(eps: str) -> tuple[float, bool]:
+    return (math.inf, False) if eps in ("non-private", SEEDED) else (float(eps.removesuffix(USER)), eps.endswith(USER))
 
 
 def table(table_cells: dict) -> tuple[list[str], list[tuple[str, str]], dict, set]:
@@ -250,7 +258,9 @@ def releases(folder: dict) -> tuple[list[dict], str | None]:
     was taken over the lines', or that the lines were taken as written; None where there is nothing to say."""
     s = folder  # a summary, or a folder without one ({run_dir, why, config, ledger})
     summary = {k: s.get(k) for k in ("steps_done", "sigma", "sigma_accounted", "sample_rate", "accountant", "delta",
-                                      "sampling", "groups")}
+                                      "sampling", "groups", "users")}
+    if s.get("user_sampling") == "records":  # ELS: a user of at most k records
+        summary["user_records"] = s.get("records_per_user")
     if s.get("noise") not in (None, "independent"):  # correlated noise: the strategy its accounting reads
         summary["strategy"] = [s["noise"], s.get("bands"), s.get("noise_horizon")]
     summary.update(epsilon=s.get("epsilon_spent"), dataset_size=s.get("n_train"),  # as a ledger line names them
@@ -268,8 +278,8 @@ def releases(folder: dict) -> tuple[list[dict], str | None]:
     out, planned, said, as_written = [], _planned(s) if s["ledger"] or "status" in s else None, {}, []
     for i, lines in enumerate(attempts):
         # what an older ledger's lines lack, taken from the folder's summary
-        known = {k: summary[k] for k in ("sampling", "dataset_size", "neighbouring", "groups", "strategy")
-                 if k in summary}
+        known = {k: summary[k] for k in ("sampling", "dataset_size", "neighbouring", "groups", "strategy",
+                                         "user_records") if k in summary}
         for line in lines:
             known.update((k, v) for k, v in line.items() if v is not None)
         spent = [float(line["epsilon"]) for line in lines if line.get("epsilon") is not None]
@@ -277,7 +287,7 @@ def releases(folder: dict) -> tuple[list[dict], str | None]:
              "sample_rate": known.get("sample_rate"), "sampling": known.get("sampling", "poisson"),
              "steps": max((int(line.get("steps_done") or 0) for line in lines), default=0),
              "dataset_size": known.get("dataset_size"), "accountant": known.get("accountant"),
-             "groups": known.get("groups"), "noise": known.get("strategy"),
+             "groups": known.get("groups"), "noise": known.get("strategy"), "user_records": known.get("user_records"),
              "neighbouring": known.get("neighbouring", "add_remove"), "delta": known.get("delta"),
              "epsilon": max(spent, default=math.inf), "abandoned": i < len(attempts) - 1}
         out.append(r)
@@ -296,8 +306,9 @@ def releases(folder: dict) -> tuple[list[dict], str | None]:
         again = planned["epsilon"](taken["sigma"], taken["sample_rate"], taken["steps"])
         # how it sampled and correlated its noise: where its lines and its config.yaml disagree, the event of the two
         # that spends more is composed (an edit of either cannot pick the more favourable one)
-        event = {k: planned[k] for k in ("sampling", "groups", "noise")}
-        written = {"sampling": r["sampling"], "groups": r["groups"], "noise": r["noise"] and tuple(r["noise"])}
+        event = {k: planned[k] for k in ("sampling", "groups", "noise", "user_records")}
+        written = {"sampling": r["sampling"], "groups": r["groups"], "noise": r["noise"] and tuple(r["noise"]),
+                   "user_records": r["user_records"]}
         if written != event:
             try:
                 other = planned["epsilon"](taken["sigma"], taken["sample_rate"], taken["steps"], **written)
@@ -332,8 +343,9 @@ def releases(folder: dict) -> tuple[list[dict], str | None]:
 
 def _event_text(event: dict) -> str:
     """How a run sampled and correlated its noise, in words: "poisson", "cyclic (bandmf, 4 bands, 4 groups)"."""
-    noise = event["noise"]
-    return event["sampling"] + (f" ({noise[0]}, {noise[1]} bands, {event['groups']} groups)" if noise else "")
+    noise, k = event["noise"], event.get("user_records")
+    return (event["sampling"] + (f" ({noise[0]}, {noise[1]} bands, {event['groups']} groups)" if noise else "")
+            + (f", a user's {k} records (ELS)" if k else ""))
 
 
 def _planned(folder: dict) -> dict | str | None:
@@ -342,6 +354,7 @@ def _planned(folder: dict) -> dict | str | None:
     `config_hash`, and `epsilon` (σ, q, steps -> ε). None for a run that accounts no ε; where config.yaml cannot
     say, why. The data set's size is the smallest the folder records (the largest q, with which σ is calibrated):
     the data set is not loaded, as it may not be on this machine, and a report reads many folders."""
+    from dpmem.data.users import uls
     from dpmem.engine.trainer import accounting_of, config_hash
     from dpmem.methods import method_class
     from dpmem.privacy import calibrate_sigma, epsilon_spent
@@ -350,17 +363,24 @@ def _planned(folder: dict) -> dict | str | None:
     path = Path(folder["run_dir"]) / "config.yaml"
     if not path.is_file():
         return f"it has no {path.name}"
-    sizes = [n for n in (folder.get("n_train"), *(line.get("dataset_size") for line in folder["ledger"]))
-             if isinstance(n, int) and not isinstance(n, bool) and n > 0]
-    if not sizes:
-        return f"neither its summary nor its {PRIVACY_LEDGER} records the size of its data set"
+    def least(*found) -> int | None:
+        sizes = [n for n in found if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+        return min(sizes, default=None)
     try:
         cfg = OmegaConf.load(path)
         spec = method_class(cfg.method.name).spec
         if not spec.private or cfg.privacy.epsilon is None:
             return None
-        n = min(sizes)
-        terms = accounting_of(cfg, n)
+        lines = folder["ledger"]
+        if uls(cfg.privacy):  # what it samples are users: the ledger's dataset_size
+            count = n = least(folder.get("users"), *(line.get("users") for line in lines),
+                              *(line.get("dataset_size") for line in lines))
+        else:
+            n = least(folder.get("n_train"), *(line.get("dataset_size") for line in lines))
+            count = least(folder.get("users"), *(line.get("users") for line in lines))
+        if n is None or (count is None and unit_of(folder) == "user"):
+            return f"neither its summary nor its {PRIVACY_LEDGER} records the size of its data set"
+        terms = accounting_of(cfg, n, count)
         rc = terms["accountant"] == "rc"
         if rc:
             terms.update(k=cfg.method.k, d=_rc_dimension(cfg, folder), estimator=str(cfg.method.estimator))
@@ -372,7 +392,8 @@ def _planned(folder: dict) -> dict | str | None:
     fixed = {k: v for k, v in terms.items() if k not in ("sample_rate", "steps")} | ({} if rc else {"loss_noise": None})
     return {"sigma": sigma if rc else joint_sigma(sigma, terms["loss_noise"]), "sample_rate": terms["sample_rate"],
             "steps": terms["steps"], "dataset_size": n, "config": config,
-            **{k: terms[k] for k in ("delta", "accountant", "neighbouring", "sampling", "groups", "noise")},
+            **{k: terms[k] for k in ("delta", "accountant", "neighbouring", "sampling", "groups", "noise",
+                                     "user_records")},
             "epsilon": lambda sigma, q, steps, **event: epsilon_spent(sigma, sample_rate=q, steps=steps,
                                                                      **(fixed | event))}
 
@@ -400,10 +421,11 @@ def search_privacy(folders: list[dict]) -> list[str]:
     for f in folders:
         data = f.get("data") or f["config"].get("data.name")
         if data is not None:  # a folder with neither summary nor config is listed with its ledger's ε
-            groups[(data, f["config"].get("data.path"))].append(f)
+            # a user-level ε and a record-level one are of two guarantees: never composed together
+            groups[(data, f["config"].get("data.path"), unit_of(f))].append(f)
     seeded_lines, lines, notes = [], [], []  # the seeded runs' lines first, the folders' `releases` notes last
-    for (data, path), group in sorted(groups.items(), key=str):
-        name = data + (f" ({path})" if path else "")
+    for (data, path, unit), group in sorted(groups.items(), key=str):
+        name = data + (f" ({path})" if path else "") + (", user-level ε" if unit == "user" else "")
         if derivable := [f for f in group if seeded(f)]:
             seeded_lines.append(f"{name}: {_count(len(derivable), 'seeded run')} not composed here: ε ∞ to a holder "
                                 "of their config.yaml (listed below)")
