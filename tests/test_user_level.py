@@ -275,3 +275,56 @@ def test_the_report_labels_the_unit_and_never_composes_a_users_and_a_records_eps
     # each line's ε is its two runs' composed at its own unit's accounting: a user-level one costs more
     user, record = sorted(composed, key=lambda line: "user-level" not in line)
     assert float(user.split("ε = ")[1].split()[0]) > 0 and float(record.split("ε = ")[1].split()[0]) > 0
+
+
+@pytest.mark.parametrize("clipping", ["bk", "ghost"])
+def test_the_plan_of_a_uls_step_equals_the_trainers_counted_peak(tmp_path, clipping):
+    """A user step holds its users' k record slots each: `dpmem memory` plans it from k, as the trainer counts it
+    (static shapes: every micro-batch B users × k slots)."""
+    from dpmem.engine.planner import plan
+    every = config(*SMALL_VIT, "data.users=20")
+    count = len(torch.unique(build_data(every.data, every.model).users))  # every user at every step: q = 1
+    run = [*SMALL_VIT, "data.users=20", "method=dp-adam", f"method.clipping={clipping}", "train.steps=3",
+           "logging.memory_steps=2", f"train.physical_batch_size={count}", f"train.batch_size={count}",
+           "privacy.accountant=rdp", "memory.target=cpu"]
+    summary = run_training(config(*run), tmp_path)
+    assert summary["status"] == "ok" and summary["peak_memory_source"] == "live_tensors"
+    planned = plan(config(*run))
+    assert planned["training"]["peak_bytes"] == pytest.approx(summary["peak_memory_bytes"], rel=0.01)
+    # a record step of as many records (B·k) holds no more: the slots are records, and a user's joined tokens make
+    # its T×T Gram matrices k² times a record's (k times per record)
+    record = plan(config(*[o for o in run if not o.startswith("privacy.")], f"train.batch_size={3 * count}",
+                         f"train.physical_batch_size={3 * count}"))
+    assert planned["training"]["peak_bytes"] >= record["training"]["peak_bytes"]
+
+
+# -- the audit: canaries are users
+def audit_config(*overrides):
+    tiny = ["model.arch.hidden_size=8", "model.arch.num_hidden_layers=1", "model.arch.num_attention_heads=2",
+            "model.arch.intermediate_size=16", "model.arch.patch_size=4"]
+    return config("logging.memory_steps=0", "privacy=eps2", "privacy.noise_seed=1", "privacy.sampler_seed=1",
+                  "train.steps=10", "audit.canaries=500", "data.users=3000", "privacy.unit=user",
+                  "privacy.records_per_user=4", "method=dp-adam", "train.device=cpu", *tiny, *overrides)
+
+
+@pytest.mark.parametrize("sampling, batch", [("users", 400), ("records", 700)])
+def test_a_user_level_run_audits_below_its_claim_with_canary_users(tmp_path, sampling, batch):
+    from dpmem.audit import run_audit
+    record, _ = run_audit(audit_config(f"privacy.user_sampling={sampling}", f"train.batch_size={batch}"), tmp_path)
+    assert record["plant"] == "sum" and not record["flagged"], record
+    assert record["epsilon_lower_bound"] < record["epsilon_claimed"] <= 2.0
+
+
+def test_the_audit_flags_records_clipped_alone_under_a_users_claim(tmp_path):
+    """A canary user's 4 records, each a gradient of 10 C at the canary's coordinate: clipped as one user they move
+    the sum by C, clipped alone by 4 C, which the bound sees far above the claim."""
+    from dpmem.audit import run_audit, variants
+    record, _ = run_audit(audit_config("train.batch_size=400"), tmp_path,
+                          mechanism_of=variants.records_clipped_alone())
+    assert record["flagged"] and record["epsilon_lower_bound"] > record["epsilon_claimed"], record
+
+
+def test_a_user_level_audit_refuses_batch_canaries(tmp_path):
+    from dpmem.audit import planting
+    with pytest.raises(ConfigError, match="user of k records"):
+        planting(audit_config("audit.plant=batch"))

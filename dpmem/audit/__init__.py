@@ -145,9 +145,13 @@ def planting(cfg) -> str:
         raise ConfigError("audit.plant", "FSDP's layers cannot be called alone; use audit.plant=sum (or auto)")
     if cfg.audit.uses < 1:
         raise ConfigError("audit.uses", f"{cfg.audit.uses}: need at least 1")
+    user = enum_value(cfg.privacy.get("unit", "record")) == "user"
+    if plant == "batch" and user:
+        raise ConfigError("audit.plant", "a canary of privacy.unit=user is a user of k records, planted in the "
+                          "clipped sum through the run's per-user clipping; use audit.plant=sum (or auto)")
     if plant != "auto":
         return plant
-    return "batch" if able and not cfg.train.fsdp else "sum"
+    return "batch" if able and not cfg.train.fsdp and not user else "sum"
 
 
 def table(records: list[dict]) -> str:

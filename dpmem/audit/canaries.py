@@ -103,6 +103,19 @@ class GradientCanaries(Observer):
                 seen.setdefault(j, None)
         return torch.tensor(list(seen)[:k])
 
+    def records(self, mechanism) -> torch.Tensor:
+        """How many records of each canary join this step: a canary is a record (`sample`), or under privacy.unit=user
+        a user of k records (privacy.records_per_user), each a gradient `norm` at the canary's coordinate: ULS
+        samples the user at its rate and takes all k; ELS samples each record alone at the records' rate."""
+        s = mechanism.summary
+        if s.get("unit") != "user":
+            return self.sample(mechanism).long()
+        k = int(s["records_per_user"])
+        if s["user_sampling"] == "users":
+            return self.sample(mechanism).long() * k
+        drawn = torch.rand(self.m, k, generator=self.gen) < mechanism.sample_rate
+        return self.included.long() * drawn.sum(1)
+
     def sample(self, mechanism) -> torch.Tensor:
         """This step's sample of the included canaries, as the run samples its records: Poisson at its rate q, or
         under cyclic sampling (correlated noise) each canary in a group of its own, drawn once, joining its group's
@@ -123,11 +136,15 @@ class GradientCanaries(Observer):
         if self.where is None:
             self.place({key: s.shape for key, s in summed.items()}, summed)
         self.background = self.at_canaries(summed)  # the real samples' clipped sum, before any canary joins it
-        sampled = self.sample(privatizer.mechanism)
+        mechanism = privatizer.mechanism
+        joined = self.records(mechanism)  # records a canary brings (a user's under privacy.unit=user)
+        uls = mechanism.summary.get("user_sampling") == "users" and mechanism.summary.get("unit") == "user"
         for key, (ids, flat) in self.where.items():
-            hit = flat[sampled[ids]]
+            hit = flat.repeat_interleave(joined[ids])  # a canary's records side by side (ULS: a user's k)
             if len(hit):  # each canary lives in one key: its norm there is its whole norm
-                planted = privatizer.clipped_sum_of({key: self._diracs(summed[key], hit)})[key]
+                diracs = self._diracs(summed[key], hit)
+                planted = privatizer.clipped_sum_of({key: diracs}, int(mechanism.summary["records_per_user"])
+                                                    if uls else None)[key]
                 summed[key] += planted.to(summed[key].dtype)
         return summed
 

@@ -4,7 +4,8 @@ of the calibrated one: each function below returns a `mechanism_of(mechanism, mo
 audit catches each, `scripts/audit_variants.py` measures how far. Issue 42's three: skip_real_clipping(),
 noise_per_microbatch(), norms_per_use(); issue 54's four: noise_cut_away_from(), clipping_from(name),
 noise_skipped_on(step), noise_divided_by(4); issue 65's three, in the noise's correlation across steps:
-noise_reused_on(step), buffers_dropped(), band_halved(band)."""
+noise_reused_on(step), buffers_dropped(), band_halved(band); issue 66's, in the privacy unit:
+records_clipped_alone()."""
 
 from __future__ import annotations
 
@@ -52,6 +53,12 @@ class OneLayerClipping(BrokenMechanism):
     def clip_factors(self, squares: dict) -> torch.Tensor:
         some = next(iter(squares.values()))
         return super().clip_factors({self.layer: squares.get(self.layer, torch.zeros_like(some))})
+
+
+def records_clipped_alone():
+    """Each record clipped on its own where the run claims a user's ε (ULS: privacy.unit=user): a user of k records
+    moves the clipped sum by k·C, not C (true ε that of sensitivity k)."""
+    return lambda mechanism, model, canaries: dataclasses.replace(mechanism, per_user=False)
 
 
 def noise_cut_away_from(factor: float = 2.0):

@@ -25,7 +25,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from dpmem import sharding
 from dpmem.config import ConfigError, enum_value
-from dpmem.data import build_data, example_batch
+from dpmem.data import build_data, example_batch, users
+from dpmem.data.bundle import Grouped
 from dpmem.engine.assemble import Parts, assemble
 from dpmem.engine.roofline import OpCounter
 from dpmem.engine.trainer import accounting_of, eval_batch_size, run_length
@@ -174,10 +175,13 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     physical = min(physical_batch_size or t.physical_batch_size or per_rank, per_rank)
     tic = time.perf_counter()
     torch.manual_seed(t.seed)
-    data = build_data(cfg.data, cfg.model)
+    data, _ = users.for_training(cfg.privacy, build_data(cfg.data, cfg.model), cfg.data.split_seed)
     strategy = noise_strategy(cfg, data.n_train)  # the run's, at its own logical batch (a budget search varies it)
+    # ULS: a batch of users, k record slots each (`Grouped`): its sizes count users
+    k = int(cfg.privacy.records_per_user) if users.uls(cfg.privacy) else None
     # the run's mechanism (σ calibrated for its steps) where asked; else a stand-in, as σ changes no memory
-    length = dict(zip(("steps", "sampling"), run_length(cfg, data.n_train))) if account and world == 1 else {}
+    length = (dict(zip(("steps", "sampling"), run_length(cfg, users.count(data) if k else data.n_train)))
+              if account and world == 1 else {})
     with torch.device("meta" if world > 1 else device):
         model = build_model(cfg.model, data, weights=False)
     target = enum_value(mem.target)
@@ -194,7 +198,8 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
                          mechanism_of=_drawing(strategy), **length)
         method = parts.method
         sizes = [physical] * (per_rank // physical) + ([per_rank % physical] if per_rank % physical else [])
-        micro = [example_batch(data, size, device) for size in sizes]
+        micro = [example_batch(data, size, device) if k is None else
+                 Grouped(example_batch(data, size * k, device), k, torch.ones(size * k), device) for size in sizes]
         loss_fn = labelled_forward(parts.per_sample_loss)
         block = CUDA_BLOCK if target == "cuda" else 1
         run = micro[:first_micro_batches or len(micro)]

@@ -213,11 +213,14 @@ class Privatizer:
         distributed.sum_(s for s in summed.values() if not sharding.is_sharded(s))
         return summed
 
-    def clipped_sum_of(self, grads: dict) -> dict:
+    def clipped_sum_of(self, grads: dict, k: int | None = None) -> dict:
         """Σᵢ min(1, C/‖gᵢ‖)·gᵢ of per-sample gradients given outside a backward pass (dpmem audit's canaries:
         `Factored` or dense rows, keyed like the clipped sums), through the real samples' code: the plan's norm
-        rule and reducer, the clip factors, the weighted sum. A fault there shows in the audit."""
+        rule and reducer, the clip factors, the weighted sum. A fault there shows in the audit. `k`: the rows are
+        users' records, k to a user, clipped per user as a `Grouped` micro-batch's are."""
         reduce = self._reducer()
+        if k is not None and self.mechanism.per_user:
+            reduce = reducers.by_user(reduce, k)
         reduced = {key: reduce(g) for key, g in grads.items()}
         factors = self.mechanism.clip_factors(_squares(reduced))
         return weighted_sum({key: r.grads for key, r in reduced.items()}, factors)
@@ -288,9 +291,11 @@ class Privatizer:
         keeps = [reducer(d) for d in probes] if probes else [reducer(None)] * len(self.params)
         reduce = {p: reducers.projected(projections[p], keep) if p in projections else keep
                   for p, keep in zip(self.params, keeps)}
-        k = mb.k if isinstance(mb, Grouped) else None  # ULS: a user's k records, normed and clipped as one
+        grouped = isinstance(mb, Grouped)  # ULS: a user's k records, normed and clipped as one
+        k = mb.k if grouped and self.mechanism.per_user else None
         if k is not None:
             reduce = {p: reducers.by_user(r, k) for p, r in reduce.items()}
+        if grouped:
             loss_fn = _present_only(loss_fn)
         losses, kept, batch_grads = self._backward(mb, loss_fn, zero, reduce, check, shapes, two_pass)
         for p, g in batch_grads.items():
@@ -312,7 +317,7 @@ class Privatizer:
                                     lambda p, g: reducers.projection(projections[p]).project(g) if p in projections
                                     else g, self.taps.compute)
             del kept
-            factors = self.mechanism.clip_factors(squares) * weights(mb)
+            factors = self.mechanism.clip_factors(squares) * (mb.present if grouped and not k else weights(mb))
             with memory_label("gradients"):
                 for p, part in weighted_sums(grads, factors):
                     _accumulate(summed, p, part)
@@ -322,7 +327,7 @@ class Privatizer:
         clipped = self.mechanism.clipped_losses(losses.detach())
         if k:  # a user's loss: the mean of its records' clipped losses, in [0, L] as a record's is
             clipped = clipped.view(-1, k).sum(1) / mb.present.view(-1, k).sum(1).clamp(min=1)
-        return (clipped * weights(mb)).sum()
+        return (clipped * (mb.present if grouped and not k else weights(mb))).sum()
 
     def _second_pass(self, losses, factors, summed) -> None:
         """Two-pass clipping's second backward pass: autograd forms Σᵢ fᵢ gᵢ, in the model's own precision, added

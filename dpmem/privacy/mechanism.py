@@ -74,6 +74,8 @@ class GaussianMechanism:
         strategy: how a release's noise is correlated with earlier ones (`dpmem.privacy.strategies`); None or
             independent: fresh noise each release.
         restart: a projected method's refresh F, where correlated noise restarts (`dpmem.privacy.correlated`).
+        per_user: ULS (privacy.unit=user): a user's records (a `Grouped` micro-batch's) are clipped as one; False
+            clips each record, which only a broken run does while claiming a user's ε (`dpmem.audit.variants`).
 
     A run's mechanism (`calibrate`) also holds its accounting; one built by hand accounts nothing (`accounted`).
     It is a frozen description: what changes as it releases is its `state` (`MechanismState`), which it alone
@@ -98,6 +100,7 @@ class GaussianMechanism:
     strategy: Strategy | None = None
     restart: int | None = None
     groups: int | None = None  # cyclic sampling's G: the sampler's groups (`dpmem.privacy.sampling`)
+    per_user: bool = True
 
     def __post_init__(self):
         # refused here, where a bad value would otherwise flip the noise's sign, zero every gradient or divide by 0
