@@ -86,7 +86,9 @@ def test_bench_correlated_writes_accuracy_error_and_step_tables(tmp_path):
     rows = {tuple(cells[:3]): cells for line in text.splitlines() if line.startswith("| vit-digits ")
             for cells in [[c.strip() for c in line.split("|")[1:-1]]]}
     accuracy = rows[("vit-digits", "dp-adam", "1")]
-    assert "(b = 2)" in accuracy[4] and "(p = 2)" in accuracy[5] and len(accuracy[6].split(" / ")) == 3
+    assert "(b = 2)" in accuracy[4] and "(p = 2)" in accuracy[6] and len(accuracy[8].split(" / ")) == 3
+    # the lr-matched runs: the learning rate times σ ÷ σ_independent × ‖C⁻¹'s last row‖, above 1
+    assert all(float(accuracy[i].split("lr × ")[1].rstrip(")")) > 1 for i in (5, 7))
     assert {cells[2]: cells[6] for key, cells in rows.items() if key[2] in ("bandmf", "bisr")} == {
         "bandmf": "1.0000", "bisr": "1.0000"}  # dpmem's prefix RMSE ÷ jax-privacy's
     steps = [line.split(" | ")[0][2:] for line in text.splitlines() if line.startswith("| dpmem ")]

@@ -26,8 +26,9 @@ def split(columns, physical, static, trim=False):
     n = len(next(iter(columns.values())))
     data = DataBundle(train=columns, test=columns, num_classes=0, input_shape=(), per_sample_loss=None,
                       predict=None, trim_padding=trim)
-    run = SimpleNamespace(data=data, device=torch.device("cpu"), static_shapes=static, cfg=OmegaConf.create(
-        {"train": {"batch_size": n, "physical_batch_size": physical, "fsdp": False, "static_shapes": static}}))
+    run = SimpleNamespace(data=data, device=torch.device("cpu"), static_shapes=static, grouped=None,
+                          cfg=OmegaConf.create({"train": {"batch_size": n, "physical_batch_size": physical,
+                                                          "fsdp": False, "static_shapes": static}}))
     run._on_device = lambda index: Run._on_device(run, index)
     return Run.microbatches(run, torch.arange(n))
 
