@@ -56,6 +56,9 @@ METHODS = {  # one job per method family and clipping mode, noise off (privacy=n
     # bf16 autocast: each rank's forward rounds its own samples as one process does
     "dp-adam-bk-bf16": ["method=dp-adam", "method.clipping=bk", "train.precision=bf16", *ADAM],
     "dp-adam-ghost-bf16": ["method=dp-adam", "method.clipping=ghost", "train.precision=bf16", *ADAM],
+    # ULS (privacy.unit=user): a rank takes whole users, k record slots each
+    "dp-adam-users": ["method=dp-adam", "method.clipping=ghost", "data.users=200", "privacy.unit=user",
+                      "privacy.records_per_user=3", "train.physical_batch_size=4", *ADAM],
 }
 # Δθ = −(S + z)/(q·n)
 NOISE = ["method=dp-sgd", "train.lr=1.0", "train.steps=1", "privacy.noise_seed=5", "privacy.sampler_seed=5"]
@@ -69,7 +72,7 @@ CORRELATED = {name: [*GHOST, f"privacy.noise={name}", "privacy.bands=2", "train.
                      "privacy.noise_seed=5", "privacy.sampler_seed=5", "train.steps=4", "train.physical_batch_size=8",
                      *ADAM] for name in ("bandmf", "bisr")}
 # FSDP (two ranks only) runs these jobs again with sharded parameters; the two-rank data-parallel run is the oracle
-FSDP = ["adam", "dp-adam-ghost", "dp-sgd-mixed", "dp-sgd-rc", "grape", "dp-adam-ghost-bf16"]
+FSDP = ["adam", "dp-adam-ghost", "dp-sgd-mixed", "dp-sgd-rc", "grape", "dp-adam-ghost-bf16", "dp-adam-users"]
 TEXT = ["model=roberta-tiny", "model.head=mlm", "data=synthetic", "data.seq_len=12", *GHOST, "privacy=none",
         "train.physical_batch_size=4", *ADAM]
 FSDP_NOISE = ["method.clipping=ghost", "train.physical_batch_size=4"]  # the noise jobs, in a mode FSDP runs
