@@ -518,6 +518,17 @@ def register_configs() -> None:
         store.store(group="method/schema", name=name, node=schema, package="method")
 
 
+def resolved_sampling(cfg, private: bool) -> str:
+    """train.sampling with auto resolved: poisson for a private method (cyclic with correlated noise, what its
+    accounting needs), shuffled epochs for a non-private one. The one place auto is decided."""
+    sampling = enum_value(cfg.train.sampling)
+    if sampling != "auto":
+        return sampling
+    if not private:
+        return "shuffle"
+    return "poisson" if enum_value(cfg.privacy.get("noise", "independent")) == "independent" else "cyclic"
+
+
 def enum_value(x: Any) -> Any:
     """An Enum field's value (configs built without the schema, e.g. in tests, hold plain strings)."""
     return x.value if isinstance(x, Enum) else x

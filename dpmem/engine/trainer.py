@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from dpmem import distributed, precision, sharding
 from dpmem.compiling import Compiler
-from dpmem.config import ConfigError, enum_value
+from dpmem.config import ConfigError, enum_value, resolved_sampling
 from dpmem.data import build_data, users
 from dpmem.data import fingerprint as data_fingerprint
 from dpmem.data.bundle import Grouped, Padded
@@ -69,11 +69,7 @@ def run_length(cfg, n: int) -> tuple[int, str]:
         what = "users" if users.uls(cfg.privacy) else "training set"
         raise ConfigError("train.batch_size", f"{t.batch_size} is larger than the {what} ({n})")
     steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * n / t.batch_size))
-    sampling = enum_value(t.sampling)
-    private = method_class(cfg.method.name).spec.private
-    if sampling == "auto" and private and enum_value(cfg.privacy.get("noise", "independent")) != "independent":
-        return steps, "cyclic"  # what correlated noise is accounted with
-    return steps, ("poisson" if private else "shuffle") if sampling == "auto" else sampling
+    return steps, resolved_sampling(cfg, method_class(cfg.method.name).spec.private)
 
 
 def accounting_of(cfg, n: int | None = None, count: int | None = None) -> dict:

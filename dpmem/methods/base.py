@@ -11,7 +11,7 @@ from torch import nn
 
 from dpmem import sharding
 from dpmem.config import (Accountant, ConfigError, LossRelease, MethodConfig, Neighbouring, Noise, Objective, Sampling,
-                          enum_value)
+                          enum_value, resolved_sampling)
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.privacy.mechanism import GaussianMechanism
 
@@ -192,9 +192,9 @@ class Method:
     def _check_noise(cls, cfg) -> None:
         """Correlated noise (privacy.noise) and cyclic sampling come together, for a method whose accountant has an
         analysis of them."""
-        t, p, m = cfg.train, cfg.privacy, cfg.method
+        p, m = cfg.privacy, cfg.method
         noise = p.get("noise", Noise.independent)
-        cyclic = t.sampling == Sampling.cyclic or (t.sampling == Sampling.auto and noise != Noise.independent)
+        cyclic = resolved_sampling(cfg, cls.spec.private) == "cyclic"
         if noise == Noise.independent:
             if cyclic:
                 raise ConfigError("train.sampling", "cyclic samples the groups of correlated noise (privacy.noise="
