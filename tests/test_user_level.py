@@ -324,7 +324,9 @@ def test_the_audit_flags_records_clipped_alone_under_a_users_claim(tmp_path):
     assert record["flagged"] and record["epsilon_lower_bound"] > record["epsilon_claimed"], record
 
 
-def test_a_user_level_audit_refuses_batch_canaries(tmp_path):
-    from dpmem.audit import planting
+def test_a_user_level_audit_refuses_batch_and_input_canaries(tmp_path):
+    from dpmem.audit import check, planting
     with pytest.raises(ConfigError, match="user of k records"):
         planting(audit_config("audit.plant=batch"))
+    with pytest.raises(ConfigError, match="records of no user"):
+        check(audit_config("audit.kind=input"))

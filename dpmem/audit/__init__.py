@@ -98,6 +98,9 @@ def check(cfg) -> None:
     if cfg.train.checkpoint_every:  # the canaries' scores live in one process (`run_audit`)
         raise ConfigError("train.checkpoint_every", "dpmem audit does not resume; run it without checkpoints, "
                           "into a fresh audit.dir")
+    if enum_value(a.kind) == "input" and enum_value(cfg.privacy.get("unit", "record")) == "user":
+        raise ConfigError("audit.kind", "input canaries are records of no user; under privacy.unit=user the "
+                          "canaries are users of k records: audit.kind=gradient")
     if not 0 < a.beta < 1:
         raise ConfigError("audit.beta", f"{a.beta} must be in (0, 1)")
     if a.canaries < 2:
