@@ -96,6 +96,28 @@ def test_bench_correlated_writes_accuracy_error_and_step_tables(tmp_path):
     assert sum(" | dpmem bisr | " in line for line in text.splitlines()) == 1  # the generators alone
 
 
+def test_bench_user_level_writes_accuracy_sigma_and_step_tables(tmp_path):
+    """--quick runs every part at toy sizes: dp-adam's runs by ULS, ELS and group privacy on bounded records at one
+    user-level ε, the σ table with the group-privacy run's (ε', δ'), and each method's user step beside its record
+    step."""
+    out = tmp_path / "user-level.md"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_user_level.py"), "--quick", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = out.read_text()
+    assert "QUICK RUN" in text
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+            if line.startswith("| vit-digits ")]
+    accuracy = next(cells for cells in rows if cells[1:3] == ["dp-adam", "1"])
+    assert all(0 <= float(cell) <= 100 for cell in accuracy[3:6]) and len(accuracy[6].split(" / ")) == 3
+    sigma = next(cells for cells in rows if cells[1] == "1")
+    assert float(sigma[3]) < float(sigma[4])  # ULS's σ below ELS's at the same rate
+    assert sigma[8].startswith("0.25, ")  # group privacy's ε' = ε / k, k = 4
+    steps = [line.split(" | ")[0][2:] for line in text.splitlines() if ", ULS: " in line or ", record level: " in line]
+    assert len(steps) == 4 and "grape, ULS: 26 users × 4 slots" in steps
+
+
 def test_rc_sigma_writes_its_three_tables(tmp_path):
     """σ in the tables is calibrate_sigma's, and the ratio column divides by the DP-SGD σ in the heading."""
     from dpmem.privacy import calibrate_sigma

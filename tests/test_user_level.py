@@ -147,10 +147,10 @@ def test_a_csv_user_column_names_the_users_and_the_fingerprint_covers_them(tmp_p
 
 
 # -- accounting: against dp-accounting events built here
-def _summary(tmp_path, *overrides):
+def _summary(tmp_path, *overrides, epsilon=8):
     run_training(config("model=vit-tiny", "data=digits", "data.users=300", "privacy.unit=user",
                         "privacy.records_per_user=4", "method=dp-adam", "train.steps=4", "train.batch_size=24",
-                        "privacy.epsilon=8", "privacy.train_loss=exact", "train.device=cpu",
+                        f"privacy.epsilon={epsilon}", "privacy.train_loss=exact", "train.device=cpu",
                         "logging.progress=false", "model.arch.hidden_size=16", "model.arch.num_hidden_layers=1",
                         "model.arch.num_attention_heads=2", "model.arch.intermediate_size=16", *overrides), tmp_path)
     return json.loads((tmp_path / "summary.json").read_text())
@@ -170,7 +170,7 @@ def test_uls_is_a_poisson_subsampled_gaussian_over_users(tmp_path):
 
 
 def test_els_is_a_mixture_of_gaussians_of_a_users_records(tmp_path):
-    s = _summary(tmp_path, "privacy.user_sampling=records")
+    s = _summary(tmp_path, "privacy.user_sampling=records", epsilon=1)  # a large σ: the mixture's PLD is quick
     assert s["status"] == "ok" and s["user_sampling"] == "records"
     assert s["user_data"]["records_left_out"] > 0
     q, k = s["sample_rate"], 4
@@ -179,7 +179,7 @@ def test_els_is_a_mixture_of_gaussians_of_a_users_records(tmp_path):
                                                  [binom.pmf(j, k, q) for j in range(k + 1)])
     want = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4).compose(
         dp_accounting.SelfComposedDpEvent(mixture, s["steps_done"])).get_epsilon(s["delta"])
-    assert want <= s["epsilon_spent"] <= 8 and s["epsilon_spent"] == pytest.approx(want, rel=2e-3)
+    assert want <= s["epsilon_spent"] <= 1 and s["epsilon_spent"] == pytest.approx(want, rel=2e-3)
     # a user of k records costs more than a record: the same σ at the record level spends less
     assert epsilon_spent(s["sigma"], s["delta"], q, s["steps_done"]) < s["epsilon_spent"]
 

@@ -27,9 +27,6 @@ ACCOUNTANTS = ("pld", "rdp", "rc")
 SAMPLINGS = ("poisson", "fixed", "cyclic")
 # PLD discretisation: 1e-3 keeps a 1000-step composition under a second and errs on the pessimistic side.
 PLD_DISCRETIZATION = 1e-3
-# ELS's mixture of Gaussians builds its privacy loss by root-finding per bucket, 5–10× slower than a Gaussian's: at
-# 1e-2 its ε over 500 steps stays within 1e-4 (relative) of 1e-3's, above it, and calibration takes seconds
-MIXTURE_DISCRETIZATION = 1e-2
 MIN_SIGMA, MAX_SIGMA = 0.05, 1e3
 # Randomized clipping with few probes has a heavy-tailed sensitivity (k = 1, 2 need noise multipliers in the
 # hundreds to hundreds of thousands), so rc searches further before refusing a target.
@@ -42,15 +39,14 @@ class UnreachableTarget(ValueError):
     pass
 
 
-def _accountant(accountant: str, neighbouring: str, mixture: bool = False):
+def _accountant(accountant: str, neighbouring: str):
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant {accountant!r}: allowed {', '.join(ACCOUNTANTS)}")
     if neighbouring not in RELATIONS:
         raise ValueError(f"neighbouring {neighbouring!r}: allowed {', '.join(RELATIONS)}")
     rel = RELATIONS[neighbouring]
     if accountant == "pld":
-        return pld.PLDAccountant(rel, value_discretization_interval=MIXTURE_DISCRETIZATION if mixture
-                                 else PLD_DISCRETIZATION)
+        return pld.PLDAccountant(rel, value_discretization_interval=PLD_DISCRETIZATION)
     return rdp.RdpAccountant(neighboring_relation=rel)
 
 
@@ -89,6 +85,15 @@ def _event(sigma: float, sample_rate: float, steps: int, sampling: str, dataset_
     else:
         raise ValueError(f"sampling {sampling!r}: allowed {', '.join(SAMPLINGS)}")
     return dp_accounting.SelfComposedDpEvent(step, steps)
+
+
+@functools.lru_cache(maxsize=32)
+def _mixture_step(sigma: float, sample_rate: float, k: int):
+    """ELS's one step (`_event`) as a privacy loss distribution, as PLDAccountant builds it: built by root-finding
+    per bucket, seconds at small σ, so kept for the run's later ε (the same σ at every logged step)."""
+    return pld.privacy_loss_distribution.from_mixture_gaussian_mechanism(
+        sigma, list(range(k + 1)), [float(p) for p in binom.pmf(range(k + 1), k, sample_rate)],
+        value_discretization_interval=PLD_DISCRETIZATION)
 
 
 def group_rate(sample_rate: float, dataset_size: int, groups: int) -> float:
@@ -181,7 +186,11 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
         return math.inf
     if accountant == "rc":
         return rc.rc_epsilon(sigma, delta, sample_rate, steps, k, d, estimator, PLD_DISCRETIZATION, loss_noise)
-    acc = _accountant(accountant, neighbouring, user_records is not None)
+    if user_records is not None and accountant == "pld" and neighbouring == "add_remove" and sampling == "poisson":
+        # what PLDAccountant composes for `_event`'s mixture, its one step kept: a run asks for each logged step
+        return float(_mixture_step(joint_sigma(sigma, loss_noise), sample_rate, int(user_records))
+                     .self_compose(steps).get_epsilon_for_delta(delta))
+    acc = _accountant(accountant, neighbouring)
     event = _event(joint_sigma(sigma, loss_noise), sample_rate, steps, sampling, dataset_size, groups,
                    _tuple(noise), user_records)
     if not acc.supports(event):
@@ -205,7 +214,7 @@ def composed_epsilon(runs: list[dict], delta: float, accountant: str = "pld",
                              r.get("groups"), _tuple(r.get("noise")), r.get("user_records")))
     if not events:
         return 0.0
-    acc = _accountant(accountant, neighbouring, any(r.get("user_records") for r in runs))
+    acc = _accountant(accountant, neighbouring)
     event = dp_accounting.ComposedDpEvent(events)
     if not acc.supports(event):
         raise ValueError(f"accountant {accountant} does not support these runs' sampling under {neighbouring}")
@@ -289,7 +298,7 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
     lo, hi = _bracket(eps, epsilon, MAX_SIGMA, f"epsilon={epsilon} at delta={delta} is unreachable with sample rate "
                       f"{sample_rate:.4g} over {steps} steps")
     sigma = dp_accounting.calibrate_dp_mechanism(
-        lambda: _accountant(accountant, neighbouring, user_records is not None),
+        lambda: _accountant(accountant, neighbouring),
         lambda s: _event(s, sample_rate, steps, sampling, dataset_size, groups, _tuple(noise), user_records),
         epsilon, delta,
         bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi),
