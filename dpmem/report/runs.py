@@ -163,7 +163,7 @@ def unit_of(s: dict) -> str:
     ledger) both say so, else record: a record-level run whose files were edited to claim more is not shown as
     protecting users."""
     written = s.get("unit") or next((line["unit"] for line in s.get("ledger", ()) if line.get("unit")), None)
-    return "user" if s["config"].get("privacy.unit") == "user" and written == "user" else "record"
+    return "user" if s.get("config", {}).get("privacy.unit") == "user" and written == "user" else "record"
 
 
 def data_column(summaries: list[dict]):
@@ -378,7 +378,7 @@ def _planned(folder: dict) -> dict | str | None:
         else:
             n = least(folder.get("n_train"), *(line.get("dataset_size") for line in lines))
             count = least(folder.get("users"), *(line.get("users") for line in lines))
-        if n is None or (count is None and unit_of(folder) == "user"):
+        if n is None or (count is None and cfg.privacy.get("unit", "record") == "user"):
             return f"neither its summary nor its {PRIVACY_LEDGER} records the size of its data set"
         terms = accounting_of(cfg, n, count)
         rc = terms["accountant"] == "rc"
