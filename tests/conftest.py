@@ -11,12 +11,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# pytest -n N runs N workers: each takes its share of the cores, so that torch's threads do not oversubscribe them
+# pytest -n N runs N workers: each takes its share of the cores, so that torch's threads do not oversubscribe them.
+# The processes a worker starts (scripts, `dpmem` commands, launcher jobs) take the same share, through the
+# environment they inherit, and so do the BLAS threads of numpy and scipy (read at their import, which is after
+# this): OpenMP and OpenBLAS threads spin while they wait, and two workers' children, each with a thread per core,
+# spent several times their own work spinning (bench_peers' smoke run: 73 CPU-s with 2 threads, 8 with 1)
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
+    _threads = max(1, (os.cpu_count() or 1) // _workers)
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_var, str(_threads))
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+    torch.set_num_threads(_threads)
 
 
 @pytest.fixture(autouse=True)
@@ -30,8 +37,16 @@ def stream_every_layer(request, monkeypatch):
         monkeypatch.setattr(taps, "STREAM_MIN_ELEMENTS", 0)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "long: an end-to-end test of ten CPU-seconds or more (most of them in "
+                                       "processes of their own): collected first (tests/conftest.py)")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked cuda run where a GPU is, and are skipped elsewhere."""
+    """Tests marked cuda run where a GPU is, and are skipped elsewhere. Tests marked long are collected first: xdist
+    hands out the tests in their collection order (after its groups, largest first), so each long one starts
+    early, beside the short ones on the other workers, and none is left to run alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: the order otherwise kept
     import torch
 
     if torch.cuda.is_available():

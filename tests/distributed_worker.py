@@ -6,10 +6,12 @@ anything, to OUT_DIR/NAME.compile.txt, the run going on eagerly). For each job, 
 saves the initial and final parameters to OUT_DIR/NAME.init.pt and NAME.pt (and, with train.fsdp=true, what FSDP
 did per step to NAME.fsdp.json); the run folder is OUT_DIR/NAME/. `die_at_step` makes every rank's
 method raise at that step (a crash after a checkpoint); unless "resume" is false the job is then run again in the
-same folder, which resumes it."""
+same folder, which resumes it. Where OUT_DIR/configs.pkl is (the test composes every job's config once, for both
+launches), the jobs' configs are read from it in the order of JOBS.json instead of composed in each process."""
 
 import json
 import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -123,8 +125,12 @@ class FSDPWatch:
 
 def main(out: Path, jobs: list[dict]) -> None:
     distributed.init_from_env()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfgs = [compose("config", overrides=job["overrides"]) for job in jobs]
+    composed = out / "configs.pkl"
+    if composed.exists():
+        cfgs = pickle.loads(composed.read_bytes())
+    else:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            cfgs = [compose("config", overrides=job["overrides"]) for job in jobs]
     for job, cfg in zip(jobs, cfgs):
         folder = out / job["name"]
         done = run(cfg, folder, job.get("die_at_step"), job.get("force_compile", False))

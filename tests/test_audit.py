@@ -62,6 +62,7 @@ def gaussian_audit(sigma, delta, m, seed):
     return audit_bound(included + sigma * rng.standard_normal(m), included, delta=delta)["epsilon_lower_bound"]
 
 
+@pytest.mark.long
 def test_on_a_bare_gaussian_mechanism_the_bound_grows_towards_its_epsilon_and_never_passes_it():
     sigma, delta = 2.0, 1e-6
     true = gaussian_epsilon(sigma, delta)  # 2.25

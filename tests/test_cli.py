@@ -189,6 +189,7 @@ def test_a_bad_point_in_a_sweep_is_caught_before_launch(cli, tmp_path):
     assert not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("sig,code", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_a_signal_leaves_a_readable_summary(tmp_path, sig, code):
     """Ctrl-C and SIGTERM (scancel, torchrun stopping the ranks) interrupt the run and stop a sweep."""

@@ -97,6 +97,7 @@ run_training(cfg, sys.argv[1])
 """
 
 
+@pytest.mark.long
 def test_a_second_run_in_a_busy_folder_is_refused_and_a_killed_holder_blocks_no_resume(tmp_path, cli):
     run = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}

@@ -192,6 +192,7 @@ def unreachable_hub(tmp_path) -> dict:
     return {**env, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf"), "WANDB_MODE": "disabled"}
 
 
+@pytest.mark.long
 def test_a_hub_data_set_without_network_is_said_at_once_and_ends_in_one_line(tmp_path):
     from text_fixtures import make_tokenizer
     tok = make_tokenizer(tmp_path / "tok", "roberta")

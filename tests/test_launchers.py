@@ -49,6 +49,7 @@ def assert_reported(cli, sweep: Path) -> None:
     assert len(table) == 2 and "Not in the table" not in r.stdout, r.stdout
 
 
+@pytest.mark.long
 def test_a_joblib_sweep_runs_side_by_side_fails_for_a_failed_run_and_a_relaunch_redoes_only_that(cli, tmp_path):
     sweep = tmp_path / "sweep"
     args = ["train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *SWEEP, f"hydra.sweep.dir={sweep}",
@@ -70,6 +71,7 @@ def test_a_joblib_sweep_runs_side_by_side_fails_for_a_failed_run_and_a_relaunch_
     assert_reported(cli, sweep)
 
 
+@pytest.mark.long
 def test_a_submitit_local_sweep_writes_its_runs_and_logs_into_the_sweep_folder(cli, tmp_path):
     sweep = tmp_path / "sweep"
     # in a process of its own: run in-process after other tests of the same pytest worker, it failed in pytest's

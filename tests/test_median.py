@@ -87,6 +87,7 @@ def test_the_generated_data_follows_the_papers_law():
     assert scores["excess_empirical_loss"] > 0 and scores["excess_population_loss"] > 0
 
 
+@pytest.mark.long
 def test_a_dp_sgd_sweep_over_dimensions_is_drawn_as_the_papers_figure(cli, tmp_path):
     r = cli("train", "-m", "model=median", "data=median", "method=dp-sgd", "privacy=eps2", "privacy.delta=1e-6",
             "data.A=const,linear", "data.dimension=10,100", "train.seed=0,1", "data.n_train=2000", "data.n_test=2000",

@@ -144,6 +144,7 @@ TINY = ["model=roberta-tiny", "data=synthetic", "data.seq_len=16", "train.batch_
 CANDIDATES = 'plan.candidates=["method=dp-adam method.clipping=materialize","method=grape","method=dp-adam"]'
 
 
+@pytest.mark.long
 def test_the_chosen_configuration_fits_its_budget_and_trains(tmp_path, cli):
     """A budget between what materialize needs at physical batch 1 and at 32: the plan picks a physical batch that
     fits, on the cpu plan.device (exact bytes, CPU kernels), and its first command trains."""

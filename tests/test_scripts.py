@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.long
 def test_bench_methods_writes_a_row_per_method_and_batch(tmp_path):
     out = tmp_path / "methods.md"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_methods.py"), "--batch-sizes", "2", "4",
@@ -23,6 +24,7 @@ def test_bench_methods_writes_a_row_per_method_and_batch(tmp_path):
     assert len(rows) == 2 * len(methods) and {row.split("|")[2].strip() for row in rows} == methods
 
 
+@pytest.mark.long
 def test_bench_methods_compares_checkpointing_with_the_run_without(tmp_path):
     out = tmp_path / "methods.md"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_methods.py"), "--batch-sizes", "2",
@@ -36,43 +38,49 @@ def test_bench_methods_compares_checkpointing_with_the_run_without(tmp_path):
     assert rows["adam"] == "-" and all(float(x) > 0 for x in rows["grape + checkpointing"].split(", "))
 
 
-def test_bench_peers_writes_a_row_per_contestant(tmp_path):
-    out = tmp_path / "peers.md"
-    chosen = ["torch AdamW (non-private)", "Opacus hooks", "Opacus ghost clipping", "dpmem dp-adam (bk)"]
+PEERS = ["torch AdamW (non-private)", "Opacus hooks", "Opacus ghost clipping", "dpmem dp-adam (bk)", "dpmem grape"]
+
+
+@pytest.fixture(scope="module")
+def peers_table(tmp_path_factory):
+    """One bench_peers.py run, with its aten op counts, read by the two tests below (one xdist group, so one worker
+    runs it): every contestant they name, on roberta-base's 12 blocks narrowed to width 32 (no count depends on the
+    width; the narrow embedding spares building a 50k × 768 one per contestant)."""
+    out = tmp_path_factory.mktemp("peers") / "peers.md"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "--batch-sizes", "2",
-                        "--seq-len", "8", "--steps", "1", "--contestants", *chosen, "--out", str(out), "--count-ops",
-                        "model.arch.num_hidden_layers=1"], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                        "--seq-len", "8", "--steps", "1", "--contestants", *PEERS, "--out", str(out), "--count-ops",
+                        "model.arch.num_hidden_layers=12", "model.arch.hidden_size=32",
+                        "model.arch.intermediate_size=64", "model.arch.num_attention_heads=2"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr
-    text = out.read_text()
+    return out.read_text()
+
+
+@pytest.mark.xdist_group("bench_peers")
+def test_bench_peers_writes_a_row_per_contestant(peers_table):
+    text = peers_table
     assert "precision fp32" in text and "threads" in text and "aten ops counted" in text
     rows = {cells[1]: cells[2:] for line in text.splitlines() if line.startswith("| 2 ")
             for cells in [[c.strip() for c in line.split("|")[1:-1]]]}
-    assert list(rows) == chosen and rows["torch AdamW (non-private)"][1] == "1.00"
+    assert list(rows) == PEERS and rows["torch AdamW (non-private)"][1] == "1.00"
     # aten ops / step and × AdamW: a positive count for every contestant, the private ones' above AdamW's
     assert all(cells[4].isdigit() and int(cells[4]) > 0 for cells in rows.values())
     assert rows["torch AdamW (non-private)"][5] == "1.00"
     assert all(float(cells[5]) > 1 for name, cells in rows.items() if name != "torch AdamW (non-private)")
 
 
-def test_the_private_step_dispatches_at_most_a_third_more_ops_than_adamw(tmp_path):
+@pytest.mark.xdist_group("bench_peers")
+def test_the_private_step_dispatches_at_most_a_third_more_ops_than_adamw(peers_table):
     """Issue 32's host-work targets on its proxy, dispatched aten ops per step (exact, machine-independent, set by
     the model's structure and not its width): dp-adam bk ≤ 1.4× and grape ≤ 1.3× AdamW's, on roberta-base's 12
     blocks (narrowed, which changes no count)."""
-    out = tmp_path / "peers.md"
-    chosen = ["torch AdamW (non-private)", "dpmem dp-adam (bk)", "dpmem grape"]
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "--batch-sizes", "2",
-                        "--seq-len", "8", "--steps", "1", "--contestants", *chosen, "--out", str(out), "--count-ops",
-                        "model.arch.num_hidden_layers=12", "model.arch.hidden_size=32",
-                        "model.arch.intermediate_size=64", "model.arch.num_attention_heads=2"],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert r.returncode == 0, r.stderr
-    ops = {cells[1]: int(cells[6]) for line in out.read_text().splitlines() if line.startswith("| 2 ")
+    ops = {cells[1]: int(cells[6]) for line in peers_table.splitlines() if line.startswith("| 2 ")
            for cells in [[c.strip() for c in line.split("|")[1:-1]]]}
     adamw = ops["torch AdamW (non-private)"]
     assert ops["dpmem dp-adam (bk)"] <= 1.4 * adamw and ops["dpmem grape"] <= 1.3 * adamw, ops
 
 
+@pytest.mark.long
 def test_bench_correlated_writes_accuracy_error_and_step_tables(tmp_path):
     """--quick runs every part at toy sizes: `dpmem train` with each noise, the strategies' error beside
     jax-privacy's (equal), the choice of bands, and the step of each method with each noise."""
@@ -96,6 +104,7 @@ def test_bench_correlated_writes_accuracy_error_and_step_tables(tmp_path):
     assert sum(" | dpmem bisr | " in line for line in text.splitlines()) == 1  # the generators alone
 
 
+@pytest.mark.long
 def test_bench_user_level_writes_accuracy_sigma_and_step_tables(tmp_path):
     """--quick runs every part at toy sizes: dp-adam's runs by ULS, ELS and group privacy on bounded records at one
     user-level ε, the σ table with the group-privacy run's (ε', δ'), and each method's user step beside its record
@@ -118,6 +127,7 @@ def test_bench_user_level_writes_accuracy_sigma_and_step_tables(tmp_path):
     assert len(steps) == 4 and "grape, ULS: 26 users × 4 slots" in steps
 
 
+@pytest.mark.long
 def test_rc_sigma_writes_its_three_tables(tmp_path):
     """σ in the tables is calibrate_sigma's, and the ratio column divides by the DP-SGD σ in the heading."""
     from dpmem.privacy import calibrate_sigma
@@ -157,6 +167,7 @@ def test_rc_sigma_draws_sigma_against_k_on_a_log_axis(tmp_path, monkeypatch):
     assert scales == {"sigma_vs_k": "log", "sigma_vs_d": "linear"}
 
 
+@pytest.mark.long
 def test_validate_memory_says_when_there_is_no_gpu(tmp_path):
     out = tmp_path / "validate.md"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "validate_memory.py"), "--methods", "adam", "grape",
@@ -174,6 +185,7 @@ def test_validate_memory_says_when_there_is_no_gpu(tmp_path):
     assert [row[2].strip() for row in rows[:2]] == ["training", "evaluation, B 4"]
 
 
+@pytest.mark.long
 def test_audit_methods_writes_a_row_per_method_and_epsilon(tmp_path):
     out = tmp_path / "audit.md"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "audit_methods.py"), "--methods", "grape", "dpzero",
@@ -188,12 +200,14 @@ def test_audit_methods_writes_a_row_per_method_and_epsilon(tmp_path):
     assert {p.name for p in (tmp_path / "runs").iterdir()} == {"grape_eps2", "dpzero_eps2"}
 
 
+@pytest.mark.long
 def test_audit_variants_writes_a_row_per_variant(tmp_path):
     out = tmp_path / "variants.md"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "audit_variants.py"), "--rows", "vit-correct",
                         "vit-b4", "--canaries", "50", "--dir", str(tmp_path / "runs"), "--out", str(out),
                         "train.steps=4", "train.batch_size=256", "logging.memory_steps=0",
-                        "model.arch.num_hidden_layers=1"], capture_output=True, text=True, timeout=300,
+                        "model.arch.num_hidden_layers=1", "model.arch.hidden_size=16", "model.arch.intermediate_size=32",
+                        "model.arch.patch_size=4"], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
     assert r.returncode == 0, r.stderr
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.read_text().splitlines()
@@ -204,24 +218,36 @@ def test_audit_variants_writes_a_row_per_variant(tmp_path):
     assert {p.name for p in (tmp_path / "runs").iterdir()} == {"vit-correct", "vit-b4"}
 
 
-def test_bench_plan_writes_the_plans_and_checks_the_estimate_against_a_measurement(tmp_path):
-    out = tmp_path / "plan.md"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_plan.py"), "--settings", "tiny", "--check",
-                        "tiny", "--steps", "1", "--top", "2", "--out", str(out)], capture_output=True, text=True,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert r.returncode == 0, r.stderr[-2000:]
-    text = out.read_text()
+@pytest.mark.xdist_group("gpu_figures")  # with the test that shares its run: one worker runs it once
+def test_bench_plan_writes_the_plans_and_checks_the_estimate_against_a_measurement(gpu_figures_tiny):
+    """`bench_plan.py --settings tiny --check tiny --measure cpu --steps 1 --top 2`: the plan step of gpu_figures'
+    tiny sequence (the same command, its page read here)."""
+    r, pages, _ = gpu_figures_tiny
+    log = next(line for line in r.stdout.splitlines() if line.startswith("gpu_figures: plan: "))
+    assert "scripts/bench_plan.py --settings tiny --check tiny --measure cpu --steps 1 --top 2 --out " in log, log
+    assert "gpu_figures: plan done in " in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    text = (pages / "plan-cuda.md").read_text()
     assert "## tiny" in text and "estimates from a roofline, not measurements" in text
     assert "| plan rank | configuration |" in text and "The measured best is the plan's #" in text
 
 
-def test_gpu_figures_runs_its_whole_sequence_at_toy_sizes_on_the_cpu(tmp_path):
-    """scripts/gpu_figures.py --device cpu --tiny: every step runs its script, writes its page, and the summary sets
-    each step's figures beside their targets, so that the one GPU command cannot rot between GPU runs."""
-    pages, archive = tmp_path / "pages", tmp_path / "pages.tgz"
+@pytest.fixture(scope="module")
+def gpu_figures_tiny(tmp_path_factory):
+    """scripts/gpu_figures.py --device cpu --tiny, run once: its result, pages folder and archive. Its plan step is
+    bench_plan.py's smoke run too (the tests that read it are in one xdist group, so one worker runs it)."""
+    folder = tmp_path_factory.mktemp("gpu-figures")
+    pages, archive = folder / "pages", folder / "pages.tgz"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_figures.py"), "--device", "cpu", "--tiny",
                         "--pages", str(pages), "--archive", str(archive)], capture_output=True, text=True,
                        timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "DPMEM_COMMIT": "abc1234"})
+    return r, pages, archive
+
+
+@pytest.mark.xdist_group("gpu_figures")
+def test_gpu_figures_runs_its_whole_sequence_at_toy_sizes_on_the_cpu(gpu_figures_tiny):
+    """scripts/gpu_figures.py --device cpu --tiny: every step runs its script, writes its page, and the summary sets
+    each step's figures beside their targets, so that the one GPU command cannot rot between GPU runs."""
+    r, pages, archive = gpu_figures_tiny
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = (pages / "gpu.md").read_text()
     assert "dpmem abc1234" in summary  # the commit of a tree copied without its .git

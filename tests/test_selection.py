@@ -154,6 +154,7 @@ def test_ties_are_broken_uniformly_by_the_key_not_by_position(tmp_path):
     assert stats.chisquare([3000, 0, 0]).pvalue < 1e-3  # what always taking the first would give
 
 
+@pytest.mark.long
 def test_a_private_search_folder_is_its_own(cli, tmp_path):
     """Into a finished training run's folder, a folder of other files, a search whose selection.key was deleted
     (a new key would draw a new K), or while another search holds the folder: refused in one line, nothing
@@ -204,6 +205,7 @@ def test_a_space_with_nothing_to_search_is_refused(cli, tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("dpmem: error: hydra.sweeper.params:"), r.stderr
 
 
+@pytest.mark.long
 def test_a_private_search_end_to_end(cli, tmp_path, monkeypatch):
     """A fixed key (in place of the OS's) draws K = 3: three trials, each at the calibrated noise, each with its
     own draw of the space; the lowest private loss wins. What is released (selection/) is the winner's config, weights
@@ -266,6 +268,7 @@ def test_a_private_search_end_to_end(cli, tmp_path, monkeypatch):
     assert "says ε 0.5 where its trials' noise, rate and steps give" in edited.stdout
 
 
+@pytest.mark.long
 def test_a_search_killed_mid_trial_resumes_with_the_same_number_of_trials(tmp_path):
     """SIGKILL once the first trial has a checkpoint; the same command again: the key (and so K) is the one the
     first start drew, the finished trials are skipped, and the search ends with K trials."""
@@ -300,6 +303,7 @@ def test_a_search_killed_mid_trial_resumes_with_the_same_number_of_trials(tmp_pa
     assert other.returncode == 2 and other.stderr.startswith("dpmem: error: hydra.sweep.dir:"), other.stderr
 
 
+@pytest.mark.long
 def test_ctrl_c_in_a_private_search_ends_in_one_line_and_the_same_command_resumes(cli, tmp_path, monkeypatch):
     from dpmem.engine import trainer
     real = trainer.run_training
@@ -307,8 +311,9 @@ def test_ctrl_c_in_a_private_search_ends_in_one_line_and_the_same_command_resume
     def interrupted(cfg, run_dir):
         raise KeyboardInterrupt
     monkeypatch.setattr(trainer, "run_training", interrupted)
-    command = ["train", "-m", "hydra/sweeper=private", "train.lr=tag(log, interval(1e-3, 1e-1))", *TINY,
-               "hydra.sweep.dir=s"]
+    # a mean of 1.5 trials (the default 10 drew K from the OS's key: a resumed search of up to dozens of trials)
+    command = ["train", "-m", "hydra/sweeper=private", "hydra.sweeper.mean_trials=1.5",
+               "train.lr=tag(log, interval(1e-3, 1e-1))", *TINY, "hydra.sweep.dir=s"]
     r = cli(*command)
     assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1].endswith("was interrupted: the same command resumes it (the same K and "
