@@ -43,9 +43,16 @@ def direction(objective_name: str) -> str:
     return "minimize" if enum_value(objective_name) == "train_loss" else "maximize"
 
 
+def unless_sigma(epsilon, *, _parent_):
+    """The default privacy group's budget (`privacy=default`): ε, unless privacy.noise_multiplier fixes σ. A budget
+    given by name (privacy=eps2, privacy.epsilon=2) stays beside a fixed σ, and is refused there."""
+    return None if _parent_.get("noise_multiplier") is not None else epsilon
+
+
 OmegaConf.register_new_resolver("launch_time", _launch_time, use_cache=True, replace=True)
 OmegaConf.register_new_resolver("dpmem.cuda_device_count", cuda_device_count, replace=True)  # hydra/launcher=local
 OmegaConf.register_new_resolver("dpmem.direction", direction, replace=True)
+OmegaConf.register_new_resolver("dpmem.unless_sigma", unless_sigma, replace=True)
 
 
 def error(message: str) -> SystemExit:

@@ -121,22 +121,22 @@ class SubspaceConfig:
     `dpmem spectrum mode=trajectory` run's subspace.pt."""
     path: Optional[str] = None  # None = no projection
     k: Optional[int] = None  # directions used; None = all stored
-    where: SubspaceWhere = SubspaceWhere.clipped
+    where: SubspaceWhere = SubspaceWhere.clipped  # what is projected onto the k directions
 
 
 @dataclass
 class LoraConfig:
     """LoRA adapters through peft (DP-LoRA with a private method): only the adapters (and modules_to_save) train."""
     r: Optional[int] = None  # adapter rank; None = no LoRA (full fine-tuning)
-    alpha: float = 8.0
-    dropout: float = 0.0
+    alpha: float = 8.0  # LoRA's scale: the adapters' product is multiplied by alpha / r
+    dropout: float = 0.0  # dropout on the adapters' input
     target_modules: Optional[list[str]] = None  # module-name suffixes (peft's rule); None = peft's default per family
     modules_to_save: Optional[list[str]] = None  # fully trained besides the adapters; None = the classifier head if any
 
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING
+    name: str = MISSING  # the model's name (model=NAME's file sets it), recorded in the summary
     family: str = MISSING  # which builder in dpmem.models makes it (vit, ...)
     pretrained: Optional[str] = None  # hub id or local path; None = random init from `arch`
     tokenizer: Optional[str] = None  # hub id or local path of the tokenizer; None = the one of `pretrained`
@@ -151,15 +151,15 @@ class ModelConfig:
 @dataclass
 class Columns:
     """data=csv|jsonl: the column of the file that holds each field (data.columns.text=review)."""
-    text: str = "text"
+    text: str = "text"  # the input text
     text_pair: Optional[str] = None  # the second text of a pair task
-    label: str = "label"
+    label: str = "label"  # the class label
     user: Optional[str] = None  # who wrote each record (privacy.unit=user); None = no user column
 
 
 @dataclass
 class DataConfig:
-    name: str = MISSING
+    name: str = MISSING  # the data set dpmem.data loads (data=NAME's file sets it)
     path: Optional[str] = None  # local file (or folder) read instead of the hub / torchvision download
     root: str = "~/.cache/dpmem"  # torchvision data sets: downloaded into and read from here
     test_fraction: float = 0.2  # held-out share for data sets without a fixed test split
@@ -179,9 +179,9 @@ class DataConfig:
     columns: Columns = field(default_factory=Columns)  # csv/jsonl
     # data=synthetic: the shape of random inputs (images for image models, token ids for text models)
     image_size: int = 32
-    channels: int = 3
-    seq_len: int = 128
-    num_classes: int = 10
+    channels: int = 3  # synthetic: image channels
+    seq_len: int = 128  # synthetic: tokens per text example
+    num_classes: int = 10  # synthetic: classes of the random labels
     n_train: Optional[int] = None  # synthetic: examples made; text tasks: training examples drawn (None = all)
     # users made up for a data set without a user column (privacy.unit=user): the training records given to this
     # many users by Zipf's law (split_seed), a few writing many, most one or two (dpmem.data.users)
@@ -189,22 +189,22 @@ class DataConfig:
     # data=median (Li et al. 2022 §4.1): β ∈ R^dimension, A = diag of 1 (const), 1/√k (sqr) or 1/k (linear), the
     # examples' first d_min coordinates drawn N(1, 1), the ridge weight alpha of (α/2)‖β‖²
     dimension: int = 100
-    A: str = "const"
-    d_min: int = 10
-    alpha: float = 0.0
+    A: str = "const"  # median: the diagonal A, const | sqr | linear
+    d_min: int = 10  # median: coordinates drawn N(1, 1); the rest are 0
+    alpha: float = 0.0  # median: α, the ridge weight
 
 
 @dataclass
 class MethodConfig:
     """What every method has. Each method family has its own config below, named by its dpmem/conf/method/*.yaml (and
     its class's `config` attribute), so an option of another method is an error, not silently ignored."""
-    name: str = MISSING
+    name: str = MISSING  # the method (method=NAME's file sets it)
 
 
 @dataclass
 class Clipped:
     """Private methods: the clipping threshold C (for dpzero, of the per-sample scalar (L⁺ − L⁻)/2λ)."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # C: each per-sample gradient (dpzero: scalar) clipped to norm C
 
 
 @dataclass
@@ -224,10 +224,10 @@ class Privatised(PerSample):
 @dataclass
 class OptimizerConfig(MethodConfig):
     """adam: a stock torch optimiser on the batch gradient."""
-    optimizer: Optimizer = Optimizer.adam
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    optimizer: Optimizer = Optimizer.adam  # the torch optimiser the batch gradient goes to
+    betas: tuple[float, float] = (0.9, 0.999)  # adam, adamw: the moments' decay rates β1, β2
+    eps: float = 1e-8  # adam, adamw: added to the denominator (not privacy's ε)
+    weight_decay: float = 0.0  # torch's: L2 in the gradient (adam, sgd), decoupled (adamw)
     momentum: float = 0.0  # sgd only
 
 
@@ -241,8 +241,8 @@ class DPAdamConfig(OptimizerConfig, Privatised):
 @dataclass
 class DPSGDRCConfig(OptimizerConfig, Privatised):
     """dp-sgd-rc: per-sample squared norms of linear-like layers estimated with k probes."""
-    estimator: Estimator = Estimator.hutch
-    k: int = 32
+    estimator: Estimator = Estimator.hutch  # how each squared norm is estimated
+    k: int = 32  # probes of each estimate, fresh every step
     # one backward pass: the estimates from each layer's kept factors, the clipped sums (c ⊙ G)ᵀA from them (as
     # dp-adam's clipping=bk); the same mechanism as the paper's two passes, faster, at about ghost's memory
     bookkeeping: bool = False
@@ -251,19 +251,19 @@ class DPSGDRCConfig(OptimizerConfig, Privatised):
 @dataclass
 class ProjectedConfig(MethodConfig):
     """galore: projected Adam over rank-r projections, refreshed every F steps."""
-    rank: int = 16
-    refresh: int = 100
+    rank: int = 16  # r: each projected matrix's gradient is kept at rank r
+    refresh: int = 100  # F: the projections are renewed every F steps
     # fnmatch patterns of the module names projected; None = every Linear/Conv1D except the output head
     projected: Optional[list[str]] = None
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)  # projected Adam's moment decay rates β1, β2
+    eps: float = 1e-8  # projected Adam's denominator term (not privacy's ε)
+    weight_decay: float = 0.0  # projected Adam's decoupled weight decay
 
 
 @dataclass
 class GaLoreDPNaiveConfig(ProjectedConfig, Privatised):
     """galore-dp-naive: privatised as dp-adam, then GaLore on the privatised gradient."""
-    clipping: Clipping = Clipping.materialize
+    clipping: Clipping = Clipping.materialize  # as dp-adam's method.clipping
 
 
 @dataclass
@@ -275,8 +275,8 @@ class GrapeConfig(ProjectedConfig, PerSample):
 @dataclass
 class ZerothOrderConfig(MethodConfig):
     """mezo: perturbation size lambda and the direction's distribution."""
-    zo_eps: float = 1e-3
-    direction: Direction = Direction.gaussian
+    zo_eps: float = 1e-3  # λ: the step of the finite difference (L⁺ − L⁻)/2λ
+    direction: Direction = Direction.gaussian  # the distribution of the perturbation z
 
 
 @dataclass
@@ -297,12 +297,15 @@ class LossRelease(Enum):
 
 @dataclass
 class PrivacyConfig:
-    epsilon: Optional[float] = None  # None = non-private
+    epsilon: Optional[float] = None  # the run's budget: σ is calibrated to it. None = non-private (or σ fixed below)
+    # a fixed noise multiplier σ instead of a budget (Opacus' make_private(noise_multiplier=...)): the run spends the
+    # ε that σ, its sampling rate and its steps give, accounted as any run's. With privacy.epsilon too: refused
+    noise_multiplier: Optional[float] = None
     # a number in (0, 1); "auto" = min(1e-5, 1/n^1.1), below 1/n for every training-set size n; "1/n" only to
     # reproduce papers that used it (a mechanism that publishes one random record whole satisfies δ = 1/n)
     delta: Any = "auto"
-    accountant: Accountant = Accountant.auto
-    neighbouring: Neighbouring = Neighbouring.add_remove
+    accountant: Accountant = Accountant.auto  # how ε is computed from σ, the sampling and the steps
+    neighbouring: Neighbouring = Neighbouring.add_remove  # neighbours: one record added or removed, or one replaced
     # rc: d of the envelope. model = sound for the whole model (inf unless one matrix is trained alone); max_layer =
     # the DP-SGD-RC paper's max over estimated layers of min(p, d); a positive integer (dpmem.methods.rc.rc_dimension)
     rc_dimension: Any = "model"
@@ -317,12 +320,12 @@ class PrivacyConfig:
     # correlated noise (DP matrix factorization, docs/privacy.md): independent | bandmf | bisr, with
     # train.sampling=cyclic; bands: bandmf's b (C's bands, b − 1 buffers), bisr's p (C⁻¹'s, p draws per step)
     noise: Noise = Noise.independent
-    bands: Optional[int] = None
+    bands: Optional[int] = None  # b or p (above); null for independent noise
     # what ε protects: a record, or a user's whole contribution (the data's user column or data.users); a user's
     # records: at most records_per_user (k) of them count, by user_sampling (ULS: per step; ELS: over the run)
     unit: Unit = Unit.record
     user_sampling: UserSampling = UserSampling.users
-    records_per_user: Optional[int] = None
+    records_per_user: Optional[int] = None  # k (above): the rest of a user's records are left out
 
 
 class Objective(Enum):
@@ -333,19 +336,19 @@ class Objective(Enum):
 @dataclass
 class TrainConfig:
     steps: Optional[int] = None  # logical steps; if None, derived from epochs
-    epochs: Optional[float] = None
+    epochs: Optional[float] = None  # passes over the data: steps = ⌈epochs · n / B⌉ when steps is None
     batch_size: int = 128  # logical (expected, under Poisson sampling) batch size B
     physical_batch_size: Optional[int] = None  # micro-batch size; None = whole logical batch at once
-    lr: float = 1e-3
-    schedule: Schedule = Schedule.constant
-    warmup_steps: int = 0
+    lr: float = 1e-3  # learning rate: the peak of the schedule
+    schedule: Schedule = Schedule.constant  # after warm-up: constant, or linear or cosine decay to 0
+    warmup_steps: int = 0  # the lr rises linearly over the first N steps
     seed: int = 0  # model init and data sampling
     eval_every: int = 0  # evaluate every N logical steps (0 = only at the end)
     # None = the physical batch size: evaluating a batch keeps far less than a training step on it, so a run sized
     # by its training peak does not run out of memory at its final evaluation (a generation's KV cache can still
     # outgrow it: dpmem memory plans both, and reports the larger)
     eval_batch_size: Optional[int] = None
-    sampling: Sampling = Sampling.auto
+    sampling: Sampling = Sampling.auto  # how each step's batch is drawn; accounted as drawn
     device: Device = Device.auto
     precision: Precision = Precision.fp32  # fp32 | tf32 (CUDA) | bf16 (autocast): dpmem.precision
     # recompute each block's activations in the backward pass instead of keeping them (first-order methods)
@@ -363,7 +366,7 @@ class TrainConfig:
     # faults: checkpoint.pt in the run folder every N steps (0 = never); a run started again in the same folder
     # (the same hydra.run.dir / hydra.sweep.dir) resumes from it, privacy accounting included
     checkpoint_every: int = 0
-    resume: bool = True
+    resume: bool = True  # resume from the folder's checkpoint.pt, if any (false: a fresh run, needing train.overwrite)
     skip_done: bool = False  # a run whose folder holds its finished run (status ok, this configuration) is skipped
     overwrite: bool = False  # a fresh run may replace the records of an earlier one in its folder
     save_model: bool = False  # the final weights in model.pt (a private search's trials: the winner's is released)
@@ -381,12 +384,12 @@ class WandbMode(Enum):
 @dataclass
 class WandbConfig:
     """Weights & Biases: the run's config, every metrics.jsonl record and the final summary. Off by default."""
-    enabled: bool = False
-    project: str = "dpmem"
-    entity: Optional[str] = None
+    enabled: bool = False  # send the run to W&B
+    project: str = "dpmem"  # the W&B project
+    entity: Optional[str] = None  # the W&B team or user; None = the login's default
     group: Optional[str] = None  # e.g. the experiment's name, to group a sweep
-    tags: list[str] = field(default_factory=list)
-    mode: WandbMode = WandbMode.online
+    tags: list[str] = field(default_factory=list)  # the W&B run's tags
+    mode: WandbMode = WandbMode.online  # online: uploaded as the run goes
 
 
 @dataclass
@@ -416,7 +419,7 @@ class MemoryConfig:
     # what the plan is for: cuda rounds every storage up to 512 bytes and picks CUDA's attention kernel; cpu
     # counts exact bytes with the CPU's kernel (to compare with a CPU run)
     target: PlanTarget = PlanTarget.cuda
-    device: PlanDevice = PlanDevice.meta
+    device: PlanDevice = PlanDevice.meta  # what the planned steps run on
     # > 1: the peak of one rank of a train.fsdp=true run over this many ranks (simulated in one process)
     world_size: int = 1
     dir: Optional[str] = None  # output folder; None = outputs/memory/DATE/TIME
@@ -441,7 +444,7 @@ class PlanConfig:
         "method=dp-adam method.clipping=bk", "method=dp-adam method.clipping=ghost",
         "method=dp-adam method.clipping=mixed", "method=dp-adam method.clipping=materialize", "method=grape",
         "method=galore-dp-naive method.clipping=bk", "method=dp-sgd-rc method.bookkeeping=true", "method=dpzero"])
-    checkpointing: list[bool] = field(default_factory=lambda: [False, True])
+    checkpointing: list[bool] = field(default_factory=lambda: [False, True])  # train.activation_checkpointing of each
     precisions: list[Precision] = field(default_factory=lambda: [Precision.fp32, Precision.tf32])  # the cpu: fp32
     top: int = 3  # the commands of the best few
     dir: Optional[str] = None  # output folder; None = outputs/plan/DATE/TIME
@@ -450,11 +453,11 @@ class PlanConfig:
 @dataclass
 class SpectrumConfig:
     """dpmem spectrum: singular values of gradients, and what clipping and noise do to them."""
-    mode: SpectrumMode = SpectrumMode.layer
+    mode: SpectrumMode = SpectrumMode.layer  # what is measured
     dir: Optional[str] = None  # output folder; None = outputs/spectrum/DATE/TIME_MODE
     # layer: the top singular values of each measured layer's batch gradient
     layers: Optional[list[str]] = None  # fnmatch patterns of module names; None = those grape projects by default
-    top: int = 64
+    top: int = 64  # singular values kept per layer
     steps: list[int] = field(default_factory=lambda: [1])  # measured before these (1-based) steps' updates
     clip: Optional[list[Optional[float]]] = None  # C values (null = no clipping); None = [null, method.max_grad_norm]
     sigma: Optional[list[float]] = None  # noise multipliers; None = [0, the sigma privacy gives]
@@ -484,7 +487,7 @@ class CanaryPlant(Enum):
 class AuditConfig:
     """dpmem audit: one training run with m canaries, each in the training set with probability ½, and the
     empirical lower bound on epsilon that scoring them gives (one-run auditing, Steinke, Nasr, Jagielski 2023)."""
-    kind: CanaryKind = CanaryKind.gradient
+    kind: CanaryKind = CanaryKind.gradient  # what the canaries are
     canaries: int = 1000  # m
     norm: float = 10.0  # a gradient canary's norm, in units of method.max_grad_norm (clipping brings it to C)
     plant: CanaryPlant = CanaryPlant.auto  # where gradient canaries join the step (CanaryPlant)
@@ -554,6 +557,12 @@ def resolve_delta(delta: Any, n: int) -> float:
     return delta
 
 
+def accounted(p: Any) -> bool:
+    """Whether a privacy config asks for an accounted run: a budget (privacy.epsilon, σ calibrated to it) or a fixed
+    noise multiplier (privacy.noise_multiplier, the ε it gives computed). Neither: privacy=none."""
+    return p.get("epsilon") is not None or p.get("noise_multiplier") is not None
+
+
 def validate_groups(cfg: Any) -> None:
     """The groups' checks (the module's docstring), spectrum's and memory's where the config has them."""
     t = cfg.train
@@ -595,7 +604,14 @@ def validate_groups(cfg: Any) -> None:
     p = cfg.privacy  # its own values; how they fit the method is the method's check (Method.check)
     if p.epsilon is not None and not 0 < p.epsilon < math.inf:
         raise ConfigError("privacy.epsilon", f"{p.epsilon} must be a finite number > 0 (or null for non-private)")
-    if p.epsilon is not None:
+    sigma = p.get("noise_multiplier")
+    if sigma is not None and (isinstance(sigma, bool) or not 0 < sigma < math.inf):
+        raise ConfigError("privacy.noise_multiplier", f"{sigma} must be a finite number > 0 (σ = 0 adds no noise: "
+                          "privacy=none for a non-private run)")
+    if sigma is not None and p.epsilon is not None:
+        raise ConfigError("privacy.noise_multiplier", f"{sigma:g} fixes σ, and privacy.epsilon={p.epsilon:g} asks "
+                          "for σ calibrated to it: give one (privacy.epsilon=null with a fixed σ)")
+    if accounted(p):
         resolve_delta(p.delta, n=2)  # the form is checked here; '1/n' is resolved once n is known
     for key in ("loss_bound", "loss_noise"):
         if not 0 < p[key] < math.inf:

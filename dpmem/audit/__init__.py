@@ -14,7 +14,7 @@ import torch
 
 from dpmem.audit.bound import audit_bound, correlation_check, noise_check, whole_noise_check
 from dpmem.audit.canaries import BatchCanaries, GradientCanaries, InputCanaries, allowed, host_weights
-from dpmem.config import ConfigError, enum_value
+from dpmem.config import ConfigError, accounted, enum_value
 from dpmem.data import build_data
 from dpmem.engine.assemble import assemble
 from dpmem.engine.summary import json_ready
@@ -93,7 +93,7 @@ def check(cfg) -> None:
     a, name = cfg.audit, cfg.method.name
     if not method_class(name).spec.private:
         raise ConfigError("method.name", f"{name} is not private: there is no claimed epsilon to audit")
-    if cfg.privacy.epsilon is None:
+    if not accounted(cfg.privacy):
         raise ConfigError("privacy", "privacy=none claims no epsilon to audit; choose a budget, e.g. privacy=eps2")
     if cfg.train.checkpoint_every:  # the canaries' scores live in one process (`run_audit`)
         raise ConfigError("train.checkpoint_every", "dpmem audit does not resume; run it without checkpoints, "

@@ -119,6 +119,9 @@ def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
     if not method_class(name).spec.private:
         raise ConfigError("method", f"{name} is not private: hydra/sweeper=private selects among private runs (for a "
                           "non-private search: hydra/sweeper=search)")
+    if p.get("noise_multiplier") is not None:
+        raise ConfigError("privacy.noise_multiplier", f"{p.noise_multiplier:g}: a private search calibrates its "
+                          "trials' noise to the whole search's budget; give that budget (privacy.epsilon=4), not σ")
     if p.epsilon is None:
         raise ConfigError("privacy.epsilon", "a private search needs the budget of the whole search, e.g. "
                           "privacy.epsilon=4")

@@ -11,7 +11,7 @@ from torch import nn
 
 from dpmem import sharding
 from dpmem.config import (Accountant, ConfigError, LossRelease, MethodConfig, Neighbouring, Noise, Objective, Sampling,
-                          enum_value, resolved_sampling)
+                          accounted, enum_value, resolved_sampling)
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.privacy.mechanism import GaussianMechanism
 
@@ -158,7 +158,7 @@ class Method:
         if not m.max_grad_norm > 0:
             # for dpzero C bounds the per-sample scalar (L⁺ − L⁻)/2λ, not a gradient norm
             raise ConfigError("method.max_grad_norm", f"{m.max_grad_norm} must be > 0 for a private method")
-        if p.epsilon is None:  # privacy=none: it clips, nothing is accounted
+        if not accounted(p):  # privacy=none: it clips, nothing is accounted
             return
         if t.objective == Objective.train_loss and p.train_loss != LossRelease.private:
             raise ConfigError("train.objective", "train_loss chooses among private runs by their training loss, which "
@@ -246,10 +246,10 @@ class Method:
         runs, and the run goes on)."""
         t, p = cfg.train, cfg.privacy
         said = []
-        if cls.spec.private and p.epsilon is not None and t.lr == 0:
-            said.append(f"train.lr: 0 with {cfg.method.name} spends privacy.epsilon={p.epsilon:g} and changes nothing "
+        if cls.spec.private and accounted(p) and t.lr == 0:
+            said.append(f"train.lr: 0 with {cfg.method.name} spends privacy and changes nothing "
                         "(the weights never move); set train.lr > 0, or privacy=none")
-        if cls.spec.private and p.epsilon is not None and enum_value(p.train_loss) == "private" and p.loss_bound < 1e-3:
+        if cls.spec.private and accounted(p) and enum_value(p.train_loss) == "private" and p.loss_bound < 1e-3:
             said.append(f"privacy.loss_bound: {p.loss_bound:g} clips every per-sample loss to at most that, so the "
                         "released training loss (and a search scored by it) says next to nothing; losses are "
                         "typically 0.1-10 (default 5)")

@@ -25,6 +25,7 @@ import torch
 
 from dpmem import distributed, sharding
 from dpmem.config import ConfigError, enum_value, resolve_delta
+from dpmem.config import accounted as config_accounted
 from dpmem.persample.clipping import clip_factors
 from dpmem.privacy.accounting import UnreachableTarget, calibrate_sigma, epsilon_spent, group_rate, joint_sigma
 from dpmem.privacy.correlated import CorrelatedNoise
@@ -375,11 +376,13 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
     ({k, d, d_max_layer, estimator}, from the model) where the accountant is rc. A non-private method's is
     `private=False`: it says what the run releases, and draws nothing. Raises ConfigError naming the key."""
     p, m, t = cfg.privacy, cfg.method, cfg.train
-    accounted = spec.private and p.epsilon is not None  # privacy=none: a private method clips only
+    accounted = spec.private and config_accounted(p)  # privacy=none: a private method clips only
+    fixed = p.get("noise_multiplier")  # σ given (privacy.noise_multiplier), not calibrated to privacy.epsilon
+    asked = f"privacy.epsilon={p.epsilon:g}" if p.epsilon is not None else f"privacy.noise_multiplier={fixed:g}"
     # a budget given to a non-private method buys nothing: said once, and kept in the summary, so that a sweep
     # over privacy=eps2,eps8 with method=adam is seen to have run adam twice
-    ignored = (f"privacy.epsilon={p.epsilon:g} has no effect: {m.name} is not private"
-               if not spec.private and p.epsilon is not None else None)
+    ignored = (f"{asked} has no effect: {m.name} is not private"
+               if not spec.private and config_accounted(p) else None)
     if ignored and distributed.is_main():
         print(f"dpmem: warning: {ignored}", file=sys.stderr)
     unit = unit_terms(p, n, users, t.batch_size)  # (privacy.unit=user with a non-private method: Method.check)
@@ -404,8 +407,12 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
                               f"(sampling rate {q:g}): the rc accountant needs a rate below 1 (a logical batch "
                               "smaller than the training set)")
         keywords.update(k=rc["k"], d=rc["d"], estimator=rc["estimator"])
-    sigma = 0.0
-    if accounted:
+    sigma, target = 0.0, p.epsilon
+    if accounted and fixed is not None:  # the ε a fixed σ spends over the planned steps is the run's target
+        sigma = float(fixed)
+        found = epsilon_spent(sigma, delta, q, steps, **keywords) if distributed.is_main() else None
+        target = distributed.from_main(found)
+    elif accounted:
         try:
             found = calibrate_sigma(p.epsilon, delta, q, steps, **keywords) if distributed.is_main() else None
         except UnreachableTarget as e:
@@ -423,7 +430,9 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
     loss_sigma = sigma * p.loss_noise if private_loss else None
     plan = spec.clipping(m)
     summary = {
-        "private": spec.private, "epsilon_target": p.epsilon if accounted else None, "privacy_ignored": ignored,
+        "private": spec.private, "epsilon_target": target if accounted else None, "privacy_ignored": ignored,
+        # privacy.noise_multiplier: σ was given, and epsilon_target is what it spends over the planned steps
+        "noise_multiplier_fixed": float(fixed) if accounted and fixed is not None else None,
         "derivable_from_config": derivable if accounted else None,
         "epsilon_spent": 0.0 if accounted else math.inf, "delta": delta,
         "delta_times_n": delta * units if accounted else None, "sigma": sigma if spec.private else None,

@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from dpmem.report import GIB, pyplot, save_figure
-from dpmem.report.labels import PROBLEM, USER, row_label
+from dpmem.report.labels import PROBLEM, USER, epsilon_number, row_label
 
 
 def write(out: Path, summaries: list[dict], table_cells: dict) -> list[str]:
@@ -24,7 +24,7 @@ def write(out: Path, summaries: list[dict], table_cells: dict) -> list[str]:
             if d == data and c["n"] and c["private"]:  # not the non-private rows, nor the seeded ones (ε ∞)
                 # a user-level ε is another guarantee: its runs are a line of their own, labelled so
                 user = eps.endswith(USER)
-                lines[row + (USER if user else "")].append((float(eps.removesuffix(USER)), 100 * c["mean"],
+                lines[row + (USER if user else "")].append((epsilon_number(eps), 100 * c["mean"],
                                                             100 * (c["se"] or 0.0)))
         if not any(len(v) > 1 for v in lines.values()):
             continue

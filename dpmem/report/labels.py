@@ -19,6 +19,11 @@ NOT_A_VARIANT = (*NOT_TRAINING, "train.seed", "data.fewshot_seed", "privacy.", "
 # a generated problem's settings (data=median) are what its runs compare, though they are data options
 PROBLEM = ("data.A", "data.dimension", "data.d_min", "data.alpha")
 USER = " (per user)"  # a user-level ε's mark (privacy.unit=user), wherever it is shown beside record-level ones
+
+
+def epsilon_number(eps: str) -> float:
+    """The ε a row's ε label starts with: "2.27 (σ 0.8) (per user)" (a fixed σ's, user-level) -> 2.27."""
+    return float(eps.split(" ")[0])
 # how the noise is correlated, though a privacy option: independent and bandmf runs are a row each, never averaged
 STRATEGY = ("privacy.noise", "privacy.bands")
 

@@ -22,7 +22,7 @@ from dpmem.data import is_loss
 from dpmem.engine.folder import MARK
 from dpmem.engine.summary import PRIVACY_LEDGER, most_spent, privacy_records
 from dpmem.report import figures, markdown_table
-from dpmem.report.labels import NOT_TRAINING, USER, row_label, variants
+from dpmem.report.labels import NOT_TRAINING, USER, epsilon_number, row_label, variants
 
 OK = "ok"
 REQUIRED = ("status", "method", "data")  # what a row needs; every other field a summary may lack (older versions)
@@ -151,11 +151,14 @@ def seeded(s: dict) -> list[str]:
 
 def _epsilon(s: dict) -> str:
     """The row's ε: non-private for non-private methods, noise-free runs and runs that leak (epsilon_spent inf);
-    for a seeded private run, ∞ to a holder of its config.yaml (`seeded`)."""
+    for a seeded private run, ∞ to a holder of its config.yaml (`seeded`); a fixed σ's with its σ."""
     eps = s.get("epsilon_target")
     if eps is None or not s.get("private", True):
         return "non-private"
-    return SEEDED if seeded(s) else f"{eps:g}" + (USER if unit_of(s) == "user" else "")
+    if seeded(s):
+        return SEEDED
+    fixed = s["config"].get("privacy.noise_multiplier")  # σ given: its ε over the planned steps, and σ
+    return (f"{eps:.3g} (σ {fixed:g})" if fixed is not None else f"{eps:g}") + (USER if unit_of(s) == "user" else "")
 
 
 def unit_of(s: dict) -> str:
@@ -213,7 +216,8 @@ def _natural(label: str) -> list:
 
 
 def _epsilon_order(eps: str) -> tuple[float, bool]:
-    return (math.inf, False) if eps in ("non-private", SEEDED) else (float(eps.removesuffix(USER)), eps.endswith(USER))
+    return ((math.inf, False) if eps in ("non-private", SEEDED)
+            else (epsilon_number(eps), eps.endswith(USER)))
 
 
 def table(table_cells: dict) -> tuple[list[str], list[tuple[str, str]], dict, set]:
@@ -350,11 +354,12 @@ def _event_text(event: dict) -> str:
 
 def _planned(folder: dict) -> dict | str | None:
     """What a private run's config.yaml implies for its releases: σ accounted per step (calibrated to its
-    privacy.epsilon by its accountant, as the run calibrated it), q, the steps it plans, δ, the accountant's terms, its
+    privacy.epsilon by its accountant, as the run calibrated it, or its privacy.noise_multiplier), q, the steps it plans, δ, the accountant's terms, its
     `config_hash`, and `epsilon` (σ, q, steps -> ε). None for a run that accounts no ε; where config.yaml cannot
     say, why. The data set's size is the smallest the folder records (the largest q, with which σ is calibrated):
     the data set is not loaded, as it may not be on this machine, and a report reads many folders."""
     from dpmem.data.users import uls
+    from dpmem.config import accounted
     from dpmem.engine.trainer import accounting_of, config_hash
     from dpmem.methods import method_class
     from dpmem.privacy import calibrate_sigma, epsilon_spent
@@ -369,7 +374,7 @@ def _planned(folder: dict) -> dict | str | None:
     try:
         cfg = OmegaConf.load(path)
         spec = method_class(cfg.method.name).spec
-        if not spec.private or cfg.privacy.epsilon is None:
+        if not spec.private or not accounted(cfg.privacy):
             return None
         lines = folder["ledger"]
         if uls(cfg.privacy):  # what it samples are users: the ledger's dataset_size
@@ -384,7 +389,8 @@ def _planned(folder: dict) -> dict | str | None:
         rc = terms["accountant"] == "rc"
         if rc:
             terms.update(k=cfg.method.k, d=_rc_dimension(cfg, folder), estimator=str(cfg.method.estimator))
-        sigma = calibrate_sigma(cfg.privacy.epsilon, **terms)
+        fixed = cfg.privacy.get("noise_multiplier")  # σ given, or calibrated to privacy.epsilon as the run did
+        sigma = float(fixed) if fixed is not None else calibrate_sigma(cfg.privacy.epsilon, **terms)
         config = config_hash(cfg)
     except Exception as e:  # noqa: BLE001  (a key missing or of another type, an unknown method, a budget unreachable)
         return f"its {path.name} cannot say what it ran ({type(e).__name__})"
