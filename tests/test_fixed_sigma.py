@@ -136,3 +136,13 @@ def test_a_resume_at_another_sigma_is_refused_and_an_overwrite_composes_both_att
     alone = pld_epsilon(joined(3.0, 10.0), s["sample_rate"], 4, s["delta"])
     abandoned = pld_epsilon(joined(0.6, 10.0), s["sample_rate"], 2, s["delta"])  # it ledgered 2 steps at least
     assert composed > max(alone, abandoned) and math.isfinite(composed), (composed, alone, abandoned)
+
+
+@pytest.mark.parametrize("method", ["adam", "dp-adam"])
+def test_privacy_none_still_runs_with_neither_a_budget_nor_a_sigma(cli, tmp_path, method):
+    """Neither privacy.epsilon nor privacy.noise_multiplier: a non-private run (its warning about a budget that
+    buys nothing was built from a σ that is not there, and failed)."""
+    r = cli("train", f"method={method}", "privacy=none", *TINY[1:], "train.steps=1", "hydra.run.dir=run")
+    assert r.returncode == 0 and "has no effect" not in r.stderr, r.stderr
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["status"] == "ok" and s["epsilon_target"] is None and s["noise_multiplier_fixed"] is None

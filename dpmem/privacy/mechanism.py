@@ -378,7 +378,8 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
     p, m, t = cfg.privacy, cfg.method, cfg.train
     accounted = spec.private and config_accounted(p)  # privacy=none: a private method clips only
     fixed = p.get("noise_multiplier")  # σ given (privacy.noise_multiplier), not calibrated to privacy.epsilon
-    asked = f"privacy.epsilon={p.epsilon:g}" if p.epsilon is not None else f"privacy.noise_multiplier={fixed:g}"
+    asked = (f"privacy.epsilon={p.epsilon:g}" if p.epsilon is not None
+             else f"privacy.noise_multiplier={fixed:g}" if fixed is not None else None)  # None: privacy=none
     # a budget given to a non-private method buys nothing: said once, and kept in the summary, so that a sweep
     # over privacy=eps2,eps8 with method=adam is seen to have run adam twice
     ignored = (f"{asked} has no effect: {m.name} is not private"
