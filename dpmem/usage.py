@@ -27,6 +27,8 @@ USAGE = """usage: dpmem train [-m] [key=value ...]
 
 Documentation (Markdown in the repository's docs/; `mkdocs serve` shows it as a site):
   docs/getting-started.md   install, a run and its folder, configuration, sweeps, dpmem report
+  docs/run-folders.md       what a run writes, exit codes and statuses, resuming, the ledger of epsilon
+  docs/faq.md               when something fails: a run that does not learn, out of memory, hub errors offline
   docs/scale.md             torchrun, FSDP, Hydra's launchers, SLURM, the Optuna search
   docs/methods.md           the private step, clipping modes, each method, precision, train.compile
   docs/memory.md            dpmem memory: planned peaks, budgets, the largest batch that fits

@@ -232,8 +232,8 @@ def main() -> None:
     args = ap.parse_args()
     started = time.time()
     if lacking := missing():
-        raise SystemExit(f"gpu_figures: missing {', '.join(lacking)}: on an offline machine, make wheels with "
-                         "../shared/tools/gpu-wheels and install them as it prints")
+        raise SystemExit(f"gpu_figures: missing {', '.join(lacking)}: on an offline machine, install them from "
+                         "wheels downloaded elsewhere (pip download; pip install --no-index --find-links DIR)")
     import torch
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_figures: --device cuda: no CUDA device is available here (--device cpu --tiny checks "

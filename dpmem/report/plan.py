@@ -13,8 +13,8 @@ from dpmem.report import GIB, markdown_table, pyplot, save_figure
 
 CAVEAT = ("Times are estimates from a roofline, not measurements: each op dispatched in the planned steps takes the "
           "longer of its FLOPs at the device's peak and its bytes at the device's bandwidth; a step takes the longer "
-          "of that device time and the host's (ops × {host_op_us:.3g} µs: eager PyTorch dispatches every op from "
-          "Python; on the CPU the two add up). Left out: dpmem's per-layer Python beyond the ops it dispatches, "
+          "of the device's sum of those and the host's (ops × {host_op_us:.3g} µs: eager PyTorch dispatches every op "
+          "from Python; on the CPU the two add up). Left out: dpmem's per-layer Python beyond the ops it dispatches, "
           "kernels below their peak (small matmuls), the allocator, data loading and evaluation; "
           "`train.compile=true` removes most host time, and its bound is the device-bound column. Peaks are the "
           "meta planner's (`dpmem memory`), reserved estimate = peak × (1 + memory.allocator_overhead); a "
