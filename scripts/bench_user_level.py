@@ -322,9 +322,10 @@ def verdicts(tasks, methods, epsilons, accuracies: dict, sigmas: dict, steps: di
                     gap = statistics.mean(ours) - statistics.mean(theirs)
                     (won if gap > margin else lost if gap < -margin else []).append(f"{eps:g} ({gap:+.1f})")
                 if len(accuracies[(task.name, method, task_epsilons[0], a)]) > 1:
-                    lines.append(f"- {task.name}, {method}, {a} against {b}: better at ε {', '.join(won) or 'none'}; "
-                                 f"worse at ε {', '.join(lost) or 'none'} (accuracy points, where the gap exceeds "
-                                 "both spreads).")
+                    def at(gaps: list[str]) -> str:
+                        return f"at ε {', '.join(gaps)}" if gaps else "at no ε"
+                    lines.append(f"- {task.name}, {method}, {a} against {b}: better {at(won)}; worse {at(lost)} "
+                                 "(accuracy points, where the gap exceeds both spreads).")
         ratio = {eps: sigmas[(task.name, eps)] for eps in task_epsilons}
         lines.append(f"- {task.name}, σ at the same sampling rate: ELS ÷ ULS "
                      + ", ".join(f"{r['ELS'] / r['ULS']:.2f} at ε {eps:g}" for eps, r in ratio.items())

@@ -247,7 +247,9 @@ class Method:
         t, p = cfg.train, cfg.privacy
         said = []
         if cls.spec.private and accounted(p) and t.lr == 0:
-            said.append(f"train.lr: 0 with {cfg.method.name} spends privacy and changes nothing "
+            budget = (f"privacy.epsilon={p.epsilon:g}" if p.epsilon is not None
+                      else f"the ε of privacy.noise_multiplier={p.noise_multiplier:g}")
+            said.append(f"train.lr: 0 with {cfg.method.name} spends {budget} and changes nothing "
                         "(the weights never move); set train.lr > 0, or privacy=none")
         if cls.spec.private and accounted(p) and enum_value(p.train_loss) == "private" and p.loss_bound < 1e-3:
             said.append(f"privacy.loss_bound: {p.loss_bound:g} clips every per-sample loss to at most that, so the "
