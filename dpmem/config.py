@@ -557,10 +557,17 @@ def resolve_delta(delta: Any, n: int) -> float:
     return delta
 
 
+def asked_budget(p: Any) -> str | None:
+    """What a privacy config asks to spend, as its key says it: "privacy.epsilon=8" (σ calibrated to it),
+    "privacy.noise_multiplier=1" (a fixed σ, the ε it gives computed), or None (privacy=none)."""
+    if p.get("epsilon") is not None:
+        return f"privacy.epsilon={p.epsilon:g}"
+    return f"privacy.noise_multiplier={p.noise_multiplier:g}" if p.get("noise_multiplier") is not None else None
+
+
 def accounted(p: Any) -> bool:
-    """Whether a privacy config asks for an accounted run: a budget (privacy.epsilon, σ calibrated to it) or a fixed
-    noise multiplier (privacy.noise_multiplier, the ε it gives computed). Neither: privacy=none."""
-    return p.get("epsilon") is not None or p.get("noise_multiplier") is not None
+    """Whether a privacy config asks for an accounted run (`asked_budget`). Neither key: privacy=none."""
+    return asked_budget(p) is not None
 
 
 def validate_groups(cfg: Any) -> None:

@@ -224,14 +224,14 @@ def _fmt(value) -> str:
 
 def summary_table(s: dict) -> str:
     mem = s.get("peak_memory_bytes")
+    fixed = s.get("noise_multiplier_fixed") is not None  # the target is the ε a fixed σ spends over the plan
     rows = [
         ("status", s.get("status")),
         ("method / model / data", f"{s.get('method')} / {s.get('model')} / {s.get('data')}"),
         ("steps done / planned", f"{s.get('steps_done')} / {s.get('steps')}"),
-        # a fixed σ (privacy.noise_multiplier): the target is the ε it spends over the planned steps
-        ("epsilon spent / " + ("planned" if s.get("noise_multiplier_fixed") is not None else "target"),
+        ("epsilon spent / " + ("planned" if fixed else "target"),
          f"{_fmt(s.get('epsilon_spent'))} / {_fmt(s.get('epsilon_target'))} (delta {_fmt(s.get('delta'))}, sigma "
-         f"{_fmt(s.get('sigma'))}" + (" fixed)" if s.get("noise_multiplier_fixed") is not None else ")")),
+         f"{_fmt(s.get('sigma'))}{' fixed' if fixed else ''})"),
         (f"{s.get('metric_name')} final / best", f"{_fmt(s.get('metric_final'))} / {_fmt(s.get('metric_best'))}"),
         ("peak memory", f"{mem / 2**20:.1f} MiB ({s.get('peak_memory_source')})" if mem else "-"),
         ("throughput", f"{_fmt(s.get('throughput_samples_per_s'))} samples/s"),

@@ -11,7 +11,7 @@ from torch import nn
 
 from dpmem import sharding
 from dpmem.config import (Accountant, ConfigError, LossRelease, MethodConfig, Neighbouring, Noise, Objective, Sampling,
-                          accounted, enum_value, resolved_sampling)
+                          accounted, asked_budget, enum_value, resolved_sampling)
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.privacy.mechanism import GaussianMechanism
 
@@ -247,8 +247,7 @@ class Method:
         t, p = cfg.train, cfg.privacy
         said = []
         if cls.spec.private and accounted(p) and t.lr == 0:
-            budget = (f"privacy.epsilon={p.epsilon:g}" if p.epsilon is not None
-                      else f"the ε of privacy.noise_multiplier={p.noise_multiplier:g}")
+            budget = asked_budget(p) if p.epsilon is not None else f"the ε of {asked_budget(p)}"
             said.append(f"train.lr: 0 with {cfg.method.name} spends {budget} and changes nothing "
                         "(the weights never move); set train.lr > 0, or privacy=none")
         if cls.spec.private and accounted(p) and enum_value(p.train_loss) == "private" and p.loss_bound < 1e-3:

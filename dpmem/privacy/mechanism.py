@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dpmem import distributed, sharding
-from dpmem.config import ConfigError, enum_value, resolve_delta
-from dpmem.config import accounted as config_accounted
+from dpmem.config import ConfigError, asked_budget, enum_value, resolve_delta
 from dpmem.persample.clipping import clip_factors
 from dpmem.privacy.accounting import UnreachableTarget, calibrate_sigma, epsilon_spent, group_rate, joint_sigma
 from dpmem.privacy.correlated import CorrelatedNoise
@@ -376,14 +375,12 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
     ({k, d, d_max_layer, estimator}, from the model) where the accountant is rc. A non-private method's is
     `private=False`: it says what the run releases, and draws nothing. Raises ConfigError naming the key."""
     p, m, t = cfg.privacy, cfg.method, cfg.train
-    accounted = spec.private and config_accounted(p)  # privacy=none: a private method clips only
+    asked = asked_budget(p)  # None: privacy=none
+    accounted = spec.private and asked is not None  # privacy=none: a private method clips only
     fixed = p.get("noise_multiplier")  # σ given (privacy.noise_multiplier), not calibrated to privacy.epsilon
-    asked = (f"privacy.epsilon={p.epsilon:g}" if p.epsilon is not None
-             else f"privacy.noise_multiplier={fixed:g}" if fixed is not None else None)  # None: privacy=none
     # a budget given to a non-private method buys nothing: said once, and kept in the summary, so that a sweep
     # over privacy=eps2,eps8 with method=adam is seen to have run adam twice
-    ignored = (f"{asked} has no effect: {m.name} is not private"
-               if not spec.private and config_accounted(p) else None)
+    ignored = f"{asked} has no effect: {m.name} is not private" if not spec.private and asked else None
     if ignored and distributed.is_main():
         print(f"dpmem: warning: {ignored}", file=sys.stderr)
     unit = unit_terms(p, n, users, t.batch_size)  # (privacy.unit=user with a non-private method: Method.check)

@@ -354,12 +354,13 @@ def _event_text(event: dict) -> str:
 
 def _planned(folder: dict) -> dict | str | None:
     """What a private run's config.yaml implies for its releases: σ accounted per step (calibrated to its
-    privacy.epsilon by its accountant, as the run calibrated it, or its privacy.noise_multiplier), q, the steps it plans, δ, the accountant's terms, its
-    `config_hash`, and `epsilon` (σ, q, steps -> ε). None for a run that accounts no ε; where config.yaml cannot
-    say, why. The data set's size is the smallest the folder records (the largest q, with which σ is calibrated):
-    the data set is not loaded, as it may not be on this machine, and a report reads many folders."""
-    from dpmem.data.users import uls
+    privacy.epsilon by its accountant, as the run calibrated it, or its privacy.noise_multiplier), q, the steps it
+    plans, δ, the accountant's terms, its `config_hash`, and `epsilon` (σ, q, steps -> ε). None for a run that
+    accounts no ε; where config.yaml cannot say, why. The data set's size is the smallest the folder records (the
+    largest q, with which σ is calibrated): the data set is not loaded, as it may not be on this machine, and a
+    report reads many folders."""
     from dpmem.config import accounted
+    from dpmem.data.users import uls
     from dpmem.engine.trainer import accounting_of, config_hash
     from dpmem.methods import method_class
     from dpmem.privacy import calibrate_sigma, epsilon_spent
