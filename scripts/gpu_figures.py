@@ -106,19 +106,11 @@ def steps() -> list[Step]:
 # -- what each page's figures are, beside their targets ------------------------------------------------------------
 
 def tables(text: str) -> list[dict[str, str]]:
-    """Every row of every markdown table in `text`, as {column: cell}; a column named as one before it is named
-    "NAME 2" (the peers' page has "× AdamW" twice: speed, then memory)."""
-    rows, header = [], None
-    for line in text.splitlines():
-        if not line.startswith("|"):
-            header = None
-            continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if header is None:
-            header = [c if c not in cells[:i] else f"{c} 2" for i, c in enumerate(cells)]
-        elif not set(line) <= set("|-: "):
-            rows.append(dict(zip(header, cells)))
-    return rows
+    """Every row of every markdown table in `text`, as {column: cell} (dpmem.report.pages: a column named as one
+    before it is "NAME 2", as the peers' page's second "× AdamW", its memory)."""
+    from dpmem.report.pages import tables as page_tables  # dpmem imported late: a missing package is said first
+
+    return [row for table in page_tables(text) for row in table.rows]
 
 
 def number(cell: str | None) -> float | None:
