@@ -2,10 +2,14 @@
 law of the number of trials K, the selection's ε against dp-accounting's event built here and against Papernot &
 Steinke's closed form, the calibration, a search end to end, its refusals, and a resume after SIGKILL."""
 
+import ctypes
+import errno
 import json
 import math
 import os
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -14,7 +18,7 @@ import dp_accounting
 import numpy as np
 import pytest
 import torch
-from dp_accounting import dp_event, rdp
+from dp_accounting import dp_event, pld, rdp
 from scipy import stats
 
 from dpmem.config import ConfigError
@@ -192,12 +196,20 @@ def test_a_private_search_folder_is_its_own(cli, tmp_path):
     (["hydra.sweeper.mean_trials=1e9"], "hydra.sweeper.mean_trials"),
     (["hydra.sweeper.params.train.lr=tag(log, interval(1e-3, 1e-1))"], "hydra.sweeper.params.train.lr"),
     (["method=dp-sgd-rc"], "privacy.accountant"),
+    (["privacy.unit=user", "data.users=300", "privacy.records_per_user=4", "privacy.user_sampling=records"],
+     "privacy.user_sampling"),
+    (["logging.wandb.enabled=true"], "logging.wandb.enabled"),
+    (["logging.wandb.enabled=true,false"], "logging.wandb.enabled"),
 ])
 def test_a_private_search_is_refused_in_one_line_before_it_starts(cli, tmp_path, overrides, key):
+    """ELS's (no user-level RDP curve) says why and names ULS; a tracker's, what its runs would publish."""
     space = [] if key == "hydra.sweeper.params" else ["train.lr=tag(log, interval(1e-3, 1e-1))"]
     r = cli("train", "-m", "hydra/sweeper=private", *space, *TINY, *overrides, "hydra.sweep.dir=s")
     assert r.returncode == 2 and r.stderr.startswith(f"dpmem: error: {key}:"), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "s").exists()
+    said = {"privacy.user_sampling": ("MixtureOfGaussiansDpEvent", "privacy.user_sampling=users"),
+            "logging.wandb.enabled": ("every trial, and K",)}.get(key, ())
+    assert all(w in r.stderr for w in said), r.stderr
 
 
 def test_a_space_with_nothing_to_search_is_refused(cli, tmp_path):
@@ -251,7 +263,8 @@ def test_a_private_search_end_to_end(cli, tmp_path, monkeypatch):
     assert len([line for line in holder.stdout.splitlines() if line.startswith("| grape")]) == 3
     assert holder.stdout.startswith("**The holder's view, not for release**")
     # selection.json edited to a smaller ε and mean, the key's law and the trials' σ too: the report shows the ε
-    # their configs and .hydra/ give (dp-accounting's event, built here from the unedited summaries)
+    # their configs, .hydra/ and selection.json's own trial σ give (dp-accounting's event, built here from the
+    # unedited summaries and that σ)
     (released / "selection.json").write_text(json.dumps({**record, "epsilon": 0.5, "mean_trials": 1.0}))
     saved = json.loads((tmp_path / "s" / search.KEY_FILE).read_text())
     saved["search"]["mean_trials"] = 1.0
@@ -261,7 +274,8 @@ def test_a_private_search_end_to_end(cli, tmp_path, monkeypatch):
     s = summaries[0]
     want = rdp_epsilon(dp_event.RepeatAndSelectDpEvent(dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(s["sample_rate"], dp_accounting.GaussianDpEvent(
-            min(t["sigma_accounted"] for t in summaries))), 2), 2.0, 1.0), record["delta"])
+            min([record["trial_sigma_accounted"], *(t["sigma_accounted"] for t in summaries)]))), 2), 2.0, 1.0),
+        record["delta"])
     edited = cli("report", "s", "--out", "r2")
     (row,) = [line for line in edited.stdout.splitlines() if line.startswith("| grape")]
     assert float(row.split("|")[2]) == pytest.approx(want, rel=1e-3) and 3.5 < want <= 4.0 + 1e-9
@@ -336,3 +350,200 @@ def test_a_key_cut_short_before_any_trial_is_drawn_again_and_one_after_is_refuse
     (tmp_path / state.name(0)).mkdir()
     with pytest.raises(ConfigError, match=r"hydra\.sweep\.dir: .*selection\.key cannot be read"):
         search.SearchState(tmp_path, plan, [], dims)
+
+
+def test_els_has_no_selection_bound_and_is_refused_not_accounted_as_a_record(tmp_path):
+    """dp-accounting's RDP accountant cannot compose ELS's step (a mixture of Gaussians), and so no repeat-and-select
+    of it: the selection refuses a user's k records rather than account a record's event. Several ELS runs composed
+    (the report's `search_privacy`) are dp-accounting's PLD of the mixtures, built here."""
+    from dpmem.privacy.accounting import PLD_DISCRETIZATION
+    from dpmem.report.runs import search_privacy
+
+    sigma, q, steps, k = 4.0, 0.1, 5, 2
+    mixture = dp_accounting.SelfComposedDpEvent(dp_event.MixtureOfGaussiansDpEvent(
+        sigma, list(range(k + 1)), [float(p) for p in stats.binom.pmf(range(k + 1), k, q)]), steps)
+    assert not rdp.RdpAccountant().supports(dp_event.RepeatAndSelectDpEvent(mixture, 10, 1.0))
+    with pytest.raises(ValueError, match="MixtureOfGaussiansDpEvent.*privacy.user_sampling=users"):
+        selection_epsilon(sigma, DELTA, q, steps, 10, 1.0, user_records=k)
+    with pytest.raises(ValueError, match="MixtureOfGaussiansDpEvent"):
+        calibrate_selection(4.0, DELTA, q, steps, 10, 1.0, user_records=k)
+    runs = [{"status": "ok", "method": "dp-adam", "data": "digits", "run_dir": str(tmp_path / f"els{i}"),
+             "config": {"privacy.unit": "user"}, "ledger": [], "accountant": "pld", "delta": DELTA, "sigma": sigma,
+             "sigma_accounted": sigma, "sample_rate": q, "steps_done": steps, "sampling": "poisson",
+             "unit": "user", "user_sampling": "records", "records_per_user": k, "epsilon_spent": 1.0}
+            for i in range(2)]
+    (line,) = [w for w in search_privacy(runs) if "releasing a result chosen among them" in w]
+    want = pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION).compose(
+        dp_accounting.ComposedDpEvent([mixture, mixture])).get_epsilon(DELTA)
+    composed = float(line.split("ε = ")[1].split()[0])
+    assert composed == pytest.approx(want, rel=1e-3), line
+    record = pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION).compose(
+        dp_accounting.ComposedDpEvent([run_event(sigma, q, steps)] * 2)).get_epsilon(DELTA)
+    assert composed > 1.2 * record  # what composing the record-level events would have under-stated
+
+
+def birth_time(path) -> float | None:
+    """A file's birth time, where Python (st_birthtime) or the kernel (statx, read here through libc) gives one."""
+    stat = os.stat(path)
+    if hasattr(stat, "st_birthtime"):
+        return stat.st_birthtime
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "statx"):
+        return None
+    buffer = ctypes.create_string_buffer(256)  # struct statx: mask at 0, ino at 32, btime at 80
+    if libc.statx(-100, os.fsencode(path), 0, 0x800, buffer) != 0:  # AT_FDCWD, STATX_BTIME
+        return None
+    mask, (ino,), (seconds, nanoseconds) = (int.from_bytes(buffer.raw[:4], "little"),
+                                            struct.unpack_from("<Q", buffer.raw, 32),
+                                            struct.unpack_from("<qI", buffer.raw, 80))
+    assert ino == stat.st_ino  # the layout read right
+    return seconds + nanoseconds / 1e9 if mask & 0x800 else None
+
+
+def released_files_are_new(released, trials, before: float | None):
+    """Every file of selection/ is one of its own: one link, an inode no trial's file has, born at or after
+    `before` (where the file system says; the birth time of a file made just before the release was written)."""
+    inodes = {p.stat().st_ino for t in trials for p in t.rglob("*") if p.is_file()}
+    for path in released.iterdir():
+        stat = os.stat(path)
+        assert stat.st_nlink == 1 and stat.st_ino not in inodes, path
+        if before is not None:
+            assert birth_time(path) >= before, path
+
+
+def test_the_release_is_new_files_and_a_full_disk_as_it_is_written_says_what_is_missing_in_one_line(
+        tmp_path, monkeypatch):
+    """The winner's weights copied into a new file (a link would share the trial's inode, link count and birth time,
+    which tell how many trials ran after it). A write that finds the disk full: one line saying what was not
+    written and that the same command finishes the search; nothing half-made is left, and the search then
+    finishes."""
+    from dpmem.engine import summary
+    plan = search.Search(10, 1.0, 4.0, DELTA, 1.0, 2.0, "train_loss", "add_remove", "pld")
+    state, results, points = trials_of(tmp_path, plan, [0.9, 0.4])
+    for trial, _ in results:
+        (trial / "model.pt").write_bytes(os.urandom(3 << 20))  # more than one chunk of the copy
+    winner = (results[1][0] / "model.pt").read_bytes()
+    time.sleep(0.05)  # (file times tick by the kernel's coarse clock)
+    (tmp_path / "marker").write_bytes(b"")
+    before = birth_time(tmp_path / "marker")
+    copy = shutil.copyfileobj
+
+    def full(source, target, *args):
+        copy(source, target, 1 << 20)  # a part written, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(shutil, "copyfileobj", full)
+    with pytest.raises(ConfigError) as e:
+        search.finish(tmp_path, plan, state, results, points)
+    said = str(e.value)
+    assert said.startswith("hydra.sweep.dir: ") and "\n" not in said and "the disk is full" in said, said
+    assert "its release (selection/) was not written" in said and "run the same command again" in said, said
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(search.TRIAL)) == [
+        "marker", search.KEY_FILE]  # no selection.tmp, no release, no holder's record yet
+    assert all((t / "model.pt").exists() for t, _ in results)  # no weights removed before the release is whole
+    monkeypatch.setattr(shutil, "copyfileobj", copy)
+    real = summary.replace_file
+
+    def holder_full(path, data):
+        if path.name == search.HOLDER:
+            raise summary.DiskFull(path, len(data))
+        real(path, data)
+    monkeypatch.setattr(summary, "replace_file", holder_full)
+    with pytest.raises(ConfigError, match=r"search.json: the disk is full: the search's release \(selection/\) is "
+                       "written, but not the holder's search.json"):
+        search.finish(tmp_path, plan, state, results, points)
+    monkeypatch.setattr(summary, "replace_file", real)
+    record = search.finish(tmp_path, plan, state, results, points)  # the same command again
+    released = tmp_path / search.RELEASED
+    assert record["ended"] == "completed" and (released / "model.pt").read_bytes() == winner
+    assert sorted(p.name for p in released.iterdir()) == ["config.yaml", "model.pt", "selection.json"]
+    released_files_are_new(released, [t for t, _ in results], before)
+
+
+def test_a_selection_alone_is_accounted_by_its_own_trial_event_never_by_its_epsilon_field(tmp_path):
+    """The trials, search.json and selection.key deleted, and selection.json's ε edited down: the ε is what its law,
+    the trials' σ, rate and steps give (dp-accounting's event, built here), the edit named beside it. Without those,
+    or with trials that ran under ELS (an older dpmem's search), ε ∞."""
+    sigma = 1.2
+    plan = search.Search(10, 1.0, 4.0, DELTA, sigma, 2.0, "train_loss", "add_remove", "pld", "record", sigma, Q,
+                         STEPS)
+    state, results, points = trials_of(tmp_path, plan, [0.9, 0.4], sigma=sigma)
+    search.finish(tmp_path, plan, state, results, points)
+    for trial, _ in results:
+        shutil.rmtree(trial)
+    (tmp_path / search.HOLDER).unlink()
+    (tmp_path / search.KEY_FILE).unlink()
+    path = tmp_path / search.RELEASED / "selection.json"
+    record = {**json.loads(path.read_text()), "epsilon": 0.5}
+    want = rdp_epsilon(dp_event.RepeatAndSelectDpEvent(run_event(sigma), 10, 1.0))
+    epsilon, note = search.released_epsilon(tmp_path, record)
+    assert epsilon == pytest.approx(want, rel=1e-9) and epsilon > 1
+    assert f"says ε 0.5 where its trials' noise, rate and steps give {want:.4g}" in note
+    assert search.released_epsilon(tmp_path / search.RELEASED, record)[0] == epsilon  # the release published alone
+    epsilon, note = search.released_epsilon(tmp_path, {**record, "trial_sigma_accounted": None})
+    assert epsilon == math.inf and "cannot be recomputed" in note
+    (tmp_path / (search.TRIAL + "0")).mkdir()
+    (tmp_path / (search.TRIAL + "0") / "summary.json").write_text(json.dumps(
+        {"sigma": sigma, "sample_rate": Q, "steps_done": STEPS, "unit": "user", "user_sampling": "records"}))
+    epsilon, note = search.released_epsilon(tmp_path, record)
+    assert epsilon == math.inf and "MixtureOfGaussiansDpEvent" in note
+
+
+def test_no_verb_writes_into_a_private_searchs_folder_or_its_release(tmp_path):
+    """Whatever train.overwrite says: the search's folder, its selection/ (or a copy of it elsewhere), and a folder
+    in the search's folder that is not a trial the search runs."""
+    from dpmem.engine.folder import FolderRefused, check_owner
+    (tmp_path / "s" / search.RELEASED).mkdir(parents=True)
+    (tmp_path / "s" / search.KEY_FILE).write_text("{}")
+    (tmp_path / "s" / search.RELEASED / "selection.json").write_text("{}")
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "selection.json").write_text("{}")
+    for folder, said in (("s", "a private search's folder"), ("s/selection", "a private search's release"),
+                         ("copy", "a private search's release"), ("s/mine", "inside a private search's folder"),
+                         ("s/trial-0123", "inside a private search's folder")):
+        for tool in ("train", "audit"):
+            with pytest.raises(FolderRefused, match=f"{said}.*dpmem {tool} never writes there, whatever "
+                               "train.overwrite says"):
+                check_owner(tmp_path / folder, tool, True)
+    check_owner(tmp_path / "elsewhere", "train", False)
+
+
+@pytest.mark.long
+def test_a_user_level_search_its_release_alone_and_after_a_clean_up_and_no_run_over_it(cli, tmp_path):
+    """A ULS search (mean 1: one trial): selection.json and both console lines say ε per user; every file of
+    selection/ is a new one; a run into selection/ or the search's folder is refused whatever train.overwrite says,
+    nothing touched; the release published alone (under another name) is reported as the one row it is, per user;
+    after the holder deletes the trials, search.json and selection.key and edits selection.json's ε to 0.5, the
+    report shows the ε its law and trial event give (dp-accounting's, built here), the 0.5 named beside it."""
+    users = ["privacy.unit=user", "data.users=300", "privacy.records_per_user=4"]
+    r = cli("train", "-m", "hydra/sweeper=private", "hydra.sweeper.mean_trials=1",
+            "train.lr=tag(log, interval(1e-3, 1e-1))", "privacy.epsilon=4", *users, *TINY, "hydra.sweep.dir=s")
+    assert r.returncode == 0 and r.stderr.count("ε = 4 per user") == 2, r.stderr
+    released = tmp_path / "s" / search.RELEASED
+    record = json.loads((released / "selection.json").read_text())
+    assert record["unit"] == "user" and "per user" in record["guarantee"]
+    assert record["trial_sample_rate"] == pytest.approx(64 / record["dataset_size"])  # ULS samples users
+    (trial,) = (tmp_path / "s").glob(search.TRIAL + "*")
+    written = [birth_time(p) for p in trial.rglob("*") if p.is_file() and p.name != search.RELEASE]
+    released_files_are_new(released, [trial], None if None in written else max(written))
+    files = {p.name: p.read_bytes() for p in released.iterdir()}
+    for folder, what in (("s/selection", "a private search's release"), ("s", "a private search's folder")):
+        r = cli("train", *TINY, *users, f"hydra.run.dir={folder}", "train.overwrite=true")
+        assert r.returncode == 2 and r.stderr.startswith("dpmem: error: hydra.run.dir:") and what in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert {p.name: p.read_bytes() for p in released.iterdir()} == files
+    shutil.copytree(released, tmp_path / "published")
+    alone = cli("report", "published", "--out", "r1")
+    (row,) = [line for line in alone.stdout.splitlines() if line.startswith("| grape")]
+    assert alone.returncode == 0 and "| 4 (per user) |" in row, alone.stdout
+    assert "Not in the table" not in alone.stdout, alone.stdout
+    shutil.rmtree(trial)
+    for name in (search.HOLDER, search.KEY_FILE):
+        (tmp_path / "s" / name).unlink()
+    (released / "selection.json").write_text(json.dumps({**record, "epsilon": 0.5}))
+    want = rdp_epsilon(dp_event.RepeatAndSelectDpEvent(run_event(
+        record["trial_sigma_accounted"], record["trial_sample_rate"], record["trial_steps"]), 1.0, 1.0),
+        record["delta"])
+    edited = cli("report", "s", "--out", "r2")
+    (row,) = [line for line in edited.stdout.splitlines() if line.startswith("| grape")]
+    assert float(row.split("|")[2].split()[0]) == pytest.approx(want, rel=1e-3) and "(per user)" in row, row
+    assert 3.5 < want <= 4 + 1e-9 and "says ε 0.5 where its trials' noise, rate and steps give" in edited.stdout

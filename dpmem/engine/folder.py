@@ -34,6 +34,10 @@ NOT_FINGERPRINTED = ("resume", "skip_done", "overwrite", "checkpoint_every", "de
 LOCK = ".lock"  # FolderLock's file: not a record (nothing refuses a folder for it, dpmem report does not list it)
 MARK = ".dpmem"  # the verb's name (`mark`), for a folder the training records do not tell `owner` whose it is
 TOOLS = ("train", "audit", "spectrum", "memory", "plan")
+# a private search's folder (dpmem.engine.selection): its secret key and its released folder (the winner's config.yaml
+# and model.pt, and selection.json), the holder's record of every trial (search.json, which tells K), and its trials
+KEY_FILE, RELEASED, SELECTION, HOLDER = "selection.key", "selection", "selection.json", "search.json"
+TRIAL = "trial-"  # a trial's folder: TRIAL and a name drawn from the key (`SearchState.name`)
 
 
 class FolderRefused(ConfigError):
@@ -234,6 +238,9 @@ def owner(folder: Path) -> str | None:
 def check_owner(folder: Path, tool: str, overwrite: bool, key: str = "hydra.run.dir") -> None:
     """Raise FolderRefused (nothing written) where `folder` holds anything but `tool`'s own run, unless
     `overwrite` (train.overwrite=true) asks to write into it anyway."""
+    if (part := search_part(folder)) is not None:
+        raise FolderRefused(key, f"{folder} is {part}: dpmem {tool} never writes there, whatever train.overwrite "
+                            f"says; give it another folder ({key}=...)")
     holder = owner(folder)
     if tool != "train" and (holder == "train" or (Path(folder) / PRIVACY_LEDGER).exists()):
         raise FolderRefused(key, f"{folder} holds a training run (its ε ledger, {PRIVACY_LEDGER}, records what it "
@@ -248,6 +255,28 @@ def check_owner(folder: Path, tool: str, overwrite: bool, key: str = "hydra.run.
         what = "holds a training run" if holder == "train" else f"is a dpmem {holder} folder"
     raise FolderRefused(key, f"{folder} {what}: dpmem {tool} writes only into an empty folder or one of its own; "
                         f"give it another folder ({key}=...), or train.overwrite=true writes into this one")
+
+
+def _is_search(folder: Path) -> bool:
+    """`folder` holds a private search: its key, the holder's record or a release."""
+    return (folder / KEY_FILE).exists() or (folder / HOLDER).exists() or (folder / RELEASED / SELECTION).is_file()
+
+
+def search_part(folder: Path) -> str | None:
+    """What of a private search `folder` is, in words: its folder, its release (selection/, or a copy of it), or a
+    folder inside its folder that is not one of its trials as the search runs it; None for any other. No verb writes
+    into one (`check_owner`): a run there would replace the release or hide among the trials."""
+    folder = Path(folder).absolute()
+    if _is_search(folder):
+        return f"a private search's folder (its {KEY_FILE}, trials and {RELEASED}/ release)"
+    if (folder / SELECTION).is_file() or (folder.name == RELEASED and _is_search(folder.parent)):
+        return f"a private search's release ({RELEASED}/: what it publishes, at the search's ε)"
+    if not _is_search(folder.parent):
+        return None
+    hydra = HydraConfig.get() if HydraConfig.initialized() else None
+    trial = (hydra is not None and str(hydra.sweeper.get("_target_", "")).endswith(".PrivateSweeper")
+             and Path(hydra.sweep.dir).absolute() == folder.parent and folder.name.startswith(TRIAL))
+    return None if trial else "inside a private search's folder, where only its trials go"
 
 
 def mark(folder: Path, tool: str) -> None:

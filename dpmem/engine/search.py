@@ -119,8 +119,9 @@ def check_private_search(overrides: list[str]) -> None:
     folder = given(hydra_args, "hydra.sweep.dir")
     if folder is not None:  # a new folder, or the same search resumed: anything else is refused now
         check_folder(Path(folder).expanduser().absolute(), describe(search, fixed, dims))
-    print(f"dpmem: private search: ε = {search.epsilon:g}, δ = {search.delta:.3g} for the whole search (each trial "
-          f"σ = {search.sigma:.4g}, ε = {search.trial_epsilon:.4g} alone), {len(dims)} hyperparameter(s) drawn",
+    per = " per user" if search.unit == "user" else ""
+    print(f"dpmem: private search: ε = {search.epsilon:g}{per}, δ = {search.delta:.3g} for the whole search (each "
+          f"trial σ = {search.sigma:.4g}, ε = {search.trial_epsilon:.4g} alone), {len(dims)} hyperparameter(s) drawn",
           file=sys.stderr)
 
 

@@ -6,6 +6,7 @@ scores, where its key lives and what it writes: docs/privacy.md, Private selecti
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -18,17 +19,18 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from dpmem.config import ConfigError, enum_value
 from dpmem.engine.checkpoint import MODEL  # a trial's final weights: the winner's released, the others' removed
+# a search's folder's names (no verb writes into one: folder.search_part): its key, its release, the holder's record
+from dpmem.engine.folder import HOLDER, KEY_FILE, RELEASED, SELECTION, TRIAL
 from dpmem.privacy.randomness import derive, os_key
 
-KEY_FILE, SELECTION, RELEASE = "selection.key", "selection.json", "release.json"
-# the released folder (the winner's config.yaml and model.pt, and selection.json), and what stays with the holder: the
-# record of every trial (search.json) and what the trials printed (trials.log), which tell K
-RELEASED, HOLDER, TRIALS_LOG = "selection", "search.json", "trials.log"
-TRIAL = "trial-"  # a trial's folder: TRIAL and a name drawn from the key (`SearchState.name`)
+RELEASE = "release.json"  # in each trial's folder: not for release, and why
+TRIALS_LOG = "trials.log"  # what the trials printed (the holder's, as search.json is: they tell K)
 # what the accountant sees of a trial, and so the same in every trial: these keys, and the privacy and data groups
 # with every key below them (the method's options, as its clipping norm or rank, change no accounting)
 ACCOUNTED = ("method", "method.name", "train.batch_size", "train.steps", "train.epochs", "train.sampling")
 ACCOUNTED_GROUPS = ("privacy", "data")
+# why no trial logs to a tracker: its run (its folder's name, config, metrics, summary) is a release of the trial
+TRACKER_REFUSED = "each trial's wandb run would publish that trial (so every trial, and K)"
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ def parse_space(arguments: list[str], params: dict | None) -> tuple[list[str], l
         if name in ACCOUNTED or any(name == g or name.startswith((g + ".", g + "/")) for g in ACCOUNTED_GROUPS):
             raise ConfigError(key, "a private search keeps what its accountant sees (batch size, steps, sampling, "
                               "data, privacy.*, the method) the same in every trial: give it one value")
+        if name == "logging" or name.startswith("logging.wandb"):
+            raise ConfigError(key, f"a private search's trials log to no tracker: {TRACKER_REFUSED}; give it one "
+                              "value, with logging.wandb.enabled=false")
         v = o.value()
         if o.is_interval_sweep():
             integer = isinstance(v.start, int) and isinstance(v.end, int)
@@ -95,6 +100,14 @@ class Search:
     objective: str
     neighbouring: str
     accountant: str  # each trial's own (its ledger's)
+    unit: str = "record"  # what ε protects: a record, or all of a user's records (privacy.unit=user, ULS)
+    # each trial's event, which selection.json carries so that its ε can be recomputed without the trials: the joint
+    # multiplier (the gradient's and the loss's releases as one Gaussian), the rate, the steps
+    sigma_accounted: float | None = None
+    sample_rate: float | None = None
+    steps: int | None = None
+    sampling: str = "poisson"
+    dataset_size: int | None = None
 
     @property
     def minimise(self) -> bool:
@@ -107,7 +120,8 @@ def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
     from dpmem.engine.trainer import accounting_of
     from dpmem.methods import method_class
     from dpmem.privacy import UnreachableTarget, epsilon_spent
-    from dpmem.privacy.selection import calibrate_selection, check_law
+    from dpmem.privacy.accounting import joint_sigma
+    from dpmem.privacy.selection import ELS_REFUSED, calibrate_selection, check_law
 
     try:
         mean, shape = float(mean), float(shape)
@@ -125,6 +139,9 @@ def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
     if p.epsilon is None:
         raise ConfigError("privacy.epsilon", "a private search needs the budget of the whole search, e.g. "
                           "privacy.epsilon=4")
+    if cfg.logging.wandb.enabled:
+        raise ConfigError("logging.wandb.enabled", "true: a private search releases its selection/ folder alone, and "
+                          f"{TRACKER_REFUSED}; leave wandb off (logging.wandb.enabled=false) and share selection/")
     for seed in ("noise_seed", "sampler_seed"):  # a trial a config.yaml replays has ε ∞ against its holder
         if p.get(seed) is not None:
             raise ConfigError(f"privacy.{seed}", f"{p[seed]}: a private search's trials draw their noise and batches "
@@ -137,6 +154,8 @@ def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
     if run["accountant"] == "rc":
         raise ConfigError("privacy.accountant", f"{name}'s rc accountant has no RDP curve, which a private selection "
                           "composes (dp-accounting's RepeatAndSelectDpEvent): use a method accounted by pld or rdp")
+    if run["user_records"] is not None:
+        raise ConfigError("privacy.user_sampling", f"records: {ELS_REFUSED}")
     explicit = any(a.split("=", 1)[0] == "train.objective" for a in arguments)
     objective = enum_value(t.objective) if explicit else "train_loss"
     if objective == "metric" and not cfg.data.get("public", False):
@@ -149,14 +168,17 @@ def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
     delta, neighbouring = run["delta"], run["neighbouring"]
     try:
         sigma = calibrate_selection(p.epsilon, delta, run["sample_rate"], run["steps"], mean, shape, neighbouring,
-                                    run["sampling"], run["dataset_size"], run["loss_noise"])
+                                    run["sampling"], run["dataset_size"], run["loss_noise"],
+                                    user_records=run["user_records"])
     except UnreachableTarget as e:
         raise ConfigError("privacy.epsilon", str(e)) from None
     except ValueError as e:
         raise ConfigError("privacy.neighbouring", str(e)) from None
     # each trial calibrates its own σ to this ε (its ledger's accountant): a hair more noise than `sigma`, never less
     trial = epsilon_spent(sigma * (1 + 1e-3), **run)
-    return Search(mean, shape, float(p.epsilon), delta, sigma, trial, objective, neighbouring, run["accountant"])
+    return Search(mean, shape, float(p.epsilon), delta, sigma, trial, objective, neighbouring, run["accountant"],
+                  enum_value(p.get("unit", "record")), joint_sigma(sigma, run["loss_noise"]), run["sample_rate"],
+                  run["steps"], run["sampling"], run["dataset_size"])
 
 
 def describe(search: Search, fixed: list[str], dims: list[Dimension]) -> dict:
@@ -289,35 +311,38 @@ def finish(folder: Path, search: Search, state: SearchState, results: list[tuple
              else "no release: a trial ran with less noise than the selection needs" if low
              else "no release: every trial failed")
     winner = (summaries[best] or {}) if best is not None else {}
-    record = {"epsilon": search.epsilon if best is not None else 0.0, "delta": search.delta,
+    per = ("user: all of one user's records added or removed together (privacy.unit=user)" if search.unit == "user"
+           else "record")
+    record = {"epsilon": search.epsilon if best is not None else 0.0, "delta": search.delta, "unit": search.unit,
+              "guarantee": f"(ε, δ) of the whole search, per {per}",
               "mean_trials": search.mean, "shape": search.shape, "law": law(search.shape),
               "accountant": "rdp (dp-accounting RepeatAndSelectDpEvent)", "neighbouring": search.neighbouring,
               "trial_sigma": search.sigma, "trial_epsilon": search.trial_epsilon,
+              # what the ε is recomputed from where the trials are gone (`released_epsilon`)
+              "trial_sigma_accounted": search.sigma_accounted, "trial_sample_rate": search.sample_rate,
+              "trial_steps": search.steps, "sampling": search.sampling, "dataset_size": search.dataset_size,
               "score": f"{search.objective} ({'lowest' if search.minimise else 'highest'} wins)", "ended": ended}
     if best is not None:
         record.update(hyperparameters=dict(p.split("=", 1) for p in points[best]),
                       result={k: winner.get(k) for k in ("train_loss", "metric_name", "metric_final")},
                       files=sorted([SELECTION, "config.yaml"] + ([MODEL] if (results[best][0] / MODEL).exists()
                                                                  else [])))
-    # the release, made whole beside the old one and then put in its place: one folder, nothing else in it
+    # the release, made whole beside the old one and then put in its place: one folder, nothing else in it, each
+    # file a new one (never a link to the winner's: its inode and birth time would tell how many trials ran after it)
     made = folder / (RELEASED + ".tmp")
     shutil.rmtree(made, ignore_errors=True)
-    made.mkdir()
-    for name in record.get("files", []):
-        if name == MODEL:  # a large model's weights linked, not copied; its time the release's, not the trial's end
-            try:
-                os.link(results[best][0] / MODEL, made / MODEL)
-            except OSError:
-                shutil.copyfile(results[best][0] / MODEL, made / MODEL)
-            os.utime(made / MODEL)
-            continue
-        data = (json.dumps(record, indent=2) + "\n").encode() if name == SELECTION else \
-            (results[best][0] / name).read_bytes()
-        replace_file(made / name, data)
-    if best is None:
-        replace_file(made / SELECTION, (json.dumps(record, indent=2) + "\n").encode())
-    shutil.rmtree(folder / RELEASED, ignore_errors=True)
-    os.replace(made, folder / RELEASED)
+    try:
+        made.mkdir()
+        for name in record.get("files", [SELECTION]):
+            if name == SELECTION:
+                replace_file(made / name, (json.dumps(record, indent=2) + "\n").encode())
+            else:
+                _copied(results[best][0] / name, made / name)
+        shutil.rmtree(folder / RELEASED, ignore_errors=True)
+        os.replace(made, folder / RELEASED)
+    except OSError as e:
+        shutil.rmtree(made, ignore_errors=True)
+        raise _not_written(e, f"the search's trials ran, but its release ({RELEASED}/) was not written") from None
     for i, (run_dir, _) in enumerate(results):  # the other trials' weights: K models on disk no longer
         if i != best:
             (run_dir / MODEL).unlink(missing_ok=True)
@@ -336,6 +361,19 @@ def finish(folder: Path, search: Search, state: SearchState, results: list[tuple
               "epsilon_if_every_trial_released": together,
               "trials": [{"folder": r.name, "score": s, "status": (m or {}).get("status")}
                          for (r, s), m in zip(results, summaries)]}
+    try:
+        _holders_records(folder, search, results, best, holder, together)
+    except OSError as e:
+        raise _not_written(e, f"the search's release ({RELEASED}/) is written, but not the holder's {HOLDER} and "
+                           f"its trials' {RELEASE}") from None
+    return record
+
+
+def _holders_records(folder: Path, search: Search, results: list[tuple[Path, float | None]], best: int | None,
+                     holder: dict, together: float) -> None:
+    """search.json, and each trial's release.json (not for release)."""
+    from dpmem.engine.summary import replace_file
+
     replace_file(folder / HOLDER, (json.dumps(holder, indent=2) + "\n").encode())
     for i, (run_dir, _) in enumerate(results):
         if run_dir.is_dir():
@@ -347,47 +385,82 @@ def finish(folder: Path, search: Search, state: SearchState, results: list[tuple
                        "accountant": f"{search.accountant}, every trial of the search composed (as dpmem report "
                                      "--holder)"}
             replace_file(run_dir / RELEASE, (json.dumps(release, indent=2) + "\n").encode())
-    return record
+
+
+def _copied(source: Path, target: Path) -> None:
+    """`target` a new file of `source`'s bytes, written under a temporary name and then renamed: its own inode,
+    link count and birth time, none of them the source's."""
+    tmp = target.with_name(target.name + ".tmp")
+    with open(source, "rb") as read, open(tmp, "wb") as write:
+        shutil.copyfileobj(read, write, 1 << 20)
+    os.replace(tmp, target)
+
+
+def _not_written(e: OSError, what: str) -> ConfigError:
+    """A write of `finish` that failed (a full disk), as one line: what was not written, and that the same command
+    finishes the search (its key, K and finished trials are kept)."""
+    full = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded"}.get(e.errno)
+    where = f"{e.filename}: " if e.filename else ""
+    return ConfigError("hydra.sweep.dir", f"{where}{full or e.strerror or type(e).__name__}: {what}; "
+                       f"{'free some space' if full else 'mend that'} and run the same command again: it finishes the "
+                       "search (the same K; finished trials are skipped)")
+
+
+def release_of(folder: Path) -> Path:
+    """The released folder of the search in `folder`, or `folder` itself where it is a release (selection.json in
+    it: a search's selection/ published alone, maybe under another name)."""
+    return folder if (folder / SELECTION).is_file() else folder / RELEASED
 
 
 def released_epsilon(folder: Path, record: dict, planned: list[dict] = ()) -> tuple[float, str | None]:
     """The ε of the search in `folder` that `record` (its selection/selection.json) releases, recomputed from what
-    its trials ran: the least σ, the largest rate and steps of what their summaries and `planned` (what each trial's
-    config.yaml implies: σ, sample_rate, steps) say, under the law of the largest ε that selection.json, the key's
-    record or a trial's .hydra/hydra.yaml names. At least the recorded ε, so that no edit lowers it; with a line
-    where the two disagree."""
+    it and its trials say was run: the least σ, the largest rate and steps of selection.json's trial event, the
+    trials' summaries and `planned` (what the release's and each trial's config.yaml imply: σ, sample_rate, steps),
+    under the law of the largest ε that selection.json, the key's record or a trial's .hydra/hydra.yaml names. Never
+    selection.json's ε field alone: at least the recomputed ε, with a line where the two disagree; ∞ where nothing
+    recomputes it, or where the trials ran under ELS (`ELS_REFUSED`), which has no user-level bound here."""
     from omegaconf import OmegaConf
 
-    from dpmem.privacy.selection import selection_epsilon
+    from dpmem.privacy.selection import ELS_REFUSED, selection_epsilon
 
     if record.get("ended") != "completed":
         return 0.0, None
-    recorded = float(record.get("epsilon") or 0.0)
+    shown = release_of(folder) / SELECTION
+    try:
+        recorded = float(record.get("epsilon") or 0.0)
+    except (TypeError, ValueError):
+        recorded = 0.0
     folders = sorted(folder.glob(TRIAL + "*"))
     trials = [s for t in folders if (s := read_json(t / "summary.json")) and s.get("sample_rate")
               and s.get("steps_done")]
     if any(s.get("derivable_from_config") for s in trials):  # (an older dpmem's search: seeds are refused now)
         return math.inf, f"{folder}: its trials' noise or batches derive from seeds in their config.yaml: ε ∞"
+    if any(s.get("unit") == "user" and s.get("user_sampling") == "records" for s in trials) or any(
+            r.get("user_records") is not None for r in planned):  # (an older dpmem's search: refused now)
+        return math.inf, f"{folder}: ε ∞ per user, since {ELS_REFUSED}"
     keyed = (read_json(folder / KEY_FILE) or {}).get("search") or {}
     laws = [(w.get("mean_trials"), w.get("shape")) for w in (record, keyed)]
     for t in folders:
         with contextlib.suppress(Exception):  # (missing, not YAML: the other records say)
             sweeper = OmegaConf.load(t / ".hydra" / "hydra.yaml").hydra.sweeper
             laws.append((sweeper.mean_trials, sweeper.shape))
-    laws = {(float(m), float(k)) for m, k in laws if m is not None and k is not None}
+    own = {"sigma": record.get("trial_sigma_accounted"), "sample_rate": record.get("trial_sample_rate"),
+           "steps": record.get("trial_steps")}  # selection.json's own trial event (the trials may be gone)
     runs = [{"sigma": float(s.get("sigma_accounted") or s["sigma"]), "sample_rate": float(s["sample_rate"]),
-             "steps": int(s["steps_done"])} for s in trials] + list(planned)
-    if not runs or not laws or not trials:
-        return recorded, None
-    sigma, rate = min(r["sigma"] for r in runs), max(r["sample_rate"] for r in runs)
-    steps, s = max(r["steps"] for r in runs), trials[0]
+             "steps": int(s["steps_done"])} for s in trials] + list(planned) + ([own] if all(own.values()) else [])
+    first = trials[0] if trials else {"n_train": record.get("dataset_size"), **record}
     try:
+        laws = {(float(m), float(k)) for m, k in laws if m is not None and k is not None}
+        sigma, rate = min(float(r["sigma"]) for r in runs), max(float(r["sample_rate"]) for r in runs)
+        steps = max(int(r["steps"]) for r in runs)
         again = max(selection_epsilon(sigma, float(record["delta"]), rate, steps, mean, shape,
-                                      s.get("neighbouring") or "add_remove", s.get("sampling") or "poisson",
-                                      s.get("n_train")) for mean, shape in laws)
-    except (KeyError, TypeError, ValueError):
-        return recorded, None
+                                      first.get("neighbouring") or "add_remove", first.get("sampling") or "poisson",
+                                      first.get("n_train")) for mean, shape in laws)
+    except (KeyError, TypeError, ValueError) as e:  # (no runs or no law: max() of nothing)
+        return math.inf, (f"{shown}: its ε cannot be recomputed ({type(e).__name__}: neither it nor the search's "
+                          "folder says the trials' law, noise, rate and steps), and is not taken from its ε field "
+                          "alone: shown at ∞")
     if again > recorded * (1 + 1e-3):
-        return again, (f"{folder}/{RELEASED}/{SELECTION} says ε {recorded:.4g} where its trials' noise, rate and "
-                       f"steps give {again:.4g}: shown at {again:.4g}")
+        return again, (f"{shown} says ε {recorded:.4g} where its trials' noise, rate and steps give {again:.4g}: "
+                       f"shown at {again:.4g}")
     return max(recorded, again), None

@@ -94,22 +94,32 @@ def draw_trials(mean: float, shape: float, key: bytes) -> int:
     return k
 
 
+# ELS's step is a mixture of Gaussians (accounting._event), which only the PLD accountant composes
+ELS_REFUSED = ("a private search under ELS (privacy.unit=user, privacy.user_sampling=records) has no user-level ε: "
+               "dp-accounting's RDP accountant has no MixtureOfGaussiansDpEvent, and the repeat-and-select bound is "
+               "RDP-only; use privacy.user_sampling=users (ULS), whose search is accounted per user")
+
+
 def selection_event(sigma: float, sample_rate: float, steps: int, mean: float, shape: float,
-                    sampling: str = "poisson", dataset_size: int | None = None) -> dp_event.DpEvent:
+                    sampling: str = "poisson", dataset_size: int | None = None,
+                    user_records: int | None = None) -> dp_event.DpEvent:
     """The search as one DP event: each trial `steps` sampled Gaussian steps of (joint) multiplier `sigma`,
-    repeated K ~ (mean, shape) times, the best released."""
+    repeated K ~ (mean, shape) times, the best released. `user_records` (ELS's k) is refused (ELS_REFUSED), never
+    accounted as a record's event."""
+    if user_records is not None:
+        raise ValueError(ELS_REFUSED)
     return dp_event.RepeatAndSelectDpEvent(_event(sigma, sample_rate, steps, sampling, dataset_size), mean, shape)
 
 
 def selection_epsilon(sigma: float, delta: float, sample_rate: float, steps: int, mean: float, shape: float,
                       neighbouring: str = "add_remove", sampling: str = "poisson",
-                      dataset_size: int | None = None) -> float:
+                      dataset_size: int | None = None, user_records: int | None = None) -> float:
     """ε of the whole search (RDP), each trial's joint multiplier `sigma` (the gradient's and the loss's releases
     as one Gaussian: accounting.joint_sigma)."""
     _check(delta, sample_rate, steps)
     check_law(mean, shape)
     accountant = rdp.RdpAccountant(neighboring_relation=RELATIONS[neighbouring])
-    event = selection_event(sigma, sample_rate, steps, mean, shape, sampling, dataset_size)
+    event = selection_event(sigma, sample_rate, steps, mean, shape, sampling, dataset_size, user_records)
     if not accountant.supports(event):
         raise ValueError(f"the RDP accountant does not support {sampling} sampling under {neighbouring}")
     return float(accountant.compose(event).get_epsilon(delta))
@@ -117,12 +127,16 @@ def selection_epsilon(sigma: float, delta: float, sample_rate: float, steps: int
 
 def calibrate_selection(epsilon: float, delta: float, sample_rate: float, steps: int, mean: float, shape: float,
                         neighbouring: str = "add_remove", sampling: str = "poisson", dataset_size: int | None = None,
-                        loss_noise: float | None = None, tolerance: float = 1e-4) -> float:
+                        loss_noise: float | None = None, tolerance: float = 1e-4,
+                        user_records: int | None = None) -> float:
     """The gradient's noise multiplier of every trial such that the whole search meets (epsilon, delta): the
     smallest joint multiplier whose `selection_epsilon` is at most `epsilon`, then the gradient's share of it (as
-    accounting.calibrate_sigma). Raises dpmem.privacy.UnreachableTarget for a budget the law cannot meet."""
+    accounting.calibrate_sigma). Raises dpmem.privacy.UnreachableTarget for a budget the law cannot meet, and
+    ValueError for ELS's `user_records` (ELS_REFUSED)."""
     if not epsilon > 0:
         raise ValueError(f"epsilon={epsilon} must be > 0")
+    if user_records is not None:
+        raise ValueError(ELS_REFUSED)
 
     def eps(s: float) -> float:
         return selection_epsilon(s, delta, sample_rate, steps, mean, shape, neighbouring, sampling, dataset_size)

@@ -491,8 +491,8 @@ def private_searches(summaries: list[dict], missing: list[dict], holder: bool) -
 
     def search_of(f: dict) -> Path | None:
         folder = Path(f["run_dir"])
-        if folder.name == RELEASED and (folder / SELECTION).exists():  # the release itself (its config.yaml)
-            return folder.parent
+        if (folder / SELECTION).is_file():  # the release itself (its config.yaml), in its search or published alone
+            return folder.parent if folder.name == RELEASED else folder
         if (folder.parent / KEY_FILE).exists() or (folder.parent / RELEASED / SELECTION).exists():
             return folder.parent
         return None
@@ -500,20 +500,21 @@ def private_searches(summaries: list[dict], missing: list[dict], holder: bool) -
     found = {f["run_dir"]: search_of(f) for f in summaries + missing}
     searches = {folder: _search_epsilon(folder) for folder in sorted(set(filter(None, found.values())))}
     if holder:  # the trials, but not the release's folder (the winner's row is among them)
-        return ([f for f in summaries if Path(f["run_dir"]).name != RELEASED],
-                [f for f in missing if Path(f["run_dir"]).name != RELEASED], searches)
+        return ([f for f in summaries if not (Path(f["run_dir"]) / SELECTION).is_file()],
+                [f for f in missing if not (Path(f["run_dir"]) / SELECTION).is_file()], searches)
     rows = [r for folder, (epsilon, _) in searches.items() if (r := _released_row(folder, epsilon)) is not None]
     return ([f for f in summaries if found[f["run_dir"]] is None] + rows,
             [f for f in missing if found[f["run_dir"]] is None], searches)
 
 
 def _released_row(search: Path, epsilon: float) -> dict | None:
-    """A private search's row: its released winner (selection/: selection.json and config.yaml) at the search's ε."""
-    from dpmem.engine.selection import RELEASED, SELECTION
+    """A private search's row: its released winner (selection/: selection.json and config.yaml) at the search's ε,
+    per user where both say so (`unit_of`)."""
+    from dpmem.engine.selection import SELECTION, release_of
 
     try:
-        record = json.loads((search / RELEASED / SELECTION).read_text())
-        tree = OmegaConf.to_container(OmegaConf.load(search / RELEASED / "config.yaml"))
+        record = json.loads((release_of(search) / SELECTION).read_text())
+        tree = OmegaConf.to_container(OmegaConf.load(release_of(search) / "config.yaml"))
     except Exception:  # noqa: BLE001  (missing, unreadable: `selections` says so)
         return None
     config = _flat(tree)
@@ -522,38 +523,50 @@ def _released_row(search: Path, epsilon: float) -> dict | None:
             "method": config.get("method.name"), "data": config.get("data.name"), "model": config.get("model.name"),
             "private": True, "epsilon_target": epsilon, "delta": record.get("delta"),
             "metric_name": result.get("metric_name"), "metric_final": result.get("metric_final"),
-            "train_loss": result.get("train_loss"), "run_dir": str(search / RELEASED), "config": config,
-            "ledger": [], "analysis": None}
+            "train_loss": result.get("train_loss"), "run_dir": str(release_of(search)), "config": config,
+            "unit": record.get("unit"), "ledger": [], "analysis": None}
 
 
 def _search_epsilon(search: Path) -> tuple[float, str | None]:
     """`released_epsilon` of the search's selection.json (0 where it cannot be read: nothing is released), with what
-    each trial's config.yaml implies (`_planned`) among what it recomputes from."""
-    from dpmem.engine.selection import RELEASED, SELECTION, TRIAL, read_json, released_epsilon
+    the release's and each trial's config.yaml imply (`_planned`) among what it recomputes from."""
+    from dpmem.engine.selection import SELECTION, TRIAL, read_json, release_of, released_epsilon
 
-    record = read_json(search / RELEASED / SELECTION)
+    record = read_json(release_of(search) / SELECTION)
     if record is None:
         return 0.0, None
-    planned = []
+    # the release's config.yaml at the data set's size selection.json records (users, where ULS samples them)
+    sizes = {"n_train": record.get("dataset_size"), "users": record.get("dataset_size"), "ledger": []}
+    planned = [_planned({"run_dir": str(release_of(search)), **sizes})]
     for trial in search.glob(TRIAL + "*"):
-        plan = _planned({"run_dir": str(trial), "n_train": (read_json(trial / "summary.json") or {}).get("n_train"),
-                         "ledger": privacy_records(trial)})
-        planned += [plan] if isinstance(plan, dict) else []
-    return released_epsilon(search, record, planned)
+        summary = read_json(trial / "summary.json") or {}
+        planned.append(_planned({"run_dir": str(trial), "n_train": summary.get("n_train"),
+                                 "users": summary.get("users"), "ledger": privacy_records(trial)}))
+    return released_epsilon(search, record, [plan for plan in planned if isinstance(plan, dict)])
+
+
+def _release_unit(release: Path) -> str | None:
+    """privacy.unit of a release's config.yaml (None where it has none): a user-level ε where it and selection.json
+    both say so, as `unit_of` takes a run's."""
+    try:
+        return OmegaConf.select(OmegaConf.load(release / "config.yaml"), "privacy.unit")
+    except Exception:  # noqa: BLE001  (missing, not YAML)
+        return None
 
 
 def selections(searches: dict, holder: bool) -> list[str]:
     """A line per private search (dpmem.engine.selection): what its selection/ releases and at what ε (recomputed
     from its trials where the holder has them: never below selection.json's)."""
-    from dpmem.engine.selection import HOLDER, RELEASED, SELECTION
+    from dpmem.engine.selection import HOLDER, RELEASED, SELECTION, release_of
 
     lines = []
     for folder, (epsilon, note) in searches.items():
         try:
-            s = json.loads((folder / RELEASED / SELECTION).read_text())
-            release = f"release {folder / RELEASED}/ alone" if s["ended"] == "completed" else "nothing released"
-            lines.append(f"{folder}: {s['ended']}; {release}, at ε = {epsilon:.4g} and δ = {s['delta']:.2g} for the "
-                         f"whole search ({s['accountant']}; the number of trials secret, {s['law']} of mean "
+            s = json.loads((release_of(folder) / SELECTION).read_text())
+            release = f"release {release_of(folder)}/ alone" if s["ended"] == "completed" else "nothing released"
+            per = " per user" if s.get("unit") == "user" and _release_unit(release_of(folder)) == "user" else ""
+            lines.append(f"{folder}: {s['ended']}; {release}, at ε = {epsilon:.4g}{per} and δ = {s['delta']:.2g} for "
+                         f"the whole search ({s['accountant']}; the number of trials secret, {s['law']} of mean "
                          f"{s['mean_trials']:g}); its ε adds to any other release on the same data")
             lines += [note] if note else []
             if holder:

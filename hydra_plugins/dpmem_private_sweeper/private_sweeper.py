@@ -62,8 +62,9 @@ class PrivateSweeper(Sweeper):
                   "and trials; finished trials are skipped)", file=sys.stderr)
             raise SystemExit(130) from None
         released = f"{folder / RELEASED}/" if record["ended"] == "completed" else "nothing"
-        print(f"dpmem: private search ended ({record['ended']}): release {released} at ε = {record['epsilon']:g}, "
-              f"δ = {record['delta']:.3g} (what it holds: {folder / RELEASED / SELECTION})", file=sys.stderr)
+        per = " per user" if record["unit"] == "user" else ""
+        print(f"dpmem: private search ended ({record['ended']}): release {released} at ε = {record['epsilon']:g}"
+              f"{per}, δ = {record['delta']:.3g} (what it holds: {folder / RELEASED / SELECTION})", file=sys.stderr)
         return []
 
 
