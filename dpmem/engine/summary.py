@@ -228,7 +228,9 @@ def summary_table(s: dict) -> str:
     rows = [
         ("status", s.get("status")),
         ("method / model / data", f"{s.get('method')} / {s.get('model')} / {s.get('data')}"),
-        ("steps done / planned", f"{s.get('steps_done')} / {s.get('steps')}"),
+        ("steps done / planned", f"{s.get('steps_done')} / {s.get('steps')}"
+         + (f" ({s['steps_released']} released by an earlier attempt)"
+            if (s.get("steps_released") or 0) > (s.get("steps_done") or 0) else "")),
         ("epsilon spent / " + ("planned" if fixed else "target"),
          f"{_fmt(s.get('epsilon_spent'))} / {_fmt(s.get('epsilon_target'))} (delta {_fmt(s.get('delta'))}, sigma "
          f"{_fmt(s.get('sigma'))}{' fixed' if fixed else ''})"),

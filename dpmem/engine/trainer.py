@@ -140,6 +140,8 @@ class Run:
         self.summary: dict = {}
         self.exception: BaseException | None = None  # a training failure or a signal, re-raised by run_training
         self._eps_steps = 0  # the step count epsilon_spent was last computed for
+        # the most steps a line of an earlier attempt of this run records: None until a resume has read its ledger
+        self._released_steps: int | None = None
         self.main = distributed.is_main()
         # rank 0 evaluates alone, unless FSDP's sharded forward needs every rank (all evaluate; rank 0 records)
         self.evaluates = self.main or cfg.train.fsdp
@@ -211,6 +213,8 @@ class Run:
         }
         if self.mechanism.accounted:
             self.summary["released_outside_epsilon"] = self.mechanism.outside_epsilon(self.static_shapes)
+        if self.checkpoint is not None:  # what the earlier attempt had done, recorded whatever stops this one
+            self.summary.update(self.checkpoint["summary"], resumed_from_step=self.checkpoint["step"])
         if subspace is not None:
             self.summary["subspace"] = {"path": m.subspace.path, "k": subspace.k, "where": subspace.where,
                                         "private": ok, "why": why}
@@ -241,6 +245,8 @@ class Run:
     def _write_summary(self) -> None:
         if self.compiler is not None:  # how the step was captured: graphs, breaks, recompiles, compile seconds
             self.summary["compiled"] = self.compiler.capture()
+        if self._released_steps is not None:
+            self.summary["steps_released"] = self._steps_released()
         if self.main:
             write_summary(self.run_dir, self.summary)
 
@@ -249,6 +255,7 @@ class Run:
         start = time.perf_counter()
         self._attempt = datetime.datetime.now().isoformat(timespec="seconds")  # names this attempt's ledger lines
         self._config_hash = config_hash(self.cfg)
+        resumes = self.checkpoint is not None
         restore = self._catch_signals()
         self.tracker = open_tracker(self.cfg, self.run_dir) if self.main else NoTracker()
         try:
@@ -278,7 +285,10 @@ class Run:
             self._ending = True
             self.method.close()
             self.summary["wall_time_s"] = time.perf_counter() - start
-            if (done := self.summary["steps_done"]) != self._eps_steps:
+            # stopped (Ctrl-C, SIGTERM, an error) before the resume read what its earlier attempts released: read
+            # now, so that the record never says less than they did
+            read_now = resumes and self._read_earlier_release()
+            if (done := self.summary["steps_done"]) != self._eps_steps or read_now:
                 self.summary["epsilon_spent"] = self.mechanism.epsilon(done)
             # each record written if it can be: a full disk (here, or what failed the run) leaves the earlier lines
             # and summary whole, and ends the run failed, naming the file
@@ -301,8 +311,10 @@ class Run:
         if not (self.main and self.mechanism.private):
             return
         s = self.summary
+        released = {} if self._released_steps is None else {"steps_released": self._steps_released()}
         append_privacy(self.run_dir, {  # what `dpmem report` composes it from
-            "attempt": self._attempt, **fields, "steps_done": s["steps_done"], "epsilon": s["epsilon_spent"],
+            "attempt": self._attempt, **fields, "steps_done": s["steps_done"], **released,
+            "epsilon": s["epsilon_spent"],
             **self.mechanism.ledger_fields(), "config": self._config_hash})
 
     def _record(self, record: dict) -> None:
@@ -444,12 +456,9 @@ class Run:
         self.checkpoint = None  # not kept beside the model it was loaded into
         step = checkpoint.restore(state, self.cfg, self.parts)
         self.mechanism.sampler.key = bytes.fromhex(state["sampler_key"])  # the lost run's batches
-        self.summary.update(state["summary"], resumed_from_step=step)
         if self.main:
             print(f"dpmem: resuming {self.run_dir} from its checkpoint at step {step}", file=sys.stderr)
-            # from privacy.jsonl (dpmem.engine.folder.claim refused a private run whose ledger is missing or
-            # unreadable) and the folder's summary
-            self.mechanism.spent_before(max(self._ledger_epsilon(), self._summarised_epsilon()))
+        self._read_earlier_release()
         if self.method.noise_reseeded is not None:
             self.summary["noise_reseeded"] = self.method.noise_reseeded
             print(f"dpmem: warning: {self.method.noise_reseeded}, whose states do not carry over: the noise is "
@@ -462,17 +471,35 @@ class Run:
         self._write_summary()
         return step
 
-    def _ledger_epsilon(self) -> float:
-        """The most ε the folder's ledger shows this configuration released: over every line of it (a start line
-        appended later hides none), each line's ε as recorded or as recomputed, whichever is larger; a line whose two
-        disagree is said in one line. Recomputed: each line's from its own σ, q, δ and steps (pld, rdp), and the
-        furthest line's from this run's configuration (the checkpoint's, which no edit of a line changes; every
-        accountant, rc too)."""
+    def _read_earlier_release(self) -> bool:
+        """What the earlier attempts of this resumed run released, read once (rank 0) from privacy.jsonl
+        (dpmem.engine.folder.claim refused a private run whose ledger is missing or unreadable) and the folder's
+        summary: ε never goes below it (`spent_before`), nor the steps its records say were released
+        (`steps_released`). True where it was read by this call."""
+        if not self.main or self._released_steps is not None:
+            return False
+        epsilon, steps = self._ledger_epsilon()
+        self.mechanism.spent_before(max(epsilon, self._summarised_epsilon()))
+        self._released_steps = steps
+        return True
+
+    def _steps_released(self) -> int:
+        """The most steps of this run any attempt released: this one's, or the furthest line of an earlier one."""
+        return max(self.summary["steps_done"], self._released_steps or 0)
+
+    def _ledger_epsilon(self) -> tuple[float, int]:
+        """The most ε the folder's ledger shows this configuration released, and the most steps a line of it
+        records: over every line of it (a start line appended later hides none), each line's ε as recorded or as
+        recomputed, whichever is larger; a line whose two disagree is said in one line. Recomputed: each line's from
+        its own σ, q, δ and steps (pld, rdp), and the furthest line's from this run's configuration (the
+        checkpoint's, which no edit of a line changes; every accountant, rc too)."""
         records = privacy_records(self.run_dir)
         mine = [r for r in records if r.get("config") == self._config_hash] or records
         again = [(line_epsilon(r), r) for r in mine]
+        steps = max((n for r in mine for n in (r.get("steps_done"), r.get("steps_released"))
+                     if isinstance(n, int) and not isinstance(n, bool)), default=0)
         if furthest := max(mine, key=lambda r: r.get("steps_done") or 0, default=None):
-            again.append((self.mechanism.epsilon(furthest.get("steps_done") or 0), furthest))
+            again.append((self.mechanism.epsilon(steps), furthest))
         again = [(eps, r) for eps, r in again if eps is not None]
         understated = [(eps, r) for eps, r in again if r.get("epsilon") is not None
                        and eps > float(r["epsilon"]) * (1 + 1e-6)]
@@ -481,7 +508,7 @@ class Run:
             print(f"dpmem: warning: {self.run_dir / PRIVACY_LEDGER}: a line at step {r.get('steps_done')} records "
                   f"epsilon {float(r['epsilon']):.4g}, where its steps give {eps:.4g} (recomputed): the larger is "
                   "kept", file=sys.stderr)
-        return max([most_spent(mine) or 0.0, *(eps for eps, _ in again)])
+        return max([most_spent(mine) or 0.0, *(eps for eps, _ in again)]), steps
 
     def _summarised_epsilon(self) -> float:
         """ε the folder's summary (the resumed run's, written after its ledger lines) says was spent: a finite number,
@@ -570,9 +597,10 @@ class Run:
         return values
 
 
+# summary fields a resumed run carries over (in its checkpoint: `Run._check_data`); the data set's size (records,
+# users) too, from which `dpmem report` accounts a folder whose summary and ledger are gone
 RESUMED = ("steps_done", "samples_seen", "samples_expected", "metric_best", "peak_memory_bytes",
-           "peak_memory_allocated_bytes", "peak_memory_source",
-           "data_fingerprint")  # summary fields a resumed run carries over (in its checkpoint: `Run._check_data`)
+           "peak_memory_allocated_bytes", "peak_memory_source", "data_fingerprint", "n_train", "users")
 
 
 def run_training(cfg, run_dir: Path) -> dict:
