@@ -383,6 +383,20 @@ def _load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def written_checkpoint(run_dir: Path) -> dict | None:
+    """The step and summary fields (`dpmem.engine.trainer.RESUMED`) of a folder's checkpoint.pt, read without
+    loading its tensors (`dpmem report` on a folder whose records are gone); None where there is none or it cannot
+    be read."""
+    try:
+        state = torch.load(Path(run_dir) / "checkpoint.pt", map_location="cpu", weights_only=True, mmap=True)
+        step, summary = state["step"], state["summary"]
+    except Exception:  # noqa: BLE001  (missing, truncated, not a dpmem checkpoint: each fails its own way)
+        return None
+    if not (isinstance(step, int) and step > 0 and isinstance(summary, dict)):
+        return None
+    return {"step": step, "summary": summary}
+
+
 def _changes(old: dict, new: dict) -> str:
     """'key: old -> new' for the first three leaves that differ ('; ...' where more do); '' where none does."""
     def leaves(a: dict, b: dict, prefix: str = ""):

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from dpmem.data import is_loss
 from dpmem.engine.folder import MARK
-from dpmem.engine.summary import PRIVACY_LEDGER, most_spent, privacy_records
+from dpmem.engine.summary import METRICS, PRIVACY_LEDGER, most_spent, privacy_records
 from dpmem.report import figures, markdown_table
 from dpmem.report.labels import NOT_TRAINING, USER, epsilon_number, row_label, variants
 
@@ -55,12 +55,16 @@ def collect(paths: list[Path]) -> tuple[list[dict], list[dict]]:
                 if why is None:
                     summaries.append(_folder(folder, s))
                 else:
-                    missing.append(_folder(folder, {"why": why + _ledger_note(folder)}))
+                    record = _folder(folder, {})
+                    record["why"] = why + (_ledger_note(record) or _files_note(record))
+                    missing.append(record)
             # dpmem audit's own folder holds its config and record; the audited run, in run/, has the summary (an
             # audit's folder with a ledger of its own holds a training run it was written over: listed, composed)
             elif not (folder / "audit.json").exists() or (folder / PRIVACY_LEDGER).exists():
-                note = _ledger_note(folder) or " (the run died before it started)"
-                missing.append(_folder(folder, {"why": "no summary.json" + note}))
+                record = _folder(folder, {})
+                note = _ledger_note(record) or _files_note(record) or " (the run died before it started)"
+                record["why"] = "no summary.json" + note
+                missing.append(record)
     return summaries, missing
 
 
@@ -96,13 +100,86 @@ def _analysis(folder: Path) -> str | None:
     return None
 
 
-def _ledger_note(folder: Path) -> str:
-    """What the folder's privacy.jsonl says was spent, for a run whose summary cannot be read."""
-    records = privacy_records(folder)
+def _ledger_note(folder: dict) -> str:
+    """What the folder's privacy.jsonl says was spent, for a run whose summary cannot be read: its ε, and beside it,
+    where it is less, the ε its config.yaml (or, without one, its lines' own σ and q) gives for those steps, which
+    an edit of the ledger does not lower."""
+    records = folder["ledger"]
     if (spent := most_spent(records)) is None:
         return ""
     steps = max(int(r.get("steps_done") or 0) for r in records)
-    return f"; its {PRIVACY_LEDGER} records epsilon {spent:.4g} spent over {steps} steps"
+    note = f"; its {PRIVACY_LEDGER} records epsilon {spent:.4g} spent over {steps} steps"
+    again, source = _recomputed(folder, steps)
+    if again > spent * (1 + 1e-6):
+        note += (f", which disagrees with the epsilon {again:.4g} {source} give for those steps: it spent at least "
+                 f"{again:.4g}")
+    return note
+
+
+def _recomputed(folder: dict, steps: int) -> tuple[float, str]:
+    """The least ε a folder's run spent over `steps` steps, whatever its ledger's ε fields say, and what gave it: its
+    config.yaml's σ and q (`_planned`; σ no larger and q no smaller than a line says), or its lines' own (each
+    line's σ, q and steps, `line_epsilon`) where no config.yaml says; 0 where neither can."""
+    from dpmem.privacy.mechanism import line_epsilon
+
+    lines = folder["ledger"]
+    furthest = [r for r in lines if int(r.get("steps_done") or 0) == steps]
+    own = max((eps for r in furthest if (eps := line_epsilon(r)) is not None), default=0.0)
+    planned = _planned(folder) if steps else None
+    if not isinstance(planned, dict):
+        return own, f"its {PRIVACY_LEDGER} lines' own σ and q"
+    sigma = min([planned["sigma"], *(float(r.get("sigma_accounted") or r["sigma"]) for r in lines if r.get("sigma"))])
+    rate = max([planned["sample_rate"], *(float(r["sample_rate"]) for r in lines if r.get("sample_rate"))])
+    try:
+        return max(own, planned["epsilon"](sigma, rate, steps)), f"its config.yaml's σ {sigma:.4g} and q {rate:.4g}"
+    except (TypeError, ValueError):  # a line's σ or q that cannot be accounted: its own lines' ε stands
+        return own, f"its {PRIVACY_LEDGER} lines' own σ and q"
+
+
+def _files_note(folder: dict) -> str:
+    """For a run folder with neither summary nor ledger: how far its other files show the run went (metrics.jsonl's
+    last step, checkpoint.pt's), and the ε its config.yaml gives over the steps it plans (no record is left that
+    says fewer were released: `releases` composes it so); "" where they show no step."""
+    from dpmem.engine.folder import written_checkpoint
+
+    run_dir = Path(folder["run_dir"])
+    if (run_dir / PRIVACY_LEDGER).exists():
+        return ""
+    shown = {}
+    if (metrics := _last_metrics_step(run_dir)) is not None:
+        shown[f"{METRICS} to step {metrics}"] = metrics
+    if (state := written_checkpoint(run_dir)) is not None:
+        shown[f"checkpoint.pt at step {state['step']}"] = state["step"]
+        folder.update({k: state["summary"][k] for k in ("n_train", "users") if k in state["summary"]})
+    if not shown:
+        return ""
+    folder["steps_shown"] = max(shown.values())
+    planned = _planned(folder)
+    steps = f"{folder['steps_shown']}/{planned['steps'] if isinstance(planned, dict) else '?'} steps"
+    note = f"; no {PRIVACY_LEDGER} either, but its files show the run went on (it died or runs): {steps} " \
+           f"({', '.join(shown)})"
+    if not isinstance(planned, dict):
+        return note + (f"; its epsilon cannot be computed here: {planned}" if planned else "")
+    (release,), _ = releases(folder)
+    return note + (f"; epsilon {release['epsilon']:.4g} by its config.yaml's σ and q over the {release['steps']} "
+                   "steps it plans (no record is left that says fewer were released)")
+
+
+def _last_metrics_step(run_dir: Path) -> int | None:
+    """The last step metrics.jsonl records (its readable lines'), or None."""
+    try:
+        raw = (run_dir / METRICS).read_bytes()
+    except OSError:
+        return None
+    steps = []
+    for line in raw.split(b"\n"):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int) and not isinstance(step, bool) and step > 0:
+            steps.append(step)
+    return max(steps, default=None)
 
 
 def distinct(summaries: list[dict]) -> tuple[list[dict], list[str]]:
@@ -162,11 +239,37 @@ def _epsilon(s: dict) -> str:
 
 
 def unit_of(s: dict) -> str:
-    """What a run's ε protects: user where its config.yaml (privacy.unit) and what it wrote (its summary, else its
-    ledger) both say so, else record: a record-level run whose files were edited to claim more is not shown as
-    protecting users."""
-    written = s.get("unit") or next((line["unit"] for line in s.get("ledger", ()) if line.get("unit")), None)
-    return "user" if s.get("config", {}).get("privacy.unit") == "user" and written == "user" else "record"
+    """What a run's ε protects: user where its config.yaml (privacy.unit) and what it wrote (its summary, its
+    ledger) all say so (`unit_claims`), else record: a record-level run whose files were edited to claim more is not
+    shown as protecting users."""
+    claims = unit_claims(s)
+    return "user" if len(claims) > 1 and set(claims.values()) == {"user"} else "record"
+
+
+def unit_claims(s: dict) -> dict[str, str]:
+    """What each of a run's files says its ε protects, user or record: config.yaml's privacy.unit (record where it
+    has none), and where they say, its summary's unit and its ledger's (the lines of its last configuration, record
+    where any says record)."""
+    claims = {"config.yaml": str(s.get("config", {}).get("privacy.unit") or "record")}
+    if s.get("unit"):
+        claims["summary.json"] = str(s["unit"])
+    lines = s.get("ledger", ())
+    last = next((line["config"] for line in reversed(lines) if line.get("config")), None)
+    if units := {str(line["unit"]) for line in lines if line.get("unit") and line.get("config", last) == last}:
+        claims[PRIVACY_LEDGER] = "user" if units == {"user"} else "record"
+    return claims
+
+
+def _unit_note(s: dict) -> str | None:
+    """The line for a run whose files disagree on what its ε protects: the weaker claim, record, is taken."""
+    claims = unit_claims(s)
+    if len(set(claims.values())) < 2:
+        return None
+    def say(unit: str) -> str:
+        files = [f for f, u in claims.items() if u == unit]
+        return " and ".join(files) + (" says" if len(files) == 1 else " say") + f" unit {unit}"
+    return (f"{s['run_dir']}: {say('user')} where {say('record')}: its ε is shown and composed per record, the "
+            "weaker claim")
 
 
 def data_column(summaries: list[dict]):
@@ -278,8 +381,10 @@ def releases(folder: dict) -> tuple[list[dict], str | None]:
         attempts[-1].append(line)
     attempts = attempts or [[]]
     attempts[-1].append(summary)  # the summary is the last run's, maybe past its last line
-    # (a folder with neither ledger nor summary released nothing: its config.yaml is not read)
-    out, planned, said, as_written = [], _planned(s) if s["ledger"] or "status" in s else None, {}, []
+    # (a folder with neither ledger nor summary released nothing, unless its other files show steps run: its
+    # config.yaml is not read)
+    released = s["ledger"] or "status" in s or s.get("steps_shown")
+    out, planned, said, as_written = [], _planned(s) if released else None, {}, []
     for i, lines in enumerate(attempts):
         # what an older ledger's lines lack, taken from the folder's summary
         known = {k: summary[k] for k in ("sampling", "dataset_size", "neighbouring", "groups", "strategy",
@@ -305,7 +410,9 @@ def releases(folder: dict) -> tuple[list[dict], str | None]:
         steps = planned["steps"]
         if not r["abandoned"] and isinstance(s.get("steps_done"), int):
             steps = min(steps, s["steps_done"])
-        taken = {"sigma": min(r["sigma"], planned["sigma"]), "steps": max(r["steps"], steps),
+        sigma_known = "sigma" in known or "sigma_accounted" in known  # (neither: a folder of no record but its steps)
+        taken = {"sigma": min(r["sigma"], planned["sigma"]) if sigma_known else planned["sigma"],
+                 "steps": max(r["steps"], steps),
                  "sample_rate": max(r["sample_rate"] or 0.0, planned["sample_rate"])}
         again = planned["epsilon"](taken["sigma"], taken["sample_rate"], taken["steps"])
         # how it sampled and correlated its noise: where its lines and its config.yaml disagree, the event of the two
@@ -331,7 +438,8 @@ def releases(folder: dict) -> tuple[list[dict], str | None]:
                                    ("q", min(rates, default=planned["sample_rate"]), planned["sample_rate"]),
                                    ("steps", r["steps"], steps),
                                    ("ε", min(ended, default=again), again)):
-            if line < config - 1e-6 * abs(config):  # the line on the side of less ε
+            # (a folder of no record but the steps its files show has no line to disagree)
+            if line < config - 1e-6 * abs(config) and (s["ledger"] or "status" in s):  # the side of less ε
                 said[f"{what} {abs(line):.4g} where its config.yaml gives {abs(config):.4g}"] = None
         r.update(taken, epsilon=max([*spent, again]), **event,
                  **{k: planned[k] for k in ("delta", "accountant", "neighbouring", "dataset_size")})
@@ -424,8 +532,9 @@ def search_privacy(folders: list[dict]) -> list[str]:
     the largest δ). Every release counts (`distinct`, `releases`), but a seeded run's (`seeded`). Runs touch the same
     data when they share data.name and data.path, whatever examples each drew: the conservative reading."""
     from dpmem.privacy import composed_epsilon
-    groups = defaultdict(list)
+    groups, units = defaultdict(list), []
     for f in folders:
+        units += [note] if (note := _unit_note(f)) else []
         data = f.get("data") or f["config"].get("data.name")
         if data is not None:  # a folder with neither summary nor config is listed with its ledger's ε
             # a user-level ε and a record-level one are of two guarantees: never composed together
@@ -468,7 +577,7 @@ def search_privacy(folders: list[dict]) -> list[str]:
         lines.append(head + f"releasing a result chosen among them releases all: ε = {composed:.4g} at δ = "
                      f"{delta:.2g} ({accountant}, composed)" + (f"; {_count(loose, 'more release')} outside any ε "
                                                                  "(no noise, or a leak)" if loose else ""))
-    return seeded_lines + lines + notes
+    return seeded_lines + lines + units + notes
 
 
 def seeded_runs(summaries: list[dict]) -> list[str]:
@@ -605,8 +714,16 @@ def _not_private_because(f: dict) -> str:
 
 def unfinished(summaries: list[dict], missing: list[dict]) -> list[str]:
     failed = [f"{s['run_dir']}: {s['status']}" + (f" ({s['error']})" if s.get("error") else "")
-              + f", {s.get('steps_done')}/{s.get('steps')} steps" for s in summaries if s["status"] not in (OK, "oom")]
+              + f", {s.get('steps_done')}/{s.get('steps')} steps" + _released_more(s)
+              for s in summaries if s["status"] not in (OK, "oom")]
     return failed + [f"{m['run_dir']}: {m['why']}" for m in missing]
+
+
+def _released_more(s: dict) -> str:
+    """For a resumed run stopped before it redid the steps an earlier attempt released: how many that was."""
+    released, done = s.get("steps_released"), s.get("steps_done")
+    return f" ({released} released by an earlier attempt)" if isinstance(released, int) and isinstance(
+        done, int) and released > done else ""
 
 
 PUBLISHED = Path(__file__).with_name("published.csv")
