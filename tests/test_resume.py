@@ -66,6 +66,42 @@ def test_a_run_that_dies_resumes_to_the_uninterrupted_result(tmp_path, monkeypat
     assert not (tmp_path / "resumed" / "checkpoint.pt").exists()  # finished: nothing to resume
 
 
+def losses(folder):
+    return {r["step"]: r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("noise", [[], ["privacy.noise=bandmf", "privacy.bands=2", "train.sampling=cyclic"]],
+                         ids=["independent", "bandmf"])
+def test_a_compiled_run_that_dies_resumes_bit_for_bit(tmp_path, monkeypatch, noise):
+    """Issue 73: a resumed process's first step ran eager (the coverage check) where the uninterrupted run's was
+    compiled, so its redone steps differed by float rounding from what the lost attempt had logged with the same
+    noise. Each process now rehearses the check on a micro-batch it releases nothing of, and every step is
+    compiled (by inductor: its code rounds otherwise than the eager step)."""
+    captured = {}
+    real_execute = Run.execute
+
+    def keep_model(self):
+        captured[self.run_dir.name] = self
+        return real_execute(self)
+    monkeypatch.setattr("dpmem.engine.trainer.Run.execute", keep_model)
+    compiled = ["train.compile=true", "train.device=cpu", "train.batch_size=16", *noise]
+    oracle = run_training(config("dp-adam", *compiled), tmp_path / "oracle")
+    real_step = dies_at(monkeypatch, METHODS["dp-adam"], 4)  # step 3 logged after the checkpoint of step 2: lost
+    with pytest.raises(RuntimeError, match="went away"):
+        run_training(config("dp-adam", "train.checkpoint_every=2", *compiled), tmp_path / "resumed")
+    lost = losses(tmp_path / "resumed")
+    monkeypatch.setattr(METHODS["dp-adam"], "step", real_step)
+    resumed = run_training(config("dp-adam", "train.checkpoint_every=2", *compiled), tmp_path / "resumed")
+    assert resumed["status"] == "ok" and resumed["resumed_from_step"] == 2, resumed.get("error")
+    assert resumed["epsilon_spent"] == oracle["epsilon_spent"] and resumed["noise"] == oracle["noise"]
+    assert lost[3] == losses(tmp_path / "resumed")[3]  # the redone step releases what the lost attempt did
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "oracle")
+    for (name, a), b in zip(captured["oracle"].model.named_parameters(), captured["resumed"].model.parameters()):
+        assert torch.equal(a, b), name
+
+
 def records(folder):
     """dpmem's files in a run folder (Hydra's own .hydra/ is rewritten by every launch)."""
     return {f.name: f.read_bytes() for f in folder.iterdir() if f.is_file()}

@@ -116,9 +116,10 @@ class Privatizer:
             observer.attach(self)
 
     def compile(self, compiler) -> None:
-        """train.compile: each micro-batch compiled whole (`dpmem.compiling`), the release eager on its flat sum and
-        the first step (the coverage check) eager; a checkpointed model's forward, or a TF32 run's, compiled alone
-        with its taps, the rest eager (docs/methods.md, A compiled step, says why)."""
+        """train.compile: each micro-batch compiled whole (`dpmem.compiling`), the release eager on its flat sum,
+        after an eager rehearsal that releases nothing (the coverage check: `_rehearse`); a checkpointed model's
+        forward, or a TF32 run's, compiled alone with its taps, the rest eager (docs/methods.md, A compiled step,
+        says why)."""
         if self.sharded or self.observers:
             raise ValueError("a compiled private step needs no FSDP and no observers (dpmem audit)")
         if checkpointed(self.model) or compiler.tf32:
@@ -171,7 +172,7 @@ class Privatizer:
             microbatches, loss_fn = observer.on_microbatches(self, microbatches, loss_fn)
         summed, loss_sum = self.clip_and_accumulate(microbatches, loss_fn, shapes, projections)
         loss_sum = self.mechanism.released_loss(loss_sum)
-        if self.compiled.flat is not None:  # a compiled step (a compiled run's first step is eager)
+        if self.compiled.flat is not None:  # a compiled step
             # the ranks' sums reduced eagerly (a collective); the release noises the flat sum's runs in place
             flat, self.compiled.flat = self.compiled.flat, None
             distributed.sum_([flat])
@@ -190,10 +191,41 @@ class Privatizer:
         the clipping plan says."""
         if projections and self.plan.passes != 1:
             raise ValueError(f"projected per-sample gradients need one-pass clipping, not {self.plan.name!r}")
-        projections, estimated = projections or {}, self._probe_draws is not None
-        compiled = self.compiled.microbatch is not None and (self.compiled.probe_shapes is not None or not estimated)
-        if compiled and not self._check_coverage:
+        projections = projections or {}
+        if microbatches and self._unsettled():
+            self._rehearse(microbatches[0], loss_fn, shapes, projections)
+        if self.compiled.microbatch is not None:
             return self._compiled_pass(microbatches, loss_fn, shapes, projections)
+        return self._eager_pass(microbatches, loss_fn, shapes, projections)
+
+    def _unsettled(self) -> bool:
+        """A compiled step has still to learn from an eager micro-batch: the coverage check, dp-sgd-rc's probe
+        shapes, or the probes of a forward compiled alone."""
+        step = self.compiled
+        if step.microbatch is None and step.forward is None:
+            return False
+        return (self._check_coverage or (self._probe_draws is not None and step.probe_shapes is None)
+                or (step.forward is not None and not step.probes_made))
+
+    def _rehearse(self, mb, loss_fn, shapes, projections) -> None:
+        """A compiled run's eager micro-batches, on the step's first and released nowhere, until the compiled step
+        has learnt what it needs (`_unsettled`). Every released step is then the compiled one, a resumed process's
+        first as an uninterrupted one's: bit for bit the same (an eager step differs by float rounding, outside ε
+        where a lost attempt released it). What they draw is put back: the global generator (dropout), the step's
+        probe key, `.grad`."""
+        grads, count = [p.grad for p in self.params], self.step_keys.count if self.step_keys is not None else None
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            while self._unsettled():
+                self._eager_pass([mb], loss_fn, shapes, projections)
+                if self.step_keys is not None:
+                    self.step_keys.count = count
+        for p, g in zip(self.params, grads):
+            p.grad = g
+
+    def _eager_pass(self, microbatches, loss_fn, shapes, projections):
+        """The micro-batches' clipped sums and loss sum, each micro-batch eager (a forward compiled alone is still
+        called by it); the first one of a run checks coverage."""
+        estimated = self._probe_draws is not None
         summed = {}  # made by the first micro-batch's clipped sums (`_accumulate`)
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(self._with_step_probes(microbatches)):
