@@ -5,6 +5,8 @@ built here from the summary (and jax-privacy's, where it is installed)."""
 
 import json
 import math
+import re
+from pathlib import Path
 
 import dp_accounting
 import numpy as np
@@ -12,12 +14,14 @@ import pytest
 import torch
 
 from dpmem.config import ConfigError
-from dpmem.engine.trainer import Run, run_training
+from dpmem.engine.trainer import Run, run_length, run_training
 from dpmem.methods import METHODS, validate
-from dpmem.privacy.mechanism import GaussianMechanism
+from dpmem.privacy.accounting import calibrate_sigma
+from dpmem.privacy.mechanism import GaussianMechanism, calibrate
 from dpmem.privacy.randomness import Draws, derive, seed_key
 from dpmem.privacy.sampling import cyclic_batches
 from dpmem.privacy.strategies import make_strategy
+from dpmem.report.pages import Page
 from helpers import config, dies_at
 
 # random 8×8 images (160 records: a few groups of a batch of 32) and a one-block ViT: seconds a run
@@ -25,6 +29,7 @@ SMALL = ["model=vit-tiny", "data=synthetic", "data.n_train=160", "data.image_siz
          "model.arch.hidden_size=16", "model.arch.num_hidden_layers=1", "model.arch.num_attention_heads=2",
          "model.arch.intermediate_size=32", "model.arch.patch_size=4", "train.device=cpu"]
 SEEDS = ["privacy.noise_seed=3", "privacy.sampler_seed=3"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -133,6 +138,40 @@ def test_a_bandmf_run_spends_the_amplified_event_of_its_summary(tmp_path, method
     event = jp.amplified_bandmf_event(joint, 7, num_bands=3, sampling_prob=batch / (n // 3))
     theirs = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3).compose(event).get_epsilon(s["delta"])
     assert s["epsilon_spent"] == pytest.approx(theirs, rel=1e-9)
+
+
+def test_adam_under_correlated_noise_is_told_the_step_noise_matched_rate_and_keeps_its_own(tmp_path, capsys):
+    """Issue 73: correlated noise at independent noise's learning rate trained far worse without a word. The run
+    warns with docs/benchmarks/correlated.md's rule, lr × σ ÷ σ_independent × ‖C⁻¹'s last row‖ (C⁻¹ inverted
+    densely here; σ_independent calibrated for Poisson sampling at the run's ε, δ, q and steps), names its noise and
+    that rate in the closing table, and trains at the lr it was given."""
+    s = run_training(config("method=dp-adam", "privacy.noise=bandmf", "privacy.bands=3", "train.sampling=cyclic",
+                            "train.steps=7", "privacy.epsilon=4", "train.lr=0.01", *SMALL, *SEEDS), tmp_path)
+    out = capsys.readouterr()
+    c = np.array(make_strategy("bandmf", 3, 7).coefs)
+    row = np.linalg.norm(np.linalg.inv(sum(np.diag(np.full(7 - j, c[j]), -j) for j in range(3)))[-1])
+    independent = calibrate_sigma(4, s["delta"], s["sample_rate"], 7, sampling="poisson",
+                                  dataset_size=s["n_train"], loss_noise=10)
+    want = 0.01 * s["sigma"] / independent * row
+    assert s["status"] == "ok" and s["lr"] == 0.01
+    assert s["lr_step_noise_matched"] == pytest.approx(want, rel=1e-9) and want > 0.015
+    assert out.err.count("dpmem: warning: train.lr=0.01 with privacy.noise=bandmf") == 1
+    assert f"train.lr={want:.3g} (docs/benchmarks/correlated.md)" in out.err
+    assert f"bandmf, 3 bands over 7 steps (lr 0.01; step-noise-matched lr {want:.4g})" in out.out
+
+
+def test_the_warned_rate_is_the_benchmarks_factor_on_its_task():
+    """The rule the warning computes, on the benchmark's vit-digits task (dp-adam, ε 8, bands 8, 337 steps), is the
+    factor docs/benchmarks/correlated.md's lr-matched column ran at (written by scripts/bench_correlated.py)."""
+    cell = Page(ROOT / "docs/benchmarks/correlated.md").cell("bandmf, lr matched", task="vit-digits",
+                                                               method="dp-adam", ε="8")
+    bands, factor = re.search(r"b = (\d+), lr × ([\d.]+)", cell).groups()
+    cfg = config("method=dp-adam", "data=digits", "train.steps=null", "train.batch_size=64", "train.epochs=15",
+                 "privacy.epsilon=8", "privacy.noise=bandmf", f"privacy.bands={bands}", "train.sampling=cyclic",
+                 "train.lr=1")
+    steps, sampling = run_length(cfg, 1437)
+    mechanism = calibrate(cfg, METHODS["dp-adam"].spec, 1437, steps, sampling, torch.device("meta"))
+    assert steps == 337 and f"{mechanism.summary['lr_step_noise_matched']:.2f}" == factor
 
 
 def test_a_bisr_run_spends_one_gaussian_of_its_min_separation_sensitivity(tmp_path):

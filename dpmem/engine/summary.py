@@ -222,6 +222,15 @@ def _fmt(value) -> str:
     return str(value)
 
 
+def _noise(s: dict) -> str:
+    """The closing table's noise row: the strategy, and correlated noise's bands and step-noise-matched rate."""
+    if s["noise"] == "independent":
+        return "independent"
+    matched = s.get("lr_step_noise_matched")
+    return (f"{s['noise']}, {s.get('bands')} bands over {s.get('noise_horizon')} steps"
+            + (f" (lr {_fmt(s.get('lr'))}; step-noise-matched lr {_fmt(matched)})" if matched else ""))
+
+
 def summary_table(s: dict) -> str:
     mem = s.get("peak_memory_bytes")
     fixed = s.get("noise_multiplier_fixed") is not None  # the target is the ε a fixed σ spends over the plan
@@ -234,6 +243,7 @@ def summary_table(s: dict) -> str:
         ("epsilon spent / " + ("planned" if fixed else "target"),
          f"{_fmt(s.get('epsilon_spent'))} / {_fmt(s.get('epsilon_target'))} (delta {_fmt(s.get('delta'))}, sigma "
          f"{_fmt(s.get('sigma'))}{' fixed' if fixed else ''})"),
+        *([("noise", _noise(s))] if s.get("noise") and s.get("epsilon_target") is not None else []),
         (f"{s.get('metric_name')} final / best", f"{_fmt(s.get('metric_final'))} / {_fmt(s.get('metric_best'))}"),
         ("peak memory", f"{mem / 2**20:.1f} MiB ({s.get('peak_memory_source')})" if mem else "-"),
         ("throughput", f"{_fmt(s.get('throughput_samples_per_s'))} samples/s"),

@@ -359,6 +359,23 @@ def noise_terms(privacy, n: int, batch_size: int, steps: int, sampling: str, res
     return {"groups": groups, "noise": (name, min(bands, horizon), horizon)}
 
 
+def _adam_like(method) -> bool:
+    """A method whose update divides by the gradients' root mean square (Adam's moments): its step shrinks with a
+    step's noise, which correlated noise makes larger."""
+    return method.name in ("grape", "galore-dp-naive") or enum_value(method.get("optimizer", "")) in ("adam", "adamw")
+
+
+def step_noise_matched_lr(lr: float, sigma: float, epsilon: float, delta: float, q: float, steps: int,
+                          keywords: dict) -> float:
+    """docs/benchmarks/correlated.md's rule for correlated noise under an Adam-like method: the learning rate times
+    the std of one step's noise over independent noise's, σ ÷ σ_independent (Poisson sampling at the same ε, δ, q
+    and steps) × the norm of C⁻¹'s last row over the strategy's horizon. It reads no data."""
+    name, bands, horizon = keywords["noise"]
+    independent = {**keywords, "noise": None, "groups": None, "sampling": "poisson"}
+    row = float(torch.linalg.vector_norm(torch.as_tensor(make_strategy(name, bands, horizon).noising_coefs(horizon))))
+    return lr * sigma / calibrate_sigma(epsilon, delta, q, steps, **independent) * row
+
+
 def _accountant_keywords(privacy, spec, n: int, sampling: str, loss_release: str) -> dict:
     """epsilon_spent's keywords after (σ, δ, q, steps); loss_noise only where the loss is released in ε."""
     return {"accountant": accountant_of(privacy, spec), "neighbouring": enum_value(privacy.neighbouring),
@@ -422,6 +439,15 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
     derivable = [what for what, seed in (("batches", p.sampler_seed), ("noise", p.noise_seed)) if seed is not None]
     if accounted and derivable and distributed.is_main():
         print(f"dpmem: warning: privacy.{'sampler' if 'batches' in derivable else 'noise'}_seed is set: the run's "
+    matched = None
+    if accounted and keywords["noise"] and _adam_like(m) and t.lr > 0 and distributed.is_main():
+        matched = step_noise_matched_lr(t.lr, sigma, target, delta, q, steps, keywords)
+        if not 0.9 <= t.lr / matched <= 1.1:
+            print(f"dpmem: warning: train.lr={t.lr:g} with privacy.noise={keywords['noise'][0]}: a step's noise is "
+                  f"{matched / t.lr:.2f}x independent noise's (sigma ratio times the norm of C^-1's last row), and "
+                  f"Adam's step shrinks as much; the step-noise-matched rate, a rule that reads no data, is "
+                  f"train.lr={matched:.3g} (docs/benchmarks/correlated.md)",
+                  file=sys.stderr)
               f"{' and '.join(derivable)} can be derived from its config, and epsilon does not hold against "
               "anyone who has it (for debugging and tests)", file=sys.stderr)
     private_loss = loss_release == "private"
@@ -452,6 +478,7 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
         "group_rate": group_rate(q, n, keywords["groups"]) if keywords["groups"] else None,
         "privacy_analysis": _analysis(keywords, unit["uls"]) if accounted else None,
         # what ε protects: a record, or a user's records (ULS: sampled and clipped by user; ELS: by record)
+        "lr_step_noise_matched": matched,
         "unit": enum_value(p.get("unit", "record")) if spec.private else None,
         **({"user_sampling": enum_value(p.user_sampling), "records_per_user": p.records_per_user, "users": units}
            if spec.private and enum_value(p.get("unit", "record")) == "user" else {}),
