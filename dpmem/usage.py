@@ -11,6 +11,7 @@ USAGE = """usage: dpmem train [-m] [key=value ...]
   dpmem train method=adam privacy=none             a non-private baseline
   dpmem train -m method=dp-adam,grape privacy=eps2,eps8  a sweep (one run folder each)
   dpmem train --help                               every config group and option
+  dpmem train --help privacy                       one group's keys, values and presets
   torchrun --nproc_per_node=2 -m dpmem train ...   one run data-parallel over 2 processes (GPUs)
   dpmem memory model=opt-6.7b data=synthetic method=dp-adam,grape train.batch_size=1,2,4
                                                    plan peak memory on the meta device (no weights)
@@ -27,6 +28,9 @@ USAGE = """usage: dpmem train [-m] [key=value ...]
 
 Documentation (Markdown in the repository's docs/; `mkdocs serve` shows it as a site):
   docs/getting-started.md   install, a run and its folder, configuration, sweeps, dpmem report
+  docs/tutorial.md          one task end to end: a private run, its epsilon, accuracy against epsilon, memory
+  docs/configuration.md     every key of every group, its default and what it does
+  docs/opacus.md            coming from Opacus: its names mapped to dpmem's, the same loop written with each
   docs/run-folders.md       what a run writes, exit codes and statuses, resuming, the ledger of epsilon
   docs/faq.md               when something fails: a run that does not learn, out of memory, hub errors offline
   docs/scale.md             torchrun, FSDP, Hydra's launchers, SLURM, the Optuna search

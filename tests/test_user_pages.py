@@ -91,8 +91,9 @@ def test_the_check_passes_headings_anchors_code_and_plain_words(text):
     assert not process_words(text), text
 
 
-def test_the_help_names_the_faq_and_run_folders():
+def test_the_help_names_the_faq_run_folders_and_a_newcomers_pages():
     out = subprocess.run([sys.executable, "-m", "dpmem", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    for page in ("docs/faq.md", "docs/run-folders.md"):
+    for page in ("docs/faq.md", "docs/run-folders.md", "docs/tutorial.md", "docs/configuration.md",
+                 "docs/opacus.md"):
         assert page in out.stdout and page in USAGE, page
