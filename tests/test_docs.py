@@ -51,6 +51,16 @@ def nav_pages(node) -> list[str]:
     return [p for v in node for p in nav_pages(v)]
 
 
+def test_the_sites_tables_keep_identifiers_whole_and_scroll_sideways():
+    """Issue 73: Material breaks inline code anywhere, so a table's keys broke mid-word (`train.physical_b|atch_size`),
+    every few characters on a phone. The site's stylesheet breaks a table's code at its spaces only."""
+    css = (ROOT / "docs" / yaml.safe_load((ROOT / "mkdocs.yml").read_text())["extra_css"][0]).read_text()
+    rule = re.search(r"\.md-typeset table:not\(\[class\]\) code \{([^}]*)\}", css).group(1)
+    for setting in ("word-break: normal", "overflow-wrap: normal", "white-space: normal"):
+        assert setting in rule, setting
+    assert re.search(r"\.md-typeset__scrollwrap \{[^}]*overflow-x: auto", css)
+
+
 def test_every_page_the_help_names_exists_and_is_in_the_site():
     named = set(re.findall(r"docs/[\w/-]+\.md", USAGE)) | set(VERB_DOCS.values())
     nav = {f"docs/{p}" for p in nav_pages(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])}
