@@ -161,16 +161,19 @@ def test_ties_are_broken_uniformly_by_the_key_not_by_position(tmp_path):
 @pytest.mark.long
 def test_a_private_search_folder_is_its_own(cli, tmp_path):
     """Into a finished training run's folder, a folder of other files, a search whose selection.key was deleted
-    (a new key would draw a new K), or while another search holds the folder: refused in one line, nothing
-    written."""
+    (a new key would draw a new K), a search's release published, or while another search holds the folder:
+    refused in one line, nothing written."""
     from dpmem.engine.folder import FolderLock
     space = ["hydra/sweeper=private", "train.lr=tag(log, interval(1e-3, 1e-1))", *TINY]
     assert cli("train", *TINY, "hydra.run.dir=run").returncode == 0
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("mine")
     (tmp_path / "lost" / "trial-0123").mkdir(parents=True)
+    (tmp_path / "published").mkdir()
+    (tmp_path / "published" / "selection.json").write_text("{}")
     for folder, said in (("run", "files of its own"), ("mine", "files of its own (notes.txt)"),
-                         ("lost", "a private search whose selection.key is gone")):
+                         ("lost", "a private search whose selection.key is gone"),
+                         ("published", "a private search's release")):
         before = sorted(p.name for p in (tmp_path / folder).iterdir())
         r = cli("train", "-m", *space, f"hydra.sweep.dir={folder}")
         assert r.returncode == 2 and r.stderr.startswith("dpmem: error: hydra.sweep.dir:"), r.stderr
@@ -435,7 +438,7 @@ def test_the_release_is_new_files_and_a_full_disk_as_it_is_written_says_what_is_
     with pytest.raises(ConfigError) as e:
         search.finish(tmp_path, plan, state, results, points)
     said = str(e.value)
-    assert said.startswith("hydra.sweep.dir: ") and "\n" not in said and "the disk is full" in said, said
+    assert said.startswith(f"hydra.sweep.dir: {tmp_path / 'selection'}: the disk is full: ") and "\n" not in said
     assert "its release (selection/) was not written" in said and "run the same command again" in said, said
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(search.TRIAL)) == [
         "marker", search.KEY_FILE]  # no selection.tmp, no release, no holder's record yet

@@ -206,7 +206,7 @@ def check_folder(folder: Path, what: dict) -> bytes | None:
     """The key of the search `folder` holds, if it is `what`'s; None for a folder that is missing or empty (a new
     search). Raises ConfigError for any other folder: one that holds files of its own, or a search whose key is gone
     (a new key would draw a new K: a second search on the same data, after the first one's trials spent theirs)."""
-    from dpmem.engine.folder import LOCK
+    from dpmem.engine.folder import LOCK, search_part
 
     try:
         names = {e.name for e in folder.iterdir()} - {LOCK}
@@ -223,6 +223,8 @@ def check_folder(folder: Path, what: dict) -> bytes | None:
     if names & {HOLDER, RELEASED, TRIALS_LOG} or any(n.startswith(TRIAL) for n in names):
         held = (f"a private search whose {KEY_FILE} is gone: its K cannot be drawn again, and a new key would start a "
                 "second search on the same data (the first one's trials spent their ε)")
+    elif SELECTION in names:
+        held = search_part(folder)  # (a search's release, published or not)
     else:
         held = f"files of its own ({', '.join(sorted(names)[:4])}{', ...' if len(names) > 4 else ''})"
     raise ConfigError("hydra.sweep.dir", f"{folder} holds {held}: a private search writes into an empty folder, or "
@@ -342,7 +344,8 @@ def finish(folder: Path, search: Search, state: SearchState, results: list[tuple
         os.replace(made, folder / RELEASED)
     except OSError as e:
         shutil.rmtree(made, ignore_errors=True)
-        raise _not_written(e, f"the search's trials ran, but its release ({RELEASED}/) was not written") from None
+        raise _not_written(e, folder / RELEASED, f"the search's trials ran, but its release ({RELEASED}/) was not "
+                           "written") from None
     for i, (run_dir, _) in enumerate(results):  # the other trials' weights: K models on disk no longer
         if i != best:
             (run_dir / MODEL).unlink(missing_ok=True)
@@ -364,8 +367,8 @@ def finish(folder: Path, search: Search, state: SearchState, results: list[tuple
     try:
         _holders_records(folder, search, results, best, holder, together)
     except OSError as e:
-        raise _not_written(e, f"the search's release ({RELEASED}/) is written, but not the holder's {HOLDER} and "
-                           f"its trials' {RELEASE}") from None
+        raise _not_written(e, e.filename, f"the search's release ({RELEASED}/) is written, but not the holder's "
+                           f"{HOLDER} and its trials' {RELEASE}") from None
     return record
 
 
@@ -396,11 +399,11 @@ def _copied(source: Path, target: Path) -> None:
     os.replace(tmp, target)
 
 
-def _not_written(e: OSError, what: str) -> ConfigError:
-    """A write of `finish` that failed (a full disk), as one line: what was not written, and that the same command
-    finishes the search (its key, K and finished trials are kept)."""
+def _not_written(e: OSError, where: Path | str | None, what: str) -> ConfigError:
+    """A write of `finish` into `where` that failed (a full disk), as one line: what was not written, and that the
+    same command finishes the search (its key, K and finished trials are kept)."""
     full = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded"}.get(e.errno)
-    where = f"{e.filename}: " if e.filename else ""
+    where = f"{where}: " if where else ""
     return ConfigError("hydra.sweep.dir", f"{where}{full or e.strerror or type(e).__name__}: {what}; "
                        f"{'free some space' if full else 'mend that'} and run the same command again: it finishes the "
                        "search (the same K; finished trials are skipped)")
