@@ -435,10 +435,6 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
         sigma = distributed.from_main(found)
         if isinstance(sigma, str):
             raise ConfigError("privacy.epsilon", sigma)
-    # what an adversary holding config.yaml can replay: ε does not hold against one
-    derivable = [what for what, seed in (("batches", p.sampler_seed), ("noise", p.noise_seed)) if seed is not None]
-    if accounted and derivable and distributed.is_main():
-        print(f"dpmem: warning: privacy.{'sampler' if 'batches' in derivable else 'noise'}_seed is set: the run's "
     matched = None
     if accounted and keywords["noise"] and _adam_like(m) and t.lr > 0 and distributed.is_main():
         matched = step_noise_matched_lr(t.lr, sigma, target, delta, q, steps, keywords)
@@ -448,6 +444,10 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
                   f"Adam's step shrinks as much; the step-noise-matched rate, a rule that reads no data, is "
                   f"train.lr={matched:.3g} (docs/benchmarks/correlated.md)",
                   file=sys.stderr)
+    # what an adversary holding config.yaml can replay: ε does not hold against one
+    derivable = [what for what, seed in (("batches", p.sampler_seed), ("noise", p.noise_seed)) if seed is not None]
+    if accounted and derivable and distributed.is_main():
+        print(f"dpmem: warning: privacy.{'sampler' if 'batches' in derivable else 'noise'}_seed is set: the run's "
               f"{' and '.join(derivable)} can be derived from its config, and epsilon does not hold against "
               "anyone who has it (for debugging and tests)", file=sys.stderr)
     private_loss = loss_release == "private"
@@ -474,11 +474,11 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
         "noise": enum_value(p.get("noise", "independent")) if spec.private else None,
         "bands": keywords["noise"][1] if keywords["noise"] else None,
         "noise_horizon": keywords["noise"][2] if keywords["noise"] else None,
+        "lr_step_noise_matched": matched,
         "groups": keywords["groups"],
         "group_rate": group_rate(q, n, keywords["groups"]) if keywords["groups"] else None,
         "privacy_analysis": _analysis(keywords, unit["uls"]) if accounted else None,
         # what ε protects: a record, or a user's records (ULS: sampled and clipped by user; ELS: by record)
-        "lr_step_noise_matched": matched,
         "unit": enum_value(p.get("unit", "record")) if spec.private else None,
         **({"user_sampling": enum_value(p.user_sampling), "records_per_user": p.records_per_user, "users": units}
            if spec.private and enum_value(p.get("unit", "record")) == "user" else {}),
