@@ -210,7 +210,8 @@ def main() -> None:
     source_rows = [[link(key, name), what, page.provenance().device, page.provenance().commit,
                     page.provenance().date, f"`{page.provenance().command}`"] for key, page, name, what in sources]
     source_rows.append([link("d", "../reproductions.md#a-reproduction-that-fits-a-laptop"),
-                        "ViT-tiny trained from scratch on digits, ε = 8, δ = 1/n, final test accuracy, mean ± s.e."
+                        "ViT-tiny trained from scratch on digits, ε = 8, δ = 1/n (the reproduction's δ, which the"
+                        " FAQ warns against: dpmem's default is min(1e-5, 1/n^1.1)), final test accuracy, mean ± s.e."
                         " of 3 seeds (dpzero: 4,000 steps, `mini/steps-dpzero`)", "CPU, 2 cores", commit, date,
                         "`scripts/reproduce_mini.sh`"])
     details = (f"Planned peaks: `dpmem memory` on the meta device (CUDA's 512-byte rounding, the larger of 3 training "

@@ -1,5 +1,5 @@
-"""Every figure that the README, the home page and the methods page quote from a benchmark page is the cited page's
-figure, rounded as quoted.
+"""Every figure that the README, the home page, the methods page and the FAQ quote from a benchmark page is the cited
+page's figure, rounded as quoted.
 
 QUOTES lists each quote: the quoting page, the quoted text (line breaks read as spaces), the cited page, and how to
 read the figure from the cited page's table (`dpmem.report.pages`). Every number in the quoted text is a figure, and
@@ -18,7 +18,7 @@ import yaml
 from dpmem.report.pages import Page, number
 
 ROOT = Path(__file__).resolve().parent.parent
-QUOTING = ("README.md", "docs/index.md", "docs/methods.md")
+QUOTING = ("README.md", "docs/index.md", "docs/methods.md", "docs/faq.md")
 BENCH = "docs/benchmarks"
 
 
@@ -87,6 +87,21 @@ QUOTES = [
           ("grape", 4810, "1.19", "grape"),
           ("dp-adam, per-sample gradients materialised (as Opacus' hooks do)", 15401, "3.83",
            "dp-adam materialize"))),
+    # README: grape's peak as a multiple of Adam's elsewhere, each with its setting (issue 73: 1.19× beside 0.95×,
+    # 0.83× and 0.84× said nothing of which was which)
+    Quote("README.md", "embeddings frozen: 0.95×", f"{BENCH}/peers-cuda-tf32.md",
+          lambda p: (peers(32, "dpmem grape")(p)[1],)),
+    Quote("README.md", "embeddings frozen: 0.83×", f"{BENCH}/methods-table.md",
+          lambda p: (p.number("× adam's peak", method="`method=grape` (r = 16)"),)),
+    Quote("README.md", "The same plan with the embeddings trained: 0.84×", "docs/tutorial.md",
+          lambda p: (p.number("peak GiB", method="`grape`") / p.number("peak GiB", method="`adam`"),)),
+    # README: correlated noise at independent noise's learning rate, and at the step-noise-matched one
+    Quote("README.md", "dp-adam 81.1 % → 39.1 %", f"{BENCH}/correlated.md",
+          lambda p: (accuracy("dp-adam", "independent")(p), accuracy("dp-adam", "bandmf")(p))),
+    Quote("README.md", "(85.8 % there", f"{BENCH}/correlated.md",
+          lambda p: (accuracy("dp-adam", "bandmf, lr matched")(p),)),
+    Quote("docs/faq.md", "dp-adam fell from 81.1 % to 39.1 %", f"{BENCH}/correlated.md",
+          lambda p: (accuracy("dp-adam", "independent")(p), accuracy("dp-adam", "bandmf")(p))),
     # methods.md: planned peaks (memory.md), the peers on the CPU, the compiled step on the CPU and the H200
     Quote("docs/methods.md", "the planned peak is 1.03× Adam's on RoBERTa-large", "docs/memory.md",
           lambda p: (planned("dp-adam, bk (default)")(p) / planned("adam (non-private)")(p),), linked=False),
@@ -245,6 +260,20 @@ def test_every_figure_beside_a_benchmark_link_is_checked():
                 if not inside and (page, figure.group()) not in NOT_CHECKED:
                     missing.append(f"{page}: {figure.group()!r} in {block[max(0, figure.start() - 60):figure.end() + 40]!r}")
     assert not missing, "figures beside a benchmark link that QUOTES does not check:\n" + "\n".join(missing)
+
+
+def test_the_default_runs_accuracy_is_the_same_range_wherever_it_is_said():
+    """Issue 73: the Opacus page said 83–88 % where the README and getting started said 82–88 %. Every page that
+    speaks of the default run, or of the fresh clones it was measured in, quotes getting started's range."""
+    section = (ROOT / "docs/getting-started.md").read_text().split("## The default run")[1].split("\n## ")[0]
+    (range_,) = set(re.findall(r"\d+–\d+ %", section))
+    quoted = {}
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in blocks(path.read_text()):
+            if "default run" in block or "fresh clones" in block:
+                for found in re.findall(r"\d+–\d+ %", block):
+                    quoted[f"{path.relative_to(ROOT)}: {found}"] = found
+    assert len(quoted) >= 3 and set(quoted.values()) == {range_}, quoted
 
 
 def test_the_figure_reader_fails_loudly_on_a_missing_row():
