@@ -1,5 +1,6 @@
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -35,6 +36,25 @@ def stream_every_layer(request, monkeypatch):
 
     if request.node.get_closest_marker("default_streaming") is None:
         monkeypatch.setattr(taps, "STREAM_MIN_ELEMENTS", 0)
+
+
+def pytest_sessionstart(session):
+    session.config._dpmem_started = time.monotonic()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The whole suite fails past its ceiling (tests/suite_time.py), measured by the controller (not each xdist
+    worker) from its session's start."""
+    import suite_time
+
+    config = session.config
+    if hasattr(config, "workerinput") or not suite_time.whole_suite(
+            list(config.args), config.option.keyword, config.option.markexpr, str(config.rootpath)):
+        return
+    line = suite_time.verdict(time.monotonic() - config._dpmem_started, suite_time.ceiling())
+    if line is not None:
+        config.get_terminal_writer().line(f"FAILED: {line}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_configure(config):

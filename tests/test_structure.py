@@ -79,3 +79,15 @@ def test_the_per_sample_package_knows_nothing_of_fsdp_or_torchrun():
 
 def test_config_is_schema_only():
     assert import_graph()["dpmem.config"] == set()
+
+
+def test_the_suite_fails_past_its_ceiling_and_only_when_it_runs_whole():
+    import suite_time
+
+    root = str(Path(__file__).resolve().parents[1])
+    assert suite_time.whole_suite([], "", "", root) and suite_time.whole_suite([f"{root}/tests"], "", "", root)
+    assert not suite_time.whole_suite([f"{root}/tests/test_cli.py"], "", "", root)
+    assert not suite_time.whole_suite([], "signal", "", root) and not suite_time.whole_suite([], "", "cuda", root)
+    assert suite_time.verdict(suite_time.SUITE_CEILING_S, suite_time.SUITE_CEILING_S) is None
+    assert "over its ceiling of 12.0 min" in suite_time.verdict(suite_time.SUITE_CEILING_S + 1, suite_time.SUITE_CEILING_S)
+    assert suite_time.verdict(10 ** 6, 0) is None  # DPMEM_SUITE_CEILING_S=0: no ceiling
