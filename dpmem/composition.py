@@ -14,11 +14,11 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from dpmem import distributed
-from dpmem.config import ConfigError, MethodConfig, enum_value, register_configs
+from dpmem.config import ConfigError, enum_value, no_such_key, register_configs
 from dpmem.engine.placement import cuda_device_count
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")  # inside the package: works from any install
@@ -116,7 +116,7 @@ def quoting(overrides: list[str]) -> str:
 def compose_point(point: list[str]) -> DictConfig:
     """The validated config of one sweep point (inside an initialised Hydra). Raises ConfigError."""
     try:
-        cfg = compose("config", overrides=point)
+        cfg = compose("config", overrides=point, return_hydra_config=True)
     except Exception as e:  # hydra wraps OmegaConf's validation error (once or twice), which names the key
         cause = e
         while cause is not None and not (isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", 0)):
@@ -125,6 +125,13 @@ def compose_point(point: list[str]) -> DictConfig:
             where = first_line(e).split(":")[0] + ": " if first_line(e).startswith("In '") else ""
             raise ConfigError(cause.full_key, where + key_message(cause)) from None
         raise ConfigError("override", first_line(e)) from None
+    preset = cfg.hydra.runtime.choices.get("privacy")
+    with open_dict(cfg):  # what compose gives without return_hydra_config
+        del cfg["hydra"]
+    sigma = cfg.privacy.get("noise_multiplier")
+    if preset == "none" and sigma is not None:  # it would train privately under a preset that says non-private
+        raise ConfigError("privacy.noise_multiplier", f"{sigma:g} fixes σ of a private run, and privacy=none is "
+                          "the non-private preset: give one (privacy.noise_multiplier alone for a fixed σ)")
     from dpmem.methods import validate  # lazily, as each verb's modules (the methods pull in transformers)
 
     validate(cfg)
@@ -170,11 +177,7 @@ def key_message(e: OmegaConfBaseException) -> str:
     if not (isinstance(e, (ConfigAttributeError, ConfigKeyError)) and isinstance(schema, type)
             and dataclasses.is_dataclass(schema)):
         return first_line(e)
-    allowed = "; allowed: " + ", ".join(sorted(f.name for f in dataclasses.fields(schema)))
-    node = getattr(e, "parent_node", None)
-    if issubclass(schema, MethodConfig) and node is not None and "name" in node:
-        return f"{node['name']} has no option {e.key!r}" + allowed
-    return first_line(e) + allowed
+    return no_such_key(schema, getattr(e, "parent_node", None), e.key, first_line(e))
 
 
 def labels(points: list[tuple[str, ...]], cfgs, skip: str | None = None) -> list[str]:

@@ -8,13 +8,14 @@ allowed, which the CLI prints as one line.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 
 class ConfigError(ValueError):
@@ -570,8 +571,34 @@ def accounted(p: Any) -> bool:
     return asked_budget(p) is not None
 
 
+def no_such_key(schema: type, node: Any, key: str, said: str) -> str:
+    """The refusal of a key that `schema` (a dataclass) does not read: `said`, or a method's "NAME has no option",
+    then the keys it allows."""
+    allowed = "; allowed: " + ", ".join(sorted(f.name for f in dataclasses.fields(schema)))
+    if issubclass(schema, MethodConfig) and node is not None and "name" in node:
+        return f"{node['name']} has no option {key!r}" + allowed
+    return said + allowed
+
+
+def check_schema_keys(node: Any, prefix: str = "") -> None:
+    """Every key of a composed config is one its schema reads. `+KEY=VALUE` adds a key that Hydra lets into a
+    structured config, where nothing reads it (`+privacy.epsilonn=1` would train at the default ε): refused as the
+    misspelt key without `+` is. A free-form dict (model.arch) and a config built without the schema are not
+    checked. Raises ConfigError."""
+    schema = OmegaConf.get_type(node)
+    if not (isinstance(node, DictConfig) and dataclasses.is_dataclass(schema)):
+        return
+    fields = {f.name for f in dataclasses.fields(schema)}
+    for key, child in node.items_ex(resolve=False):
+        if key not in fields:
+            raise ConfigError(f"{prefix}{key}", no_such_key(schema, node, key, f"Key {key!r} not in "
+                                                            f"{schema.__name__!r} (a '+' adds a key nothing reads)"))
+        check_schema_keys(child, f"{prefix}{key}.")
+
+
 def validate_groups(cfg: Any) -> None:
     """The groups' checks (the module's docstring), spectrum's and memory's where the config has them."""
+    check_schema_keys(cfg)
     t = cfg.train
     if t.steps is None and t.epochs is None:
         raise ConfigError("train.steps", "set train.steps or train.epochs")
@@ -624,6 +651,10 @@ def validate_groups(cfg: Any) -> None:
         if not 0 < p[key] < math.inf:
             raise ConfigError(f"privacy.{key}", f"{p[key]} must be a finite number > 0")
     correlated = p.get("noise", Noise.independent) != Noise.independent
+    if correlated and not accounted(p):
+        raise ConfigError("privacy.noise", f"{enum_value(p.noise)} correlates the noise of a private run, and this "
+                          "one adds none (privacy=none: no privacy.epsilon or privacy.noise_multiplier); allowed "
+                          "without a budget: independent")
     bands = p.get("bands")
     if bands is not None and (isinstance(bands, bool) or bands < 1 or (bands > 1 and not correlated)):
         raise ConfigError("privacy.bands", f"{bands}: the bands of a correlated strategy (privacy.noise=bandmf|bisr), "
@@ -647,6 +678,12 @@ def validate_groups(cfg: Any) -> None:
     users = cfg.data.get("users")
     if users is not None and (isinstance(users, bool) or users < 1):
         raise ConfigError("data.users", f"{users}: the number of users to give the records to, a positive integer")
+    user_column = (cfg.data.get("columns") or {}).get("user")
+    if not by_user and (users is not None or user_column is not None):  # refused, not ignored: ε would be a record's
+        key, value = ("data.users", users) if users is not None else ("data.columns.user", user_column)
+        raise ConfigError(key, f"{value} names the data's users, which only privacy.unit=user reads: this run's ε "
+                          "protects one record (privacy.unit=record). For a user's: privacy.unit=user "
+                          f"privacy.records_per_user=K; for a record's, leave {key} unset")
     d = p.rc_dimension
     if d not in ("model", "max_layer") and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
         raise ConfigError("privacy.rc_dimension", f"{d!r}: allowed model, max_layer or a positive integer")

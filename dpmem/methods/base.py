@@ -13,6 +13,7 @@ from dpmem import sharding
 from dpmem.config import (Accountant, ConfigError, LossRelease, MethodConfig, Neighbouring, Noise, Objective, Sampling,
                           accounted, asked_budget, enum_value, resolved_sampling)
 from dpmem.methods.clipping_plan import ClippingPlan
+from dpmem.privacy.accounting import MIN_SIGMA
 from dpmem.privacy.mechanism import GaussianMechanism
 
 Batch = dict[str, torch.Tensor]
@@ -160,6 +161,11 @@ class Method:
             raise ConfigError("method.max_grad_norm", f"{m.max_grad_norm} must be > 0 for a private method")
         if not accounted(p):  # privacy=none: it clips, nothing is accounted
             return
+        sigma = p.get("noise_multiplier")
+        if sigma is not None and sigma < MIN_SIGMA:  # what calibration never goes below: its PLD outgrows memory
+            raise ConfigError("privacy.noise_multiplier", f"{sigma:g} is below {MIN_SIGMA:g}, the least noise dpmem "
+                              "accounts (the ε of less protects nothing, and accounting it takes minutes and "
+                              f"gigabytes); allowed: {MIN_SIGMA:g} or more, or privacy=none for a non-private run")
         if t.objective == Objective.train_loss and p.train_loss != LossRelease.private:
             raise ConfigError("train.objective", "train_loss chooses among private runs by their training loss, which "
                               f"privacy.train_loss={enum_value(p.train_loss)} releases outside epsilon (or not at "
