@@ -154,9 +154,13 @@ def _local_file(cfg) -> list[dict]:
     text_pair) and label. Integer labels are the classes 0..C-1; string labels are numbered in sorted order and their
     names become the default label words."""
     import pandas as pd
-    if not cfg.path or not Path(cfg.path).expanduser().is_file():
-        raise ConfigError("data.path", f"data={cfg.name} needs data.path=FILE.{cfg.name} (got {cfg.path!r})")
+    if not cfg.path:
+        raise ConfigError("data.path", f"data={cfg.name} needs data.path=FILE.{cfg.name}")
     path = Path(cfg.path).expanduser()
+    if not path.is_file():
+        raise ConfigError("data.path", f"{cfg.path!r} {'is a folder' if path.is_dir() else 'does not exist'} (a "
+                          f"relative path is read from {Path.cwd()}); data={cfg.name} reads one file: "
+                          f"data.path=FILE.{cfg.name}")
     try:  # pandas' errors (empty, malformed, not UTF-8) are ValueErrors
         frame = pd.read_csv(path) if cfg.name == "csv" else pd.read_json(path, lines=True)
     except ValueError as e:
@@ -170,10 +174,17 @@ def _local_file(cfg) -> list[dict]:
     missing = sorted(set(mapping.values()) - set(frame.columns))
     if missing:
         raise ConfigError("data.columns", f"{path.name} has no column(s) {missing}; it has {list(frame.columns)}")
-    blank = {column: int(frame[column].isna().sum()) for column in mapping.values() if frame[column].isna().any()}
+    blank = {column: count for field, column in mapping.items() if (count := _empty(frame[column], field))}
     if blank:
+        needs = ", ".join(f"{field} (column {column!r})" for field, column in mapping.items())
         raise ConfigError("data.path", f"{path.name} has empty cells in {blank} (column: how many); every example "
-                          "needs its text and label")
+                          f"needs its {needs}")
+    if "user" in mapping:  # a list's or an object's text would be hashed into one user id
+        nested = next((v for v in frame[mapping["user"]] if not pd.api.types.is_scalar(v)), None)
+        if nested is not None:
+            raise ConfigError("data.columns.user", f"{path.name}'s column {mapping['user']!r} holds a "
+                              f"{type(nested).__name__} ({nested!r}) where a user id belongs: one id per record, a "
+                              "name or a number")
     rows = [{f: row[column] for f, column in mapping.items()} for row in frame.to_dict("records")]
     column = mapping["label"]
     labels = frame[column]
@@ -200,6 +211,15 @@ def _local_file(cfg) -> list[dict]:
         for r in rows:
             r["label_name"], r["label"] = str(r["label"]), index[str(r["label"])]
     return rows
+
+
+def _empty(cells, field: str) -> int:
+    """How many of a column's cells are empty: missing (an empty csv cell, NaN, JSON null), and for the user column
+    also blank text ("" and "   " would make every such record one user's)."""
+    empty = cells.isna()
+    if field == "user":
+        empty |= cells.map(lambda v: isinstance(v, str) and not v.strip())
+    return int(empty.sum())
 
 
 def load(cfg, model_cfg):

@@ -115,7 +115,7 @@ def for_training(privacy, data, seed: int):
     """(the data a run trains on, the summary's account of its users): under privacy.unit=user, ELS's bound applied
     (at most privacy.records_per_user records of each user, chosen keyed by `seed`, data.split_seed: a choice that
     reads no record, so it may be public); ULS keeps every record and bounds each step instead. Unchanged, None for
-    a record-level run. Raises ConfigError where the data names no users."""
+    a record-level run. Raises ConfigError where the data names no users, or the bound exceeds every user's records."""
     from dataclasses import replace
 
     if enum_value(privacy.get("unit", "record")) != "user":
@@ -125,6 +125,11 @@ def for_training(privacy, data, seed: int):
                           "make them up with data.users=N")
     k = int(privacy.records_per_user)
     said = describe(data.users, k)
+    most = said["records_per_user_max"]
+    if k > most:  # ULS lays out k slots per sampled user, ELS accounts a mixture of k + 1 Gaussians
+        raise ConfigError("privacy.records_per_user", f"{k} is more than any user's records (the most: {most}): a "
+                          "larger bound uses no more records, and costs memory (ULS: k slots a user) or ε (ELS); "
+                          f"allowed: 1..{most}")
     if enum_value(privacy.user_sampling) == "records":  # ELS: bounded once
         kept = bounded(data.users, k, seed)
         data = replace(data, train={name: column[kept] for name, column in data.train.items()},
