@@ -33,6 +33,7 @@ from dpmem.engine.trainer import accounting_of, eval_batch_size, run_length
 from dpmem.metering import CUDA_BLOCK, LiveTensorCounter, labelled_forward, memory_label
 from dpmem.methods import check_fsdp, method_class
 from dpmem.models import build_model
+from dpmem.privacy.mechanism import unit_terms
 from dpmem.privacy.strategies import Strategy, make_strategy
 
 # GPU memory is quoted in binary units whatever the suffix (a "24GB" card and an "80GB" H100 hold 24 and 80 GiB)
@@ -179,6 +180,8 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     strategy = noise_strategy(cfg, data.n_train)  # the run's, at its own logical batch (a budget search varies it)
     # ULS: a batch of users, k record slots each (`Grouped`): its sizes count users
     k = int(cfg.privacy.records_per_user) if users.uls(cfg.privacy) else None
+    if k:  # a batch of more users than there are, refused as the run refuses it
+        unit_terms(cfg.privacy, data.n_train, users.count(data), batch)
     # the run's mechanism (σ calibrated for its steps) where asked; else a stand-in, as σ changes no memory
     length = (dict(zip(("steps", "sampling"), run_length(cfg, users.count(data) if k else data.n_train)))
               if account and world == 1 else {})
@@ -330,13 +333,15 @@ SEARCH_LIMIT = 1 << 16  # largest_batch looks no further: a budget that holds th
 
 
 def largest_batch(cfg, budget: int | str, limit: int = SEARCH_LIMIT) -> tuple[int, dict | None]:
-    """The largest batch up to `limit`, in one physical batch, whose run's reserved estimate (training's or
-    evaluation's, the larger: the run must not run out of memory when it evaluates) fits `budget` (bytes, or a size
-    as memory.budget takes it: '24GB'), and its plan; (0, plan at 1) if not even one example fits. Doubling, then
-    bisection: memory grows with the batch (and so does evaluation's, at its default batch size, the physical one; a
-    fixed train.eval_batch_size is a floor)."""
+    """The largest batch up to `limit` (under ULS, up to the users), in one physical batch, whose run's reserved
+    estimate (training's or evaluation's, the larger: the run must not run out of memory when it evaluates) fits
+    `budget` (bytes, or a size as memory.budget takes it: '24GB'), and its plan; (0, plan at 1) if not even one
+    example fits. Doubling, then bisection: memory grows with the batch (and so does evaluation's, at its default
+    batch size, the physical one; a fixed train.eval_batch_size is a floor)."""
     fits = {}
     budget = parse_bytes(budget)
+    if users.uls(cfg.privacy):  # a ULS step samples users: at most all of them
+        limit = min(limit, users.count(build_data(cfg.data, cfg.model)))
 
     def ok(b):
         fits[b] = plan(cfg, b, physical_batch_size=b)

@@ -152,6 +152,28 @@ def _check(delta: float, sample_rate: float, steps: int) -> None:
         raise ValueError(f"steps={steps} must be >= 0")
 
 
+def _check_terms(accountant: str, sampling: str, groups, noise, user_records) -> None:
+    """The keywords of one kind of run refused where another kind's are given, rather than ignored (noise= under
+    Poisson sampling would account independent noise) or misread (noise='bandmf', a string, read as a tuple)."""
+    if sampling != "cyclic" and (groups is not None or noise is not None):
+        given = "groups" if groups is not None else "noise"
+        raise ValueError(f"{given}={groups if groups is not None else noise!r}: groups and noise are cyclic "
+                         f"sampling's (correlated noise, sampling='cyclic'); {sampling} sampling has neither")
+    if noise is not None and not (isinstance(noise, (tuple, list)) and len(noise) == 3
+                                  and noise[0] in ("bandmf", "bisr")
+                                  and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
+                                          for x in noise[1:])):
+        raise ValueError(f"noise={noise!r}: allowed (name, bands, horizon) with name bandmf or bisr and positive "
+                         "integers, e.g. ('bandmf', 4, 100), or None for independent noise")
+    if user_records is not None:
+        if not isinstance(user_records, numbers.Integral) or isinstance(user_records, bool) or user_records < 1:
+            raise ValueError(f"user_records={user_records!r} must be a positive integer (ELS's k: the most records "
+                             "of one user the run uses)")
+        if accountant == "rc":
+            raise ValueError("user_records: the rc accountant bounds one record's random sensitivity, not a user's; "
+                             "allowed with user_records: pld")
+
+
 def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, accountant: str = "pld",
                   neighbouring: str = "add_remove", sampling: str = "poisson",
                   dataset_size: int | None = None, k: int = 32, d: float | None = None,
@@ -183,6 +205,7 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
     """
     _numbers(sigma=sigma)
     _check(delta, sample_rate, steps)
+    _check_terms(accountant, sampling, groups, noise, user_records)
     if accountant == "rc":
         if neighbouring != "add_remove":
             raise ValueError(f"accountant rc: neighbouring {neighbouring!r} is not supported, allowed add_remove")
@@ -280,6 +303,7 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
     """
     _numbers(epsilon=epsilon)
     _check(delta, sample_rate, steps)
+    _check_terms(accountant, sampling, groups, noise, user_records)
     if not epsilon > 0:
         raise ValueError(f"epsilon={epsilon} must be > 0")
     if steps <= 0:
