@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -13,7 +14,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dpmem import distributed
-from dpmem.composition import CONF_DIR, compose_points, error, group_options, labels, sweep_points
+from dpmem.composition import (ABSENT, CONF_DIR, compose_points, error, group_options, labels, select,
+                               sweep_points)
 from dpmem.config import ConfigError, enum_value
 from dpmem.engine import job
 from dpmem.engine.folder import check_output, given
@@ -52,16 +54,41 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _train_help(rest: list[str]) -> None:
-    """`dpmem train [overrides] --help`: the config groups users choose from (not the schemas dpmem registers for
-    validation, which Hydra's help would list) and the config the overrides compose."""
+    """`dpmem train [overrides] --help [GROUP ...]`: the config groups users choose from (not the schemas dpmem
+    registers for validation, which Hydra's help would list) and the config the overrides compose; with GROUP (a
+    bare word: privacy, or a key such as privacy.delta), that part of it alone."""
+    args = [a for a in rest if a not in ("-h", "--help", "-m", "--multirun")]
+    words = [a for a in args if re.fullmatch(r"[A-Za-z_][\w.-]*", a)]  # no '=': a group or key to show
     with _one_line_errors(rest):
-        cfg = compose_points(sweep_points([a for a in rest if a not in ("-h", "--help", "-m", "--multirun")])[:1])[0]
+        cfg = compose_points(sweep_points([a for a in args if a not in words])[:1])[0]
+        if words:
+            return _group_help(cfg, words)
     lines = [USAGE.splitlines()[0].replace("usage: ", ""), "",
              f"Documented in {VERB_DOCS['train']} (running), docs/methods.md (methods and their options) and "
-             "docs/privacy.md (privacy.*)", "", "== Configuration groups ==",
-             "Compose your configuration from those groups (group=option)", ""]
+             "docs/privacy.md (privacy.*); dpmem train --help GROUP (e.g. privacy) shows one group's keys", "",
+             "== Configuration groups ==", "Compose your configuration from those groups (group=option)", ""]
     lines += [f"{where}: {', '.join(names)}" for where, names in sorted(group_options().items())]
     lines += ["", "== Config ==", "Override anything in the config (foo.bar=value)", "", OmegaConf.to_yaml(cfg)]
+    print("\n".join(lines), end="")
+
+
+def _group_help(cfg: DictConfig, words: list[str]) -> None:
+    """`dpmem train --help privacy`: each named group's (or key's) composed values, its presets, and where each key's
+    meaning is. Raises ConfigError for a name the config does not have."""
+    for word in words:
+        if select(cfg, word) is ABSENT:
+            raise ConfigError(word, "no such group or key of the config; allowed a group ("
+                              f"{', '.join(k for k in cfg if isinstance(cfg[k], DictConfig))}) or a key in one, e.g. "
+                              "dpmem train --help privacy")
+    lines = []
+    for word in words:
+        group, node = word.split(".")[0], select(cfg, word)
+        anchor = group if isinstance(cfg[group], DictConfig) else "top-level"
+        lines += [f"== {word} ==", f"What each key means, its type and default: docs/configuration.md#{anchor}"]
+        if word in group_options():
+            lines.append(f"Presets ({word}=NAME): {', '.join(group_options()[word])}")
+        body = OmegaConf.to_yaml(node, resolve=True) if isinstance(node, DictConfig) else f"{word}: {node}\n"
+        lines += ["", body]
     print("\n".join(lines), end="")
 
 

@@ -428,6 +428,10 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
         found = epsilon_spent(sigma, delta, q, steps, **keywords) if distributed.is_main() else None
         target = distributed.from_main(found)
     elif accounted:
+        if keywords["user_records"] is not None and distributed.is_main():  # a minute or two without a word else
+            print(f"dpmem: calibrating σ to ε = {p.epsilon:g} per user (ELS: each step a mixture of "
+                  f"{keywords['user_records'] + 1} Gaussians, a privacy loss distribution built per σ tried); this "
+                  "can take minutes", file=sys.stderr)
         try:
             found = calibrate_sigma(p.epsilon, delta, q, steps, **keywords) if distributed.is_main() else None
         except UnreachableTarget as e:
