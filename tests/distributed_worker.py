@@ -66,7 +66,7 @@ def run(cfg, folder: Path, die_at_step: int | None = None, force_compile: bool =
 
 
 def forced(run: Run, folder: Path) -> None:
-    """The private step's micro-batch compiled (aot_eager) past the refusal, for the method's first compiled step:
+    """The private step's micro-batch compiled (aot_eager) past the refusal, for the method's first step:
     what dynamo raised (every rank traces the same graph, so every rank raises alike), or "compiled", is written
     down, and the step goes back to eager."""
     privatizer, real = run.method.privatizer, run.method.step
@@ -76,7 +76,7 @@ def forced(run: Run, folder: Path) -> None:
 
     def step(micro, loss_fn):
         calls.append(1)
-        if len(calls) != 2:  # the first step is eager (the coverage check); the second compiles
+        if len(calls) != 1:  # the first step compiles (after its eager rehearsal: Privatizer._rehearse)
             return real(micro, loss_fn)
         try:
             out, said = real(micro, loss_fn), "compiled"
