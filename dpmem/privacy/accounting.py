@@ -17,6 +17,7 @@ import numbers
 import dp_accounting
 from absl import logging as absl_logging
 from dp_accounting import dp_event, pld, rdp
+from scipy import optimize
 from scipy.stats import binom
 
 from dpmem.privacy import rc_envelope as rc
@@ -277,6 +278,26 @@ def _bracket(eps, epsilon: float, max_sigma: float, unreachable: str) -> tuple[f
     return lo, hi
 
 
+def _root(eps, epsilon: float, lo: float, hi: float, tolerance: float) -> float:
+    """dp_accounting.calibrate_dp_mechanism's search over the bracket (lo, hi) of `_bracket`: Brent's root of
+    eps(σ) - epsilon to `tolerance`, then the multiplier of no more than `epsilon` (the root, or the root + tolerance,
+    or else bisection's upper end). `eps` remembers its values (calibrate_sigma's): the bracket's ends, which
+    `_bracket` computed, and the root are not built again, where calibrate_dp_mechanism builds each anew (a PLD of
+    ELS's mixture takes seconds)."""
+    def gap(s: float) -> float:
+        return eps(s) - epsilon
+
+    root = float(optimize.brentq(gap, lo, hi, xtol=tolerance))
+    if gap(root) <= 0:
+        return root
+    if gap(root + tolerance) <= 0:
+        return root + tolerance
+    while hi - lo > tolerance:  # the bisection dp-accounting falls back to: its upper end never spends more
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if gap(mid) <= 0 else (mid, hi)
+    return hi
+
+
 @functools.lru_cache(maxsize=256)  # a sweep over seeds or learning rates calibrates the same sigma once per process
 def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "pld",
                     neighbouring: str = "add_remove", sampling: str = "poisson",
@@ -309,6 +330,7 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
     if steps <= 0:
         raise ValueError(f"steps={steps} must be positive")
 
+    @functools.cache  # `_bracket` and `_root` ask for some σ twice
     def eps(s: float) -> float:  # rc's of the gradient's multiplier, the others' of the joint one
         return epsilon_spent(s, delta, sample_rate, steps, accountant, neighbouring, sampling, dataset_size, k, d,
                              estimator, loss_noise if accountant == "rc" else None, groups, noise, user_records)
@@ -335,10 +357,4 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
                                 "smaller epsilon, or privacy=none for a non-private run")
     lo, hi = _bracket(eps, epsilon, MAX_SIGMA, f"epsilon={epsilon} at delta={delta} is unreachable with sample rate "
                       f"{sample_rate:.4g} over {steps} steps")
-    sigma = dp_accounting.calibrate_dp_mechanism(
-        lambda: _accountant(accountant, neighbouring),
-        lambda s: _event(s, sample_rate, steps, sampling, dataset_size, groups, _tuple(noise), user_records),
-        epsilon, delta,
-        bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi),
-        discrete=False, tol=tolerance)
-    return float(sigma) / joint_sigma(1.0, loss_noise)  # the gradient's, for a joint multiplier of `sigma`
+    return _root(eps, epsilon, lo, hi, tolerance) / joint_sigma(1.0, loss_noise)  # the gradient's, of the joint one
