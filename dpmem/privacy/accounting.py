@@ -223,9 +223,13 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
         # what PLDAccountant composes for `_event`'s mixture, its one step kept: a run asks for each logged step
         return float(_mixture_step(joint_sigma(sigma, loss_noise), sample_rate, int(user_records))
                      .self_compose(steps).get_epsilon_for_delta(delta))
-    if accountant == "pld" and sampling == "poisson" and user_records is None and neighbouring in RELATIONS:
-        # what PLDAccountant composes for `_event`'s SelfComposed(PoissonSampled(Gaussian)), its one step kept
-        composed = _poisson_step(joint_sigma(sigma, loss_noise), sample_rate, neighbouring).self_compose(steps)
+    banded = sampling == "cyclic" and groups and dataset_size is not None and not (noise and noise[0] == "bisr")
+    if accountant == "pld" and user_records is None and neighbouring in RELATIONS and (sampling == "poisson" or banded):
+        # what PLDAccountant composes for `_event`'s SelfComposed(PoissonSampled(Gaussian)) (a banded strategy's at
+        # its group's rate, once a participation), its one step kept
+        rate, count = ((group_rate(sample_rate, dataset_size, groups), math.ceil(steps / groups)) if banded
+                       else (sample_rate, steps))
+        composed = _poisson_step(joint_sigma(sigma, loss_noise), rate, neighbouring).self_compose(count)
         return float(pld.privacy_loss_distribution.identity(PLD_DISCRETIZATION).compose(composed)
                      .get_epsilon_for_delta(delta))
     acc = _accountant(accountant, neighbouring)
