@@ -235,3 +235,16 @@ def standard_noise(shapes: list, draws: Draws, dtype=torch.float32) -> list[torc
     assert sum(sizes) <= NOISE_BUCKET
     draw = draws.randn(sum(sizes), dtype=dtype)
     return [chunk.view(shape) for chunk, shape in zip(draw.split(sizes), shapes)]
+
+
+def kept_runs(monkeypatch) -> dict:
+    """Each Run that executes from now on, by its run folder's name: a test reads its model after run_training."""
+    from dpmem.engine.trainer import Run
+
+    kept, real_execute = {}, Run.execute
+
+    def keep(self):
+        kept[self.run_dir.name] = self
+        return real_execute(self)
+    monkeypatch.setattr(Run, "execute", keep)
+    return kept

@@ -22,7 +22,7 @@ from dpmem.privacy.randomness import Draws, derive, seed_key
 from dpmem.privacy.sampling import cyclic_batches
 from dpmem.privacy.strategies import make_strategy
 from dpmem.report.pages import Page
-from helpers import config, dies_at
+from helpers import config, dies_at, kept_runs
 
 # random 8×8 images (160 records: a few groups of a batch of 32) and a one-block ViT: seconds a run
 SMALL = ["model=vit-tiny", "data=synthetic", "data.n_train=160", "data.image_size=8", "data.channels=1",
@@ -224,13 +224,7 @@ def test_more_bands_than_groups_of_a_batch_is_refused_naming_the_bands(tmp_path)
 
 @pytest.mark.parametrize("method,noise", [("dp-adam", "bandmf"), ("grape", "bandmf"), ("dp-adam", "bisr")])
 def test_a_run_killed_mid_band_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, method, noise):
-    captured = {}
-    real_execute = Run.execute
-
-    def keep(self):
-        captured[self.run_dir.name] = self
-        return real_execute(self)
-    monkeypatch.setattr("dpmem.engine.trainer.Run.execute", keep)
+    captured = kept_runs(monkeypatch)
     own = ["method.refresh=3", "method.rank=4"] if method == "grape" else []
     cfg = lambda *more: config(f"method={method}", f"privacy.noise={noise}", "privacy.bands=3",  # noqa: E731
                                "train.sampling=cyclic", "train.steps=7", "privacy.epsilon=1", *SMALL, *SEEDS, *own,

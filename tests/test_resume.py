@@ -9,9 +9,9 @@ from hydra import compose, initialize_config_dir
 
 from dpmem.composition import CONF_DIR
 from dpmem.engine.folder import FolderRefused
-from dpmem.engine.trainer import Run, run_training
+from dpmem.engine.trainer import run_training
 from dpmem.methods import METHODS
-from helpers import dies_at
+from helpers import dies_at, kept_runs
 
 SMALL = ["model.arch.hidden_size=16", "model.arch.num_hidden_layers=1", "model.arch.num_attention_heads=2",
          "model.arch.intermediate_size=32", "model.arch.patch_size=4"]
@@ -31,13 +31,7 @@ def config(method, *overrides):
 
 @pytest.mark.parametrize("method", ["adam", "dp-adam", "grape", "galore-dp-naive", "dpzero", "dp-sgd-rc"])
 def test_a_run_that_dies_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, method):
-    captured = {}
-    real_execute = Run.execute
-
-    def keep_model(self):
-        captured[self.run_dir.name] = self
-        return real_execute(self)
-    monkeypatch.setattr("dpmem.engine.trainer.Run.execute", keep_model)
+    captured = kept_runs(monkeypatch)
     lr = ["train.lr=1e-4"] if method == "dpzero" else []
     oracle = run_training(config(method, *lr), tmp_path / "oracle")
 
@@ -79,13 +73,7 @@ def test_a_compiled_run_that_dies_resumes_bit_for_bit(tmp_path, monkeypatch, noi
     compiled, so its redone steps differed by float rounding from what the lost attempt had logged with the same
     noise. Each process now rehearses the check on a micro-batch it releases nothing of, and every step is
     compiled (by inductor: its code rounds otherwise than the eager step)."""
-    captured = {}
-    real_execute = Run.execute
-
-    def keep_model(self):
-        captured[self.run_dir.name] = self
-        return real_execute(self)
-    monkeypatch.setattr("dpmem.engine.trainer.Run.execute", keep_model)
+    captured = kept_runs(monkeypatch)
     compiled = ["train.compile=true", "train.device=cpu", "train.batch_size=16", *noise]
     oracle = run_training(config("dp-adam", *compiled), tmp_path / "oracle")
     real_step = dies_at(monkeypatch, METHODS["dp-adam"], 4)  # step 3 logged after the checkpoint of step 2: lost
