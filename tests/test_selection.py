@@ -289,9 +289,10 @@ def test_a_private_search_end_to_end(cli, tmp_path, monkeypatch):
 def test_a_search_killed_mid_trial_resumes_with_the_same_number_of_trials(tmp_path, cli):
     """SIGKILL once the first trial has a checkpoint; the same command again: the key (and so K) is the one the
     first start drew, the finished trials are skipped, and the search ends with K trials."""
-    command = [sys.executable, "-m", "dpmem", "train", "-m", "hydra/sweeper=private", "hydra.sweeper.mean_trials=1.5",
-               "train.lr=tag(log, interval(1e-3, 1e-1))", *TINY, "train.steps=6", "train.checkpoint_every=1",
-               f"hydra.sweep.dir={tmp_path / 's'}"]
+    arguments = ["train", "-m", "hydra/sweeper=private", "hydra.sweeper.mean_trials=1.5",
+                 "train.lr=tag(log, interval(1e-3, 1e-1))", *TINY, "train.steps=6", "train.checkpoint_every=1",
+                 f"hydra.sweep.dir={tmp_path / 's'}"]
+    command = [sys.executable, "-m", "dpmem", *arguments]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
@@ -317,7 +318,7 @@ def test_a_search_killed_mid_trial_resumes_with_the_same_number_of_trials(tmp_pa
     assert resumed["resumed_from_step"] is not None and resumed["status"] == "ok"
     # another law in the same folder is refused before anything runs, naming the folder's key (in this process: the
     # refusal, not a process, is what is checked, and a fresh interpreter costs seconds)
-    other = cli(*command[3:], "hydra.sweeper.shape=0")
+    other = cli(*arguments, "hydra.sweeper.shape=0")
     assert other.returncode == 2 and other.stderr.startswith("dpmem: error: hydra.sweep.dir:"), other.stderr
 
 
