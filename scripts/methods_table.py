@@ -20,15 +20,17 @@ pages' own). Writes docs/benchmarks/methods-table.md and methods-table.png besid
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import re
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import dpmem.cli
 from dpmem.report import GIB, benchmark_page, machine, markdown_table, page_header, pyplot, save_figure, write_markdown
 from dpmem.report.pages import Page, number
 
@@ -95,14 +97,19 @@ def plan(args) -> tuple[dict[tuple[int, str], dict], list[str]]:
               f"train.batch_size={args.batch_size}", f"model.trainable=[{','.join(args.trainable)}]"]
     plans, commands = {}, []
     for i, (overrides, labels) in enumerate(SWEEPS):
+        cmd = ["memory", *common, *overrides]
         with tempfile.TemporaryDirectory() as folder:
-            cmd = [sys.executable, "-m", "dpmem", "memory", *common, *overrides]
-            out = subprocess.run([*cmd, f"memory.dir={folder}"], capture_output=True, text=True)
-            if out.returncode != 0:
-                sys.exit(f"methods_table: {' '.join(cmd[2:])} failed:\n{out.stderr[-3000:]}")
+            # dpmem's own entry point in this process: a fresh interpreter per sweep cost its imports again
+            printed = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                    dpmem.cli.main([*cmd, f"memory.dir={folder}"])
+            except SystemExit as e:
+                if e.code not in (0, None):
+                    sys.exit(f"methods_table: dpmem {' '.join(cmd)} failed:\n{printed.getvalue()[-3000:]}{e.code}")
             found = json.loads((Path(folder) / "memory.json").read_text())["plans"]
         if [p["label"] for p in found] != labels:
-            sys.exit(f"methods_table: {' '.join(cmd[2:])} planned {[p['label'] for p in found]}, not {labels}")
+            sys.exit(f"methods_table: dpmem {' '.join(cmd)} planned {[p['label'] for p in found]}, not {labels}")
         plans.update({(i, p["label"]): p for p in found})
         commands.append(" ".join(["dpmem", "memory", *common[:-1], "\\\n   ", f"'{common[-1]}'", *overrides]))
     return plans, commands
