@@ -5,6 +5,7 @@ composed and validated once, so that a bad value ends in one ConfigError that na
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import itertools
 import sys
@@ -26,6 +27,38 @@ MAX_PREFLIGHT = 256  # sweep points composed before launch; larger grids are che
 
 register_configs()
 _launched_at: str | None = None
+
+
+def _remember_config_files() -> None:
+    """Hydra reads and parses each config file anew for every composition (its own cache lives for one compose),
+    and a sweep's preflight, its jobs and each tool's points compose the same few dozen YAML files: parsing them
+    was a third of a composition. Each file's load (its config and defaults list) is kept for the process, keyed by
+    its source and name, and for a file on disk by its text too (an edited file is parsed again); Hydra is handed a
+    copy, since it edits what it loads. File and package sources only: a structured config can be stored again
+    under its name."""
+    from hydra._internal.config_repository import ConfigRepository, ObjectType
+
+    load, kept = ConfigRepository.load_config, {}
+
+    def load_config(self, config_path: str):
+        # by scheme, not class: Hydra's plugin discovery imports its sources' modules a second time
+        source = self._find_object_source(config_path=config_path, object_type=ObjectType.CONFIG)
+        if source is None or source.scheme() not in ("file", "pkg"):
+            return load(self, config_path)
+        key = (source.path, config_path)
+        if source.scheme() == "file":  # its text, not its time stamp (coarser than two quick edits)
+            try:
+                key += (Path(source.path, source._normalize_file_name(config_path)).read_bytes(),)
+            except OSError:  # gone since Hydra looked: its own error
+                return load(self, config_path)
+        if key not in kept:
+            kept[key] = load(self, config_path)
+        return copy.deepcopy(kept[key])
+
+    ConfigRepository.load_config = load_config
+
+
+_remember_config_files()
 
 
 def _launch_time(pattern: str) -> str:
