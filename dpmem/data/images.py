@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.model_selection import train_test_split
 
 from dpmem.config import ConfigError
 from dpmem.data.bundle import DataBundle
@@ -32,6 +31,7 @@ def image_bundle(x_train, y_train, x_test=None, y_test=None, *, test_fraction: f
     or the largest label + 1). Without a test split, a stratified `test_fraction` is held out with `split_seed`, so
     the split does not change with train.seed."""
     if x_test is None:
+        from sklearn.model_selection import train_test_split  # only this split needs sklearn
         classes, counts = np.unique(np.asarray(y_train), return_counts=True)
         if counts.min() < 2:
             small = ", ".join(f"class {c} has {n} example" for c, n in zip(classes, counts) if n < 2)
