@@ -48,6 +48,22 @@ def test_the_bound_is_the_largest_epsilon_ruled_out():
     assert epsilon_lower_bound(200, 100, 50, 0.05, 1e-5) == 0.0  # chance level rules nothing out
 
 
+def test_the_p_value_is_theorem_5_2s_with_every_term_of_its_delta_sum():
+    """p_value stops its sum over i = 1..v once no later term can pass the largest: the same value as every term's
+    (Steinke et al.'s Theorem 5.2, written out here), on random canary counts up to 200,000."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        m = int(rng.integers(2, 200_000))
+        r = int(rng.integers(1, m + 1))
+        v, epsilon, delta = int(rng.integers(0, r + 1)), float(rng.uniform(0, 8)), float(10 ** rng.uniform(-10, -1))
+        q = math.exp(epsilon) / (1 + math.exp(epsilon))
+        want = float(stats.binom.sf(v - 1, r, q))
+        if v:
+            below = stats.binom.pmf(np.arange(v - 1, -1, -1), r, q)
+            want += 2 * m * delta * float(np.max(np.cumsum(below) / np.arange(1, v + 1)))
+        assert p_value(m, r, v, epsilon, delta) == pytest.approx(min(want, 1.0), rel=1e-12, abs=1e-300), (m, r, v)
+
+
 def gaussian_epsilon(sigma: float, delta: float) -> float:
     """The exact epsilon of the Gaussian mechanism of sensitivity 1 (Balle and Wang 2018, Theorem 8)."""
     def gap(eps):

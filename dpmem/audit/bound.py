@@ -33,9 +33,21 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
     tail = float(stats.binom.sf(v - 1, r, p))
     if delta == 0 or v == 0:
         return min(tail, 1.0)
-    below = stats.binom.pmf(np.arange(v - 1, -1, -1), r, p)  # P[B = v-1], P[B = v-2], ..., P[B = 0]
-    alpha = float(np.max(np.cumsum(below) / np.arange(1, v + 1)))
-    return min(tail + 2 * m * delta * alpha, 1.0)
+    return min(tail + 2 * m * delta * _largest_mean_below(r, v, p), 1.0)
+
+
+def _largest_mean_below(r: int, v: int, p: float) -> float:
+    """max_{i = 1..v} P[v − i ≤ Binomial(r, p) < v] / i, exactly, from its first n terms: every later one is below
+    P[B < v] / n, so once the maximum so far reaches that none can pass it. n grows from 1,024 by 16 times: at most
+    a few thousand terms where all v (tens of thousands, at each step of the bisection) were computed."""
+    below_v = float(stats.binom.cdf(v - 1, r, p))
+    n = min(v, 1024)
+    while True:
+        below = stats.binom.pmf(np.arange(v - 1, v - 1 - n, -1), r, p)  # P[B = v-1], ..., P[B = v-n]
+        alpha = float(np.max(np.cumsum(below) / np.arange(1, n + 1)))
+        if n == v or alpha >= below_v / n:
+            return alpha
+        n = min(v, 16 * n)
 
 
 def epsilon_lower_bound(m: int, r: int, v: int, beta: float, delta: float, iterations: int = 60) -> float:
