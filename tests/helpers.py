@@ -1,5 +1,15 @@
 """Helpers that several test modules share: small models with a batch and a per-sample loss, oracles, configs
-and spies. (Tiny Hugging Face models are in `tiny_models`, text data in `text_fixtures`.)"""
+and spies, and the scripts run in this process. (Tiny Hugging Face models are in `tiny_models`, text data in
+`text_fixtures`.)"""
+
+import contextlib
+import io
+import os
+import runpy
+import subprocess
+import sys
+import traceback
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -248,3 +258,46 @@ def kept_runs(monkeypatch) -> dict:
         return real_execute(self)
     monkeypatch.setattr(Run, "execute", keep)
     return kept
+
+
+# -- the scripts, run in this process
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def run_script(name: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python scripts/NAME ARGS...` run in this process as `__main__`, with `env` over the environment: its exit
+    code and what it printed, as subprocess.run(..., capture_output=True, text=True) returns them. A fresh
+    interpreter costs each script about 4.5 CPU-s of imports (torch, transformers, hydra); a test that checks the
+    process itself (its threads, torch.compile's caches, its children) runs the script as one. What a script may
+    change in the process comes back afterwards."""
+    script, out, err = SCRIPTS / name, io.StringIO(), io.StringIO()
+    argv, path, environ, cwd, modules = sys.argv[:], sys.path[:], os.environ.copy(), os.getcwd(), set(sys.modules)
+    dtype, threads, grad = torch.get_default_dtype(), torch.get_num_threads(), torch.is_grad_enabled()
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    os.environ.update(env or {})
+    sys.argv, sys.path[:0] = [str(script), *args], [str(SCRIPTS)]  # as `python`, whose path starts at the script's
+    code = 0
+    with torch.random.fork_rng(devices=[]), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        except SystemExit as e:  # as the interpreter ends: None is 0, a message is printed and is 1
+            code = 0 if e.code is None else e.code
+            if not isinstance(code, int):
+                print(code, file=sys.stderr)
+                code = 1
+        except Exception:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.argv, sys.path[:] = argv, path
+            os.environ.clear()
+            os.environ.update(environ)
+            os.chdir(cwd)
+            for module in set(sys.modules) - modules:  # a script imported by another (bench_peers)
+                if (SCRIPTS / f"{module}.py").is_file():
+                    del sys.modules[module]
+            torch.set_default_dtype(dtype)
+            torch.set_num_threads(threads)
+            torch.set_grad_enabled(grad)
+            torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+    return subprocess.CompletedProcess([sys.executable, str(script), *args], code, out.getvalue(), err.getvalue())

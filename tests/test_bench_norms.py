@@ -2,12 +2,11 @@
 (DP-SGD-RC Tables 6 and 8) bounds."""
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_norms.py"
@@ -40,9 +39,8 @@ def _find(sections, prefix):
 
 def test_script_writes_memory_flops_time_tables(tmp_path):
     out = tmp_path / "norms.md"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--shapes", "64x32", "--tokens", "16", "--ks", "2", "4", "128",
-                        "--cpu-tokens", "8", "--cpu-ks", "2", "--repeats", "1", "--out", str(out)],
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    r = run_script(SCRIPT.name, "--shapes", "64x32", "--tokens", "16", "--ks", "2", "4", "128", "--cpu-tokens", "8",
+                   "--cpu-ks", "2", "--repeats", "1", "--out", str(out), env={"HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     assert "### Peak memory" in r.stdout

@@ -8,16 +8,21 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_script
+
 ROOT = Path(__file__).resolve().parent.parent
+
+# The scripts run in this process (helpers.run_script; those that train marked default_streaming: taps' default,
+# as in a process of their own), but gpu_figures.py (its children and budget are what its tests check) and
+# bench_user_level.py (below) run as processes.
 
 
 @pytest.mark.long
+@pytest.mark.default_streaming
 def test_bench_methods_writes_a_row_per_method_and_batch(tmp_path):
     out = tmp_path / "methods.md"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_methods.py"), "--batch-sizes", "2", "4",
-                        "--steps", "1", "--out", str(out),
-                        "model.arch.num_hidden_layers=1"], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    r = run_script("bench_methods.py", "--batch-sizes", "2", "4", "--steps", "1", "--out", str(out),
+                   "model.arch.num_hidden_layers=1", env={"HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 2 ") or line.startswith("| 4 ")]
     methods = {"adam", "galore", "mezo", "dp-adam", "galore-dp-naive", "grape", "dpzero"}
@@ -25,12 +30,11 @@ def test_bench_methods_writes_a_row_per_method_and_batch(tmp_path):
 
 
 @pytest.mark.long
+@pytest.mark.default_streaming
 def test_bench_methods_compares_checkpointing_with_the_run_without(tmp_path):
     out = tmp_path / "methods.md"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_methods.py"), "--batch-sizes", "2",
-                        "--steps", "1", "--methods", "adam", "grape", "--activation-checkpointing", "both",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    r = run_script("bench_methods.py", "--batch-sizes", "2", "--steps", "1", "--methods", "adam", "grape",
+                   "--activation-checkpointing", "both", "--out", str(out), env={"HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr
     rows = {line.split("|")[2].strip(): line.split("|")[-2].strip() for line in out.read_text().splitlines()
             if line.startswith("| 2 ")}
@@ -45,13 +49,12 @@ PEERS = ["torch AdamW (non-private)", "Opacus hooks", "Opacus ghost clipping", "
 def peers_table(tmp_path_factory):
     """One bench_peers.py run, with its aten op counts, read by the two tests below (one xdist group, so one worker
     runs it): every contestant they name, on roberta-base's 12 blocks narrowed to width 32 (no count depends on the
-    width; the narrow embedding spares building a 50k × 768 one per contestant)."""
+    width; the narrow embedding spares building a 50k × 768 one per contestant). Module-scoped, it is set up before
+    the tests' function-scoped stream_every_layer: taps' default streaming."""
     out = tmp_path_factory.mktemp("peers") / "peers.md"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "--batch-sizes", "2",
-                        "--seq-len", "8", "--steps", "1", "--contestants", *PEERS, "--out", str(out), "--count-ops",
-                        "model.arch.num_hidden_layers=12", "model.arch.hidden_size=32",
-                        "model.arch.intermediate_size=64", "model.arch.num_attention_heads=2"],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    r = run_script("bench_peers.py", "--batch-sizes", "2", "--seq-len", "8", "--steps", "1", "--contestants", *PEERS,
+                   "--out", str(out), "--count-ops", "model.arch.num_hidden_layers=12", "model.arch.hidden_size=32",
+                   "model.arch.intermediate_size=64", "model.arch.num_attention_heads=2", env={"HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr
     return out.read_text()
 
@@ -81,13 +84,13 @@ def test_the_private_step_dispatches_at_most_a_third_more_ops_than_adamw(peers_t
 
 
 @pytest.mark.long
+@pytest.mark.default_streaming
 def test_bench_correlated_writes_accuracy_error_and_step_tables(tmp_path):
     """--quick runs every part at toy sizes: `dpmem train` with each noise, the strategies' error beside
     jax-privacy's (equal), the choice of bands, and the step of each method with each noise."""
     out = tmp_path / "correlated.md"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_correlated.py"), "--quick", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
+    r = run_script("bench_correlated.py", "--quick", "--out", str(out),
+                   env={"HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
     assert r.returncode == 0, r.stderr[-2000:]
     text = out.read_text()
     assert "QUICK RUN" in text
@@ -110,6 +113,7 @@ def test_bench_user_level_writes_accuracy_sigma_and_step_tables(tmp_path):
     user-level ε, the σ table with the group-privacy run's (ε', δ'), and each method's user step beside its record
     step."""
     out = tmp_path / "user-level.md"
+    # a process of its own: run in this one (pytest's) it spent 9 CPU-s more in the kernel than its imports save
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_user_level.py"), "--quick", "--out", str(out)],
                        capture_output=True, text=True, timeout=300,
                        env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
@@ -132,9 +136,8 @@ def test_rc_sigma_writes_its_three_tables(tmp_path):
     """σ in the tables is calibrate_sigma's, and the ratio column divides by the DP-SGD σ in the heading."""
     from dpmem.privacy import calibrate_sigma
     out = tmp_path / "sigma.md"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "rc_sigma.py"), "--out", str(out), "--ks", "64",
-                        "--ds", "4", "--epsilons", "0.7", "--xplus-ks", "8", "--xplus-ds", "2"],
-                       capture_output=True, text=True, timeout=300)
+    r = run_script("rc_sigma.py", "--out", str(out), "--ks", "64", "--ds", "4", "--epsilons", "0.7", "--xplus-ks",
+                   "8", "--xplus-ds", "2")
     assert r.returncode == 0, r.stderr
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in out.read_text().splitlines() if line.startswith("| ") and not line.startswith("| d ")
@@ -168,12 +171,14 @@ def test_rc_sigma_draws_sigma_against_k_on_a_log_axis(tmp_path, monkeypatch):
 
 
 @pytest.mark.long
-def test_validate_memory_says_when_there_is_no_gpu(tmp_path):
+@pytest.mark.default_streaming
+def test_validate_memory_says_when_there_is_no_gpu(tmp_path, monkeypatch):
+    import torch
     out = tmp_path / "validate.md"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "validate_memory.py"), "--methods", "adam", "grape",
-                        "--out", str(out), "train.batch_size=4", "memory.steps=2",
-                        "model.arch.num_hidden_layers=1"], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""})
+    # no GPU as the script asks (CUDA_VISIBLE_DEVICES="" hides none once CUDA has started in this process)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = run_script("validate_memory.py", "--methods", "adam", "grape", "--out", str(out), "train.batch_size=4",
+                   "memory.steps=2", "model.arch.num_hidden_layers=1", env={"HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     assert text.startswith("No CUDA device here")
@@ -186,13 +191,13 @@ def test_validate_memory_says_when_there_is_no_gpu(tmp_path):
 
 
 @pytest.mark.long
+@pytest.mark.default_streaming
 def test_audit_methods_writes_a_row_per_method_and_epsilon(tmp_path):
     out = tmp_path / "audit.md"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "audit_methods.py"), "--methods", "grape", "dpzero",
-                        "--epsilons", "2", "--canaries", "50", "--dir", str(tmp_path / "runs"), "--out", str(out),
-                        "train.steps=3", "train.batch_size=700", "logging.memory_steps=0",
-                        "model.arch.num_hidden_layers=1"], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
+    r = run_script("audit_methods.py", "--methods", "grape", "dpzero", "--epsilons", "2", "--canaries", "50", "--dir",
+                   str(tmp_path / "runs"), "--out", str(out), "train.steps=3", "train.batch_size=700",
+                   "logging.memory_steps=0", "model.arch.num_hidden_layers=1",
+                   env={"HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
     assert r.returncode == 0, r.stderr
     rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| grape ")
             or line.startswith("| dpzero ")]
@@ -201,14 +206,14 @@ def test_audit_methods_writes_a_row_per_method_and_epsilon(tmp_path):
 
 
 @pytest.mark.long
+@pytest.mark.default_streaming
 def test_audit_variants_writes_a_row_per_variant(tmp_path):
     out = tmp_path / "variants.md"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "audit_variants.py"), "--rows", "vit-correct",
-                        "vit-b4", "--canaries", "50", "--dir", str(tmp_path / "runs"), "--out", str(out),
-                        "train.steps=4", "train.batch_size=256", "logging.memory_steps=0",
-                        "model.arch.num_hidden_layers=1", "model.arch.hidden_size=16", "model.arch.intermediate_size=32",
-                        "model.arch.patch_size=4"], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
+    r = run_script("audit_variants.py", "--rows", "vit-correct", "vit-b4", "--canaries", "50", "--dir",
+                   str(tmp_path / "runs"), "--out", str(out), "train.steps=4", "train.batch_size=256",
+                   "logging.memory_steps=0", "model.arch.num_hidden_layers=1", "model.arch.hidden_size=16",
+                   "model.arch.intermediate_size=32", "model.arch.patch_size=4",
+                   env={"HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
     assert r.returncode == 0, r.stderr
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.read_text().splitlines()
             if line.startswith("| vit-tiny ")]
