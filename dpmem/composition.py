@@ -34,8 +34,8 @@ def _remember_config_files() -> None:
     and a sweep's preflight, its jobs and each tool's points compose the same few dozen YAML files: parsing them
     was a third of a composition. Each file's load (its config and defaults list) is kept for the process, keyed by
     its source and name, and for a file on disk by its text too (an edited file is parsed again); Hydra is handed a
-    copy, since it edits what it loads. File and package sources only: a structured config can be stored again
-    under its name."""
+    copy, so that nothing it does with a load reaches the kept one. File and package sources only: a structured
+    config can be stored again under its name."""
     from hydra._internal.config_repository import ConfigRepository, ObjectType
 
     load, kept = ConfigRepository.load_config, {}

@@ -135,11 +135,10 @@ def main() -> None:
     sections, plans = [], {}
 
     def planned(overrides: list[str], folder: Path) -> tuple[dict, str, float]:
-        """run_plan, once for overrides that compose the same (Hydra's: the last value of a key wins)."""
-        key = tuple({o.split("=", 1)[0]: o for o in overrides}.values())
-        if key not in plans:
-            plans[key] = run_plan(overrides, folder)
-        return plans[key]
+        """run_plan, once for the same overrides."""
+        if tuple(overrides) not in plans:
+            plans[tuple(overrides)] = run_plan(overrides, folder)
+        return plans[tuple(overrides)]
 
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.settings:
@@ -148,7 +147,8 @@ def main() -> None:
             sections.append(f"## {name}\n\n`dpmem plan {' '.join(SETTINGS[name])}` took {wall:.0f} s.\n\n{body}")
         for name in args.check:
             plan_device = args.plan_device or ("cpu" if device.type == "cpu" else "h100")
-            overrides = [*SETTINGS[name], f"plan.device={plan_device}"]
+            # the setting's own plan.device, if it names one, replaced in place (as Hydra's last value would be)
+            overrides = list({o.split("=", 1)[0]: o for o in [*SETTINGS[name], f"plan.device={plan_device}"]}.values())
             plan, _, wall = planned(overrides, Path(tmp) / f"check-{name}")
             sections.append(f"## Estimate against measurement\n\n`dpmem plan {' '.join(overrides)}` took {wall:.0f} "
                             f"s; device table: {plan['device']['source']}.\n\n"

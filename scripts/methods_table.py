@@ -106,7 +106,7 @@ def plan(args) -> tuple[dict[tuple[int, str], dict], list[str]]:
                     dpmem.cli.main([*cmd, f"memory.dir={folder}"])
             except SystemExit as e:
                 if e.code not in (0, None):
-                    sys.exit(f"methods_table: dpmem {' '.join(cmd)} failed:\n{printed.getvalue()[-3000:]}{e.code}")
+                    sys.exit(f"methods_table: dpmem {' '.join(cmd)} failed ({e.code}):\n{printed.getvalue()[-3000:]}")
             found = json.loads((Path(folder) / "memory.json").read_text())["plans"]
         if [p["label"] for p in found] != labels:
             sys.exit(f"methods_table: dpmem {' '.join(cmd)} planned {[p['label'] for p in found]}, not {labels}")
