@@ -211,8 +211,9 @@ class Clipped:
 @dataclass
 class PerSample(Clipped):
     """First-order private methods: per-sample gradients of every trainable parameter."""
-    # On the first step, check that the per-sample gradients sum to autograd's batch gradient: catches a
-    # parameter used outside the module that owns it (its per-sample gradient would be under-clipped).
+    # Before the first release, prove that each per-sample gradient is its own sample's: Σᵢ wᵢgᵢ against autograd's
+    # ∇Σᵢ wᵢℓᵢ at public random w, one backward pass, again where a micro-batch's layers are read anew (a loss or
+    # module that mixes samples, rows that are not samples, a weight used outside its module: refused, named).
     check_coverage: bool = True
 
 

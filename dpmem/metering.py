@@ -179,7 +179,7 @@ class LiveTensorCounter(TorchDispatchMode):
 
 class Meter:
     """Peak memory: CUDA's allocator statistics, or on CPU/meta the live-tensor counter over `memory_steps` steps
-    (it slows every op). Metering starts at the second step: the first runs a one-off coverage check that keeps the
+    (it slows every op). Metering starts at the second step: the first runs a one-off attribution proof that keeps the
     batch gradient. Throughput: samples per second of training, evaluation time left out."""
 
     def __init__(self, device: torch.device, steps: int, memory_steps: int, first: int = 1):

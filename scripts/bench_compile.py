@@ -10,7 +10,7 @@ of a RoBERTa classifier (embeddings frozen):
     python scripts/bench_compile.py --shapes host-bound --steps 5 --threads 2
     python scripts/bench_compile.py --device cuda --shapes roberta-base --precision tf32     # and bf16
 
-Each contestant is built and warmed up (dpmem's first step rehearses the coverage check eagerly, then compiles: the
+Each contestant is built and warmed up (dpmem's first step rehearses the attribution proof eagerly, then compiles: the
 slowest warm-up step's time less a median step is the compile time, in a fresh inductor cache unless --warm-cache: what a new shape
 costs, the headers inductor precompiles once built before any contestant); then `--steps` interleaved rounds of one
 step each, medians taken. The peak of the eager contestants is the live-tensor counter's over one step (what
@@ -135,7 +135,7 @@ def main() -> None:
             peers = contestants(cfg, data, batch, s["batch"], prec, device, args.backend)
             makers = {name: (lambda make=peers[name]: make(build(cfg, data, ("embeddings.",), state, device)))
                       for name in args.contestants or list(peers)}
-            # dpmem's warm-up: the step that rehearses the coverage check eagerly (checkpointed: and an eager
+            # dpmem's warm-up: the step that rehearses the attribution proof eagerly (checkpointed: and an eager
             # forward that makes the compiled one's probes) and compiles, then compiled steps
             results = measure(makers, s["batch"], args.steps, device, False, warmup=4,
                               metered=lambda name: "compiled" not in name)

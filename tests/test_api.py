@@ -102,9 +102,9 @@ def test_the_docs_whole_method_loop_spends_dp_sgd_rc_by_the_accountant_dpmem_tra
     assert printed == [pytest.approx(trained.epsilon(steps), rel=1e-9)] and 0.9875 < printed[0] <= 1.0 * 1.001
 
 
-def test_a_loss_mixing_samples_is_named_in_the_loss_contract():
-    """`per_sample + per_sample.mean()` has shape (B,) and passes the shape check: no cheap exact check sees the
-    mixing (it takes a backward pass per sample), so the contract says loss[i] depends on sample i alone."""
+def test_a_loss_mixing_samples_is_named_in_the_loss_contract_and_refused_before_a_release():
+    """A batch sum fails the shape check; `per_sample + per_sample.mean()` has shape (B,) and passes it, and the
+    attribution proof refuses it, naming the loss, before any noise is drawn."""
     from dpmem.methods.privatize import Privatizer
 
     assert "sample i alone" in Privatizer.gradient.__doc__
@@ -113,6 +113,13 @@ def test_a_loss_mixing_samples_is_named_in_the_loss_contract():
     with api.Privatizer(model, noise, api.ClippingPlan.of("bk")) as privatize:
         with pytest.raises(ValueError, match="each depending on its own sample alone"):
             privatize.gradient([batch], lambda m, b: m(b["x"]).sum(), {p: p.shape for p in privatize.params})
+
+        def mixed(m, b):
+            losses = F.cross_entropy(m(b["x"]), b["y"], reduction="none")
+            return losses + losses.mean()
+        with pytest.raises(RuntimeError, match="the loss function mixes samples"):
+            privatize.gradient([batch], mixed, {p: p.shape for p in privatize.params})
+    assert noise.draws.count == 0
 
 
 @pytest.mark.parametrize("field, args", [("sigma", (-1.0, 1.0, 5.0)), ("sigma", (float("nan"), 1.0, 5.0)),

@@ -283,8 +283,8 @@ def test_a_weight_used_many_times_clipped_on_its_sum_audits_below_its_claimed_ep
 def test_a_weight_used_many_times_clipped_per_use_is_caught(monkeypatch):
     # every use is reduced as if it were the only one: the weight is normed on its first use's gradient alone
     monkeypatch.setattr(taps, "tied_sum", lambda earlier, later: later)
-    with pytest.raises(RuntimeError, match="do not sum to its batch gradient"):
-        tied_audit()  # the first step's coverage check sees this bug already
+    with pytest.raises(RuntimeError, match="are not each sample.s own"):
+        tied_audit()  # the first step's attribution proof sees this bug already
     assert tied_audit(check_coverage=False) > 2.0  # and the audit sees it without that check
 
 

@@ -138,7 +138,7 @@ def test_noise_is_drawn_in_runs_of_bounded_size_split_in_order(monkeypatch):
     assert torch.equal(summed[2], gen.randn(4))
 
 
-def test_coverage_check_catches_a_parameter_used_outside_its_module():
+def test_the_attribution_proof_catches_a_parameter_used_outside_its_module():
     class Sneaky(nn.Module):
         def __init__(self):
             super().__init__()
@@ -150,7 +150,7 @@ def test_coverage_check_catches_a_parameter_used_outside_its_module():
     model = Sneaky()
     method = DPAdam(model, method_cfg(), lr=0.1, mechanism=GaussianMechanism(0.0, 1.0, 4.0, None))
     batch = {"x": torch.randn(4, 3), "y": torch.randint(0, 3, (4,))}
-    with pytest.raises(RuntimeError, match="fc.weight.*batch gradient"):
+    with pytest.raises(RuntimeError, match="fc.weight.*used outside the module that owns it"):
         method.step([batch], lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none"))
 
 

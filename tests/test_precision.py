@@ -9,7 +9,7 @@ from torch import nn
 
 from dpmem.composition import CONF_DIR
 from dpmem.engine.trainer import run_training
-from dpmem.methods.coverage import verify_coverage
+from dpmem.methods.attribution import verify_attribution
 from dpmem.persample import Taps, weighted_sum
 from dpmem.precision import Compute, exact_float32, tolerance, unit_roundoff
 from helpers import PRIVATE, released
@@ -98,23 +98,23 @@ def tf32_weight_gradient(model, x, p, exact):
     return tf32_round(out_grad).flatten(0, 1).T @ tf32_round(x).flatten(0, 1)
 
 
-def test_the_coverage_check_takes_tf32_rounding_as_rounding(capsys):
+def test_the_attribution_proof_takes_tf32_rounding_as_rounding(capsys):
     """TF32's rounding of the batch gradient passes silently under TF32's tolerance."""
     model, params, totals = coverage_case(tf32_weight_gradient)
     assert not torch.equal(totals[model.a.weight], model.a.weight.grad)
-    verify_coverage(model, params, totals, compute=Compute(tf32=True))
+    verify_attribution(model, params, totals, compute=Compute(tf32=True))
     assert "warning" not in capsys.readouterr().err
 
 
-def test_the_coverage_check_calls_rounding_rounding_and_names_the_module_otherwise(capsys):
+def test_the_attribution_proof_calls_rounding_rounding_and_names_the_module_otherwise(capsys):
     tol = 4 * Compute(torch.bfloat16).unit_roundoff
     model, params, totals = coverage_case(lambda model, x, p, g: g * (1 + 2 * tol))  # a few tolerances off
-    verify_coverage(model, params, totals, compute=Compute(torch.bfloat16))
+    verify_attribution(model, params, totals, compute=Compute(torch.bfloat16))
     err = capsys.readouterr().err
     assert "rounding" in err and "used outside" not in err
     model, params, totals = coverage_case(lambda model, x, p, g: g * 1.5 if p is model.a.weight else g)
     with pytest.raises(RuntimeError, match=r"a\.weight.*used outside the module"):  # a use the rule missed
-        verify_coverage(model, params, totals, compute=Compute(torch.bfloat16))
+        verify_attribution(model, params, totals, compute=Compute(torch.bfloat16))
 
 
 def test_exact_float32_turns_autocast_and_tf32_off_and_restores_them():

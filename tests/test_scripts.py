@@ -131,6 +131,19 @@ def test_bench_user_level_writes_accuracy_sigma_and_step_tables(tmp_path):
     assert len(steps) == 4 and "grape, ULS: 26 users × 4 slots" in steps
 
 
+def test_bench_attribution_writes_a_row_per_model_and_plan(tmp_path):
+    """Each row's ratio is its two measured columns' (with the proof over without it)."""
+    out = tmp_path / "attribution.md"
+    r = run_script("bench_attribution.py", "--models", "gpt2", "vit", "--plans", "bk", "ghost", "--batch", "2",
+                   "--seq", "4", "--width", "16", "--layers", "1", "--repeats", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.read_text().splitlines()
+            if line.startswith("| gpt2 ") or line.startswith("| vit ")]
+    assert [(m, p) for m, p, *_ in rows] == [("gpt2", "bk"), ("gpt2", "ghost"), ("vit", "bk"), ("vit", "ghost")]
+    for *_, without, proved, ratio in rows:
+        assert float(ratio) == pytest.approx(float(proved) / float(without), rel=0.05)  # ms rounded to 0.1
+
+
 @pytest.mark.long
 def test_rc_sigma_writes_its_three_tables(tmp_path):
     """σ in the tables is calibrate_sigma's, and the ratio column divides by the DP-SGD σ in the heading."""

@@ -20,7 +20,7 @@ from dpmem.metering import memory_label
 from dpmem.methods.base import batch_size
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.compiled_step import CompiledStep
-from dpmem.methods.coverage import verify_coverage
+from dpmem.methods.attribution import public_weights, rows_misread, used_outside, verify_attribution, where_samples_mix
 from dpmem.models import checkpointed
 from dpmem.persample import Projection, reducers, weighted_sum
 from dpmem.persample.clipping import grouped_squares, weighted_sums
@@ -68,7 +68,7 @@ class PrivateGradient(NamedTuple):
 def per_sample(losses: torch.Tensor, mb) -> torch.Tensor:
     """`losses`, refused unless one value per sample of `mb`: a batch's mean or sum would be clipped as one sample's
     loss, and one record would move the clipped sum by more than C. Losses that mix samples (a batch mean broadcast
-    in) pass: seeing that takes a backward pass per sample (docs/api.md, "A per-sample loss")."""
+    in) pass here; the attribution proof refuses them (`dpmem.methods.attribution`)."""
     if losses.shape != (batch_size(mb),):
         raise ValueError(f"the loss function returned shape {tuple(losses.shape)} for a micro-batch of "
                          f"{batch_size(mb)}: it must return one loss per sample, shape ({batch_size(mb)},), each "
@@ -86,7 +86,9 @@ class Privatizer:
         mechanism: the Gaussian mechanism: clip factors from norms, and the release of the clipped sums.
         plan: how each sample's gradient is clipped (`ClippingPlan.of("bk")`: book-keeping, dp-adam's default;
             materialize keeps every per-sample gradient, the most memory).
-        check_coverage: on the first step, check that the per-sample gradients sum to autograd's batch gradient.
+        check_coverage: prove, on the first micro-batch and on any whose layers are read per sample differently
+            (`Tape.layouts`), that each per-sample gradient is its own sample's (`dpmem.methods.attribution`), before
+            anything is released.
     """
 
     def __init__(self, model: nn.Module, mechanism: GaussianMechanism,
@@ -100,7 +102,10 @@ class Privatizer:
                              "privatise")
         self.device = self.params[0].device
         self.closed = False  # `close` removed the taps: a step then would clip nothing
-        self._check_coverage = check_coverage
+        self._check_coverage = check_coverage  # the next micro-batch proves attribution
+        # the layer layouts (`Tape.layouts`) proved so far; None: no proofs (check_coverage false). Under FSDP only the
+        # first micro-batch proves (its check's backward pass is a collective, which ranks must take together)
+        self._proven: set | None = set() if check_coverage and not self.sharded else None
         self._zero = self.taps.zero()  # the probes' leaf (`Taps.zero`)
         self.compiled = CompiledStep()  # what `compile` compiled, and its state between steps
         # Keys drawn once per logical step, the same on every rank, from the noise's secret key (host-side: no sync):
@@ -117,7 +122,7 @@ class Privatizer:
 
     def compile(self, compiler) -> None:
         """train.compile: each micro-batch compiled whole (`dpmem.compiling`), the release eager on its flat sum,
-        after an eager rehearsal that releases nothing (the coverage check: `_rehearse`); a checkpointed model's
+        after an eager rehearsal that releases nothing (the attribution proof: `_rehearse`); a checkpointed model's
         forward, or a TF32 run's, compiled alone with its taps, the rest eager (docs/methods.md, A compiled step,
         says why)."""
         if self.sharded or self.observers:
@@ -153,7 +158,7 @@ class Privatizer:
                 noise.
             loss_fn (Callable): `loss_fn(model, microbatch)` returns one loss per sample (`reduction="none"`),
                 loss[i] a function of sample i alone: a batch statistic mixed in (`losses + losses.mean()`) lets one
-                record change the others' clipped gradients, which voids ε, and the shape check cannot see it.
+                record change the others' clipped gradients, which voids ε; the attribution proof refuses it.
             shapes: each parameter's gradient shape (`{p: p.shape for p in privatizer.params}`).
             projections: DP-GRAPE, one pass only: makes a parameter's projection when its layer's gradient arrives;
                 its per-sample gradients, clipped sum and noise are then projected ones.
@@ -199,7 +204,7 @@ class Privatizer:
         return self._eager_pass(microbatches, loss_fn, shapes, projections)
 
     def _unsettled(self) -> bool:
-        """A compiled step has still to learn from an eager micro-batch: the coverage check, dp-sgd-rc's probe
+        """A compiled step has still to learn from an eager micro-batch: the attribution proof, dp-sgd-rc's probe
         shapes, or the probes of a forward compiled alone."""
         step = self.compiled
         if step.microbatch is None and step.forward is None:
@@ -224,7 +229,7 @@ class Privatizer:
 
     def _eager_pass(self, microbatches, loss_fn, shapes, projections):
         """The micro-batches' clipped sums and loss sum, each micro-batch eager (a forward compiled alone is still
-        called by it); the first one of a run checks coverage."""
+        called by it); the first one of a run proves attribution."""
         estimated = self._probe_draws is not None
         summed = {}  # made by the first micro-batch's clipped sums (`_accumulate`)
         loss_sum = torch.zeros((), device=self.device)
@@ -313,41 +318,47 @@ class Privatizer:
         projections); two keep norms only, and a second backward pass of Σᵢ fᵢ·Lᵢ forms the sums. `check`: compare
         with autograd's batch gradient (the first micro-batch). `shapes`: each parameter's kept shape, which a
         streamed value takes; None: nothing streams (a compiled one-pass step)."""
+        grouped = isinstance(mb, Grouped)  # ULS: a user's k records, normed and clipped as one
+        k = mb.k if grouped and self.mechanism.per_user else None
+        try:
+            return self._microbatch(mb, loss_fn, projections, summed, zero, check, probes, shapes, grouped, k)
+        except NewLayout:  # layers read per sample as no proof has seen yet: this micro-batch proves them
+            return self._microbatch(mb, loss_fn, projections, summed, zero, True, probes, shapes, grouped, k)
+
+    def _microbatch(self, mb, loss_fn, projections, summed, zero, check, probes, shapes, grouped, k):
         two_pass = self.plan.passes == 2
+        # the proof's public weights: one per clipped unit (a user under ULS), its records weighed as it is
+        w = public_weights(len(mb.weights) if k else batch_size(mb), self.device) if check else None
 
         def reducer(draws):
-            if two_pass:  # norms only; with the check, Σᵢ gᵢ too
+            if two_pass:  # norms only; with the check, Σᵢ wᵢ gᵢ too
                 norm = reducers.norms(self.plan.norms, self.plan.k, draws)
-                return reducers.with_sum(norm) if check else norm
+                return reducers.with_sum(norm, w) if check else norm
             return self._reducer(draws)  # materialize: dense per-sample gradients; book-keeping: the factors
         keeps = [reducer(d) for d in probes] if probes else [reducer(None)] * len(self.params)
         reduce = {p: reducers.projected(projections[p], keep) if p in projections else keep
                   for p, keep in zip(self.params, keeps)}
-        grouped = isinstance(mb, Grouped)  # ULS: a user's k records, normed and clipped as one
-        k = mb.k if grouped and self.mechanism.per_user else None
         if k is not None:
             reduce = {p: reducers.by_user(r, k) for p, r in reduce.items()}
         if grouped:
             loss_fn = _present_only(loss_fn)
-        losses, kept, batch_grads = self._backward(mb, loss_fn, zero, reduce, check, shapes, two_pass)
+        record_w = None if w is None else w.repeat_interleave(k) if k else w  # each record weighed as its unit
+        losses, kept, batch_grads, read = self._backward(mb, loss_fn, zero, reduce, check, shapes, two_pass, record_w)
         for p, g in batch_grads.items():
             p.grad = g
         # no_grad: the taps' kept layer inputs are the forward's own tensors (not detached); nothing here is recorded
         with exact_float32(self.device), torch.no_grad():
             if two_pass:
                 if check:
-                    verify_coverage(self.model, self.params, {p: r.total for p, r in kept.items()},
-                                    compute=self.taps.compute)
+                    self._verify({p: r.total for p, r in kept.items()}, None, mb, loss_fn, record_w, read)
                     kept = {p: r.value for p, r in kept.items()}
                 squares, grads = kept, {}
             else:
                 squares = _squares(kept)  # the squared norms made as each parameter was reduced (the rows' now)
                 grads = {p: r.grads for p, r in kept.items()}
                 if check:
-                    ones = torch.ones(len(mb.weights) if k else batch_size(mb), device=self.device)
-                    verify_coverage(self.model, self.params, weighted_sum(grads, ones),
-                                    lambda p, g: reducers.projection(projections[p]).project(g) if p in projections
-                                    else g, self.taps.compute)
+                    self._verify(weighted_sum(grads, w), lambda p, g: reducers.projection(projections[p]).project(g)
+                                 if p in projections else g, mb, loss_fn, record_w, read)
             del kept
             factors = self.mechanism.clip_factors(squares) * (mb.present if grouped and not k else weights(mb))
             with memory_label("gradients"):
@@ -378,11 +389,13 @@ class Privatizer:
                 _accumulate(summed, p, p.grad)
                 p.grad = None
 
-    def _backward(self, mb, loss_fn, zero, reduce, check, shapes, retain_graph=False):
-        """(the micro-batch's per-sample losses, `Taps.per_sample`'s kept values, its batch gradients): the forward
-        recorded and one backward pass to the taps' probes, where each layer's reduced values stream unless `shapes`
-        is None or `check` (the coverage check's first micro-batch, which compares with autograd's batch gradient:
-        under FSDP that is the reduce-scattered `.grad`, from a backward pass of its own)."""
+    def _backward(self, mb, loss_fn, zero, reduce, check, shapes, retain_graph=False, weights=None):
+        """(the micro-batch's per-sample losses, `Taps.per_sample`'s kept values, autograd's gradients of
+        Σᵢ wᵢ ℓᵢ where `check` (else {}), its layers' layouts): the forward recorded and one backward pass to the taps'
+        probes, where each layer's reduced values stream unless `shapes` is None or `check` (the attribution proof's
+        micro-batch: it adds a backward pass of Σᵢ wᵢ ℓᵢ, `weights` w, to the parameters; under FSDP into the
+        reduce-scattered `.grad`). Raises `NewLayout`, before any backward pass, where this micro-batch's layers are
+        read per sample as no proof has seen."""
         # a compiled forward (a checkpointed model's, a TF32 run's) runs once an eager one has made its probes
         compiled = self.compiled.forward is not None and not check
         forward = self.compiled.forward if compiled and self.compiled.probes_made else self._forward
@@ -390,17 +403,40 @@ class Privatizer:
         while True:
             with self.taps.recording(zero, batch_size(mb), reduce, shapes, stream, compiled) as tape:
                 losses = per_sample(forward(mb, loss_fn), mb)
-            sharded_check = check and self.sharded
-            if sharded_check:
-                losses.sum().backward(retain_graph=True)
-                zero.grad = None
+            read = tuple(zip((owner.name for owner in tape.owners), tape.layouts))
+            if not check and self._proven is not None and read not in self._proven \
+                    and not torch.compiler.is_compiling():
+                raise NewLayout(read)
+            batch_grads = {}
+            if check:
+                weighted = (losses * weights.to(losses.dtype)).sum()
+                if self.sharded:
+                    weighted.backward(retain_graph=True)
+                    zero.grad = None
+                else:
+                    grads = torch.autograd.grad(weighted, self.params, allow_unused=True, retain_graph=True)
+                    batch_grads = dict(zip(self.params, grads))
             try:
-                kept, batch_grads = self.taps.per_sample(tape, losses.sum(), check and not sharded_check,
-                                                         retain_graph)
+                kept, _ = self.taps.per_sample(tape, losses.sum(), False, retain_graph)
             except RepeatedUse:  # a layer called twice: run again, its uses summed before they are reduced
                 continue
             self.compiled.probes_made = self.compiled.probes_made or compiled
-            return losses, kept, batch_grads  # under FSDP the batch gradient is in .grad already
+            return losses, kept, batch_grads, read  # under FSDP the batch gradient is in .grad already
+
+    def _verify(self, totals, transform, mb, loss_fn, weights, read) -> None:
+        """The attribution proof (`verify_attribution`) of a micro-batch whose layers were read as `read`, which it
+        adds to those proved; on a mismatch it says why: where samples mix, rows misread, or a use outside."""
+        def explain(names: list[str]) -> str:
+            misread = rows_misread(dict(read), names)
+            if misread is not None:
+                return misread
+            with torch.enable_grad():
+                mixing = where_samples_mix(self.model, lambda: per_sample(self._forward(mb, loss_fn), mb), weights,
+                                           names)
+            return mixing or used_outside(names)
+        verify_attribution(self.model, self.params, totals, transform, self.taps.compute, explain)
+        if self._proven is not None:
+            self._proven.add(read)
 
     def _forward(self, mb, loss_fn) -> torch.Tensor:
         """The per-sample losses on `mb` (what `compile` compiles alone: a checkpointed model's, a TF32 run's)."""
@@ -423,6 +459,11 @@ class Privatizer:
             return {p: summed[p] if p in summed else
                     torch.zeros_like(p) if shapes is None else torch.zeros(shapes[p], device=p.device, dtype=p.dtype)
                     for p in self.params}
+
+
+class NewLayout(Exception):
+    """A micro-batch's layers were read per sample (`Tape.layouts`) as no attribution proof has seen: it runs again
+    with the proof (raised after its forward pass, before any backward pass)."""
 
 
 def _present_only(loss_fn):

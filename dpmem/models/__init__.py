@@ -53,20 +53,7 @@ def _text(cfg, data: DataBundle, weights: bool) -> nn.Module:
         model = _from_pretrained(cls, cfg.pretrained, **labels)
     else:
         model = cls(getattr(transformers, config_cls)(**_arch(cfg), **labels))
-    if cfg.family == "bert":
-        model.bert.embeddings.register_forward_pre_hook(_batched_positions, with_kwargs=True)
     return model
-
-
-def _batched_positions(module, args, kwargs):
-    """BERT looks its position embeddings up once, (1, T), and broadcasts them over the batch, so their gradient
-    arrives summed over examples. The same ids expanded to (B, T) give each example its own lookup, which
-    per-sample gradients need; the forward result is unchanged."""
-    ids = kwargs.get("input_ids")
-    if kwargs.get("position_ids") is None and ids is not None:
-        start = kwargs.get("past_key_values_length", 0)
-        kwargs["position_ids"] = module.position_ids[:, start:start + ids.shape[1]].expand(ids.shape[0], -1)
-    return args, kwargs
 
 
 def _heads(cfg, *allowed: str) -> str:

@@ -88,16 +88,38 @@ def leave_scope(owner: Owner, module: nn.Module, output) -> object:
     return scope
 
 
+SHARED = "shared"  # a layout: the output's leading dimension is 1, broadcast over the batch (BERT's position ids)
+
+
+def layout(owner: Owner, output: torch.Tensor, batch: int) -> str | int:
+    """How a layer's output is read per sample: 1 (batch-first, B rows), `SHARED` (one row that the batch shares:
+    each sample's gradient is taken through its own copy, `Taps` broadcasting the output to B rows) or k > 1 (B·k
+    rows, batch-major: OPT's FFN on B·T tokens), which only the attribution check (`dpmem.methods.attribution`) can
+    tell from rows that are not samples at all. Raises ValueError, naming the layer, for any other leading
+    dimension: an input with no batch dimension, whose rows every sample uses (T5's position buckets)."""
+    rows = output.shape[0] if output.dim() else None
+    if rows == batch:
+        return 1
+    if rows == 1:
+        return SHARED
+    if rows is not None and owner.rule is not None and rows % batch == 0:
+        return rows // batch
+    raise ValueError(f"{owner.name}: {type(owner.module).__name__}'s output has shape {tuple(output.shape)} for a "
+                     f"batch of {batch}: its leading dimension is neither the batch, 1 (shared by the batch) nor B·k "
+                     "rows, so its input has no batch dimension and every sample uses all of it; its gradient cannot "
+                     "be split by sample: freeze its parameters (requires_grad=False)")
+
+
 def batch_first(owner: Owner, saved, grad_output: torch.Tensor, batch: int):
-    """A layer fed a batch-major flattening (OPT's FFN sees B·T rows): its input and output gradient with the batch
-    dimension restored."""
-    if grad_output.shape[0] == batch or owner.rule is None:
-        return saved, grad_output
-    if grad_output.shape[0] % batch:
-        raise RuntimeError(f"{owner.name}: leading dimension {grad_output.shape[0]} is not a multiple "
-                           f"of the batch size {batch}; inputs must be batch-first")
-    unflat = lambda t: t.reshape(batch, t.shape[0] // batch, *t.shape[1:])  # noqa: E731
-    return unflat(saved), unflat(grad_output)
+    """A layer's input and output gradient with the batch dimension first: B·k batch-major rows (`layout`) as
+    (B, k, ...), and a shared input (leading dimension 1; its output gradient is the broadcast copies', B rows)
+    expanded to B rows as a view, not copied."""
+    if grad_output.shape[0] != batch and owner.rule is not None:
+        unflat = lambda t: t.reshape(batch, t.shape[0] // batch, *t.shape[1:])  # noqa: E731
+        return unflat(saved), unflat(grad_output)
+    if isinstance(saved, torch.Tensor) and saved.dim() and saved.shape[0] == 1 and batch > 1:
+        saved = saved.expand(batch, *saved.shape[1:])
+    return saved, grad_output
 
 
 def tied_sum(a, b):

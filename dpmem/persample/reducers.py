@@ -29,7 +29,7 @@ class Normed(NamedTuple):
 
 
 class Summed(NamedTuple):
-    """What a reducer keeps of a parameter, and Σᵢ gᵢ: the coverage check's sum (for autograd's batch gradient)."""
+    """What a reducer keeps of a parameter, and Σᵢ wᵢ gᵢ: the attribution proof's sum (for autograd's ∇Σᵢ wᵢ ℓᵢ)."""
     value: Any
     total: torch.Tensor
 
@@ -109,9 +109,9 @@ def normed(rule: str = "mixed", k: int = 32, draws: Draws | None = None,
     return Stream(reduce, then, "dense", any_input=False, densifies=then is materialize)
 
 
-def with_sum(reducer: Reducer) -> Reducer:
-    """`reducer`'s values, as `Summed` (for the coverage check)."""
-    return lambda g: Summed(reducer(g), weighted_sum_of(g, torch.ones(g.shape[0], device=g.device)))
+def with_sum(reducer: Reducer, weights: torch.Tensor) -> Reducer:
+    """`reducer`'s values, as `Summed` with Σᵢ wᵢ gᵢ (the attribution proof's, `dpmem.methods.attribution`)."""
+    return lambda g: Summed(reducer(g), weighted_sum_of(g, weights))
 
 
 def joined(g, k: int):

@@ -22,8 +22,8 @@ from torch import nn
 
 from dpmem.metering import memory_label
 from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads
-from dpmem.persample.owners import (Owner, batch_first, enter_scope, find_owners, leave_scope, owned_parameters,
-                                    tied_sum)
+from dpmem.persample.owners import (SHARED, Owner, batch_first, enter_scope, find_owners, layout, leave_scope,
+                                    owned_parameters, tied_sum)
 from dpmem.persample.reducers import Reducer, Stream, materialize
 from dpmem.precision import Compute, exact_float32, tf32_enabled
 
@@ -63,7 +63,10 @@ class Tape:
         self.saved: list[Any] = []
         self.probes: list[list[torch.Tensor]] = []
         self.streamed: list[bool] = []  # whether each use streamed (its values or its pair), else it is whole
-        self.dtypes: dict = {}  # the outputs' dtypes, for the coverage check's tolerance (a dict: dynamo traces no set)
+        # how each use's output is read per sample (`owners.layout`): what the attribution check proves, and the
+        # signature whose change asks for that proof again
+        self.layouts: list = []
+        self.dtypes: dict = {}  # the outputs' dtypes, for the attribution proof's tolerance (a dict: dynamo traces no set)
         self.armed = True  # values asked for in the first backward pass only (two-pass clipping's second passes)
         self.calls: dict[int, int] = {}  # calls so far of each layer (by id: a plain dict, as dynamo traces it)
         self.repeated: list[Owner] = []  # streamed layers called twice (found in the forward pass)
@@ -106,7 +109,7 @@ class Taps:
         # ids: dynamo traces no set of tensors
         self._shared = {id(owner) for owner in self.owners if any(owned[p] > 1 for p in owner.params.values())}
         self._repeated: set[int] = set()  # layers found called twice in a forward pass: never streamed
-        self.compute = Compute()  # what the last step's backward computed in (the coverage check's tolerance)
+        self.compute = Compute()  # what the last step's backward computed in (the attribution proof's tolerance)
         self._hooks = hooks = _Hooks()
         self._handles = []
         self._close = weakref.finalize(self, remove_handles, self._handles)
@@ -188,8 +191,8 @@ class Taps:
     # -- per-sample gradients -------------------------------------------------------------------------------
     def per_sample(self, tape: Tape, loss: torch.Tensor, batch_gradients: bool = False,
                    retain_graph: bool = False) -> tuple[dict, dict]:
-        """({parameter: its reducer's value}, {parameter: autograd's batch gradient} if `batch_gradients` (the
-        coverage check) else {}), from one backward pass of `loss`, the summed per-sample loss recorded on `tape`.
+        """({parameter: its reducer's value}, {parameter: autograd's batch gradient} if `batch_gradients` (a
+        check of the sums against it) else {}), from one backward pass of `loss`, the summed per-sample loss recorded on `tape`.
         A whole part is reduced once every use's gradient is in (uses taken last to first, as a backward pass
         reaches them), and each layer's output gradient dropped as soon as its rule has used it."""
         if tape.repeated:
@@ -303,7 +306,9 @@ class _Hooks:
             saved = capture_call(mod, args, kwargs, output, None)
         else:
             saved = rule.capture(mod, args, kwargs, output, scope)
+        read = layout(owner, output, tape.batch)
         tape.owners.append(owner)
+        tape.layouts.append(read)
         use = tape.calls[id(owner)] = tape.calls.get(id(owner), 0) + 1
         if use > 1 and tape.streams.get(id(owner), (None,))[0] is not None:  # its values: once per forward pass
             tape.repeated.append(owner)
@@ -314,7 +319,9 @@ class _Hooks:
             tape.saved.append(None)
             tape.probes.append(probes)
             return _Stream.apply(output, saved, functools.partial(self.reduce, tape, owner), *probes)
-        probes = self.probes(tape, owner, [(output.shape, output.dtype)], use)
+        # a shared output (`SHARED`) comes out broadcast to B rows: each sample's copy gets its own gradient
+        shape = (tape.batch, *output.shape[1:]) if read == SHARED else output.shape
+        probes = self.probes(tape, owner, [(shape, output.dtype)], use)
         tape.saved.append(saved)
         tape.probes.append(probes)
         return output + probes[0]
@@ -357,7 +364,8 @@ def streams(tape: Tape, owner: Owner, output: torch.Tensor) -> bool:
     """Whether this use of a layer streams (its values or its pair): where it can, and only where its output
     gradient is large enough for the memory to matter (`Tape.min_elements`); the same in a checkpoint's recompute,
     which sees the same shapes."""
-    return id(owner) in tape.streams and output.numel() >= tape.min_elements
+    shared = output.dim() and output.shape[0] == 1 < tape.batch  # `SHARED`: broadcast whole, never streamed
+    return id(owner) in tape.streams and output.numel() >= tape.min_elements and not shared
 
 
 class _Stream(torch.autograd.Function):

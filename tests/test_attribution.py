@@ -1,0 +1,260 @@
+"""The attribution proof (`dpmem.methods.attribution`): models whose per-sample gradients a shape rule would get
+wrong are refused before anything is released, naming what mixes samples and the fix; models whose inputs are
+shared by the batch (position ids of shape (1, T)) train exactly, against a loop of one-sample backward passes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpmem.methods import build_method, method_config
+from dpmem.methods.clipping_plan import ClippingPlan
+from dpmem.methods.privatize import Privatizer
+from dpmem.privacy.mechanism import GaussianMechanism
+from helpers import engine_grads, loop_grads, seeded
+
+PLANS = ["materialize", "bk", "ghost", "mixed", "fgc"]  # every exact plan: one pass (the first two), two passes
+B = 4
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def clipped_sum(model, loss, batch, plan, C, check=True):
+    """The Privatizer's release with the noise off and an expected batch of 1: Σᵢ min(1, C/‖gᵢ‖)·gᵢ, by name."""
+    names = {p: n for n, p in model.named_parameters()}
+    with Privatizer(model, GaussianMechanism(0.0, C, 1.0, seeded(0)), ClippingPlan.of(plan), check) as privatize:
+        out, _ = privatize.gradient([batch], loss, {p: p.shape for p in privatize.params})
+    return {names[p]: g for p, g in out.items()}
+
+
+def oracle(model, loss, batch, C):
+    """Each sample's gradient alone (a backward pass per sample), clipped by its flat norm and summed."""
+    per = loop_grads(model, loss, batch, B)
+    norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in per.values()]).sum(0).sqrt()
+    factors = (C / (norms + 1e-6)).clamp(max=1.0)
+    return {n: torch.einsum("b,b...->...", factors, g) for n, g in per.items()}, norms
+
+
+def text_batch(vocab=40, T=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (B, T), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0  # one padded sample
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (B,), generator=g)}
+
+
+def classifier_loss(m, b):
+    logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    return F.cross_entropy(logits, b["labels"], reduction="none")
+
+
+def causal_loss(m, b):
+    logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+    target = b["input_ids"][:, 1:].masked_fill(b["attention_mask"][:, 1:] == 0, -100)
+    return F.cross_entropy(logits.transpose(1, 2), target, reduction="none", ignore_index=-100).sum(1)
+
+
+def bert():
+    from transformers import BertConfig, BertForSequenceClassification
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3)), \
+        classifier_loss
+
+
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)), causal_loss
+
+
+def distilbert():
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+    return DistilBertForSequenceClassification(DistilBertConfig(
+        vocab_size=40, dim=16, n_layers=1, n_heads=2, hidden_dim=32, max_position_embeddings=16, dropout=0.0,
+        attention_dropout=0.0, seq_classif_dropout=0.0, num_labels=3)), classifier_loss
+
+
+SHARED_POSITIONS = {"bert": bert, "gpt2": gpt2, "distilbert": distilbert}
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("family", SHARED_POSITIONS)
+def test_position_ids_shared_by_the_batch_get_each_samples_own_gradient(family, plan):
+    """BERT, GPT-2 and DistilBERT look their positions up once, (1, T), broadcast over the batch: the clipped sum
+    under every plan equals the loop's, with some samples clipped and some not."""
+    torch.manual_seed(0)
+    model, loss = SHARED_POSITIONS[family]()
+    batch = text_batch()
+    want, norms = oracle(model, loss, batch, C := float(norms_median(model, loss, batch)))
+    assert (norms > C).any() and (norms < C).any()
+    got = clipped_sum(model, loss, batch, plan, C)
+    position = next(n for n in want if "position" in n or "wpe" in n)
+    assert want[position].norm() > 0
+    for n in want:
+        err = (got[n] - want[n]).norm() / want[n].norm().clamp_min(1e-9)
+        assert err <= 1e-6, f"{n}: relative error {err:.1e}"
+
+
+def norms_median(model, loss, batch):
+    return oracle(model, loss, batch, 1.0)[1].median()
+
+
+@pytest.mark.parametrize("family", SHARED_POSITIONS)
+def test_grape_on_shared_positions_releases_the_sum_of_its_samples_releases(family):
+    """DP-GRAPE's projected, clipped sum of a batch equals the sum of its samples' releases, each alone from the same
+    start (one sample per batch: no sample to mix with)."""
+    def release(samples):
+        torch.manual_seed(0)
+        model, loss = SHARED_POSITIONS[family]()
+        method = build_method(method_config("grape", rank=4, max_grad_norm=0.5), model, 0.0,
+                              GaussianMechanism(0.0, 0.5, 1.0, seeded(3)))
+        batch = text_batch()
+        part = {k: v[samples] for k, v in batch.items()}
+        out, _ = method.privatizer.gradient([part], loss, method.shapes, method._projections(1))
+        return torch.cat([g.flatten() for g in out.values()])
+
+    alone = sum(release([i]) for i in range(B))
+    torch.testing.assert_close(release(list(range(B))), alone, rtol=1e-8, atol=1e-10)
+
+
+def t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+    model = T5ForConditionalGeneration(T5Config(
+        vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(1, 40, (B, 8), generator=g), "labels": torch.randint(1, 40, (B, B), generator=g)}
+
+    def loss(m, b):
+        logits = m(input_ids=b["input_ids"], labels=b["labels"]).logits
+        return F.cross_entropy(logits.transpose(1, 2), b["labels"], reduction="none").sum(1)
+    return model, loss, batch
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_t5_at_batch_4_is_refused_naming_its_position_bias(plan):
+    """T5's relative attention bias is looked up from (query, key) buckets with no batch dimension: 8 rows at a
+    batch of 4 look like batch-major rows, but every sample uses all of them. Without the proof its clipped sum is
+    silently wrong (the check-off run below differs from the loop); with it, the run is refused."""
+    torch.manual_seed(0)
+    model, loss, batch = t5()
+    with pytest.raises(RuntimeError, match=r"relative_attention_bias.*not B samples' rows batch-major.*freeze"):
+        clipped_sum(model, loss, batch, plan, 1e-3)
+    # the taps alone (no proof): each "sample's" bias gradient is a slice of every sample's rows, while the rows
+    # still sum to the batch gradient (which the old coverage check compared)
+    got, want = engine_grads(model, loss, batch), loop_grads(model, loss, batch, B)
+    name = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    torch.testing.assert_close(got[name].sum(0), want[name].sum(0))
+    assert (got[name] - want[name]).norm() > 0.5 * want[name].norm()  # what the proof guards against
+
+
+def test_t5_trains_exactly_with_its_position_bias_frozen():
+    torch.manual_seed(0)
+    model, loss, batch = t5()
+    for n, p in model.named_parameters():
+        p.requires_grad_("relative_attention_bias" not in n)
+    want, norms = oracle(model, loss, batch, C := float(norms_median(model, loss, batch)))
+    got = clipped_sum(model, loss, batch, "bk", C)
+    for n in want:
+        assert (got[n] - want[n]).norm() <= 1e-6 * want[n].norm().clamp_min(1e-9), n
+
+
+class Mix(nn.Module):
+    """A batch statistic inside a forward: every sample's output moves with the others'."""
+
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True)
+
+
+class Net(nn.Module):
+    def __init__(self, mix=False, inline=False, shared=False):
+        super().__init__()
+        self.emb, self.a, self.b, self.c = nn.Embedding(10, 6), nn.Linear(6, 6), nn.Linear(6, 3), nn.Linear(6, 6)
+        self.mix = Mix() if mix else nn.Identity()
+        self.inline, self.shared = inline, shared
+        self.register_buffer("table", torch.randn(B, 6))  # B rows that are not samples
+
+    def forward(self, ids):
+        h = self.emb(ids).mean(1)
+        if self.shared:  # a (B, 6) input taken for a batch: each sample uses all of c's rows
+            h = h + self.c(self.table).sum(0)
+        h = self.mix(self.a(h).tanh())
+        if self.inline:
+            h = h - h.mean(0)
+        return self.b(h)
+
+
+def net_batch():
+    g = torch.Generator().manual_seed(0)
+    return {"ids": torch.randint(0, 10, (B, 5), generator=g), "y": torch.randint(0, 3, (B,), generator=g)}
+
+
+def net_loss(m, b):
+    return F.cross_entropy(m(b["ids"]), b["y"], reduction="none")
+
+
+REFUSED = {
+    "loss-mean": (Net, lambda m, b: net_loss(m, b).mean().expand(B), r"the loss function mixes samples"),
+    "mixing-module": (lambda: Net(mix=True), net_loss, r"^.*: mix mixes samples.*act on each sample alone"),
+    "mixing-code": (lambda: Net(inline=True), net_loss, r"the forward of Net mixes samples between mix and b"),
+    "rows-not-samples": (lambda: Net(shared=True), net_loss, r"c's output has B rows that are not samples'.*freeze"),
+}
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("case", REFUSED)
+def test_what_mixes_samples_is_refused_before_a_release_naming_it(case, plan):
+    """Each passes the loss's shape check and the old coverage check (the rows still sum to the batch gradient)."""
+    torch.manual_seed(0)
+    make, loss, words = REFUSED[case]
+    model = make()
+    noise = GaussianMechanism(1.0, 1.0, 1.0, seeded(0))
+    with Privatizer(model, noise, ClippingPlan.of(plan)) as privatize:
+        with pytest.raises(RuntimeError, match=words):
+            privatize.gradient([net_batch()], loss, {p: p.shape for p in privatize.params})
+    assert noise.draws.count == 0  # nothing drawn, so nothing released
+
+
+def test_a_new_layout_is_proved_again_before_its_release():
+    """A layer read as B·k batch-major rows is proved at each new k: a model that reads positions as rows only at
+    the second step's sequence length is refused there, after the first step's proof passed."""
+    class Rows(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.pos, self.head = nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+        def forward(self, ids):
+            h = self.emb(ids)  # (B, T, 4)
+            if ids.shape[1] == 2 * ids.shape[0]:  # a table of T rows shared by the batch
+                h = h + self.pos(torch.ones(ids.shape[1], 4)).unsqueeze(0)
+            else:  # the same layer on B·T token rows, batch-major
+                h = h + self.pos(h.reshape(-1, 4)).reshape(h.shape)
+            return self.head(h.mean(1))
+
+    torch.manual_seed(0)
+    model = Rows()
+    g = torch.Generator().manual_seed(0)
+    step = lambda T: {"ids": torch.randint(0, 10, (B, T), generator=g), "y": torch.randint(0, 3, (B,), generator=g)}  # noqa: E731
+    with Privatizer(model, GaussianMechanism(0.0, 1.0, 1.0, seeded(0)), ClippingPlan.of("bk")) as privatize:
+        shapes = {p: p.shape for p in privatize.params}
+        privatize.gradient([step(5)], net_loss, shapes)  # B·5 rows: batch-major, proved
+        privatize.gradient([step(5)], net_loss, shapes)  # the same layout: no new proof
+        with pytest.raises(RuntimeError, match=r"pos's output has 2·B rows, which are not B samples'"):
+            privatize.gradient([step(2 * B)], net_loss, shapes)
+
+
+def test_an_input_with_no_batch_dimension_is_refused_in_the_forward_naming_the_layer():
+    """T5's buckets at batch 3: 8 rows are neither B, 1 nor B·k; never cut into pieces."""
+    model, loss, batch = t5()
+    batch = {k: v[:3] for k, v in batch.items()}
+    with Privatizer(model, GaussianMechanism(0.0, 1.0, 1.0, seeded(0)), ClippingPlan.of("bk")) as privatize:
+        with pytest.raises(ValueError, match=r"relative_attention_bias: Embedding's output has shape \(8, 8, 2\) for "
+                                             r"a batch of 3.*freeze its parameters"):
+            privatize.gradient([batch], loss, {p: p.shape for p in privatize.params})
