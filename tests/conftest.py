@@ -91,6 +91,16 @@ class CliResult:
 
 
 @pytest.fixture
+def float64():
+    """torch's default dtype float64 for the test (the oracles and dpmem then agree to ~1e-12), put back after."""
+    import torch
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+@pytest.fixture
 def cli(tmp_path, monkeypatch, capsys):
     """`dpmem ARGS...` in this process, in tmp_path: dpmem.cli.main's exit code (SystemExit's, 0 without one) and
     what it printed. The code of the console entry point without a fresh interpreter's imports per call

@@ -17,12 +17,7 @@ PLANS = ["materialize", "bk", "ghost", "mixed", "fgc"]  # every exact plan: one 
 B = 4
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 def clipped_sum(model, loss, batch, plan, C, check=True):
@@ -258,3 +253,28 @@ def test_an_input_with_no_batch_dimension_is_refused_in_the_forward_naming_the_l
         with pytest.raises(ValueError, match=r"relative_attention_bias: Embedding's output has shape \(8, 8, 2\) for "
                                              r"a batch of 3.*freeze its parameters"):
             privatize.gradient([batch], loss, {p: p.shape for p in privatize.params})
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Gemma's word embedding: an nn.Embedding whose forward scales the lookup by √d."""
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embedding_dim ** 0.5
+
+
+def test_an_embedding_subclass_whose_forward_scales_the_lookup_is_refused_not_misclipped():
+    """The Embedding rule reads the ids of the F.embedding call and the gradient of the module's output, which the
+    scaling sits between: its per-sample gradients are off by √d, and the proof refuses the run naming the weight."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = ScaledEmbedding(10, 4), nn.Linear(4, 3)
+
+        def forward(self, ids):
+            return self.head(self.emb(ids).mean(1))
+
+    torch.manual_seed(0)
+    with Privatizer(Scaled(), GaussianMechanism(0.0, 1.0, 1.0, seeded(0)), ClippingPlan.of("bk")) as privatize:
+        with pytest.raises(RuntimeError, match=r"emb\.weight are not each sample's own.*emb\.weight is used outside "
+                                               r"the module that owns it \(or by a forward its rule does not model\)"):
+            privatize.gradient([net_batch()], net_loss, {p: p.shape for p in privatize.params})

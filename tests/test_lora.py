@@ -70,14 +70,6 @@ def llama_causal(**lora):
 CASES = {"roberta-classifier": roberta_classifier, "llama-causal": llama_causal}
 
 
-@pytest.fixture
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
-
-
 def test_only_the_adapters_and_the_classifier_head_are_trainable():
     model, _, _ = roberta_classifier()
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}

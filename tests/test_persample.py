@@ -14,13 +14,7 @@ from tiny_models import tiny_opt, tiny_roberta, tiny_vit
 
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    """Oracles and engine agree to ~1e-12 in float64; the test bound is 1e-5."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")  # oracles and engine agree to ~1e-12; the bound is 1e-5
 
 
 class Wrap(nn.Module):
@@ -178,9 +172,16 @@ def test_embedding_with_padding_and_tied_head_matches_torch_func():
 
 
 def test_unsupported_parameter_is_an_error_naming_it():
-    model = nn.Sequential(nn.Linear(3, 3), nn.LSTM(3, 3))
-    with pytest.raises(ValueError, match=r"1\.weight_ih_l0.*LSTM"):
-        Taps(model)
+    """A container's parameters (a ParameterDict has no forward to replay) used by its parent's forward."""
+    class Held(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.extra = nn.Linear(3, 3), nn.ParameterDict({"scale": nn.Parameter(torch.ones(3))})
+
+        def forward(self, x):
+            return self.lin(x) * self.extra["scale"]
+    with pytest.raises(ValueError, match=r"no per-sample rule covers extra\.scale"):
+        Taps(Held())
 
 
 @pytest.mark.parametrize("frozen", [False, True])

@@ -144,6 +144,19 @@ def test_bench_attribution_writes_a_row_per_model_and_plan(tmp_path):
         assert float(ratio) == pytest.approx(float(proved) / float(without), rel=0.05)  # ms rounded to 0.1
 
 
+def test_bench_replayed_writes_a_row_per_layer_with_its_ratios(tmp_path):
+    out = tmp_path / "replayed.md"
+    r = run_script("bench_replayed.py", "--batch", "2", "--seq", "3", "--width", "8", "--repeats", "1",
+                   "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = {line.split("|")[1].strip(): [float(c) for c in line.split("|")[2:-1]]
+            for line in out.read_text().splitlines() if line.startswith("| ") and not line.startswith("| layer")}
+    assert set(rows) == {"Linear (factored rules)", "MultiheadAttention", "LSTM", "TransformerEncoder"}
+    for plain_ms, private_ms, ratio, plain_kib, private_kib, memory in rows.values():
+        assert ratio == pytest.approx(private_ms / plain_ms, rel=0.1) and private_kib > 0
+        assert memory == pytest.approx(private_kib / plain_kib, rel=0.05)
+
+
 @pytest.mark.long
 def test_rc_sigma_writes_its_three_tables(tmp_path):
     """σ in the tables is calibrate_sigma's, and the ratio column divides by the DP-SGD σ in the heading."""

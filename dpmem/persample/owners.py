@@ -10,10 +10,8 @@ from torch import nn
 
 from dpmem.persample import rules  # noqa: F401  (registers the layer rules)
 from dpmem.persample.factored import Factored
+from dpmem.persample.fallback import replay_of
 from dpmem.persample.registry import Rule, rule_for
-
-# Layers without a per-sample rule (recurrent, attention with packed projections): refused where trainable.
-REFUSED = (nn.RNNBase, nn.MultiheadAttention)  # (batch norm is refused frozen or not: `find_owners`)
 
 
 @dataclass
@@ -21,7 +19,8 @@ class Owner:
     """A module whose direct parameters get per-sample gradients, and how."""
     name: str
     module: nn.Module
-    params: dict[str, nn.Parameter]  # attribute name -> parameter (trainable, direct, owned here)
+    # attribute name -> parameter (trainable, owned here: direct, or dotted below a replayed layer)
+    params: dict[str, nn.Parameter]
     rule: Rule | None  # None = generic fallback (`dpmem.persample.fallback`)
     scopes: list = field(default_factory=list)  # a rule's forward scopes, entered by the pre-hook
 
@@ -31,16 +30,26 @@ def find_owners(model: nn.Module) -> list[Owner]:
     Embedding gets both rules), then the generic fallback for the rest. Raises ValueError for a parameter that
     nothing covers or a layer that mixes samples."""
     owners, claimed = [], set()  # claimed: the ids of the parameters owned so far
-    param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     modules = list(model.named_modules())  # a shared module is listed once; its capture acts per use
     for mod_name, module in modules:  # frozen or not: in training mode it normalises by the batch's statistics
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             raise ValueError(f"{mod_name}: {type(module).__name__} mixes samples (it normalises by the batch's "
                              "statistics in training mode, frozen or not); replace it (e.g. GroupNorm/LayerNorm)")
+    # a layer replayed whole (nn.MultiheadAttention, the recurrent ones) owns its submodules' parameters too: its
+    # forward reads them itself (MultiheadAttention's out_proj is a Linear it never calls)
+    replayed = [(n, m) for n, m in modules if replay_of(m) is not None]
+    inside = lambda name: any(name.startswith(f"{r}.") for r, _ in replayed)  # noqa: E731
+    for mod_name, module in replayed:
+        if inside(mod_name):
+            continue
+        own = {n: p for n, p in module.named_parameters() if p.requires_grad and id(p) not in claimed}
+        if own:
+            claimed.update(id(p) for p in own.values())
+            owners.append(Owner(mod_name, module, own, None))
     for with_rule in (True, False):
         for mod_name, module in modules:
             rule = rule_for(module)
-            if (rule is not None) != with_rule:
+            if (rule is not None) != with_rule or replay_of(module) is not None or inside(mod_name):
                 continue
             if rule is None and type(module).forward is nn.Module.forward:
                 continue  # a container (ParameterDict) has no forward to replay: its parameters stay unclaimed
@@ -48,9 +57,6 @@ def find_owners(model: nn.Module) -> list[Owner]:
                    if p.requires_grad and (with_rule or id(p) not in claimed)}
             if not own:
                 continue
-            if isinstance(module, REFUSED):
-                name = param_names[id(next(iter(own.values())))]
-                raise ValueError(f"{name}: {type(module).__name__} has no per-sample rule; replace it or freeze it")
             if rule is not None and rule.check is not None:
                 rule.check(mod_name, module)
             claimed.update(id(p) for p in own.values())
@@ -77,8 +83,10 @@ def enter_scope(owner: Owner, module: nn.Module) -> None:
 def leave_scope(owner: Owner, module: nn.Module, output) -> object:
     """After the layer's forward: its rule's scope left and returned (None without one), and the output checked to
     be a tensor (a rule reads its gradient)."""
+    if owner.rule is None:  # replayed: any output (`Taps.replayed`)
+        return None
     scope = None
-    if owner.rule is not None and owner.rule.scope is not None:
+    if owner.rule.scope is not None:
         scope = owner.scopes.pop()
         if scope is not None:
             scope.__exit__(None, None, None)
@@ -89,19 +97,23 @@ def leave_scope(owner: Owner, module: nn.Module, output) -> object:
 
 
 SHARED = "shared"  # a layout: the output's leading dimension is 1, broadcast over the batch (BERT's position ids)
+TIME_MAJOR = "time-major"  # a layout: (T, B, ...), the batch second (nn.Transformer's and seq-first RNNs' layers)
 
 
 def layout(owner: Owner, output: torch.Tensor, batch: int) -> str | int:
     """How a layer's output is read per sample: 1 (batch-first, B rows), `SHARED` (one row that the batch shares:
-    each sample's gradient is taken through its own copy, `Taps` broadcasting the output to B rows) or k > 1 (B·k
-    rows, batch-major: OPT's FFN on B·T tokens), which only the attribution check (`dpmem.methods.attribution`) can
-    tell from rows that are not samples at all. Raises ValueError, naming the layer, for any other leading
-    dimension: an input with no batch dimension, whose rows every sample uses (T5's position buckets)."""
+    each sample's gradient is taken through its own copy, `Taps` broadcasting the output to B rows), `TIME_MAJOR`
+    ((T, B, ...), three dimensions or more) or k > 1 (B·k rows, batch-major: OPT's FFN on B·T tokens). Only the
+    attribution proof (`dpmem.methods.attribution`) can tell those from rows that are not samples at all. Raises
+    ValueError, naming the layer, for any other leading dimension: an input with no batch dimension, whose rows
+    every sample uses (T5's position buckets)."""
     rows = output.shape[0] if output.dim() else None
     if rows == batch:
         return 1
     if rows == 1:
         return SHARED
+    if output.dim() >= 3 and output.shape[1] == batch:
+        return TIME_MAJOR
     if rows is not None and owner.rule is not None and rows % batch == 0:
         return rows // batch
     raise ValueError(f"{owner.name}: {type(owner.module).__name__}'s output has shape {tuple(output.shape)} for a "
@@ -111,10 +123,14 @@ def layout(owner: Owner, output: torch.Tensor, batch: int) -> str | int:
 
 
 def batch_first(owner: Owner, saved, grad_output: torch.Tensor, batch: int):
-    """A layer's input and output gradient with the batch dimension first: B·k batch-major rows (`layout`) as
-    (B, k, ...), and a shared input (leading dimension 1; its output gradient is the broadcast copies', B rows)
+    """A rule-covered layer's input and output gradient with the batch dimension first (`layout`, read again from
+    the output gradient's shape): time-major (T, B, ...) transposed and B·k batch-major rows unflattened to (B, k,
+    ...), as views; a shared input (leading dimension 1; its output gradient is the broadcast copies', B rows)
     expanded to B rows as a view, not copied."""
-    if grad_output.shape[0] != batch and owner.rule is not None:
+    rows = grad_output.shape[0]
+    if rows != batch and grad_output.dim() >= 3 and grad_output.shape[1] == batch:
+        return saved.transpose(0, 1), grad_output.transpose(0, 1)
+    if rows != batch:
         unflat = lambda t: t.reshape(batch, t.shape[0] // batch, *t.shape[1:])  # noqa: E731
         return unflat(saved), unflat(grad_output)
     if isinstance(saved, torch.Tensor) and saved.dim() and saved.shape[0] == 1 and batch > 1:

@@ -60,8 +60,11 @@ def register(*types: type, **options):
 
 
 def _weights(model: nn.Module, wanted: Callable[[Rule, nn.Module], bool]) -> dict[str, nn.Parameter]:
-    out = {}
+    from dpmem.persample.fallback import replay_of
+    out, replayed = {}, [n for n, m in model.named_modules() if replay_of(m) is not None]
     for name, module in model.named_modules():
+        if any(name.startswith(f"{r}.") for r in replayed):  # its forward never runs: the replayed layer's does
+            continue
         rule = rule_for(module)
         weight = getattr(module, "weight", None)
         if rule is not None and wanted(rule, module) and isinstance(weight, nn.Parameter) and weight.requires_grad:

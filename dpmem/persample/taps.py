@@ -19,9 +19,10 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpmem.metering import memory_label
-from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads
+from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads, leading_dims, replay_of
 from dpmem.persample.owners import (SHARED, Owner, batch_first, enter_scope, find_owners, layout, leave_scope,
                                     owned_parameters, tied_sum)
 from dpmem.persample.reducers import Reducer, Stream, materialize
@@ -227,7 +228,9 @@ class Taps:
                     continue
                 if tape.streamed[i]:  # a pair: (output gradient, input)
                     saved = parts[1]
-                if parts[0] is not None:
+                if owner.rule is None and any(g is not None for g in parts):  # replayed: every output leaf's
+                    parts = [parts]
+                if parts and parts[0] is not None:
                     for name, part in self._gradients(owner, saved, parts[0], tape.batch):
                         p = owner.params.get(name)
                         if p is not None:  # None: a frozen parameter of a rule-covered module
@@ -248,14 +251,19 @@ class Taps:
         last_first = list(reversed(range(len(tape.owners))))
         return [i for i in last_first if alone[i]] + [i for i in last_first if not alone[i]]
 
-    def _gradients(self, owner: Owner, saved, grad_output: torch.Tensor, batch: int):
+    def _gradients(self, owner: Owner, saved, grad_output, batch: int):
+        """A layer's per-sample gradients by parameter name: by its rule from its input and output gradient, or by the
+        fallback's replay from its call and its output leaves' gradients (`grad_output`, a list)."""
         if owner.rule is not None:
             return rule_gradients(owner, saved, grad_output, batch).items()
         self._hooks.replaying = True
         try:
             # sharded (FSDP resharded the module after the backward), its replay runs on the parameters made whole
             whole = None if self.whole is None else {n: self.whole(q) for n, q in owner.module.named_parameters()}
-            return fallback_grads(owner.module, list(owner.params), saved, grad_output, whole).items()
+            call, dims = saved
+            replay = replay_of(owner.module)
+            return fallback_grads(owner.module, list(owner.params), call, grad_output, dims, batch,
+                                  replay is not None and replay.loop, whole).items()
         finally:
             self._hooks.replaying = False
 
@@ -292,20 +300,18 @@ class _Hooks:
             if not self.recomputing():
                 return None
             tape = self.recorded
-            if not streams(tape, owner, output):  # whole: its input is on the tape, its zero adds no saved tensor
+            if owner.rule is None or not streams(tape, owner, output):  # whole: its input is on the tape, its zero adds no saved tensor
                 leave_scope(owner, mod, output)
                 return None
             saved = owner.rule.capture(mod, args, kwargs, output, leave_scope(owner, mod, output))
             # saves what the forward saved (zeros of its own: their gradients are never asked for)
             probes = self.probes(tape, owner, _shapes(tape, owner, output, saved), -1)
             return _Stream.apply(output, saved, None, *probes)
+        if owner.rule is None:
+            return self.replayed(tape, owner, mod, args, kwargs, output)
         rule, scope = owner.rule, leave_scope(owner, mod, output)
         tape.dtypes[output.dtype] = None
-        if rule is None:
-            check_deterministic(owner.name, mod)
-            saved = capture_call(mod, args, kwargs, output, None)
-        else:
-            saved = rule.capture(mod, args, kwargs, output, scope)
+        saved = rule.capture(mod, args, kwargs, output, scope)
         read = layout(owner, output, tape.batch)
         tape.owners.append(owner)
         tape.layouts.append(read)
@@ -325,6 +331,32 @@ class _Hooks:
         tape.saved.append(saved)
         tape.probes.append(probes)
         return output + probes[0]
+
+    def replayed(self, tape: Tape, owner: Owner, mod, args, kwargs, output):
+        """A layer the fallback replays (`dpmem.persample.fallback`): its call kept, and a zero added to each output
+        leaf that asks a per-sample gradient (one shared by the batch broadcast to B rows); never streamed."""
+        check_deterministic(owner.name, mod)
+        leaves, spec = tree_flatten(output)
+        replay = replay_of(mod)
+        dims = (replay.dims if replay is not None else leading_dims)(owner.name, mod, args, kwargs, leaves, tape.batch)
+        asked = [j for j, d in enumerate(dims[1]) if d is not None]
+        shapes = []
+        for j in asked:
+            t, d = leaves[j], dims[1][j]
+            tape.dtypes[t.dtype] = None
+            shape = list(t.shape)
+            shape[d] = tape.batch  # a leaf shared by the batch (one row) comes out with B
+            shapes.append((torch.Size(shape), t.dtype))
+        tape.owners.append(owner)
+        tape.layouts.append(1)
+        use = tape.calls[id(owner)] = tape.calls.get(id(owner), 0) + 1
+        tape.streamed.append(False)
+        probes = self.probes(tape, owner, shapes, use)
+        tape.saved.append((capture_call(mod, args, kwargs, output, None), dims))
+        tape.probes.append(probes)
+        for j, probe in zip(asked, probes):
+            leaves[j] = leaves[j] + probe
+        return tree_unflatten(leaves, spec) if not isinstance(output, torch.Tensor) else leaves[0]
 
     def probes(self, tape: Tape, owner: Owner, shapes: list, use: int) -> list[torch.Tensor]:
         """The zeros of a layer's `use`-th call in the forward pass (each call its own: autograd sums what two
