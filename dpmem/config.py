@@ -138,7 +138,7 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     name: str = MISSING  # the model's name (model=NAME's file sets it), recorded in the summary
-    family: str = MISSING  # which builder in dpmem.models makes it (vit, ...)
+    family: str = MISSING  # which builder in dpmem.models makes it (vit, roberta, bert, opt, llama, median; auto: any checkpoint)
     pretrained: Optional[str] = None  # hub id or local path; None = random init from `arch`
     tokenizer: Optional[str] = None  # hub id or local path of the tokenizer; None = the one of `pretrained`
     head: str = "classifier"  # text models: classifier | mlm (prompt over label words) | causal (LM loss)

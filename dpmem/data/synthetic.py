@@ -18,14 +18,23 @@ def load(cfg, model_cfg) -> DataBundle:
     n, n_test, classes = cfg.n_train, max(1, round(cfg.n_train * cfg.test_fraction)), cfg.num_classes
     if classes < 2:
         raise ConfigError("data.num_classes", f"{classes} must be >= 2")
-    if model_cfg.family == "vit":
-        shape = (cfg.channels, cfg.image_size, cfg.image_size)
+    hub = None
+    if model_cfg.family == "auto":  # the checkpoint's config says image or text, and its vocabulary
+        from dpmem.models.hub import checkpoint_config, is_image
+        hub = checkpoint_config(model_cfg)
+    if model_cfg.family == "vit" or (hub is not None and is_image(hub)):
+        shape = (getattr(hub, "num_channels", cfg.channels), getattr(hub, "image_size", cfg.image_size),
+                 getattr(hub, "image_size", cfg.image_size))
 
         def columns(m):
             return {"pixel_values": torch.randn(m, *shape, generator=gen),
                     "labels": torch.randint(0, classes, (m,), generator=gen)}
         return DataBundle(columns(n), columns(n_test), classes, shape, images.per_sample_loss, images.predict)
-    vocab = model_cfg.arch.get("vocab_size")
+    vocab = model_cfg.arch.get("vocab_size") or getattr(hub, "vocab_size", None)
+    positions = getattr(hub, "max_position_embeddings", getattr(hub, "n_positions", None))
+    if positions is not None and cfg.seq_len > positions:
+        raise ConfigError("data.seq_len", f"{cfg.seq_len} tokens exceed the {positions} positions of "
+                          f"{model_cfg.pretrained}; set data.seq_len to at most {positions}")
     if not vocab:
         raise ConfigError("model.arch.vocab_size", "synthetic text needs the model's vocabulary size")
     if vocab < classes + 3:

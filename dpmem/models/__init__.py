@@ -69,6 +69,12 @@ def _arch(cfg) -> dict:
 
 
 def _from_pretrained(cls, name: str, **kwargs) -> nn.Module:
+    from dpmem.models.hub import model_type_of
+    expected = cls.config_class.model_type
+    found = model_type_of(name)
+    if found != expected:  # loaded anyway, every weight would be missing (random init, transformers' warning only)
+        raise ConfigError("model.pretrained", f"{name!r} is a {found} checkpoint, not {expected} (this model's "
+                          f"family); load it with model=auto model.pretrained={name}")
     offline = downloads_off()
     source = resolve_source(name, "model.pretrained")  # a local path that does not exist is said so here
     unreachable = None if offline or Path(source).exists() else fetching(f"the model {name}")
@@ -88,7 +94,12 @@ def _median(cfg, data: DataBundle, weights: bool) -> nn.Module:
     return GeometricMedian(data.problem["A"], data.problem["alpha"])
 
 
-FAMILIES = {"vit": _vit, **dict.fromkeys(TEXT, _text), "median": _median}
+def _auto(cfg, data: DataBundle, weights: bool) -> nn.Module:
+    from dpmem.models.hub import build_auto
+    return build_auto(cfg, data, weights)
+
+
+FAMILIES = {"vit": _vit, **dict.fromkeys(TEXT, _text), "median": _median, "auto": _auto}
 
 
 def build_model(cfg, data: DataBundle, weights: bool = True) -> nn.Module:

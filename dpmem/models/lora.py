@@ -26,7 +26,7 @@ def apply_lora(cfg, model: nn.Module) -> nn.Module:
         raise ConfigError("model.lora.dropout", f"{lora.dropout}: allowed [0, 1)")
     import peft
     saved = list(lora.modules_to_save) if lora.modules_to_save is not None else (
-        ["classifier"] if cfg.head == "classifier" else [])
+        _head_modules(cfg, model) if cfg.head == "classifier" else [])
     to_save = []
     for key in saved:
         found = [m for name, m in model.named_modules() if name == key or name.endswith("." + key)]
@@ -34,9 +34,12 @@ def apply_lora(cfg, model: nn.Module) -> nn.Module:
             raise ConfigError("model.lora.modules_to_save", f"{key!r} names no module of {cfg.name} "
                               "(a module-name suffix, e.g. classifier)")
         to_save += found
+    targets = list(lora.target_modules) if lora.target_modules is not None else None
+    if targets is None and cfg.family == "auto":  # any architecture: its Linear layers, found by type
+        from dpmem.models.hub import lora_targets
+        targets = lora_targets(model, saved)
     config = peft.LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules) if lora.target_modules is not None else None,
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
         # as peft does for its modules_to_save: no adapter inside a module that is trained in full
         exclude_modules=f"(.*\\.)?({'|'.join(map(re.escape, saved))})(\\..*)?" if saved else None)
     try:  # freezes everything but the adapters
@@ -47,3 +50,12 @@ def apply_lora(cfg, model: nn.Module) -> nn.Module:
     for module in to_save:  # excluded from the targets above, so still in the model as they were
         module.requires_grad_(True)
     return model
+
+
+def _head_modules(cfg, model: nn.Module) -> list[str]:
+    """The classifier head, trained in full: `classifier` in dpmem's families; for model=auto, whatever beside the
+    base model holds parameters (GPT-2's `score`, BERT's `classifier`)."""
+    if cfg.family != "auto":
+        return ["classifier"]
+    base = getattr(model, "base_model_prefix", "")
+    return [name for name, child in model.named_children() if name != base and any(True for _ in child.parameters())]
