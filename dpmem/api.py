@@ -10,6 +10,8 @@
   accountant of the method (`accounting`: pld for most, DP-SGD-RC's rc with its probes and envelope).
 - Memory: `config` (a run's validated config, as `dpmem train` composes it from overrides), `plan` (its peak memory,
   planned on the meta device) and `largest_batch` (the largest batch under a budget).
+- Your own model: `check(model, loss_fn, batch)` says which rule forms each parameter's per-sample gradients, runs
+  the attribution proof under every clipping plan, and measures each plan's step memory (`print(check(...))`).
 
 `examples/private_loop.py` is a complete private training loop in plain PyTorch built on these."""
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from dpmem.checking import Check, check
 from dpmem.data.bundle import Padded
 from dpmem.engine import planner
 from dpmem.methods import build_method, method_config
@@ -28,9 +31,9 @@ from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, key_of
 from dpmem.privacy.sampling import poisson_batches
 
-__all__ = ["ClippingPlan", "Draws", "GaussianMechanism", "Method", "Padded", "PrivateGradient", "Privatizer",
-           "accounting", "build_method", "calibrate_sigma", "config", "epsilon_spent", "key_of", "largest_batch",
-           "method_config", "plan", "poisson_batches"]
+__all__ = ["Check", "ClippingPlan", "Draws", "GaussianMechanism", "Method", "Padded", "PrivateGradient", "Privatizer",
+           "accounting", "build_method", "calibrate_sigma", "check", "config", "epsilon_spent", "key_of",
+           "largest_batch", "method_config", "plan", "poisson_batches"]
 
 
 def accounting(method_cfg, model) -> dict:

@@ -20,24 +20,28 @@ HEADS = {"classifier": "AutoModelForSequenceClassification", "causal": "AutoMode
 IMAGES = "AutoModelForImageClassification"
 
 
-def _located(name: str, what: str) -> tuple[str, bool]:
-    """(where to load `name` from, whether only local files may be read)."""
+def _located(name: str, what: str):
+    """(where to load `name` from, whether only local files may be read, why the hub is unreachable or None)."""
     offline = downloads_off()
     source = resolve_source(name, "model.pretrained")  # a local path that does not exist is said so here
     unreachable = None if offline or Path(source).exists() else fetching(what)
-    return source, offline or unreachable is not None
+    return source, offline or unreachable is not None, unreachable
+
+
+def _not_loaded(name: str, unreachable, e: Exception) -> ConfigError:
+    hint = " (offline: only the local cache is searched)" if downloads_off() else ""
+    why = why_not_loaded(unreachable, e) if isinstance(e, OSError) else str(e).splitlines()[0]
+    return ConfigError("model.pretrained", f"cannot load {name!r}{hint}: {why}")
 
 
 @functools.lru_cache(maxsize=16)
 def _checkpoint_config(name: str):
     import transformers
-    source, local = _located(name, f"the config of {name}")
+    source, local, unreachable = _located(name, f"the model {name}")
     try:
         return transformers.AutoConfig.from_pretrained(source, local_files_only=local)
     except (OSError, ValueError) as e:
-        hint = " (offline: only the local cache is searched)" if downloads_off() else ""
-        raise ConfigError("model.pretrained", f"cannot read the config of {name!r}{hint}: "
-                          f"{why_not_loaded(None, e) if isinstance(e, OSError) else str(e).splitlines()[0]}") from None
+        raise _not_loaded(name, unreachable, e) from None
 
 
 def checkpoint_config(cfg):
@@ -84,14 +88,14 @@ def build_auto(cfg, data, weights: bool) -> nn.Module:
     try:
         if not weights:
             return auto.from_config(config)
-        source, local = _located(cfg.pretrained, f"the model {cfg.pretrained}")
+        source, local, unreachable = _located(cfg.pretrained, f"the model {cfg.pretrained}")
         model, info = auto.from_pretrained(source, config=config, local_files_only=local, output_loading_info=True,
                                            **({"ignore_mismatched_sizes": True} if image else {}))
     except ValueError as e:  # an Auto class without this model type ("Unrecognized configuration class ...")
         raise ConfigError("model.head", f"{config.model_type} has no {cfg.head} model in transformers "
                           f"({str(e).splitlines()[0][:120]})") from None
     except OSError as e:
-        raise ConfigError("model.pretrained", f"cannot load {cfg.pretrained!r}: {why_not_loaded(None, e)}") from None
+        raise _not_loaded(cfg.pretrained, unreachable, e) from None
     if cfg.head == "mlm" and not hasattr(model, "lm_head"):
         raise ConfigError("model.head", f"{config.model_type}'s masked-LM head is not an `lm_head` (which the mlm "
                           "task reads); use head=classifier")

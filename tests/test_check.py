@@ -1,0 +1,54 @@
+"""dpmem.api.check: each parameter's rule, the attribution proof under every plan, each plan's step memory (the
+live-tensor counter, exact on the CPU); refusals as the private step itself makes them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpmem import api
+
+
+class Classifier(nn.Module):
+    def __init__(self, norm=None):
+        super().__init__()
+        self.emb, self.rnn, self.head = nn.Embedding(20, 8), nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 3)
+        self.norm = norm or nn.Identity()
+
+    def forward(self, ids):
+        return self.head(self.norm(self.rnn(self.emb(ids))[0].mean(1)))
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    return {"ids": torch.randint(0, 20, (4, 6), generator=g), "y": torch.randint(0, 3, (4,), generator=g)}
+
+
+def loss(m, b):
+    return F.cross_entropy(m(b["ids"]), b["y"], reduction="none")
+
+
+def test_check_names_each_rule_proves_every_plan_and_measures_it_leaving_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = Classifier()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    found = api.check(model, loss, batch())
+    assert {n: how for n, how, _ in found.rules} == {
+        "emb": "Embedding rule (factored)", "head": "Linear rule (factored)",
+        "rnn": "LSTM replayed one sample at a time (dense)"}
+    assert dict((n, c) for n, _, c in found.rules)["rnn"] == sum(p.numel() for p in model.rnn.parameters())
+    assert set(found.plans) == {"materialize", "bk", "ghost", "mixed", "fgc"}
+    # dense per-sample gradients of the head and embedding (materialize) hold more than their factors (bk)
+    assert found.plans["materialize"]["per_sample"] > found.plans["bk"]["per_sample"] > 0
+    assert "| rnn | LSTM replayed one sample at a time (dense) |" in str(found)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) and p.grad is None, n
+
+
+@pytest.mark.parametrize("norm, error, words", [
+    (nn.BatchNorm1d(8), ValueError, r"norm: BatchNorm1d mixes samples"),
+    (type("Centre", (nn.Module,), {"forward": lambda self, x: x - x.mean(0)})(), RuntimeError, r"norm mixes samples"),
+])
+def test_check_refuses_what_the_private_step_refuses(norm, error, words):
+    with pytest.raises(error, match=words):
+        api.check(Classifier(norm), loss, batch(), plans=["bk"])
