@@ -125,7 +125,8 @@ def t5():
         vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
         relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
     g = torch.Generator().manual_seed(0)
-    batch = {"input_ids": torch.randint(1, 40, (B, 8), generator=g), "labels": torch.randint(1, 40, (B, B), generator=g)}
+    batch = {"input_ids": torch.randint(1, 40, (B, 8), generator=g),
+             "labels": torch.randint(1, 40, (B, B), generator=g)}
 
     def loss(m, b):
         logits = m(input_ids=b["input_ids"], labels=b["labels"]).logits

@@ -58,8 +58,8 @@ def test_dpmem_memory_plans_a_checkpoint_from_its_config_on_the_meta_device(cli,
 @pytest.mark.parametrize("overrides, words", [
     (["model=roberta-tiny", "model.pretrained={gpt2}"], r"model\.pretrained: .* is a gpt2 checkpoint, not roberta "
                                                           r".*model=auto model\.pretrained="),
-    (["model=auto", "model.pretrained={gpt2}", "+model.arch.n_layer=2"], r"leaves 12 of the base model's parameters "
-                                                                         r"without weights \(e\.g\. transformer\.h\.1\."),
+    (["model=auto", "model.pretrained={gpt2}", "+model.arch.n_layer=2"],
+     r"leaves 12 of the base model's parameters without weights \(e\.g\. transformer\.h\.1\."),
     (["model=auto", "model.pretrained={gpt2}", "data.seq_len=128"], r"data\.seq_len: 128 tokens exceed the 64 "
                                                                      r"positions"),
     (["model=auto", "model.pretrained={vit}", "model.head=causal"], r"model\.head: an image checkpoint \(vit\)"),

@@ -315,9 +315,10 @@ class Privatizer:
     def microbatch(self, mb, loss_fn, projections, summed, zero, check, probes, shapes) -> torch.Tensor:
         """One micro-batch: Σᵢ min(1, C/‖gᵢ‖)·wᵢ·gᵢ added into `summed` (in place; a parameter's first part becomes
         its sum); returns its clipped loss sum. One pass weighs the kept per-sample gradients (dense, factors or
-        projections); two keep norms only, and a second backward pass of Σᵢ fᵢ·Lᵢ forms the sums. `check`: compare
-        with autograd's batch gradient (the first micro-batch). `shapes`: each parameter's kept shape, which a
-        streamed value takes; None: nothing streams (a compiled one-pass step)."""
+        projections); two keep norms only, and a second backward pass of Σᵢ fᵢ·Lᵢ forms the sums. `check`: prove
+        attribution on it (the first micro-batch; one whose layers are read anew proves itself, `NewLayout`).
+        `shapes`: each parameter's kept shape, which a streamed value takes; None: nothing streams (a compiled
+        one-pass step)."""
         grouped = isinstance(mb, Grouped)  # ULS: a user's k records, normed and clipped as one
         k = mb.k if grouped and self.mechanism.per_user else None
         try:

@@ -64,10 +64,10 @@ class Tape:
         self.saved: list[Any] = []
         self.probes: list[list[torch.Tensor]] = []
         self.streamed: list[bool] = []  # whether each use streamed (its values or its pair), else it is whole
-        # how each use's output is read per sample (`owners.layout`): what the attribution check proves, and the
-        # signature whose change asks for that proof again
+        # how each use's output is read per sample (`owners.layout`; a replayed layer's batch dimensions): what the
+        # attribution proof proves, and the signature whose change asks for that proof again
         self.layouts: list = []
-        self.dtypes: dict = {}  # the outputs' dtypes, for the attribution proof's tolerance (a dict: dynamo traces no set)
+        self.dtypes: dict = {}  # the outputs' dtypes, for the proof's tolerance (a dict: dynamo traces no set)
         self.armed = True  # values asked for in the first backward pass only (two-pass clipping's second passes)
         self.calls: dict[int, int] = {}  # calls so far of each layer (by id: a plain dict, as dynamo traces it)
         self.repeated: list[Owner] = []  # streamed layers called twice (found in the forward pass)
@@ -193,7 +193,8 @@ class Taps:
     def per_sample(self, tape: Tape, loss: torch.Tensor, batch_gradients: bool = False,
                    retain_graph: bool = False) -> tuple[dict, dict]:
         """({parameter: its reducer's value}, {parameter: autograd's batch gradient} if `batch_gradients` (a
-        check of the sums against it) else {}), from one backward pass of `loss`, the summed per-sample loss recorded on `tape`.
+        check of the sums against it) else {}), from one backward pass of `loss`, the summed per-sample loss
+        recorded on `tape`.
         A whole part is reduced once every use's gradient is in (uses taken last to first, as a backward pass
         reaches them), and each layer's output gradient dropped as soon as its rule has used it."""
         if tape.repeated:
@@ -300,7 +301,8 @@ class _Hooks:
             if not self.recomputing():
                 return None
             tape = self.recorded
-            if owner.rule is None or not streams(tape, owner, output):  # whole: its input is on the tape, its zero adds no saved tensor
+            # whole (or replayed): its input is on the tape, its zero adds no saved tensor
+            if owner.rule is None or not streams(tape, owner, output):
                 leave_scope(owner, mod, output)
                 return None
             saved = owner.rule.capture(mod, args, kwargs, output, leave_scope(owner, mod, output))
@@ -348,7 +350,7 @@ class _Hooks:
             shape[d] = tape.batch  # a leaf shared by the batch (one row) comes out with B
             shapes.append((torch.Size(shape), t.dtype))
         tape.owners.append(owner)
-        tape.layouts.append(1)
+        tape.layouts.append((*dims[1], *(leaves[j].shape[dims[1][j]] == 1 for j in asked)))  # dims, shared leaves
         use = tape.calls[id(owner)] = tape.calls.get(id(owner), 0) + 1
         tape.streamed.append(False)
         probes = self.probes(tape, owner, shapes, use)
