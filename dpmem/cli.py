@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     verb, rest = argv[0], argv[1:]
     if verb not in ("train", "report") and distributed.launched():
         raise error(f"dpmem {verb} runs in one process; only dpmem train runs under torchrun")
-    tools = {"memory": _memory, "plan": _plan, "spectrum": _spectrum, "audit": _audit, "report": _report}
+    tools = {"memory": _memory, "plan": _plan, "check": _check, "spectrum": _spectrum, "audit": _audit,
+             "report": _report}
     if verb in tools and any(a in ("-h", "--help") for a in rest):  # the usage, and the page of the docs about it
         print(USAGE + f"\ndpmem {verb}: {VERB_DOCS[verb]}\n", end="")
         return
@@ -124,6 +125,33 @@ def _one_line_errors(args: list[str]):
         if any(a.lower() in ("debug=true", "debug=1") for a in args):
             raise
         raise error(str(e)) from None
+
+
+CHECK_SAMPLES = 4  # the training samples `dpmem check` proves on: a few do (the proof is exact at any batch > 1)
+
+
+def _check(overrides: list[str]) -> None:
+    """`dpmem check`: one configuration's model and data built on the CPU and checked on its first training samples
+    (`dpmem.api.check`): which rule forms each module's per-sample gradients, the attribution proof under every
+    clipping plan, each plan's step memory. A layer no rule covers, or anything that mixes samples, ends in one
+    line (exit 2). Nothing is trained or released; no folder is written."""
+    from dpmem.checking import check
+    from dpmem.data import build_data
+    from dpmem.models import build_model
+
+    with _one_line_errors(overrides):
+        points = sweep_points(overrides)
+        if len(points) > 1:
+            raise ConfigError("overrides", f"dpmem check takes one configuration, not a sweep of {len(points)}")
+        cfg = compose_points(points)[0]
+        data = build_data(cfg.data, cfg.model)
+        model = build_model(cfg.model, data).train()
+        batch = data.batch(data.train, slice(0, CHECK_SAMPLES))
+        try:
+            found = check(model, data.per_sample_loss, batch)
+        except (ValueError, RuntimeError) as e:
+            raise error(f"check: {cfg.model.name}: {e}") from None
+    print(f"dpmem check: {cfg.model.name} on {CHECK_SAMPLES} samples of {cfg.data.name}\n\n{found}")
 
 
 def _memory(overrides: list[str]) -> None:

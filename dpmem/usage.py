@@ -3,6 +3,7 @@
 USAGE = """usage: dpmem train [-m] [key=value ...]
        dpmem memory [key=value ...]
        dpmem plan [key=value ...]
+       dpmem check [key=value ...]
        dpmem spectrum mode=layer|trajectory [key=value ...]
        dpmem audit [key=value ...]
        dpmem report PATH... [--out DIR] [--published] [--select top3] [--holder]
@@ -19,6 +20,8 @@ USAGE = """usage: dpmem train [-m] [key=value ...]
                                                    the largest batch that fits, per method
   dpmem plan model=roberta-large data=synthetic memory.budget=24GB plan.device=l4
                                                    the fastest configuration that fits a GPU (estimated)
+  dpmem check model=auto model.pretrained=gpt2 data=sst2
+                                                   each layer's rule and the attribution proof, on the CPU
   dpmem spectrum mode=layer spectrum.clip=[null,1.0] spectrum.sigma=[0,0.5,2.0]
                                                    singular values of each layer's (clipped, noised) gradient
   dpmem spectrum mode=trajectory method=dp-adam    PCA of a private run's clipped gradients, and subspace.pt
@@ -31,6 +34,7 @@ Documentation (Markdown in the repository's docs/; `mkdocs serve` shows it as a 
   docs/tutorial.md          one task end to end: a private run, its epsilon, accuracy against epsilon, memory
   docs/configuration.md     every key of every group, its default and what it does
   docs/opacus.md            coming from Opacus: its names mapped to dpmem's, the same loop written with each
+  docs/models.md            bring your own model: which rule covers each layer, the attribution proof, model=auto
   docs/run-folders.md       what a run writes, exit codes and statuses, resuming, the ledger of epsilon
   docs/faq.md               when something fails: a run that does not learn, out of memory, hub errors offline
   docs/scale.md             torchrun, FSDP, Hydra's launchers, SLURM, the Optuna search
@@ -43,4 +47,5 @@ Documentation (Markdown in the repository's docs/; `mkdocs serve` shows it as a 
   docs/api.md               the Python API for a training loop of your own
 """
 VERB_DOCS = {"train": "docs/getting-started.md", "memory": "docs/memory.md", "plan": "docs/plan.md",
+             "check": "docs/models.md",
              "spectrum": "docs/reproductions.md", "audit": "docs/privacy.md", "report": "docs/getting-started.md"}

@@ -52,3 +52,22 @@ def test_check_names_each_rule_proves_every_plan_and_measures_it_leaving_the_mod
 def test_check_refuses_what_the_private_step_refuses(norm, error, words):
     with pytest.raises(error, match=words):
         api.check(Classifier(norm), loss, batch(), plans=["bk"])
+
+
+def test_dpmem_check_builds_a_configuration_and_prints_each_rule_and_plan(cli):
+    r = cli("check", "model=vit-tiny", "data=synthetic", "data.image_size=8")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("dpmem check: vit-tiny on 4 samples of synthetic")
+    assert "| vit.embeddings.patch_embeddings.projection | Conv2d rule (factored) |" in r.stdout
+    assert all(f"| {plan} |" in r.stdout for plan in ("materialize", "bk", "ghost", "mixed", "fgc"))
+
+
+def test_dpmem_check_refuses_a_checkpoint_with_batch_norm_in_one_line_naming_the_layer(cli, tmp_path):
+    """A ResNet from the hub (model=auto): its batch norms mix samples, the line names the first and the fix."""
+    import transformers as tf
+    tf.ResNetModel(tf.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8], depths=[1],
+                                   layer_type="basic")).save_pretrained(tmp_path / "resnet")
+    r = cli("check", "model=auto", f"model.pretrained={tmp_path / 'resnet'}", "data=synthetic", "data.image_size=8")
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    line = next(x for x in r.stderr.splitlines() if x.startswith("dpmem: error:"))
+    assert "check: auto: " in line and "BatchNorm2d mixes samples" in line and "GroupNorm" in line, line

@@ -64,7 +64,7 @@ def test_the_sites_tables_keep_identifiers_whole_and_scroll_sideways():
 def test_every_page_the_help_names_exists_and_is_in_the_site():
     named = set(re.findall(r"docs/[\w/-]+\.md", USAGE)) | set(VERB_DOCS.values())
     nav = {f"docs/{p}" for p in nav_pages(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])}
-    assert set(VERB_DOCS) == {"train", "memory", "plan", "spectrum", "audit", "report"}
+    assert set(VERB_DOCS) == {"train", "memory", "plan", "check", "spectrum", "audit", "report"}
     for page in named:
         assert (ROOT / page).is_file() and page in nav, page
 
