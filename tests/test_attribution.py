@@ -359,3 +359,13 @@ def test_hub_families_without_a_dpmem_config_are_proved_and_exact(model_type, pl
     # Llama-style RMSNorm and rotary embeddings compute in float32 inside a float64 model: two-pass clipping's
     # backward of Σᵢ fᵢ ℓᵢ rounds fᵢ·Gᵢ there, where the loop rounds Gᵢ (4e-8 relative, measured); one pass: 1e-15
     assert (flat(got) - flat(want)).norm() <= (1e-6 if plan == "ghost" else 1e-12) * flat(want).norm()
+
+
+def test_a_step_whose_gradients_diverged_proves_nothing_and_is_left_to_the_non_finite_check():
+    """Weights a huge learning rate made infinite: no tolerance is defined, so the proof stands aside (the trainer's
+    non-finite check ends the run with its own line) rather than fail on a NaN tolerance."""
+    from dpmem.methods.attribution import verify_attribution
+    model = nn.Linear(2, 2)
+    model.weight.grad = torch.full((2, 2), float("inf"))
+    verify_attribution(model, [model.weight], {model.weight: torch.zeros(2, 2)})
+    assert model.weight.grad is None

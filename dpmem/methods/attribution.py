@@ -21,6 +21,7 @@ outside the owning module.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from typing import Callable
 
@@ -67,6 +68,8 @@ def verify_attribution(model: nn.Module, params: list[nn.Parameter], totals: dic
     # gradients that vanish analytically (attention key biases) are compared against the scale of the whole
     # gradient, not their own
     scale = max((float(b.abs().max()) for _, b, _ in pairs if b is not None), default=0.0)
+    if not math.isfinite(scale):  # diverged weights prove nothing: the trainer's non-finite check ends the run
+        return
     wrong = []
     for p, batch_grad, total in pairs:
         if batch_grad is None or total is None:

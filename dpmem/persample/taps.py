@@ -350,7 +350,8 @@ class _Hooks:
             shape[d] = tape.batch  # a leaf shared by the batch (one row) comes out with B
             shapes.append((torch.Size(shape), t.dtype))
         tape.owners.append(owner)
-        tape.layouts.append((*dims[1], *(leaves[j].shape[dims[1][j]] == 1 for j in asked)))  # dims, shared leaves
+        shared = tuple(leaves[j].shape[dims[1][j]] == 1 < tape.batch for j in asked)
+        tape.layouts.append((*dims[1], *shared))  # its batch dimensions and shared leaves
         use = tape.calls[id(owner)] = tape.calls.get(id(owner), 0) + 1
         tape.streamed.append(False)
         probes = self.probes(tape, owner, shapes, use)
