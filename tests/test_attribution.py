@@ -361,11 +361,16 @@ def test_hub_families_without_a_dpmem_config_are_proved_and_exact(model_type, pl
     assert (flat(got) - flat(want)).norm() <= (1e-6 if plan == "ghost" else 1e-12) * flat(want).norm()
 
 
-def test_a_step_whose_gradients_diverged_proves_nothing_and_is_left_to_the_non_finite_check():
-    """Weights a huge learning rate made infinite: no tolerance is defined, so the proof stands aside (the trainer's
-    non-finite check ends the run with its own line) rather than fail on a NaN tolerance."""
+def test_a_parameter_whose_gradient_diverged_proves_nothing_and_the_others_are_still_compared():
+    """Weights a huge learning rate made infinite: no tolerance is defined for them, so the proof leaves them to
+    the trainer's non-finite check (which ends the run with its own line); a finite parameter that differs still
+    refuses."""
     from dpmem.methods.attribution import verify_attribution
     model = nn.Linear(2, 2)
-    model.weight.grad = torch.full((2, 2), float("inf"))
-    verify_attribution(model, [model.weight], {model.weight: torch.zeros(2, 2)})
-    assert model.weight.grad is None
+    model.weight.grad, model.bias.grad = torch.full((2, 2), float("inf")), torch.ones(2)
+    verify_attribution(model, [model.weight, model.bias], {model.weight: torch.zeros(2, 2), model.bias: torch.ones(2)})
+    assert model.weight.grad is None and model.bias.grad is None
+    model.weight.grad, model.bias.grad = torch.full((2, 2), float("inf")), torch.ones(2)
+    with pytest.raises(RuntimeError, match="the per-sample gradients of bias are not each sample's own"):
+        verify_attribution(model, [model.weight, model.bias], {model.weight: torch.zeros(2, 2),
+                                                                model.bias: torch.zeros(2)})

@@ -21,7 +21,6 @@ outside the owning module.
 from __future__ import annotations
 
 import functools
-import math
 import sys
 from typing import Callable
 
@@ -67,13 +66,12 @@ def verify_attribution(model: nn.Module, params: list[nn.Parameter], totals: dic
     tol = tolerance(compute)
     # gradients that vanish analytically (attention key biases) are compared against the scale of the whole
     # gradient, not their own
-    scale = max((float(b.abs().max()) for _, b, _ in pairs if b is not None), default=0.0)
-    if not math.isfinite(scale):  # diverged weights prove nothing: the trainer's non-finite check ends the run
-        return
+    # a parameter whose gradient is not finite (diverged weights) proves nothing and sets no scale: the trainer's
+    # non-finite check ends such a run; every finite one is still compared
+    finite = [(p, b, t) for p, b, t in pairs if b is not None and t is not None and bool(b.isfinite().all())]
+    scale = max((float(b.abs().max()) for _, b, _ in finite), default=0.0)
     wrong = []
-    for p, batch_grad, total in pairs:
-        if batch_grad is None or total is None:
-            continue
+    for p, batch_grad, total in finite:
         want = (transform(p, batch_grad) if transform is not None else batch_grad).float()
         total = total.float()
         if torch.allclose(total, want, rtol=tol, atol=0.1 * tol * scale):
