@@ -28,6 +28,10 @@ def checkpoints(tmp_path_factory):
         "qwen2": tf.Qwen2ForCausalLM(tf.Qwen2Config(**SMALL, num_key_value_heads=1)),
         "vit": tf.ViTModel(tf.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16,
                                         num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)),
+        # a classifier fine-tuned on 7 classes: its head is of another size than the data's, and is new
+        "vit-7-classes": tf.ViTForImageClassification(tf.ViTConfig(
+            image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32, num_labels=7)),
     }
     for name, model in made.items():
         model.save_pretrained(root / name)
@@ -39,7 +43,7 @@ RUN = ["method=dp-adam", "data=synthetic", "data.n_train=32", "data.seq_len=16",
 
 
 @pytest.mark.parametrize("name, head", [("gpt2", "classifier"), ("bert", "classifier"), ("qwen2", "causal"),
-                                        ("vit", "classifier")])
+                                        ("vit", "classifier"), ("vit-7-classes", "classifier")])
 def test_a_checkpoint_of_any_type_trains_privately_from_its_own_config(cli, checkpoints, name, head):
     r = cli("train", "model=auto", f"model.pretrained={checkpoints / name}", f"model.head={head}", *RUN,
             "hydra.run.dir=run")

@@ -85,6 +85,7 @@ def build_auto(cfg, data, weights: bool) -> nn.Module:
     if cfg.head == "classifier" and not image and getattr(config, "pad_token_id", None) is None:
         # a decoder classifies on its last token, found by the padding id: the end-of-text id, as is usual
         config.pad_token_id = getattr(config, "eos_token_id", None)
+    unreachable = None
     try:
         if not weights:
             return auto.from_config(config)
@@ -107,8 +108,10 @@ def _refuse_missing(cfg, model: nn.Module, info: dict) -> None:
     """Weights the checkpoint lacks for the base model (not the new head): a checkpoint of another architecture,
     or model.arch changing a shape, would train those parameters from random init behind transformers' warning."""
     prefix = getattr(model, "base_model_prefix", "")
-    missing = [k for k in info.get("missing_keys", []) if not prefix or k.startswith(f"{prefix}.")]
-    missing += [k if isinstance(k, str) else k[0] for k in info.get("mismatched_keys", [])]
+    mismatched = [k if isinstance(k, str) else k[0] for k in info.get("mismatched_keys", [])]
+    keys = [*info.get("missing_keys", []), *mismatched]
+    # a head of another size (an image classifier fine-tuned on other classes) is new, as the classifier is
+    missing = [k for k in keys if not prefix or k.startswith(f"{prefix}.")]
     if missing:
         raise ConfigError("model.pretrained", f"{cfg.pretrained!r} leaves {len(missing)} of the base model's "
                           f"parameters without weights (e.g. {missing[0]}): the checkpoint is not of this "
