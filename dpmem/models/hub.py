@@ -5,6 +5,7 @@ its head from the checkpoint's own config, so that its architecture needs no dpm
 
 from __future__ import annotations
 
+import copy
 import functools
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def checkpoint_config(cfg):
     if not cfg.pretrained:
         raise ConfigError("model.pretrained", "model=auto builds a checkpoint's architecture: give its hub id or local "
                           "folder (model.pretrained=gpt2, or a folder with its config.json)")
-    config = _checkpoint_config(cfg.pretrained).__class__.from_dict(_checkpoint_config(cfg.pretrained).to_dict())
+    config = copy.deepcopy(_checkpoint_config(cfg.pretrained))
     for key, value in dict(cfg.arch or {}).items():
         setattr(config, key, value)
     return config
