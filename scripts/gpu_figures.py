@@ -2,10 +2,10 @@
 minutes, so what it must show runs in one call.
 
     python scripts/gpu_figures.py                          # on a GPU machine: --budget 480 (seconds)
-    python scripts/gpu_figures.py --device cpu --tiny      # the whole sequence at toy sizes, two steps at a time
-                                                           # (about 40 s on 2 cores; the tests run it)
+    python scripts/gpu_figures.py --device cpu --tiny      # the whole sequence at toy sizes (the tests run it),
+                                                           # each step forked from this process (warm_start.py)
 
-In order of value, each step a process of its own (a crash or an out-of-memory ends that step only):
+In order of value, one at a time, each step a process of its own (a crash or an out-of-memory ends that step only):
 
     tests          pytest -m cuda (CUDA graphs over micro-batches, every method in fp32/tf32/bf16, resume, plans)
     compile-tf32   scripts/bench_compile.py --device cuda --shapes roberta-base --precision tf32
@@ -28,7 +28,6 @@ folder names its commit through the environment variable DPMEM_COMMIT.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import importlib.util
 import os
 import re
@@ -37,10 +36,11 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
 NEEDED = {"dpmem": "dpmem (pip install -e . or PYTHONPATH=the checkout)", "opacus": "opacus",
@@ -241,8 +241,7 @@ def main() -> None:
     name = device_name(args.device)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
-           **({"OMP_NUM_THREADS": "1"} if args.tiny else {})}  # two toy steps at a time: a core each
-    lock = threading.Lock()
+           **({"OMP_NUM_THREADS": "1"} if args.tiny else {})}  # a toy step on one core (the tests' other on the other)
 
     def saved(s: Step, output: str) -> None:
         """The step's log and figures, then the summary page and the archive, as soon as the step is done."""
@@ -254,15 +253,14 @@ def main() -> None:
         if not s.status.startswith("done"):
             s.figures.append(("why", (output.strip().splitlines() or ["no output"])[-1][:200], ""))
         print(f"gpu_figures: {s.name} {s.status} in {s.seconds:.0f} s", flush=True)
-        with lock:
-            (pages / "gpu.md").write_text(summary_page(args, started, plan, name))
-            if args.archive:
-                written = [pages / "gpu.md", *(pages / t.page for t in plan if t.page and t.status == "done"),
-                           *sorted(logs.iterdir())]
-                with tarfile.open(args.archive, "w:gz") as tar:
-                    for path in written:
-                        if path.exists():
-                            tar.add(path, arcname=path.name)
+        (pages / "gpu.md").write_text(summary_page(args, started, plan, name))
+        if args.archive:
+            written = [pages / "gpu.md", *(pages / t.page for t in plan if t.page and t.status == "done"),
+                       *sorted(logs.iterdir())]
+            with tarfile.open(args.archive, "w:gz") as tar:
+                for path in written:
+                    if path.exists():
+                        tar.add(path, arcname=path.name)
 
     deadline = time.monotonic() + args.budget
 
@@ -280,8 +278,9 @@ def main() -> None:
         tic = time.monotonic()
         # a session of its own: a step stopped at its limit takes its children (test workers, compile workers,
         # `dpmem plan`) with it, and they free the GPU for the next
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = (warm_start.Forked(argv, ROOT, env) if warm else
+                subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 start_new_session=True))
         try:
             output, _ = proc.communicate(timeout=limit)
             code = proc.returncode
@@ -293,10 +292,13 @@ def main() -> None:
         s.seconds = time.monotonic() - tic
         saved(s, output)
 
-    # on a GPU one step at a time, in order of value (each has the device to itself); at toy sizes on the CPU a
-    # step's time is its imports, and two at a time keep both cores busy
-    with concurrent.futures.ThreadPoolExecutor(2 if args.tiny else 1) as pool:
-        list(pool.map(attempt, plan))
+    # one step at a time, in order of value: on a GPU each has the device to itself; at toy sizes on the CPU a
+    # step's time was its imports, which each step's process now inherits, forked from this one (warm_start)
+    warm = args.tiny and args.budget > 0 and warm_start.available()  # preloaded only if a step runs
+    if warm:
+        warm_start.preload()
+    for s in plan:
+        attempt(s)
     text = summary_page(args, started, plan, name)
     (pages / "gpu.md").write_text(text)
     print(f"\n{text}\nPages in {pages}; each step's output in {logs}.")

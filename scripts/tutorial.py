@@ -1,6 +1,7 @@
 """The tutorial page, docs/tutorial.md, and its figures, docs/tutorial/*.png: one task from its data to a private
 fine-tune, its ε and its accuracy against ε, then peak memory by method, written from the very commands the page
-shows, each run as a reader runs it (`python -m dpmem ...`, the `dpmem` entry point, in a process of its own).
+shows, each run as a reader runs it (`python -m dpmem ...`, the `dpmem` entry point), in a process of its own: forked
+from this one once torch, transformers and dpmem are imported (warm_start.py), which a toy run's time was.
 
     python scripts/tutorial.py                          # docs/tutorial.md and docs/tutorial/ (18 trainings of the
                                                         # default length, about 20 s each on 2 idle cores)
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import re
 import shlex
 import shutil
@@ -29,6 +31,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import warm_start
 from dpmem.report import GIB, machine, markdown_table, provenance, pyplot, save_figure, write_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,9 +84,17 @@ def shown(args: tuple[str, ...]) -> str:
 
 
 def run(args: tuple[str, ...], work: Path) -> str:
-    """`dpmem ARGS` in `work`, as a reader runs it: its stdout (the run stops at the first failure)."""
-    print(f"$ {shown(args)}", flush=True)
-    done = subprocess.run([sys.executable, "-m", "dpmem", *args], cwd=work, capture_output=True, text=True)
+    """`python -m dpmem ARGS` in `work`, as a reader runs it, in a process of its own (forked from this one where
+    the system forks): its stdout (the run stops at the first failure)."""
+    with warm_start.LOCK:
+        print(f"$ {shown(args)}", flush=True)
+    argv = [sys.executable, "-m", "dpmem", *args]
+    if warm_start.available():
+        child = warm_start.Forked(argv, work, dict(os.environ), merged=False)
+        stdout, stderr = child.communicate()
+        done = subprocess.CompletedProcess(argv, child.returncode, stdout, stderr)
+    else:
+        done = subprocess.run(argv, cwd=work, capture_output=True, text=True)
     if done.returncode:
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
         raise SystemExit(f"tutorial: `{shown(args)}` exited {done.returncode}:\n{tail}")
@@ -343,6 +354,8 @@ def main() -> None:
         def step(name):
             outputs[name] = run(cmds[name], work)
 
+        if warm_start.available():
+            warm_start.preload()  # what each command imports, once: its process is forked from this one
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # the report waits for the sweep and the baseline
             for done in [pool.submit(step, n) for n in ("run", "sweep", "baseline", "memory")]:
                 done.result()
