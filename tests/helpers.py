@@ -3,6 +3,8 @@ and spies, and the scripts run in this process. (Tiny Hugging Face models are in
 `text_fixtures`.)"""
 
 import contextlib
+import copy
+import functools
 import io
 import os
 import runpy
@@ -211,7 +213,14 @@ def dies_at(monkeypatch, cls, step: int):
 
 
 def config(*overrides):
-    """A composed training config: 5 steps of 32, logged every step, with `overrides`."""
+    """A composed training config: 5 steps of 32, logged every step, with `overrides`. A copy of the one composed
+    for these overrides first in this process (a compose takes a fifth of a second; the suite asks for the same
+    config hundreds of times), to change at will."""
+    return copy.deepcopy(_composed(overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(overrides: tuple[str, ...]):
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         return compose("config", overrides=["train.steps=5", "train.batch_size=32", "logging.progress=false",
                                             "logging.every=1", *overrides])

@@ -1,12 +1,13 @@
 """Every experiment file composes (Hydra compose and dpmem's validation, no training) and its sweep expands to the
 grid it says."""
 
+import functools
 import math
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from dpmem.composition import CONF_DIR, compose_point
 
@@ -26,9 +27,16 @@ GRIDS = {"li/fig1-median": 75, "li/fig1-median-search": 60, "dpsgdrc/search-priv
          "dpgrape/table3-baselines": 108, "dpsgdrc/fig11-sigma-k": 18, "dpsgdrc/fig12-sigma-d": 24}
 
 
-def grid_size(name: str) -> int:
+@functools.cache
+def experiment(name: str) -> DictConfig:
+    """The experiment file composed with its Hydra node (its sweep), once per process: read, never changed, by the
+    grid and hyperparameter checks (a compose takes a fifth of a second; 42 files are read by three tests)."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("config", overrides=[f"experiment={name}"], return_hydra_config=True)
+        return compose("config", overrides=[f"experiment={name}"], return_hydra_config=True)
+
+
+def grid_size(name: str) -> int:
+    cfg = experiment(name)
     if "n_trials" in cfg.hydra.sweeper:  # an Optuna search: its trials
         return cfg.hydra.sweeper.n_trials
     params = cfg.hydra.sweeper.params or {}
@@ -61,8 +69,7 @@ def test_every_swept_method_has_the_options_the_experiment_sets(name):
 
 def hp_points(name: str) -> dict[str, list[str]]:
     """The +hp/... group an experiment sweeps, with its listed options."""
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("config", overrides=[f"experiment={name}"], return_hydra_config=True)
+    cfg = experiment(name)
     return {k.lstrip("+"): str(v).split(",") for k, v in (cfg.hydra.sweeper.params or {}).items() if "hp/" in k}
 
 

@@ -2,14 +2,13 @@
 it, a figure missing from a cited page stops it, and the committed page's cited cells are still the cited pages'."""
 
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from dpmem.report.pages import Page
+from helpers import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "benchmarks" / "methods-table.md"
@@ -26,9 +25,8 @@ def script():
 @pytest.mark.long
 def test_methods_table_plans_every_method_and_draws_its_plot(tmp_path):
     out = tmp_path / "methods-table.md"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "methods_table.py"), "--model", "roberta-tiny",
-                        "--batch-size", "2", "--seq-len", "8", "--out", str(out)], capture_output=True, text=True,
-                       timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    r = run_script("methods_table.py", "--model", "roberta-tiny", "--batch-size", "2", "--seq-len", "8", "--out",
+                   str(out), env={"HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     page = Page(out)
     methods = [row.method for row in script().ROWS]

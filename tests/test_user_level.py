@@ -170,16 +170,18 @@ def test_uls_is_a_poisson_subsampled_gaussian_over_users(tmp_path):
 
 
 def test_els_is_a_mixture_of_gaussians_of_a_users_records(tmp_path):
-    s = _summary(tmp_path, "privacy.user_sampling=records", epsilon=1)  # a large σ: the mixture's PLD is quick
+    # a large σ: the mixture's PLD is quick (this test: 20 CPU-s at ε = 0.3, 34 at ε = 1, on 2 cores)
+    s = _summary(tmp_path, "privacy.user_sampling=records", epsilon=0.3)
     assert s["status"] == "ok" and s["user_sampling"] == "records"
     assert s["user_data"]["records_left_out"] > 0
     q, k = s["sample_rate"], 4
     assert math.isclose(q, 24 / s["n_train"])
     mixture = dp_event.MixtureOfGaussiansDpEvent(s["sigma"], [0, 1, 2, 3, 4],
                                                  [binom.pmf(j, k, q) for j in range(k + 1)])
-    want = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4).compose(
+    # the oracle's grid (5e-4) nests in dpmem's (1e-3), so its pessimistic ε stays at or below dpmem's
+    want = pld_privacy_accountant.PLDAccountant(value_discretization_interval=5e-4).compose(
         dp_accounting.SelfComposedDpEvent(mixture, s["steps_done"])).get_epsilon(s["delta"])
-    assert want <= s["epsilon_spent"] <= 1 and s["epsilon_spent"] == pytest.approx(want, rel=2e-3)
+    assert want <= s["epsilon_spent"] <= 0.3 and s["epsilon_spent"] == pytest.approx(want, rel=2e-3)
     # a user of k records costs more than a record: the same σ at the record level spends less
     assert epsilon_spent(s["sigma"], s["delta"], q, s["steps_done"]) < s["epsilon_spent"]
 
