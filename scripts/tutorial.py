@@ -1,7 +1,7 @@
 """The tutorial page, docs/tutorial.md, and its figures, docs/tutorial/*.png: one task from its data to a private
 fine-tune, its ε and its accuracy against ε, then peak memory by method, written from the very commands the page
 shows, each run as a reader runs it (`python -m dpmem ...`, the `dpmem` entry point), in a process of its own: forked
-from this one once torch, transformers and dpmem are imported (warm_start.py), which a toy run's time was.
+from this one once torch, transformers and dpmem are imported (warm_start.py): a toy run's time was mostly those.
 
     python scripts/tutorial.py                          # docs/tutorial.md and docs/tutorial/ (18 trainings of the
                                                         # default length, about 20 s each on 2 idle cores)

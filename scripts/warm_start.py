@@ -5,8 +5,8 @@ toy sequences of gpu_figures.py and tutorial.py start eleven. The child is other
 session (a kill of its group takes its children), working directory, environment, arguments and exit status, its
 stdout and stderr captured together.
 
-POSIX only (`available`). Not for CUDA: a CUDA context does not survive a fork, so a GPU step keeps a fresh
-interpreter. The parent must not have run torch ops in threads before forking (none of these scripts does)."""
+POSIX only (`available`). The parent must not have initialised CUDA (a CUDA context does not survive a fork: the
+GPU steps of gpu_figures.py keep a fresh interpreter) nor run torch ops in threads (neither script does)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """The suite's own time against its ceiling (tests/conftest.py's pytest_sessionfinish): a run of the whole suite
 that takes longer than SUITE_CEILING_S fails, so that the README's test command stays one a user waits for. The
-suite took 13 min 7 s on 2 idle cores on 2026-12-02 (docs/getting-started.md), and 14-18 min in fresh clones,
-against an aim of 7: the ceiling sits well above today's time so that a loaded machine passes, and comes down as the
-suite does. DPMEM_SUITE_CEILING_S overrides it (0: no ceiling)."""
+suite took 13 min 5 s on 2 idle cores of an Intel Xeon on 2026-12-03 (docs/getting-started.md; 7 min 34 s on an AMD
+EPYC the day before, before that round's cuts), against an aim of 7: the ceiling sits above the slower machine's
+time so that a loaded one passes, and comes down as the suite does. DPMEM_SUITE_CEILING_S overrides it (0: no
+ceiling)."""
 
 import os
 
-SUITE_CEILING_S = 30 * 60
+SUITE_CEILING_S = 20 * 60
 
 
 def ceiling() -> float:
