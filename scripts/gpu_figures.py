@@ -293,7 +293,8 @@ def main() -> None:
         saved(s, output)
 
     # one step at a time, in order of value: on a GPU each has the device to itself; at toy sizes on the CPU a
-    # step's time was its imports, which each step's process now inherits, forked from this one (warm_start)
+    # step's time was its imports, which each step's process inherits, forked from this one (warm_start; not where a
+    # GPU is attached)
     warm = args.tiny and args.budget > 0 and warm_start.available()  # preloaded only if a step runs
     if warm:
         warm_start.preload()

@@ -1,7 +1,8 @@
 """The tutorial page, docs/tutorial.md, and its figures, docs/tutorial/*.png: one task from its data to a private
 fine-tune, its ε and its accuracy against ε, then peak memory by method, written from the very commands the page
-shows, each run as a reader runs it (`python -m dpmem ...`, the `dpmem` entry point), in a process of its own: forked
-from this one once torch, transformers and dpmem are imported (warm_start.py): a toy run's time was mostly those.
+shows, each run as a reader runs it (`python -m dpmem ...`, the `dpmem` entry point), in a process of its own: on a
+machine without a GPU forked from this one once torch, transformers and dpmem are imported (warm_start.py), which
+were most of a toy run's time.
 
     python scripts/tutorial.py                          # docs/tutorial.md and docs/tutorial/ (18 trainings of the
                                                         # default length, about 20 s each on 2 idle cores)
@@ -85,7 +86,7 @@ def shown(args: tuple[str, ...]) -> str:
 
 def run(args: tuple[str, ...], work: Path) -> str:
     """`python -m dpmem ARGS` in `work`, as a reader runs it, in a process of its own (forked from this one where
-    the system forks): its stdout (the run stops at the first failure)."""
+    warm_start allows): its stdout (the run stops at the first failure)."""
     with warm_start.LOCK:
         print(f"$ {shown(args)}", flush=True)
     argv = [sys.executable, "-m", "dpmem", *args]

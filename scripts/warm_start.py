@@ -5,12 +5,13 @@ toy sequences of gpu_figures.py and tutorial.py start eleven. The child is other
 session (a kill of its group takes its children), working directory, environment, arguments and exit status, its
 stdout and stderr captured together.
 
-POSIX only (`available`). The parent must not have initialised CUDA (a CUDA context does not survive a fork: the
-GPU steps of gpu_figures.py keep a fresh interpreter) nor run torch ops in threads (neither script does)."""
+POSIX only, and not on a machine with a GPU (`available`): there the scripts start fresh interpreters, as before.
+The parent must not run torch ops in threads before it forks (neither script does)."""
 
 from __future__ import annotations
 
 import atexit
+import glob
 import importlib
 import io
 import os
@@ -32,7 +33,10 @@ LOCK = threading.Lock()  # a fork and the parent's printing, one at a time (a ch
 
 
 def available() -> bool:
-    return hasattr(os, "fork")
+    """Where the system forks and no GPU is attached: a CUDA or ROCm runtime that the parent started (any import may
+    ask whether a GPU is there, and asking starts it) fails in a forked child, so a GPU machine keeps fresh
+    interpreters."""
+    return hasattr(os, "fork") and not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd")
 
 
 def preload() -> None:
