@@ -3,7 +3,7 @@
 imported (`preload`). A fresh interpreter spends 8 CPU-s on those imports on 2 cores before a toy run starts; the
 toy sequences of gpu_figures.py and tutorial.py start eleven. The child is otherwise a process of its own: its own
 session (a kill of its group takes its children), working directory, environment, arguments and exit status, its
-stdout and stderr captured together.
+stdout and stderr captured (together, or apart).
 
 POSIX only, and not on a machine with a GPU (`available`): there the scripts start fresh interpreters, as before.
 The parent must not run torch ops in threads before it forks (neither script does)."""

@@ -214,8 +214,8 @@ def dies_at(monkeypatch, cls, step: int):
 
 def config(*overrides):
     """A composed training config: 5 steps of 32, logged every step, with `overrides`. A copy of the one composed
-    for these overrides first in this process (a compose takes a fifth of a second; the suite asks for the same
-    config hundreds of times), to change at will."""
+    for these overrides first in this process (a compose takes a fifth of a second, a copy a hundredth), to change
+    at will."""
     return copy.deepcopy(_composed(overrides))
 
 
