@@ -278,9 +278,7 @@ def main() -> None:
         tic = time.monotonic()
         # a session of its own: a step stopped at its limit takes its children (test workers, compile workers,
         # `dpmem plan`) with it, and they free the GPU for the next
-        proc = (warm_start.Forked(argv, ROOT, env) if warm else
-                subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 start_new_session=True))
+        proc = warm_start.start(argv, ROOT, env, fork=warm)
         try:
             output, _ = proc.communicate(timeout=limit)
             code = proc.returncode

@@ -26,7 +26,6 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -89,17 +88,14 @@ def run(args: tuple[str, ...], work: Path) -> str:
     warm_start allows): its stdout (the run stops at the first failure)."""
     with warm_start.LOCK:
         print(f"$ {shown(args)}", flush=True)
-    argv = [sys.executable, "-m", "dpmem", *args]
-    if warm_start.available():
-        child = warm_start.Forked(argv, work, dict(os.environ), merged=False)
-        stdout, stderr = child.communicate()
-        done = subprocess.CompletedProcess(argv, child.returncode, stdout, stderr)
-    else:
-        done = subprocess.run(argv, cwd=work, capture_output=True, text=True)
-    if done.returncode:
-        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
-        raise SystemExit(f"tutorial: `{shown(args)}` exited {done.returncode}:\n{tail}")
-    return done.stdout
+    # in this process's session: a Ctrl-C here stops the command too
+    child = warm_start.start([sys.executable, "-m", "dpmem", *args], work, dict(os.environ), merged=False,
+                             new_session=False)
+    stdout, stderr = child.communicate()
+    if child.returncode:
+        tail = "\n".join((stderr or stdout).strip().splitlines()[-15:])
+        raise SystemExit(f"tutorial: `{shown(args)}` exited {child.returncode}:\n{tail}")
+    return stdout
 
 
 def closing_table(stdout: str, work: Path) -> str:

@@ -54,7 +54,7 @@ class Forked:
     process: `pid`, `communicate(timeout)` (stdout, and stderr unless `merged`; raises subprocess.TimeoutExpired,
     then may be called again) and `returncode`."""
 
-    def __init__(self, argv: list[str], cwd, env: dict[str, str], merged: bool = True):
+    def __init__(self, argv: list[str], cwd, env: dict[str, str], merged: bool = True, new_session: bool = True):
         self.args, self.returncode = argv, None
         pipes = [os.pipe() for _ in range(1 if merged else 2)]
         with LOCK, warnings.catch_warnings():
@@ -64,7 +64,7 @@ class Forked:
         if pid == 0:  # the child: never returns
             for read, _ in pipes:
                 os.close(read)
-            _child(argv, str(cwd), env, pipes[0][1], pipes[-1][1])
+            _child(argv, str(cwd), env, pipes[0][1], pipes[-1][1], new_session)
         for _, write in pipes:
             os.close(write)
         self.pid, self._reads = pid, [read for read, _ in pipes]
@@ -88,11 +88,23 @@ class Forked:
         return texts[0], (texts[1] if len(texts) > 1 else None)
 
 
-def _child(argv: list[str], cwd: str, env: dict[str, str], out: int, err: int) -> None:
+def start(argv: list[str], cwd, env: dict[str, str], merged: bool = True, new_session: bool = True,
+          fork: bool = True) -> Forked | subprocess.Popen:
+    """`argv` started as a process of its own: forked (`Forked`) where `fork` and `available()`, else a fresh
+    interpreter (subprocess.Popen, the same streams and session); either has pid, communicate and returncode."""
+    if fork and available():
+        return Forked(argv, cwd, env, merged, new_session)
+    return subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merged else subprocess.PIPE, text=True,
+                            start_new_session=new_session)
+
+
+def _child(argv: list[str], cwd: str, env: dict[str, str], out: int, err: int, new_session: bool) -> None:
     """Become the process `argv` starts, as a fresh interpreter would be, and exit with its status."""
     code = 1
     try:
-        os.setsid()
+        if new_session:
+            os.setsid()
         os.dup2(out, 1), os.dup2(err, 2)
         for fd in {out, err}:
             os.close(fd)
@@ -110,6 +122,9 @@ def _child(argv: list[str], cwd: str, env: dict[str, str], out: int, err: int) -
             sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))  # read at import, which was ours
         code = _run(argv[1:], [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         atexit._run_exitfuncs()
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = 130
     except BaseException:  # noqa: BLE001 - reported as a fresh interpreter reports it
         traceback.print_exc()
     finally:
@@ -124,22 +139,24 @@ def _run(args: list[str], pythonpath: list[str]) -> int:
     the script's folder, then PYTHONPATH): the exit status it would have."""
     module = args[0] == "-m"
     sys.path[:1] = [os.getcwd() if module else os.path.dirname(os.path.abspath(args[0])), *pythonpath]
+    if module:
+        sys.argv = [args[1], *args[2:]]
+        return exit_status(lambda: runpy.run_module(args[1], run_name="__main__", alter_sys=True))
+    sys.argv = list(args)
+    return exit_status(lambda: runpy.run_path(args[0], run_name="__main__"))
+
+
+def exit_status(main) -> int:
+    """The status an interpreter ends with after `main()`: SystemExit's code (None is 0; a message is printed and
+    is 1), 1 with the traceback printed for an exception. A KeyboardInterrupt goes on up."""
     try:
-        if module:
-            sys.argv = [args[1], *args[2:]]
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(args)
-            runpy.run_path(args[0], run_name="__main__")
-    except SystemExit as e:  # None is 0; a message is printed and is 1
+        main()
+    except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return e.code or 0
         print(e.code, file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        return 130
-    except BaseException:  # noqa: BLE001
+    except Exception:  # noqa: BLE001
         traceback.print_exc()
         return 1
     return 0

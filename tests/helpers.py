@@ -10,7 +10,6 @@ import os
 import runpy
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -285,18 +284,10 @@ def run_script(name: str, *args: str, env: dict | None = None) -> subprocess.Com
     deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     os.environ.update(env or {})
     sys.argv, sys.path[:0] = [str(script), *args], [str(SCRIPTS)]  # as `python`, whose path starts at the script's
-    code = 0
+    from warm_start import exit_status  # the status an interpreter ends with (scripts/ is on the path now)
     with torch.random.fork_rng(devices=[]), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            runpy.run_path(str(script), run_name="__main__")
-        except SystemExit as e:  # as the interpreter ends: None is 0, a message is printed and is 1
-            code = 0 if e.code is None else e.code
-            if not isinstance(code, int):
-                print(code, file=sys.stderr)
-                code = 1
-        except Exception:
-            traceback.print_exc()
-            code = 1
+            code = exit_status(lambda: runpy.run_path(str(script), run_name="__main__"))
         finally:
             sys.argv, sys.path[:] = argv, path
             os.environ.clear()

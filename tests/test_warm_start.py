@@ -66,6 +66,17 @@ def test_a_forked_command_past_its_timeout_is_stopped_with_its_group(tmp_path):
     assert child.returncode == -signal.SIGKILL and out.startswith("argv ['sleep']")
 
 
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "fresh"])
+def test_start_gives_a_fork_or_a_fresh_interpreter_the_same_streams_status_and_session(tmp_path, fork):
+    prog = script(tmp_path)
+    child = warm_start.start([sys.executable, str(prog), "2"], tmp_path, dict(os.environ), merged=False,
+                             new_session=False, fork=fork)
+    assert isinstance(child, warm_start.Forked) == fork
+    assert os.getpgid(child.pid) == os.getpgid(0)  # in this session: a Ctrl-C at the terminal reaches it too
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 2 and out.startswith("argv ['2']") and err == "to stderr\n"
+
+
 def test_a_module_runs_as_under_python_m_from_the_working_folder(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
