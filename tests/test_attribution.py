@@ -263,21 +263,59 @@ class ScaledEmbedding(nn.Embedding):
         return super().forward(ids) * self.embedding_dim ** 0.5
 
 
-def test_an_embedding_subclass_whose_forward_scales_the_lookup_is_refused_not_misclipped():
-    """The Embedding rule reads the ids of the F.embedding call and the gradient of the module's output, which the
-    scaling sits between: its per-sample gradients are off by √d, and the proof refuses the run naming the weight."""
-    class Scaled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb, self.head = ScaledEmbedding(10, 4), nn.Linear(4, 3)
+class SquashedLinear(nn.Linear):
+    """A Linear subclass whose forward transforms its input before F.linear and its output after."""
 
-        def forward(self, ids):
-            return self.head(self.emb(ids).mean(1))
+    def forward(self, x):
+        return F.linear(x.tanh(), self.weight, self.bias) * 1.5 + 0.1
 
+
+class MatmulLinear(nn.Linear):
+    """A Linear subclass whose forward never calls F.linear (Falcon's): read at its input and output, and proved."""
+
+    def forward(self, x):
+        return x @ self.weight.T + self.bias
+
+
+class DoubledLinear(nn.Linear):
+    """As MatmulLinear, with its output doubled: no rule sees the doubling, and the proof refuses it."""
+
+    def forward(self, x):
+        return (x @ self.weight.T + self.bias) * 2
+
+
+class Subclassed(nn.Module):
+    def __init__(self, embedding=ScaledEmbedding, linear=SquashedLinear):
+        super().__init__()
+        self.emb, self.a, self.head = embedding(10, 4), linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.head(self.a(self.emb(ids)).mean(1))
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("linear", [SquashedLinear, MatmulLinear])
+def test_subclasses_with_a_forward_of_their_own_are_tapped_at_their_call_and_exact(linear, plan):
+    """The Embedding and Linear rules read the F.embedding/F.linear call inside the subclass's forward (ids or
+    input, and the call's output gradient), so the scaling and squashing around it are differentiated by autograd;
+    a forward that makes no such call is read at its input and output, and proved: the clipped sum equals a loop of
+    one-sample backward passes."""
     torch.manual_seed(0)
-    with Privatizer(Scaled(), GaussianMechanism(0.0, 1.0, 1.0, seeded(0)), ClippingPlan.of("bk")) as privatize:
-        with pytest.raises(RuntimeError, match=r"emb\.weight are not each sample's own.*emb\.weight is used outside "
-                                               r"the module that owns it \(or by a forward its rule does not model\)"):
+    model = Subclassed(linear=linear)
+    C = float(norms_median(model, net_loss, net_batch()))
+    want, _ = oracle(model, net_loss, net_batch(), C)
+    got = clipped_sum(model, net_loss, net_batch(), plan, C)
+    for name, g in want.items():
+        assert (got[name] - g).norm() <= 1e-12 * g.norm(), name
+
+
+def test_a_subclass_whose_forward_no_rule_models_is_refused_by_the_proof_naming_it():
+    torch.manual_seed(0)
+    with Privatizer(Subclassed(linear=DoubledLinear), GaussianMechanism(0.0, 1.0, 1.0, seeded(0)),
+                    ClippingPlan.of("bk")) as privatize:
+        with pytest.raises(RuntimeError, match=r"a\.weight \(and 1 more\) are not each sample's own.*a\.weight is used "
+                                               r"outside the module that owns it \(or by a forward its rule does not "
+                                               r"model\)"):
             privatize.gradient([net_batch()], net_loss, {p: p.shape for p in privatize.params})
 
 
@@ -340,6 +378,8 @@ def hub_model(model_type):
         "gpt-neox": lambda: tf.GPTNeoXConfig(**small, hidden_dropout=0.0, attention_dropout=0.0),
         "falcon": lambda: tf.FalconConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                           hidden_dropout=0.0, attention_dropout=0.0),
+        # its word embedding scales the lookup by √d in its own forward
+        "gemma3": lambda: tf.Gemma3TextConfig(**small, num_key_value_heads=1, head_dim=8, sliding_window=8),
     }
     causal = model_type not in ("electra", "albert")
     auto = tf.AutoModelForCausalLM if causal else tf.AutoModelForSequenceClassification
@@ -347,7 +387,8 @@ def hub_model(model_type):
 
 
 @pytest.mark.parametrize("plan", ["bk", "ghost"])
-@pytest.mark.parametrize("model_type", ["electra", "albert", "qwen2", "mistral", "phi3", "gpt-neox", "falcon"])
+@pytest.mark.parametrize("model_type", ["electra", "albert", "qwen2", "mistral", "phi3", "gpt-neox", "falcon",
+                                        "gemma3"])
 def test_hub_families_without_a_dpmem_config_are_proved_and_exact(model_type, plan):
     torch.manual_seed(0)
     model, loss = hub_model(model_type)

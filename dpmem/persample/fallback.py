@@ -51,7 +51,7 @@ def check_deterministic(name: str, module: nn.Module) -> None:
                                  f"whose dropout {sub_name or '(self)'} has p={sub.p}; set that dropout to 0")
 
 
-def capture_call(module, args, kwargs, output, scope):
+def capture_call(module, args, kwargs, output):
     detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731
     return tuple(detach(a) for a in args), {k: detach(v) for k, v in kwargs.items()}
 

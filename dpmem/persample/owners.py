@@ -22,7 +22,7 @@ class Owner:
     # attribute name -> parameter (trainable, owned here: direct, or dotted below a replayed layer)
     params: dict[str, nn.Parameter]
     rule: Rule | None  # None = generic fallback (`dpmem.persample.fallback`)
-    scopes: list = field(default_factory=list)  # a rule's forward scopes, entered by the pre-hook
+    calls: list = field(default_factory=list)  # the `InnerCall`s of the forwards running now (a subclass's own)
 
 
 def find_owners(model: nn.Module) -> list[Owner]:
@@ -72,28 +72,13 @@ def owned_parameters(owners: list[Owner]) -> list[nn.Parameter]:
     return list({id(p): p for owner in owners for p in owner.params.values()}.values())
 
 
-def enter_scope(owner: Owner, module: nn.Module) -> None:
-    """Before the layer's forward: its rule's scope entered (None for a layer that needs none) and kept."""
-    scope = owner.rule.scope(module)
-    if scope is not None:
-        scope.__enter__()
-    owner.scopes.append(scope)
-
-
-def leave_scope(owner: Owner, module: nn.Module, output) -> object:
-    """After the layer's forward: its rule's scope left and returned (None without one), and the output checked to
-    be a tensor (a rule reads its gradient)."""
-    if owner.rule is None:  # replayed: any output (`Taps.replayed`)
-        return None
-    scope = None
-    if owner.rule.scope is not None:
-        scope = owner.scopes.pop()
-        if scope is not None:
-            scope.__exit__(None, None, None)
+def tensor_output(owner: Owner, output) -> torch.Tensor:
+    """A rule-covered layer's output, checked to be a tensor (its rule reads the output's gradient)."""
     if not isinstance(output, torch.Tensor):
-        raise ValueError(f"{owner.name}: {type(module).__name__} returns {type(output).__name__}, not a tensor; no "
-                         f"per-sample rule covers its parameters {', '.join(owner.params)}; add a rule or freeze them")
-    return scope
+        raise ValueError(f"{owner.name}: {type(owner.module).__name__} returns {type(output).__name__}, not a tensor; "
+                         f"no per-sample rule covers its parameters {', '.join(owner.params)}; add a rule or freeze "
+                         "them")
+    return output
 
 
 SHARED = "shared"  # a layout: the output's leading dimension is 1, broadcast over the batch (BERT's position ids)

@@ -14,11 +14,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-Capture = Callable[[nn.Module, tuple, dict, Any, Any], Any]  # (module, args, kwargs, output, scope)
+Capture = Callable[[nn.Module, tuple, dict, Any], Any]  # (module, args, kwargs, output)
 Gradients = Callable[[nn.Module, Any, torch.Tensor], dict[str, Any]]  # -> {name: Factored | dense}
 
 
-def capture_first_input(module: nn.Module, args: tuple, kwargs: dict, output: Any, scope: Any) -> torch.Tensor:
+def capture_first_input(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
     """The layer's input as it is (a capture detaches what it keeps, where that matters)."""
     return args[0] if args else next(iter(kwargs.values()))
 
@@ -35,8 +35,11 @@ def never(module: nn.Module) -> bool:
 class Rule:
     gradients: Gradients
     capture: Capture = capture_first_input
-    # Optional: a context entered around the module's forward (for rules that must see inside it).
-    scope: Callable[[nn.Module], Any] | None = None
+    # The function the rule models, called with the layer's input first and its weight at `weight_at` (F.linear's
+    # 1): a subclass whose forward is its own is tapped where that forward calls it (`inner_call`)
+    call: Callable | None = None
+    weight_at: int = 1
+    base: type = nn.Module  # the type registered (set by `register`)
     # Optional: raise a ValueError naming the parameter when a module of this type is configured unsupportedly.
     check: Callable[[str, nn.Module], None] | None = None
     # For which modules the weight's per-sample gradient comes out `Factored` (norm estimators apply to those).
@@ -54,7 +57,7 @@ RULES: dict[type, Rule] = {}
 def register(*types: type, **options):
     def wrap(gradients: Gradients) -> Gradients:
         for t in types:
-            RULES[t] = Rule(gradients, **options)
+            RULES[t] = Rule(gradients, base=t, **options)
         return gradients
     return wrap
 
@@ -81,6 +84,13 @@ def factored_weights(model: nn.Module) -> dict[str, nn.Parameter]:
     """Module name -> trainable weight of every layer whose per-sample gradient comes out `Factored` (a tied
     weight under each module that uses it)."""
     return _weights(model, lambda rule, module: rule.factored(module))
+
+
+def inner_call(rule: Rule | None, module: nn.Module) -> bool:
+    """Whether the module is a subclass of its rule's type with a forward of its own (Gemma's word embedding scales
+    the lookup; OPT's positions compute their ids): its rule must read the call of its function on the weight, not
+    the module's input and output, which that forward's own code sits between."""
+    return rule is not None and rule.call is not None and type(module).forward is not rule.base.forward
 
 
 def rule_for(module: nn.Module) -> Rule | None:

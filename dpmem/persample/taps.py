@@ -19,13 +19,15 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpmem.metering import memory_label
 from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads, leading_dims, replay_of
-from dpmem.persample.owners import (SHARED, Owner, batch_first, enter_scope, find_owners, layout, leave_scope,
-                                    owned_parameters, tied_sum)
+from dpmem.persample.owners import (SHARED, Owner, batch_first, find_owners, layout, owned_parameters, tensor_output,
+                                    tied_sum)
 from dpmem.persample.reducers import Reducer, Stream, materialize
+from dpmem.persample.registry import inner_call
 from dpmem.precision import Compute, exact_float32, tf32_enabled
 
 # An eager step streams a layer only where its output gradient has at least this many elements: streaming frees at
@@ -115,9 +117,9 @@ class Taps:
         self._handles = []
         self._close = weakref.finalize(self, remove_handles, self._handles)
         for owner in self.owners:
-            if owner.rule is not None and owner.rule.scope is not None:
+            if inner_call(owner.rule, owner.module):
                 self._handles.append(owner.module.register_forward_pre_hook(
-                    functools.partial(hooks.enter_scope, owner), with_kwargs=True))
+                    functools.partial(hooks.enter_call, owner), with_kwargs=True))
             self._handles.append(owner.module.register_forward_hook(
                 functools.partial(hooks.tap, owner), with_kwargs=True))
 
@@ -282,9 +284,12 @@ class _Hooks:
         # every step (a gradient is captured where it enters them; what made them never runs)
         self.zeros: dict[tuple, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
-    def enter_scope(self, owner: Owner, mod, args, kwargs):
+    def enter_call(self, owner: Owner, mod, args, kwargs):
+        """Before a subclass's own forward (`registry.inner_call`): its rule's call on the weight is tapped inside."""
         if self.tape is not None or self.recomputing():
-            enter_scope(owner, mod)
+            call = InnerCall(owner, functools.partial(self.use, owner))
+            call.__enter__()
+            owner.calls.append(call)
 
     def recomputing(self) -> bool:
         """Activation checkpointing's recompute (a forward inside a backward pass) of a recorded forward."""
@@ -296,24 +301,31 @@ class _Hooks:
         return self.recorded is not None
 
     def tap(self, owner: Owner, mod, args, kwargs, output):
+        if self.tape is None and not self.recomputing():
+            return None
+        if owner.rule is None:  # replayed; in a recompute its call is on the tape already
+            return None if self.tape is None else self.replayed(self.tape, owner, mod, args, kwargs, output)
+        if inner_call(owner.rule, mod):
+            call = owner.calls.pop()
+            call.__exit__(None, None, None)
+            if call.made:  # tapped inside, where the forward called the rule's function
+                return None
+            # no such call (Falcon's Linear multiplies by the weight itself): read at the layer's input and output,
+            # which the attribution proof confirms or refuses
+        output = tensor_output(owner, output)
+        return self.use(owner, output, owner.rule.capture(mod, args, kwargs, output))
+
+    def use(self, owner: Owner, output: torch.Tensor, saved):
+        """One use of a rule-covered layer: `output` (its output, or what its rule's function returned inside a
+        subclass's forward) tapped, with `saved`, what its rule keeps."""
         tape = self.tape
-        if tape is None:
-            if not self.recomputing():
-                return None
+        if tape is None:  # a recompute: a streamed use saves what the forward saved (zeros of its own, never asked)
             tape = self.recorded
-            # whole (or replayed): its input is on the tape, its zero adds no saved tensor
-            if owner.rule is None or not streams(tape, owner, output):
-                leave_scope(owner, mod, output)
-                return None
-            saved = owner.rule.capture(mod, args, kwargs, output, leave_scope(owner, mod, output))
-            # saves what the forward saved (zeros of its own: their gradients are never asked for)
+            if not streams(tape, owner, output):  # whole: its input is on the tape, its zero adds no saved tensor
+                return output
             probes = self.probes(tape, owner, _shapes(tape, owner, output, saved), -1)
             return _Stream.apply(output, saved, None, *probes)
-        if owner.rule is None:
-            return self.replayed(tape, owner, mod, args, kwargs, output)
-        rule, scope = owner.rule, leave_scope(owner, mod, output)
         tape.dtypes[output.dtype] = None
-        saved = rule.capture(mod, args, kwargs, output, scope)
         read = layout(owner, output, tape.batch)
         tape.owners.append(owner)
         tape.layouts.append(read)
@@ -355,7 +367,7 @@ class _Hooks:
         use = tape.calls[id(owner)] = tape.calls.get(id(owner), 0) + 1
         tape.streamed.append(False)
         probes = self.probes(tape, owner, shapes, use)
-        tape.saved.append((capture_call(mod, args, kwargs, output, None), dims))
+        tape.saved.append((capture_call(mod, args, kwargs, output), dims))
         tape.probes.append(probes)
         for j, probe in zip(asked, probes):
             leaves[j] = leaves[j] + probe
@@ -401,6 +413,28 @@ def streams(tape: Tape, owner: Owner, output: torch.Tensor) -> bool:
     which sees the same shapes."""
     shared = output.dim() and output.shape[0] == 1 < tape.batch  # `SHARED`: broadcast whole, never streamed
     return id(owner) in tape.streams and output.numel() >= tape.min_elements and not shared
+
+
+class InnerCall(TorchFunctionMode):
+    """Active during the forward of a subclass whose forward is its own (`registry.inner_call`): where that forward
+    calls its rule's function on the layer's weight (F.embedding in Gemma's scaled word embedding and OPT's
+    positions), the call's result is tapped (`tap(result, the call's input)`), so the subclass's code around the
+    call (a scaling by √d) lies between the tap and the loss, where autograd differentiates it."""
+
+    def __init__(self, owner: Owner, tap: Callable):
+        super().__init__()
+        self.owner, self.tap, self.made = owner, tap, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        rule = self.owner.rule
+        if func is rule.call:
+            weight = args[rule.weight_at] if len(args) > rule.weight_at else kwargs.get("weight")
+            if weight is self.owner.module.weight:
+                self.made += 1
+                return self.tap(out, args[0] if args else kwargs["input"])
+        return out
 
 
 class _Stream(torch.autograd.Function):

@@ -6,7 +6,7 @@ from torch import nn
 from dpmem.persample.registry import register
 
 
-@register(nn.LayerNorm)
+@register(nn.LayerNorm, call=F.layer_norm, weight_at=2)
 def layernorm(module: nn.LayerNorm, inputs, grad_output) -> dict:
     batch, shape = grad_output.shape[0], tuple(module.normalized_shape)
     dtype = (module.weight if module.weight is not None else module.bias).dtype
