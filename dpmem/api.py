@@ -10,6 +10,9 @@
   accountant of the method (`accounting`: pld for most, DP-SGD-RC's rc with its probes and envelope).
 - Memory: `config` (a run's validated config, as `dpmem train` composes it from overrides), `plan` (its peak memory,
   planned on the meta device) and `largest_batch` (the largest batch under a budget).
+- One call for a loop of your own: `make_private(model, optimizer, data, loss_fn, batch_size=..., epsilon=...,
+  epochs=...)` (Opacus' `make_private`): a `PrivateTraining` whose `step()` samples, privatises and steps the
+  optimizer, and whose `epsilon` is what its steps spent; the model checked first, as `check` does.
 - Your own model: `check(model, loss_fn, batch)` says which rule forms each parameter's per-sample gradients, runs
   the attribution proof under every clipping plan, and measures each plan's step memory (`print(check(...))`).
 
@@ -22,6 +25,7 @@ from omegaconf import DictConfig
 from dpmem.checking import Check, check
 from dpmem.data.bundle import Padded
 from dpmem.engine import planner
+from dpmem.make_private import PrivateTraining, make_private
 from dpmem.methods import build_method, method_config
 from dpmem.methods.base import Method
 from dpmem.methods.clipping_plan import ClippingPlan
@@ -31,9 +35,9 @@ from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, key_of
 from dpmem.privacy.sampling import poisson_batches
 
-__all__ = ["Check", "ClippingPlan", "Draws", "GaussianMechanism", "Method", "Padded", "PrivateGradient", "Privatizer",
-           "accounting", "build_method", "calibrate_sigma", "check", "config", "epsilon_spent", "key_of",
-           "largest_batch", "method_config", "plan", "poisson_batches"]
+__all__ = ["Check", "ClippingPlan", "Draws", "GaussianMechanism", "Method", "Padded", "PrivateGradient",
+           "PrivateTraining", "Privatizer", "accounting", "build_method", "calibrate_sigma", "check", "config",
+           "epsilon_spent", "key_of", "largest_batch", "make_private", "method_config", "plan", "poisson_batches"]
 
 
 def accounting(method_cfg, model) -> dict:

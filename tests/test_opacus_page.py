@@ -1,4 +1,4 @@
-"""docs/opacus.md, "Coming from Opacus": its two loops run as the page prints them, at 1 epoch (25 steps) instead of
+"""docs/opacus.md, "Coming from Opacus": its loops run as the page prints them, at 1 epoch (25 steps) instead of
 4. Opacus' make_private_with_epsilon loop and the dpmem.api loop each learn and spend at most the ε asked, at the
 same sample rate and number of steps, and their σ (Opacus' PRV accountant, dpmem's PLD) agree within 2 %. The
 page's own-module block is refused with batch norm and runs once Opacus' ModuleValidator.fix has replaced it."""
@@ -66,6 +66,19 @@ def test_the_opacus_and_dpmem_loops_train_at_the_same_rate_and_steps_within_the_
     assert (dpmem_ns["q"], dpmem_ns["steps"]) == (q, steps)
     assert dpmem_ns["sigma"] == pytest.approx(sigma_o, rel=0.02)
     assert float(d_sigma) == pytest.approx(dpmem_ns["sigma"], abs=5e-4)
+
+
+def test_the_one_call_loop_spends_what_the_long_one_does_and_learns():
+    """make_private's block at 1 epoch: the rate, steps and σ of the long dpmem.api block (one calibration), ε at
+    most the target, the accountant's ε of its steps, and it learns."""
+    ns, printed = run(one_epoch(block("make_private(model, optimizer")), "opacus_page_one_call")
+    (eps, sigma, acc), = [PRINTED.fullmatch(line).groups() for line in printed]
+    private = ns["private"]
+    assert (private.sample_rate, private.steps, private.taken) == (60 / 1500, 25, 25)
+    from dpmem.api import calibrate_sigma, epsilon_spent
+    assert private.sigma == calibrate_sigma(8.0, 1e-5, 60 / 1500, 25)
+    assert private.epsilon == epsilon_spent(private.sigma, 1e-5, 60 / 1500, 25) <= 8.0 and float(eps) <= 8.0
+    assert float(acc) > 0.3, printed
 
 
 def test_the_own_module_block_is_refused_with_batch_norm_and_runs_once_fixed():
