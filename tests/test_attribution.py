@@ -170,11 +170,11 @@ class Mix(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, mix=False, inline=False, shared=False):
+    def __init__(self, mix=False, inline=False, shared=False, unseen=False):
         super().__init__()
         self.emb, self.a, self.b, self.c = nn.Embedding(10, 6), nn.Linear(6, 6), nn.Linear(6, 3), nn.Linear(6, 6)
         self.mix = Mix() if mix else nn.Identity()
-        self.inline, self.shared = inline, shared
+        self.inline, self.shared, self.unseen = inline, shared, unseen
         self.register_buffer("table", torch.randn(B, 6))  # B rows that are not samples
 
     def forward(self, ids):
@@ -182,6 +182,8 @@ class Net(nn.Module):
         if self.shared:  # a (B, 6) input taken for a batch: each sample uses all of c's rows
             h = h + self.c(self.table).sum(0)
         h = self.mix(self.a(h).tanh())
+        if self.unseen:  # c's weight read by the parent, c never called, its gradient tiny: no tap sees it at all
+            h = h + 1e-9 * F.linear(h, self.c.weight)
         if self.inline:
             h = h - h.mean(0)
         return self.b(h)
@@ -201,6 +203,8 @@ REFUSED = {
     "mixing-module": (lambda: Net(mix=True), net_loss, r"^.*: mix mixes samples.*act on each sample alone"),
     "mixing-code": (lambda: Net(inline=True), net_loss, r"the forward of Net mixes samples between mix and b"),
     "rows-not-samples": (lambda: Net(shared=True), net_loss, r"c's output has B rows that are not samples'.*freeze"),
+    "weight-of-a-module-never-called": (lambda: Net(unseen=True), net_loss,
+                                        r"of c\.weight are not each sample's own.*c\.weight is used outside"),
 }
 
 
@@ -400,6 +404,45 @@ def test_hub_families_without_a_dpmem_config_are_proved_and_exact(model_type, pl
     # Llama-style RMSNorm and rotary embeddings compute in float32 inside a float64 model: two-pass clipping's
     # backward of Σᵢ fᵢ ℓᵢ rounds fᵢ·Gᵢ there, where the loop rounds Gᵢ (4e-8 relative, measured); one pass: 1e-15
     assert (flat(got) - flat(want)).norm() <= (1e-6 if plan == "ghost" else 1e-12) * flat(want).norm()
+
+
+def deberta_v2(share_att_key: bool, table_trainable: bool = False):
+    """A tiny DeBERTa-v2 (v3's layout with share_att_key): its relative-position table frozen unless asked."""
+    import transformers as tf
+    model = tf.AutoModelForSequenceClassification.from_config(tf.DebertaV2Config(
+        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pooler_dropout=0.0,
+        num_labels=3, relative_attention=True, position_buckets=8, max_relative_positions=16,
+        pos_att_type=["p2c", "c2p"], share_att_key=share_att_key, norm_rel_ebd="layer_norm"))
+    if not table_trainable:
+        for p in (*model.deberta.encoder.rel_embeddings.parameters(), *model.deberta.encoder.LayerNorm.parameters()):
+            p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("share_att_key", [True, False])
+def test_deberta_v2_is_exact_with_its_attention_replayed_per_sample(share_att_key, plan):
+    """Its attention projects the shared relative-position table and repeats it by the batch itself: replayed one
+    sample at a time (repeated by 1), every projection's per-sample gradient is exact."""
+    torch.manual_seed(0)
+    model = deberta_v2(share_att_key)
+    batch = text_batch()
+    C = float(norms_median(model, classifier_loss, batch))
+    want, _ = oracle(model, classifier_loss, batch, C)
+    got = clipped_sum(model, classifier_loss, batch, plan, C)
+    flat = lambda d: torch.cat([d[n].flatten() for n in want])  # noqa: E731
+    assert (flat(got) - flat(want)).norm() <= 1e-12 * flat(want).norm()
+
+
+def test_deberta_v2_s_relative_position_table_trainable_is_refused_naming_it():
+    """The table is read as a weight and reaches every sample's loss: no tap sees it, and the proof says so."""
+    torch.manual_seed(0)
+    model = deberta_v2(share_att_key=True, table_trainable=True)
+    with Privatizer(model, GaussianMechanism(0.0, 1.0, 1.0, seeded(0)), ClippingPlan.of("bk")) as privatize:
+        with pytest.raises(RuntimeError, match=r"deberta\.encoder\.rel_embeddings\.weight is used outside the "
+                                               r"module that owns it.*freeze it"):
+            privatize.gradient([text_batch()], classifier_loss, {p: p.shape for p in privatize.params})
 
 
 def test_a_parameter_whose_gradient_diverged_proves_nothing_and_the_others_are_still_compared():

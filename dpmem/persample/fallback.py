@@ -34,12 +34,16 @@ class Replay:
 
 
 REPLAYS: dict[type, Replay] = {}
+# layer types of a library that dpmem does not import until a model does (its import costs every process seconds),
+# by module and qualified name
+REPLAYS_BY_NAME: dict[str, Replay] = {}
 
 
 def replay_of(module: nn.Module) -> Replay | None:
     for t in type(module).__mro__:
-        if t in REPLAYS:
-            return REPLAYS[t]
+        replay = REPLAYS.get(t) or REPLAYS_BY_NAME.get(f"{t.__module__}.{t.__qualname__}")
+        if replay is not None:
+            return replay
     return None
 
 

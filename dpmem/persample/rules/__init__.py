@@ -1,4 +1,4 @@
 """Per-sample gradient rules, one file per layer type; importing this package registers them all."""
 
-from dpmem.persample.rules import (conv1d, conv2d, embedding, layernorm, linear, multihead_attention,  # noqa: F401
-                                    recurrent)
+from dpmem.persample.rules import (conv1d, conv2d, deberta_attention, embedding, layernorm, linear,  # noqa: F401
+                                    multihead_attention, recurrent)
