@@ -133,10 +133,12 @@ CHECK_SAMPLES = 4  # the training samples `dpmem check` proves on: a few do (the
 def _check(overrides: list[str]) -> None:
     """`dpmem check`: one configuration's model and data built on the CPU and checked on its first training samples
     (`dpmem.api.check`): which rule forms each module's per-sample gradients, the attribution proof under every
-    clipping plan, each plan's step memory. A layer no rule covers, or anything that mixes samples, ends in one
-    line (exit 2). Nothing is trained or released; no folder is written."""
+    clipping plan, each plan's step memory measured; then the run's peak as `dpmem memory` plans it, at its batch
+    size on its memory.device. A layer no rule covers, or anything that mixes samples, ends in one line (exit 2).
+    Nothing is trained or released; no folder is written."""
     from dpmem.checking import check
     from dpmem.data import build_data
+    from dpmem.engine.planner import plan
     from dpmem.models import build_model
 
     with _one_line_errors(overrides):
@@ -151,7 +153,14 @@ def _check(overrides: list[str]) -> None:
             found = check(model, data.per_sample_loss, batch)
         except (ValueError, RuntimeError) as e:
             raise error(f"check: {cfg.model.name}: {e}") from None
-    print(f"dpmem check: {cfg.model.name} on {CHECK_SAMPLES} samples of {cfg.data.name}\n\n{found}")
+        del model, data  # the plan builds its own, on memory.device
+        planned = plan(cfg)
+    gib = lambda part: f"{part['peak_bytes'] / 2**30:.3f}"  # noqa: E731
+    batch = planned["batch_size"]
+    print(f"dpmem check: {cfg.model.name} on {CHECK_SAMPLES} samples of {cfg.data.name}\n\n{found}\n\n"
+          f"The run as configured ({cfg.method.name}, B={batch}, physical {cfg.train.physical_batch_size or batch}), "
+          f"planned on {enum_value(cfg.memory.device)} as dpmem memory plans it: peak {gib(planned)} GiB (training "
+          f"{gib(planned['training'])}, evaluation {gib(planned['evaluation'])})")
 
 
 def _memory(overrides: list[str]) -> None:

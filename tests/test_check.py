@@ -60,6 +60,9 @@ def test_dpmem_check_builds_a_configuration_and_prints_each_rule_and_plan(cli):
     assert r.stdout.startswith("dpmem check: vit-tiny on 4 samples of synthetic")
     assert "| vit.embeddings.patch_embeddings.projection | Conv2d rule (factored) |" in r.stdout
     assert all(f"| {plan} |" in r.stdout for plan in ("materialize", "bk", "ghost", "mixed", "fgc"))
+    from dpmem.api import config, plan
+    planned = plan(config("model=vit-tiny", "data=synthetic", "data.image_size=8"))["peak_bytes"]
+    assert f"as dpmem memory plans it: peak {planned / 2**30:.3f} GiB (training " in r.stdout, r.stdout[-500:]
 
 
 def test_dpmem_check_refuses_a_checkpoint_with_batch_norm_in_one_line_naming_the_layer(cli, tmp_path):
