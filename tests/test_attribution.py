@@ -445,6 +445,53 @@ def test_deberta_v2_s_relative_position_table_trainable_is_refused_naming_it():
             privatize.gradient([text_batch()], classifier_loss, {p: p.shape for p in privatize.params})
 
 
+def swin(bias_trainable: bool = False):
+    """A tiny Swin: 16×16 images in 2×2 windows, so block 0 sees (B·16 windows, 4 positions, C) at B = 4, which reads
+    time-major too (its second dimension is B); block 0's position bias frozen unless asked."""
+    import transformers as tf
+    model = tf.AutoModelForImageClassification.from_config(tf.SwinConfig(
+        image_size=16, patch_size=4, num_channels=3, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2,
+        drop_path_rate=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3))
+    if not bias_trainable:
+        model.swin.encoder.layers[0].blocks[0].attention.relative_position_bias.requires_grad_(False)
+    return model
+
+
+def image_loss(m, b):
+    return F.cross_entropy(m(pixel_values=b["pixel_values"]).logits, b["labels"], reduction="none")
+
+
+def image_batch():
+    g = torch.Generator().manual_seed(0)
+    return {"pixel_values": torch.randn(B, 3, 16, 16, generator=g), "labels": torch.randint(0, 3, (B,), generator=g)}
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_swin_s_windows_are_read_as_the_proof_finds_them_and_exact(plan):
+    """Block 0's (B·16, 4, C) windows are read time-major first; the proof fails there, and the micro-batch runs
+    again with those layers read as B·16 batch-major rows (the windows of each image), proved so, and exact."""
+    torch.manual_seed(0)
+    model = swin()
+    C = float(norms_median(model, image_loss, image_batch()))
+    want, _ = oracle(model, image_loss, image_batch(), C)
+    got = clipped_sum(model, image_loss, image_batch(), plan, C)
+    flat = lambda d: torch.cat([d[n].flatten() for n in want])  # noqa: E731
+    assert (flat(got) - flat(want)).norm() <= 1e-12 * flat(want).norm()
+
+
+def test_an_output_shared_by_the_batch_whose_broadcast_breaks_the_forward_is_refused_naming_it():
+    """Swin's position bias, (1, heads, 4, 4), is added to B·16 windows' scores: broadcast to B rows, the forward
+    fails; left shared it runs, so the refusal names the layer and says to freeze it."""
+    torch.manual_seed(0)
+    noise = GaussianMechanism(1.0, 1.0, 1.0, seeded(0))
+    with Privatizer(swin(bias_trainable=True), noise, ClippingPlan.of("bk")) as privatize:
+        with pytest.raises(RuntimeError, match=r"^swin\.encoder\.layers\.0\.blocks\.0\.attention\."
+                                               r"relative_position_bias: its output is shared by the batch.*broke the "
+                                               r"model's forward.*freeze its parameters"):
+            privatize.gradient([image_batch()], image_loss, {p: p.shape for p in privatize.params})
+    assert noise.draws.count == 0
+
+
 def test_a_parameter_whose_gradient_diverged_proves_nothing_and_the_others_are_still_compared():
     """Weights a huge learning rate made infinite: no tolerance is defined for them, so the proof leaves them to
     the trainer's non-finite check (which ends the run with its own line); a finite parameter that differs still

@@ -9,7 +9,7 @@ says how), sum over ranks, release: noise drawn once per logical step, scaled by
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, NoReturn
 
 import torch
 from torch import nn
@@ -106,6 +106,7 @@ class Privatizer:
         # the layer layouts (`Tape.layouts`) proved so far; None: no proofs (check_coverage false). Under FSDP only the
         # first micro-batch proves (its check's backward pass is a collective, which ranks must take together)
         self._proven: set | None = set() if check_coverage and not self.sharded else None
+        self._ambiguous: dict = {}  # the last recorded forward's layers that read both ways (`Tape.ambiguous`)
         self._zero = self.taps.zero()  # the probes' leaf (`Taps.zero`)
         self.compiled = CompiledStep()  # what `compile` compiled, and its state between steps
         # Keys drawn once per logical step, the same on every rank, from the noise's secret key (host-side: no sync):
@@ -321,10 +322,13 @@ class Privatizer:
         one-pass step)."""
         grouped = isinstance(mb, Grouped)  # ULS: a user's k records, normed and clipped as one
         k = mb.k if grouped and self.mechanism.per_user else None
-        try:
-            return self._microbatch(mb, loss_fn, projections, summed, zero, check, probes, shapes, grouped, k)
-        except NewLayout:  # layers read per sample as no proof has seen yet: this micro-batch proves them
-            return self._microbatch(mb, loss_fn, projections, summed, zero, True, probes, shapes, grouped, k)
+        while True:
+            try:
+                return self._microbatch(mb, loss_fn, projections, summed, zero, check, probes, shapes, grouped, k)
+            except NewLayout:  # layers read per sample as no proof has seen yet: this micro-batch proves them
+                check = True
+            except Reread:  # the proof failed where a layer reads both ways: proved again, read the other way
+                check = True
 
     def _microbatch(self, mb, loss_fn, projections, summed, zero, check, probes, shapes, grouped, k):
         two_pass = self.plan.passes == 2
@@ -402,8 +406,15 @@ class Privatizer:
         forward = self.compiled.forward if compiled and self.compiled.probes_made else self._forward
         stream = None if shapes is None or check else self.compiled.streamed
         while True:
+            failed = None
             with self.taps.recording(zero, batch_size(mb), reduce, shapes, stream, compiled) as tape:
-                losses = per_sample(forward(mb, loss_fn), mb)
+                try:
+                    losses = per_sample(forward(mb, loss_fn), mb)
+                except (RuntimeError, ValueError) as e:  # raised below, once the recording is over
+                    failed = e
+            if failed is not None:
+                self._refuse_broadcast(tape, failed, mb, loss_fn)
+            self._ambiguous = tape.ambiguous  # what the proof may read the other way (`Taps.reread`)
             read = tuple(zip((owner.name for owner in tape.owners), tape.layouts))
             if not check and self._proven is not None and read not in self._proven \
                     and not torch.compiler.is_compiling():
@@ -424,10 +435,26 @@ class Privatizer:
             self.compiled.probes_made = self.compiled.probes_made or compiled
             return losses, kept, batch_grads, read  # under FSDP the batch gradient is in .grad already
 
+    def _refuse_broadcast(self, tape, error: Exception, mb, loss_fn) -> NoReturn:
+        """A recorded forward raised `error`: where it runs with the outputs shared by the batch left unbroadcast
+        (`Taps.broadcast_broke`), one line naming the first such layer and the fix; else `error` as it was."""
+        names = self.taps.broadcast_broke(tape, lambda: self._forward(mb, loss_fn))
+        if not names:
+            raise error
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        more = f" (and {len(names) - 1} more before it failed: {', '.join(names[1:])})" if len(names) > 1 else ""
+        raise RuntimeError(f"{names[0]}{more}: its output is shared by the batch (one row); broadcast to B rows, so "
+                           f"that each sample gets its own gradient, it broke the model's forward ({first}), which "
+                           "runs with it left shared: the model sizes that output by other rows itself (Swin's "
+                           "position bias, added to B·windows rows), so no rule splits its gradient by sample; freeze "
+                           "its parameters (requires_grad=False)") from error
+
     def _verify(self, totals, transform, mb, loss_fn, weights, read) -> None:
         """The attribution proof (`verify_attribution`) of a micro-batch whose layers were read as `read`, which it
         adds to those proved; on a mismatch it says why: where samples mix, rows misread, or a use outside."""
         def explain(names: list[str]) -> str:
+            if self.taps.reread(self._ambiguous, [name.rpartition(".")[0] for name in names]):
+                raise Reread
             misread = rows_misread(dict(read), names)
             if misread is not None:
                 return misread
@@ -460,6 +487,11 @@ class Privatizer:
             return {p: summed[p] if p in summed else
                     torch.zeros_like(p) if shapes is None else torch.zeros(shapes[p], device=p.device, dtype=p.dtype)
                     for p in self.params}
+
+
+class Reread(Exception):
+    """The attribution proof failed on a layer read time-major whose output reads as B·k batch-major rows too: the
+    micro-batch runs again, that layer read batch-major, and is proved so (nothing was summed or released)."""
 
 
 class NewLayout(Exception):

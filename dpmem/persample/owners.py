@@ -85,19 +85,20 @@ SHARED = "shared"  # a layout: the output's leading dimension is 1, broadcast ov
 TIME_MAJOR = "time-major"  # a layout: (T, B, ...), the batch second (nn.Transformer's and seq-first RNNs' layers)
 
 
-def layout(owner: Owner, output: torch.Tensor, batch: int) -> str | int:
+def layout(owner: Owner, output: torch.Tensor, batch: int, batch_major: bool = False) -> str | int:
     """How a layer's output is read per sample: 1 (batch-first, B rows), `SHARED` (one row that the batch shares:
     each sample's gradient is taken through its own copy, `Taps` broadcasting the output to B rows), `TIME_MAJOR`
-    ((T, B, ...), three dimensions or more) or k > 1 (B·k rows, batch-major: OPT's FFN on B·T tokens). Only the
-    attribution proof (`dpmem.methods.attribution`) can tell those from rows that are not samples at all. Raises
-    ValueError, naming the layer, for any other leading dimension: an input with no batch dimension, whose rows
-    every sample uses (T5's position buckets)."""
+    ((T, B, ...), three dimensions or more) or k > 1 (B·k rows, batch-major: OPT's FFN on B·T tokens). An output
+    that reads both ways ((B·k, B, ...): Swin's B·windows windows of B positions) is time-major unless
+    `batch_major`; the attribution proof (`dpmem.methods.attribution`) tells which, and tells those from rows that
+    are not samples at all. Raises ValueError, naming the layer, for any other leading dimension: an input with no
+    batch dimension, whose rows every sample uses (T5's position buckets)."""
     rows = output.shape[0] if output.dim() else None
     if rows == batch:
         return 1
     if rows == 1:
         return SHARED
-    if output.dim() >= 3 and output.shape[1] == batch:
+    if output.dim() >= 3 and output.shape[1] == batch and not (batch_major and ambiguous(output, batch)):
         return TIME_MAJOR
     if rows is not None and owner.rule is not None and rows % batch == 0:
         return rows // batch
@@ -107,15 +108,20 @@ def layout(owner: Owner, output: torch.Tensor, batch: int) -> str | int:
                      "be split by sample: freeze its parameters (requires_grad=False)")
 
 
-def batch_first(owner: Owner, saved, grad_output: torch.Tensor, batch: int):
-    """A rule-covered layer's input and output gradient with the batch dimension first (`layout`, read again from
-    the output gradient's shape): time-major (T, B, ...) transposed and B·k batch-major rows unflattened to (B, k,
-    ...), as views; a shared input (leading dimension 1; its output gradient is the broadcast copies', B rows)
-    expanded to B rows as a view, not copied."""
-    rows = grad_output.shape[0]
-    if rows != batch and grad_output.dim() >= 3 and grad_output.shape[1] == batch:
+def ambiguous(output: torch.Tensor, batch: int) -> bool:
+    """Whether a layer's output reads both time-major and as B·k batch-major rows (`layout`)."""
+    rows = output.shape[0]
+    return output.dim() >= 3 and output.shape[1] == batch and rows != batch and rows % batch == 0
+
+
+def batch_first(owner: Owner, saved, grad_output: torch.Tensor, batch: int, read: str | int):
+    """A rule-covered layer's input and output gradient with the batch dimension first, as its output was read
+    (`layout`): time-major (T, B, ...) transposed and B·k batch-major rows unflattened to (B, k, ...), as views; a
+    shared input (leading dimension 1; its output gradient is the broadcast copies', B rows) expanded to B rows as a
+    view, not copied."""
+    if read == TIME_MAJOR:
         return saved.transpose(0, 1), grad_output.transpose(0, 1)
-    if rows != batch:
+    if read != 1 and read != SHARED:
         unflat = lambda t: t.reshape(batch, t.shape[0] // batch, *t.shape[1:])  # noqa: E731
         return unflat(saved), unflat(grad_output)
     if isinstance(saved, torch.Tensor) and saved.dim() and saved.shape[0] == 1 and batch > 1:

@@ -24,8 +24,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpmem.metering import memory_label
 from dpmem.persample.fallback import capture_call, check_deterministic, fallback_grads, leading_dims, replay_of
-from dpmem.persample.owners import (SHARED, Owner, batch_first, find_owners, layout, owned_parameters, tensor_output,
-                                    tied_sum)
+from dpmem.persample.owners import (SHARED, TIME_MAJOR, Owner, ambiguous, batch_first, find_owners, layout,
+                                    owned_parameters, tensor_output, tied_sum)
 from dpmem.persample.reducers import Reducer, Stream, materialize
 from dpmem.persample.registry import inner_call
 from dpmem.precision import Compute, exact_float32, tf32_enabled
@@ -37,10 +37,10 @@ from dpmem.precision import Compute, exact_float32, tf32_enabled
 STREAM_MIN_ELEMENTS = 2**16
 
 
-def rule_gradients(owner: Owner, saved, grad_output: torch.Tensor, batch: int) -> dict:
+def rule_gradients(owner: Owner, saved, grad_output: torch.Tensor, batch: int, read: str | int) -> dict:
     """A rule-covered layer's per-sample gradients by parameter name, from its input and output gradient made
-    batch-first (streamed in the backward pass, or after it)."""
-    saved, grad_output = batch_first(owner, saved, grad_output, batch)
+    batch-first as its output was read (`owners.layout`; streamed in the backward pass, or after it)."""
+    saved, grad_output = batch_first(owner, saved, grad_output, batch, read)
     return owner.rule.gradients(owner.module, saved, grad_output)
 
 
@@ -73,6 +73,9 @@ class Tape:
         self.armed = True  # values asked for in the first backward pass only (two-pass clipping's second passes)
         self.calls: dict[int, int] = {}  # calls so far of each layer (by id: a plain dict, as dynamo traces it)
         self.repeated: list[Owner] = []  # streamed layers called twice (found in the forward pass)
+        self.broadcast: list[str] = []  # the layers whose outputs, shared by the batch, were broadcast to B rows
+        # the layers read time-major whose outputs read as B·k rows too, by name: their outputs' leading dimensions
+        self.ambiguous: dict[str, tuple[int, int]] = {}
 
     def zeros_like(self, shape, dtype: torch.dtype) -> torch.Tensor:
         zero = self.zeros.get(dtype)
@@ -234,7 +237,7 @@ class Taps:
                 if owner.rule is None and any(g is not None for g in parts):  # replayed: every output leaf's
                     parts = [parts]
                 if parts and parts[0] is not None:
-                    for name, part in self._gradients(owner, saved, parts[0], tape.batch):
+                    for name, part in self._gradients(owner, saved, parts[0], tape.batch, tape.layouts[i]):
                         p = owner.params.get(name)
                         if p is not None:  # None: a frozen parameter of a rule-covered module
                             pending[p] = part if p not in pending else tied_sum(pending[p], part)
@@ -243,6 +246,33 @@ class Taps:
                     if uses[p] == 0 and p in pending:  # every use is in: reduce it, free the rest
                         kept[p] = tape.reducers.get(p, materialize)(pending.pop(p))
         return kept, batch_grads
+
+    def broadcast_broke(self, tape: Tape, forward: Callable[[], Any]) -> list[str]:
+        """After a recorded forward pass raised: the layers whose outputs, shared by the batch, it had broadcast to B
+        rows, where `forward` (the same pass) runs with them left shared: their model sizes them by other rows itself
+        (Swin's position bias, added to B·windows rows). [] where nothing was broadcast or it fails again."""
+        if not tape.broadcast:
+            return []
+        self._hooks.broadcast = False
+        try:
+            with torch.no_grad(), self.recording(self.zero(), tape.batch, stream=None):
+                forward()
+        except Exception:  # noqa: BLE001  (not the broadcast's doing: the caller raises the first error)
+            return []
+        finally:
+            self._hooks.broadcast = True
+        return list(dict.fromkeys(tape.broadcast))
+
+    def reread(self, ambiguous: dict[str, tuple[int, int]], modules: list[str]) -> bool:
+        """After a failed attribution proof: whether any of `modules` (those of the parameters that failed) is among
+        the `ambiguous` layers (`Tape.ambiguous`: read time-major, their outputs read as B·k batch-major rows too:
+        Swin's windows). If so, they and every ambiguous layer whose output leads with the same two dimensions (fed
+        the same rows, whose own small gradients may pass the proof's tolerance misread) are read batch-major from
+        now on, and the micro-batch should be proved again."""
+        failed = {ambiguous[m] for m in modules if m in ambiguous}
+        flip = {name for name, dims in ambiguous.items() if dims in failed} - self._hooks.batch_major
+        self._hooks.batch_major |= flip
+        return bool(flip)
 
     def _order(self, tape: Tape) -> list[int]:
         """The uses in the order they are reduced after the backward pass: last to first, as the backward pass
@@ -254,11 +284,11 @@ class Taps:
         last_first = list(reversed(range(len(tape.owners))))
         return [i for i in last_first if alone[i]] + [i for i in last_first if not alone[i]]
 
-    def _gradients(self, owner: Owner, saved, grad_output, batch: int):
-        """A layer's per-sample gradients by parameter name: by its rule from its input and output gradient, or by the
-        fallback's replay from its call and its output leaves' gradients (`grad_output`, a list)."""
+    def _gradients(self, owner: Owner, saved, grad_output, batch: int, read):
+        """A layer's per-sample gradients by parameter name: by its rule from its input and output gradient, read as
+        `read`, or by the fallback's replay from its call and its output leaves' gradients (`grad_output`, a list)."""
         if owner.rule is not None:
-            return rule_gradients(owner, saved, grad_output, batch).items()
+            return rule_gradients(owner, saved, grad_output, batch, read).items()
         self._hooks.replaying = True
         try:
             # sharded (FSDP resharded the module after the backward), its replay runs on the parameters made whole
@@ -280,6 +310,8 @@ class _Hooks:
         self.tape: Tape | None = None
         self.recorded: Tape | None = None  # the last forward proper's, whose streams a recompute saves again
         self.replaying = False  # the fallback's replay of a layer, whose submodules' taps stay out of it
+        self.broadcast = True  # outputs shared by the batch broadcast to B rows (off: `Taps.broadcast_broke`)
+        self.batch_major: set[str] = set()  # layers whose outputs read both ways are read as B·k rows (`Taps.reread`)
         # each streamed layer's zeros, made once per shape and leaf and kept: views made outside any graph serve
         # every step (a gradient is captured where it enters them; what made them never runs)
         self.zeros: dict[tuple, tuple[torch.Tensor, list[torch.Tensor]]] = {}
@@ -326,7 +358,9 @@ class _Hooks:
             probes = self.probes(tape, owner, _shapes(tape, owner, output, saved), -1)
             return _Stream.apply(output, saved, None, *probes)
         tape.dtypes[output.dtype] = None
-        read = layout(owner, output, tape.batch)
+        read = layout(owner, output, tape.batch, owner.name in self.batch_major)
+        if read == TIME_MAJOR and ambiguous(output, tape.batch):
+            tape.ambiguous[owner.name] = tuple(output.shape[:2])
         tape.owners.append(owner)
         tape.layouts.append(read)
         use = tape.calls[id(owner)] = tape.calls.get(id(owner), 0) + 1
@@ -338,9 +372,12 @@ class _Hooks:
             probes = self.probes(tape, owner, _shapes(tape, owner, output, saved), use)
             tape.saved.append(None)
             tape.probes.append(probes)
-            return _Stream.apply(output, saved, functools.partial(self.reduce, tape, owner), *probes)
+            return _Stream.apply(output, saved, functools.partial(self.reduce, tape, owner, read), *probes)
         # a shared output (`SHARED`) comes out broadcast to B rows: each sample's copy gets its own gradient
-        shape = (tape.batch, *output.shape[1:]) if read == SHARED else output.shape
+        shape = output.shape
+        if read == SHARED and self.broadcast:
+            shape = (tape.batch, *output.shape[1:])
+            tape.broadcast.append(owner.name)
         probes = self.probes(tape, owner, [(shape, output.dtype)], use)
         tape.saved.append(saved)
         tape.probes.append(probes)
@@ -359,7 +396,9 @@ class _Hooks:
             t, d = leaves[j], dims[1][j]
             tape.dtypes[t.dtype] = None
             shape = list(t.shape)
-            shape[d] = tape.batch  # a leaf shared by the batch (one row) comes out with B
+            if self.broadcast and shape[d] != tape.batch:  # a leaf shared by the batch (one row) comes out with B
+                shape[d] = tape.batch
+                tape.broadcast.append(owner.name)
             shapes.append((torch.Size(shape), t.dtype))
         tape.owners.append(owner)
         shared = tuple(leaves[j].shape[dims[1][j]] == 1 < tape.batch for j in asked)
@@ -389,7 +428,7 @@ class _Hooks:
         return made[1]
 
     @staticmethod
-    def reduce(tape: Tape, owner: Owner, saved, grad_output: torch.Tensor) -> list[torch.Tensor]:
+    def reduce(tape: Tape, owner: Owner, read, saved, grad_output: torch.Tensor) -> list[torch.Tensor]:
         """A streamed layer's reducers' values, inside the backward pass, as tensors in its probes' order, or its pair
         (output gradient, input); None after the first backward pass."""
         kinds = tape.streams[id(owner)][0]
@@ -398,7 +437,7 @@ class _Hooks:
         if kinds is None:
             return [grad_output, saved]
         with memory_label("per_sample"), exact_float32(grad_output.device):
-            grads = rule_gradients(owner, saved, grad_output, tape.batch)
+            grads = rule_gradients(owner, saved, grad_output, tape.batch, read)
             return [stream.kept(grads[name]) for stream, name in zip(kinds, owner.params)]
 
 
