@@ -144,6 +144,22 @@ def test_bench_attribution_writes_a_row_per_model_and_plan(tmp_path):
         assert float(ratio) == pytest.approx(float(proved) / float(without), rel=0.05)  # ms rounded to 0.1
 
 
+def test_survey_architectures_says_exact_refused_or_exact_after_the_fix_it_gives(tmp_path):
+    """BERT exact; MPNet's relative position bias (no batch dimension) and Swin's position bias (a broadcast the model
+    sizes by windows) refused naming the layer to freeze, frozen as the line says, and then exact; a ResNet's batch
+    norm refused (its fix is another layer, not followed)."""
+    out = tmp_path / "architectures.md"
+    r = run_script("survey_architectures.py", "--types", "bert,mpnet,swin,resnet", "--plans", "bk", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.read_text().splitlines() if line.startswith("| ") and not line.startswith("| model")}
+    assert rows["bert"][:2] == ["classifier", "exact"]
+    assert rows["mpnet"][1] == "exact" and "mpnet.encoder.relative_attention_bias frozen" in rows["mpnet"][2]
+    assert rows["swin"][1] == "exact" and "relative_position_bias frozen" in rows["swin"][2], rows["swin"]
+    assert rows["resnet"][1] == "refused" and "BatchNorm2d mixes samples" in rows["resnet"][2]
+    assert "WRONG: a clipped sum that the proof let through, off by more than that: 0 here." in out.read_text()
+
+
 def test_bench_replayed_writes_a_row_per_layer_with_its_ratios(tmp_path):
     out = tmp_path / "replayed.md"
     r = run_script("bench_replayed.py", "--batch", "2", "--seq", "3", "--width", "8", "--repeats", "1",
