@@ -492,6 +492,16 @@ def test_an_output_shared_by_the_batch_whose_broadcast_breaks_the_forward_is_ref
     assert noise.draws.count == 0
 
 
+def test_a_loss_of_the_wrong_shape_is_refused_as_such_where_a_shared_output_was_broadcast():
+    """BERT's positions are broadcast before a batch-mean loss fails the shape check: the refusal is the loss's."""
+    torch.manual_seed(0)
+    model, _ = bert()
+    mean = lambda m, b: classifier_loss(m, b).mean()  # noqa: E731
+    with Privatizer(model, GaussianMechanism(0.0, 1.0, 1.0, seeded(0)), ClippingPlan.of("bk")) as privatize:
+        with pytest.raises(ValueError, match=r"^the loss function returned shape \(\) for a micro-batch of 4"):
+            privatize.gradient([text_batch()], mean, {p: p.shape for p in privatize.params})
+
+
 def test_a_parameter_whose_gradient_diverged_proves_nothing_and_the_others_are_still_compared():
     """Weights a huge learning rate made infinite: no tolerance is defined for them, so the proof leaves them to
     the trainer's non-finite check (which ends the run with its own line); a finite parameter that differs still

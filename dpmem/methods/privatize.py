@@ -409,11 +409,12 @@ class Privatizer:
             failed = None
             with self.taps.recording(zero, batch_size(mb), reduce, shapes, stream, compiled) as tape:
                 try:
-                    losses = per_sample(forward(mb, loss_fn), mb)
-                except (RuntimeError, ValueError) as e:  # raised below, once the recording is over
+                    out = forward(mb, loss_fn)
+                except (RuntimeError, ValueError) as e:  # the model's: raised below, once the recording is over
                     failed = e
             if failed is not None:
                 self._refuse_broadcast(tape, failed, mb, loss_fn)
+            losses = per_sample(out, mb)
             self._ambiguous = tape.ambiguous  # what the proof may read the other way (`Taps.reread`)
             read = tuple(zip((owner.name for owner in tape.owners), tape.layouts))
             if not check and self._proven is not None and read not in self._proven \
