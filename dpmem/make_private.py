@@ -81,8 +81,8 @@ class PrivateTraining:
         is not returned (it would be outside ε); evaluate on held-out data."""
         if self.taken >= self._steps:
             raise RuntimeError(f"make_private: all {self.steps} steps the noise was set for are taken (ε "
-                               f"{self.epsilon:.4g}); more would spend more than that: call make_private again with "
-                               "the steps you need")
+                               f"{self.epsilon:.4g}); more would spend more than that. Ask make_private for the steps "
+                               "you need: a second loop on the same data spends its ε on top of this one's")
         index = next(self._batches)
         self.taken += 1  # counted once drawn: a step that fails after its release must not go unaccounted
         size = self._physical or max(len(index), 1)
