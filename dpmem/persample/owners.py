@@ -22,7 +22,7 @@ class Owner:
     # attribute name -> parameter (trainable, owned here: direct, or dotted below a replayed layer)
     params: dict[str, nn.Parameter]
     rule: Rule | None  # None = generic fallback (`dpmem.persample.fallback`)
-    calls: list = field(default_factory=list)  # the `InnerCall`s of the forwards running now (a subclass's own)
+    inner_calls: list = field(default_factory=list)  # the `InnerCall`s of its forwards running now (a subclass's own)
 
 
 def find_owners(model: nn.Module) -> list[Owner]:

@@ -321,7 +321,7 @@ class _Hooks:
         if self.tape is not None or self.recomputing():
             call = InnerCall(owner, functools.partial(self.use, owner))
             call.__enter__()
-            owner.calls.append(call)
+            owner.inner_calls.append(call)
 
     def recomputing(self) -> bool:
         """Activation checkpointing's recompute (a forward inside a backward pass) of a recorded forward."""
@@ -338,7 +338,7 @@ class _Hooks:
         if owner.rule is None:  # replayed; in a recompute its call is on the tape already
             return None if self.tape is None else self.replayed(self.tape, owner, mod, args, kwargs, output)
         if inner_call(owner.rule, mod):
-            call = owner.calls.pop()
+            call = owner.inner_calls.pop()
             call.__exit__(None, None, None)
             if call.made:  # tapped inside, where the forward called the rule's function
                 return None
