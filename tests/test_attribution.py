@@ -313,6 +313,30 @@ def test_subclasses_with_a_forward_of_their_own_are_tapped_at_their_call_and_exa
         assert (got[name] - g).norm() <= 1e-12 * g.norm(), name
 
 
+class FailingEmbedding(ScaledEmbedding):
+    """Raises after its F.embedding call, inside its own forward."""
+
+    def forward(self, ids):
+        super().forward(ids)
+        raise RuntimeError("the subclass failed")
+
+
+def test_a_subclass_whose_forward_raises_leaves_no_mode_behind():
+    """Its tapped call is left when the forward pass that raised ends: torch's mode stack is empty again and the next
+    model's step is exact."""
+    torch.manual_seed(0)
+    with Privatizer(Subclassed(embedding=FailingEmbedding), GaussianMechanism(0.0, 1.0, 1.0, seeded(0)),
+                    ClippingPlan.of("bk")) as privatize:
+        with pytest.raises(RuntimeError, match="the subclass failed"):
+            privatize.gradient([net_batch()], net_loss, {p: p.shape for p in privatize.params})
+    assert torch._C._len_torch_function_stack() == 0
+    model = Subclassed()
+    C = float(norms_median(model, net_loss, net_batch()))
+    want, _ = oracle(model, net_loss, net_batch(), C)
+    got = clipped_sum(model, net_loss, net_batch(), "bk", C)
+    assert all((got[n] - g).norm() <= 1e-12 * g.norm() for n, g in want.items())
+
+
 def test_a_subclass_whose_forward_no_rule_models_is_refused_by_the_proof_naming_it():
     torch.manual_seed(0)
     with Privatizer(Subclassed(linear=DoubledLinear), GaussianMechanism(0.0, 1.0, 1.0, seeded(0)),

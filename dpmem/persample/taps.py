@@ -312,6 +312,7 @@ class _Hooks:
         self.replaying = False  # the fallback's replay of a layer, whose submodules' taps stay out of it
         self.broadcast = True  # outputs shared by the batch broadcast to B rows (off: `Taps.broadcast_broke`)
         self.batch_major: set[str] = set()  # layers whose outputs read both ways are read as B·k rows (`Taps.reread`)
+        self.entered: list[InnerCall] = []  # the `InnerCall`s entered and not yet left, in order
         # each streamed layer's zeros, made once per shape and leaf and kept: views made outside any graph serve
         # every step (a gradient is captured where it enters them; what made them never runs)
         self.zeros: dict[tuple, tuple[torch.Tensor, list[torch.Tensor]]] = {}
@@ -322,6 +323,15 @@ class _Hooks:
             call = InnerCall(owner, functools.partial(self.use, owner))
             call.__enter__()
             owner.inner_calls.append(call)
+            self.entered.append(call)
+
+    def abandon(self) -> None:
+        """After a forward pass that raised inside a subclass's own forward: its `InnerCall`s left, last first, so
+        that no mode stays on torch's stack and the next forward starts clean."""
+        while self.entered:
+            call = self.entered.pop()
+            call.owner.inner_calls.remove(call)
+            call.__exit__(None, None, None)
 
     def recomputing(self) -> bool:
         """Activation checkpointing's recompute (a forward inside a backward pass) of a recorded forward."""
@@ -337,8 +347,9 @@ class _Hooks:
             return None
         if owner.rule is None:  # replayed; in a recompute its call is on the tape already
             return None if self.tape is None else self.replayed(self.tape, owner, mod, args, kwargs, output)
-        if inner_call(owner.rule, mod):
+        if owner.inner_calls:  # a subclass's own forward, its call entered by the pre-hook (`enter_call`)
             call = owner.inner_calls.pop()
+            self.entered.remove(call)
             call.__exit__(None, None, None)
             if call.made:  # tapped inside, where the forward called the rule's function
                 return None
@@ -508,3 +519,4 @@ class _Recording:
 
     def __exit__(self, *exc) -> None:
         self.taps._hooks.tape = None  # recording stops
+        self.taps._hooks.abandon()  # none left in a forward that ended; one that raised may leave some
