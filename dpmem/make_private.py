@@ -62,6 +62,7 @@ class PrivateTraining:
                  report: Check, records: _Records, batches, physical_batch_size: int | None):
         self.model, self.optimizer, self.privatizer, self.loss_fn = model, optimizer, privatizer, loss_fn
         self.check, self._records, self._batches = report, records, batches
+        self._shapes = {p: p.shape for p in privatizer.params}
         self._delta, self._q, self._steps, self._physical = delta, sample_rate, steps, physical_batch_size
         self.taken = 0
 
@@ -87,7 +88,7 @@ class PrivateTraining:
         self.taken += 1  # counted once drawn: a step that fails after its release must not go unaccounted
         size = self._physical or max(len(index), 1)
         micro = [self._records(index[i:i + size]) for i in range(0, len(index), size)]  # none: noise alone
-        grads, _ = self.privatizer.gradient(micro, self.loss_fn, {p: p.shape for p in self.privatizer.params})
+        grads, _ = self.privatizer.gradient(micro, self.loss_fn, self._shapes)
         for p in self.privatizer.params:
             p.grad = grads[p]
         self.optimizer.step()
