@@ -83,6 +83,24 @@ def test_a_budget_is_met_and_its_epsilon_is_dp_accountings():
     private.close()
 
 
+def test_a_step_that_fails_after_its_batch_is_drawn_is_still_counted():
+    """ε never under-states: a step counts once its batch is drawn, whether or not it got as far as its release."""
+    model, broken = mlp(), []
+
+    def failing(m, b):
+        if broken:
+            raise RuntimeError("a failing loss")
+        return loss_fn(m, b)
+    private = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), records(), failing, batch_size=8,
+                           noise_multiplier=1.0, steps=2, seed=0)
+    broken.append(True)  # after the check before training
+    with pytest.raises(RuntimeError, match="a failing loss"):
+        private.step()
+    assert private.taken == 1
+    assert private.epsilon == pytest.approx(dp_accounting_epsilon(1.0, 0.2, 1, private.delta), rel=2e-3)
+    private.close()
+
+
 class DictRecords(Dataset):
     def __init__(self, data, tuples=False):
         self.data, self.tuples = data, tuples
