@@ -285,6 +285,20 @@ def test_a_private_search_end_to_end(cli, tmp_path, monkeypatch):
     assert "says ε 0.5 where its trials' noise, rate and steps give" in edited.stdout
 
 
+# a sitecustomize for the first start of the killed search: after its first checkpoint is saved, the process says so
+# in a file and waits to be killed
+HOLD_AFTER_A_CHECKPOINT = """
+import os, pathlib, time
+from dpmem.engine import checkpoint
+_save = checkpoint.save
+def save(*args, **kwargs):
+    _save(*args, **kwargs)
+    pathlib.Path(os.environ["DPMEM_TEST_MARKER"]).touch()
+    time.sleep(600)
+checkpoint.save = save
+"""
+
+
 @pytest.mark.long
 def test_a_search_killed_mid_trial_resumes_with_the_same_number_of_trials(tmp_path, cli):
     """SIGKILL once the first trial has a checkpoint; the same command again: the key (and so K) is the one the
@@ -294,11 +308,21 @@ def test_a_search_killed_mid_trial_resumes_with_the_same_number_of_trials(tmp_pa
                  f"hydra.sweep.dir={tmp_path / 's'}"]
     command = [sys.executable, "-m", "dpmem", *arguments]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+    # the first start holds still after its first checkpoint until it is killed: polling for checkpoint.pt raced a
+    # trial that finished (and removed it) between two looks, and then waited out its deadline
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "sitecustomize.py").write_text(HOLD_AFTER_A_CHECKPOINT)
+    marker = tmp_path / "checkpointed"
+    log = tmp_path / "first.log"
+    with log.open("w") as err:
+        first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+                                 env={**env, "PYTHONPATH": os.pathsep.join([str(hold), env.get("PYTHONPATH", "")]),
+                                      "DPMEM_TEST_MARKER": str(marker)})
     deadline = time.monotonic() + 240
-    while not list((tmp_path / "s").glob("trial-*/checkpoint.pt")) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    while not marker.exists() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), log.read_text()[-2000:]
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
     key = (tmp_path / "s" / "selection.key").read_text()
