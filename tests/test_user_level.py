@@ -186,6 +186,34 @@ def test_els_is_a_mixture_of_gaussians_of_a_users_records(tmp_path):
     assert epsilon_spent(s["sigma"], s["delta"], q, s["steps_done"]) < s["epsilon_spent"]
 
 
+@pytest.mark.parametrize("understated, target, q, steps, k", [
+    (0, 0.3, 0.1, 1, 2),  # the fine root within the tolerance below the coarse one
+    (0, 0.1, 0.05, 2, 2),  # further below: bracketed by doubling steps
+    (0.05, 0.1, 0.05, 2, 2),  # a search grid that understates ε (its root below): the search on the fine grid
+])
+def test_els_calibration_finds_the_fine_grids_sigma(monkeypatch, understated, target, q, steps, k):
+    """calibrate_sigma searches ELS's mixture on a coarser grid and brackets the fine root from it: the σ is
+    dp-accounting's own calibration of the same mixture on dpmem's grid, to the tolerance."""
+    from dpmem.privacy import accounting
+    fine, real = accounting.PLD_DISCRETIZATION, accounting._mixture_epsilon
+    monkeypatch.setattr(accounting, "_mixture_epsilon", lambda *a, interval=fine: real(
+        *a, interval=interval) - (understated if interval != fine else 0))
+    accounting.calibrate_sigma.cache_clear()
+    delta, tolerance = 1e-5, 1e-3
+    sigma = accounting.calibrate_sigma(target, delta, q, steps, user_records=k)
+    accounting.calibrate_sigma.cache_clear()
+
+    def event(s):
+        mixture = dp_event.MixtureOfGaussiansDpEvent(s, list(range(k + 1)), [binom.pmf(j, k, q) for j in range(k + 1)])
+        return dp_accounting.SelfComposedDpEvent(mixture, steps)
+
+    want = dp_accounting.calibrate_dp_mechanism(
+        lambda: pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3), event, target, delta,
+        dp_accounting.ExplicitBracketInterval(0.95 * sigma, 1.05 * sigma), tol=tolerance)  # (a PLD at σ < 1: seconds)
+    assert epsilon_spent(sigma, delta, q, steps, user_records=k) <= target
+    assert abs(sigma - want) <= tolerance + 1e-9, (sigma, want)
+
+
 @pytest.mark.parametrize("overrides, key", [
     (("privacy.unit=user",), "privacy.records_per_user"),
     (("privacy.records_per_user=4",), "privacy.records_per_user"),
