@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
@@ -30,6 +31,9 @@ from dpmem.privacy.mechanism import NOISE_BUCKET, GaussianMechanism
 from dpmem.privacy.randomness import Draws, seed_key
 from tiny_models import tiny_roberta, tiny_vit
 
+# the tests that run inductor's C++ code share one xdist worker: on an empty inductor cache the first compile in a
+# process pays about 12 CPU-s (its C++ prefix) that every later one there reuses
+INDUCTOR = pytest.mark.xdist_group("inductor")
 
 # -- Layers: every layer rule, an embedding with padding and a tied head (two-pass and book-keeping clipping)
 B = 5  # the batch size of `layers_batch`

@@ -25,7 +25,7 @@ from dpmem.models import checkpoint_activations
 from dpmem.persample import taps
 from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, seed_key
-from helpers import config, seeded
+from helpers import INDUCTOR, config, seeded
 from test_lora import roberta_classifier
 from tiny_models import tiny_llama, tiny_opt, tiny_roberta, tiny_vit
 
@@ -155,6 +155,7 @@ def test_a_checkpointed_compiled_forward_saves_less_for_its_backward(monkeypatch
     torch.testing.assert_close(ours, plain, rtol=1e-10, atol=1e-12)
 
 
+@INDUCTOR
 @pytest.mark.parametrize("name,function", [("dp-adam", "microbatch"), ("grape", "microbatch"),
                                            ("dp-adam-ghost", "microbatch"), ("dpzero", "forward")])
 def test_inductor_code_equals_the_eager_step(name, function):

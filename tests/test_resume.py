@@ -11,7 +11,7 @@ from dpmem.composition import CONF_DIR
 from dpmem.engine.folder import FolderRefused
 from dpmem.engine.trainer import run_training
 from dpmem.methods import METHODS
-from helpers import dies_at, kept_runs
+from helpers import INDUCTOR, dies_at, kept_runs
 
 SMALL = ["model.arch.hidden_size=16", "model.arch.num_hidden_layers=1", "model.arch.num_attention_heads=2",
          "model.arch.intermediate_size=32", "model.arch.patch_size=4"]
@@ -66,6 +66,7 @@ def losses(folder):
 
 
 @pytest.mark.long
+@INDUCTOR
 @pytest.mark.parametrize("noise", [[], ["privacy.noise=bandmf", "privacy.bands=2", "train.sampling=cyclic"]],
                          ids=["independent", "bandmf"])
 def test_a_compiled_run_that_dies_resumes_bit_for_bit(tmp_path, monkeypatch, noise):
