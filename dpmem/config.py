@@ -147,6 +147,9 @@ class ModelConfig:
     # fnmatch patterns of the parameter names trained; the rest is frozen. None = all (or LoRA's choice).
     # E.g. the DP-SGD-RC paper's BillSum run trains Llama-3.2-1B's last five layers: ["model.layers.1[1-5].*"]
     trainable: Optional[list[str]] = None
+    # fnmatch patterns of parameter names kept frozen (after `trainable`): what the attribution proof names when a
+    # layer's gradient cannot be split by sample, e.g. DeBERTa-v3's ["deberta.encoder.rel_embeddings.*"]
+    frozen: Optional[list[str]] = None
 
 
 @dataclass

@@ -83,11 +83,17 @@ class AttentionKernels(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# what a forward may ask of a tensor's values: a truth value, `x in tensor` (DeBERTa-v2's "is there padding?", before
+# its warning of a missing attention mask), a number
+TRUTH_VALUES = (torch.Tensor.__bool__, torch.Tensor.__contains__, torch.Tensor.item)
+
+
 class UnknownValues(TorchFunctionMode):
     """A meta tensor (or a simulated rank's fake tensor) has a shape but no values. A model that asks for one in its
     forward (transformers 5.17's `_ignore_causal_mask_sdpa` reads `bool(mask.sum() == mask.numel())`, "is there no
-    padding?"; generate asks whether every sequence has finished) is told no: a truth value on meta is False, the
-    branch that keeps an explicit mask (or generates on), which costs memory rather than saves it. A number
+    padding?"; generate asks whether every sequence has finished; DeBERTa-v2 `pad_id in ids`) is told no: a truth
+    value on meta is False, the branch that keeps an explicit mask (or generates on), which costs memory rather than
+    saves it. A number
     (`.item()` of a non-boolean) has no safe guess: that is an error that names the fallback. `guessed` counts the
     answers given (the plan reports it)."""
 
@@ -97,9 +103,9 @@ class UnknownValues(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # every other call passes at the first test; a fake tensor made from a number has its value
-        if (func is torch.Tensor.__bool__ or func is torch.Tensor.item) and args and (
+        if func in TRUTH_VALUES and args and (
                 getattr(args[0], "is_meta", False) or isinstance(args[0], FakeTensor) and args[0].constant is None):
-            if func is torch.Tensor.__bool__ or args[0].dtype == torch.bool:
+            if func is not torch.Tensor.item or args[0].dtype == torch.bool:
                 self.guessed += 1
                 return False
             raise RuntimeError("the model reads a number out of a tensor (.item()) in its forward, which a meta plan "

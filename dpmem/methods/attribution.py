@@ -96,9 +96,14 @@ def verify_attribution(model: nn.Module, params: list[nn.Parameter], totals: dic
                            f"{why}")
 
 
+def freeze(what: str, pattern: str) -> str:
+    """The fix of a layer whose gradient cannot be split by sample, spelt for both ways in: the API's and the CLI's."""
+    return f"freeze {what} (requires_grad_(False); in dpmem train: model.frozen=[{pattern}])"
+
+
 def used_outside(names: list[str]) -> str:
     return (f"{names[0]} is used outside the module that owns it (or by a forward its rule does not model); add a "
-            "rule for that module, or freeze it")
+            f"rule for that module, or {freeze('it', names[0])}")
 
 
 def rows_misread(layouts: dict[str, int], names: list[str]) -> str | None:
@@ -107,8 +112,8 @@ def rows_misread(layouts: dict[str, int], names: list[str]) -> str | None:
         module = name.rpartition(".")[0]
         if isinstance(layouts.get(module), int) and layouts[module] > 1:
             return (f"{module}'s output has {layouts[module]}·B rows, which are not B samples' rows batch-major (its "
-                    "input has no batch dimension: every sample uses all of it, as T5's position buckets); freeze "
-                    "its parameters (requires_grad=False)")
+                    "input has no batch dimension: every sample uses all of it, as T5's position buckets); "
+                    f"{freeze('its parameters', module + '.*')}")
     return None
 
 
@@ -157,8 +162,8 @@ def where_samples_mix(model: nn.Module, forward: Callable[[], torch.Tensor], wei
     producer = calls[last][0] or type(model).__name__
     if calls[last][1] is None and any(n.rpartition(".")[0] == calls[last][0] for n in names):
         return (f"{producer}'s output has B rows that are not samples' (its input has no batch dimension: every "
-                "sample uses all of its rows, as T5's position buckets where their number equals the batch); freeze "
-                "its parameters (requires_grad=False)")
+                "sample uses all of its rows, as T5's position buckets where their number equals the batch); "
+                f"{freeze('its parameters', calls[last][0] + '.*')}")
     for name, inp, out in calls[last + 1:]:
         if out is None or bad(out):
             continue

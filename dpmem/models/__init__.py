@@ -105,7 +105,8 @@ FAMILIES = {"vit": _vit, **dict.fromkeys(TEXT, _text), "median": _median, "auto"
 def build_model(cfg, data: DataBundle, weights: bool = True) -> nn.Module:
     if cfg.family not in FAMILIES:
         raise ConfigError("model.family", f"{cfg.family!r} is unknown; allowed: {', '.join(FAMILIES)}")
-    return _freeze_all_but(cfg.trainable, apply_lora(cfg, FAMILIES[cfg.family](cfg, data, weights)))
+    return _freeze(cfg.get("frozen"), _freeze_all_but(cfg.trainable, apply_lora(cfg, FAMILIES[cfg.family](
+        cfg, data, weights))))
 
 
 def checkpoint_activations(model: nn.Module, recompute: Callable[[], ContextManager] | None = None,
@@ -172,4 +173,20 @@ def _freeze_all_but(patterns, model: nn.Module) -> nn.Module:
                           f"{', '.join(n for n, _ in named[:3])}, …, {named[-1][0]}")
     for n, p in named:
         p.requires_grad_(n in keep)
+    return model
+
+
+def _freeze(patterns, model: nn.Module) -> nn.Module:
+    """model.frozen: the trainable parameters whose names match `patterns` frozen; a pattern that matches none of
+    them is refused (a misspelt name would leave the layer it meant trained)."""
+    if not patterns:
+        return model
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatch(n, pattern) for n, _ in named):
+            shown = f"{', '.join(n for n, _ in named[:3])}, …, {named[-1][0]}" if named else "none is trainable"
+            raise ConfigError("model.frozen", f"{pattern!r} matches no trainable parameter; names look like {shown}")
+    for n, p in named:
+        if any(fnmatch.fnmatch(n, pattern) for pattern in patterns):
+            p.requires_grad_(False)
     return model
