@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from dpmem import distributed, sharding
+from dpmem.persample.registry import freeze_fix
 from dpmem.precision import Compute
 
 ROUNDING_BAND = 8  # differences up to this many tolerances are rounding that ran long, not a wrong attribution
@@ -96,14 +97,9 @@ def verify_attribution(model: nn.Module, params: list[nn.Parameter], totals: dic
                            f"{why}")
 
 
-def freeze(what: str, pattern: str) -> str:
-    """The fix of a layer whose gradient cannot be split by sample, spelt for both ways in: the API's and the CLI's."""
-    return f"freeze {what} (requires_grad_(False); in dpmem train: model.frozen=[{pattern}])"
-
-
 def used_outside(names: list[str]) -> str:
     return (f"{names[0]} is used outside the module that owns it (or by a forward its rule does not model); add a "
-            f"rule for that module, or {freeze('it', names[0])}")
+            f"rule for that module, or {freeze_fix('it', names[0])}")
 
 
 def rows_misread(layouts: dict[str, int], names: list[str]) -> str | None:
@@ -113,7 +109,7 @@ def rows_misread(layouts: dict[str, int], names: list[str]) -> str | None:
         if isinstance(layouts.get(module), int) and layouts[module] > 1:
             return (f"{module}'s output has {layouts[module]}·B rows, which are not B samples' rows batch-major (its "
                     "input has no batch dimension: every sample uses all of it, as T5's position buckets); "
-                    f"{freeze('its parameters', module + '.*')}")
+                    f"{freeze_fix('its parameters', module + '.*')}")
     return None
 
 
@@ -163,7 +159,7 @@ def where_samples_mix(model: nn.Module, forward: Callable[[], torch.Tensor], wei
     if calls[last][1] is None and any(n.rpartition(".")[0] == calls[last][0] for n in names):
         return (f"{producer}'s output has B rows that are not samples' (its input has no batch dimension: every "
                 "sample uses all of its rows, as T5's position buckets where their number equals the batch); "
-                f"{freeze('its parameters', calls[last][0] + '.*')}")
+                f"{freeze_fix('its parameters', calls[last][0] + '.*')}")
     for name, inp, out in calls[last + 1:]:
         if out is None or bad(out):
             continue

@@ -24,6 +24,7 @@ from dpmem.methods.attribution import public_weights, rows_misread, used_outside
 from dpmem.models import checkpointed
 from dpmem.persample import Projection, reducers, weighted_sum
 from dpmem.persample.clipping import grouped_squares, weighted_sums
+from dpmem.persample.registry import freeze_fix
 from dpmem.persample.taps import RepeatedUse, Taps
 from dpmem.precision import exact_float32
 from dpmem.privacy.mechanism import GaussianMechanism
@@ -447,8 +448,8 @@ class Privatizer:
         raise RuntimeError(f"{names[0]}{more}: its output is shared by the batch (one row); broadcast to B rows, so "
                            f"that each sample gets its own gradient, it broke the model's forward ({first}), which "
                            "runs with it left shared: the model sizes that output by other rows itself (Swin's "
-                           "position bias, added to B·windows rows), so no rule splits its gradient by sample; freeze "
-                           "its parameters (requires_grad=False)") from error
+                           "position bias, added to B·windows rows), so no rule splits its gradient by sample; "
+                           f"{freeze_fix('its parameters', names[0] + '.*')}") from error
 
     def _verify(self, totals, transform, mb, loss_fn, weights, read) -> None:
         """The attribution proof (`verify_attribution`) of a micro-batch whose layers were read as `read`, which it

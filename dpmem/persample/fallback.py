@@ -21,6 +21,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from dpmem.persample.registry import freeze_fix
+
 Dims = list  # per leaf of a pytree: its batch dimension, or None (passed whole / no gradient asked)
 
 
@@ -89,8 +91,8 @@ def leading_dims(name: str, module: nn.Module, args: tuple, kwargs: dict, output
         else:
             raise ValueError(f"{name}: {type(module).__name__}'s output has shape {tuple(t.shape)} for a batch of "
                              f"{batch}: its leading dimension is neither the batch nor 1 (shared by the batch), so "
-                             "its rows are not samples; its gradient cannot be split by sample: freeze its "
-                             "parameters (requires_grad=False)")
+                             "its rows are not samples; its gradient cannot be split by sample: "
+                             f"{freeze_fix('its parameters', name + '.*')}")
     return ins, outs
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from dpmem.persample import rules  # noqa: F401  (registers the layer rules)
 from dpmem.persample.factored import Factored
 from dpmem.persample.fallback import replay_of
-from dpmem.persample.registry import Rule, rule_for
+from dpmem.persample.registry import Rule, freeze_fix, rule_for
 
 
 @dataclass
@@ -23,6 +23,7 @@ class Owner:
     params: dict[str, nn.Parameter]
     rule: Rule | None  # None = generic fallback (`dpmem.persample.fallback`)
     inner_calls: list = field(default_factory=list)  # the `InnerCall`s of its forwards running now (a subclass's own)
+
 
 
 def find_owners(model: nn.Module) -> list[Owner]:
@@ -63,7 +64,7 @@ def find_owners(model: nn.Module) -> list[Owner]:
             owners.append(Owner(mod_name, module, own, rule))
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in claimed]
     if missing:
-        raise ValueError(f"no per-sample rule covers {missing[0]}; add a rule or freeze it")
+        raise ValueError(f"no per-sample rule covers {missing[0]}; add a rule or {freeze_fix('it', missing[0])}")
     return owners
 
 
@@ -105,7 +106,7 @@ def layout(owner: Owner, output: torch.Tensor, batch: int, batch_major: bool = F
     raise ValueError(f"{owner.name}: {type(owner.module).__name__}'s output has shape {tuple(output.shape)} for a "
                      f"batch of {batch}: its leading dimension is neither the batch, 1 (shared by the batch) nor B·k "
                      "rows, so its input has no batch dimension and every sample uses all of it; its gradient cannot "
-                     "be split by sample: freeze its parameters (requires_grad=False)")
+                     f"be split by sample: {freeze_fix('its parameters', owner.name + '.*')}")
 
 
 def ambiguous(output: torch.Tensor, batch: int) -> bool:
