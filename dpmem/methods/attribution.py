@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from dpmem import distributed, sharding
-from dpmem.persample.registry import freeze_fix
+from dpmem.persample.fallback import freeze_fix
 from dpmem.precision import Compute
 
 ROUNDING_BAND = 8  # differences up to this many tolerances are rounding that ran long, not a wrong attribution

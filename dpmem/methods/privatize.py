@@ -24,7 +24,7 @@ from dpmem.methods.attribution import public_weights, rows_misread, used_outside
 from dpmem.models import checkpointed
 from dpmem.persample import Projection, reducers, weighted_sum
 from dpmem.persample.clipping import grouped_squares, weighted_sums
-from dpmem.persample.registry import freeze_fix
+from dpmem.persample.fallback import freeze_fix
 from dpmem.persample.taps import RepeatedUse, Taps
 from dpmem.precision import exact_float32
 from dpmem.privacy.mechanism import GaussianMechanism

@@ -21,8 +21,6 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dpmem.persample.registry import freeze_fix
-
 Dims = list  # per leaf of a pytree: its batch dimension, or None (passed whole / no gradient asked)
 
 
@@ -138,3 +136,9 @@ def fallback_grads(module: nn.Module, names: list[str], call: tuple, grad_output
         for n, g, t in zip(p, parts, p.values()):
             out[n].append(torch.zeros_like(t) if g is None else g)
     return {n: torch.stack(gs) for n, gs in out.items()}
+
+
+def freeze_fix(what: str, pattern: str) -> str:
+    """The fix of a layer whose gradient cannot be split by sample, spelt for both ways in: the API's and the CLI's
+    (model.frozen)."""
+    return f"freeze {what} (requires_grad_(False); in dpmem train: model.frozen=[{pattern}])"

@@ -10,8 +10,8 @@ from torch import nn
 
 from dpmem.persample import rules  # noqa: F401  (registers the layer rules)
 from dpmem.persample.factored import Factored
-from dpmem.persample.fallback import replay_of
-from dpmem.persample.registry import Rule, freeze_fix, rule_for
+from dpmem.persample.fallback import freeze_fix, replay_of
+from dpmem.persample.registry import Rule, rule_for
 
 
 @dataclass

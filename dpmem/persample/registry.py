@@ -99,9 +99,3 @@ def rule_for(module: nn.Module) -> Rule | None:
         if t in RULES:
             return RULES[t]
     return None
-
-
-def freeze_fix(what: str, pattern: str) -> str:
-    """The fix of a layer whose gradient cannot be split by sample, spelt for both ways in: the API's and the CLI's
-    (model.frozen)."""
-    return f"freeze {what} (requires_grad_(False); in dpmem train: model.frozen=[{pattern}])"
