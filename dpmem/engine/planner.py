@@ -93,9 +93,8 @@ class UnknownValues(TorchFunctionMode):
     forward (transformers 5.17's `_ignore_causal_mask_sdpa` reads `bool(mask.sum() == mask.numel())`, "is there no
     padding?"; generate asks whether every sequence has finished; DeBERTa-v2 `pad_id in ids`) is told no: a truth
     value on meta is False, the branch that keeps an explicit mask (or generates on), which costs memory rather than
-    saves it. A number
-    (`.item()` of a non-boolean) has no safe guess: that is an error that names the fallback. `guessed` counts the
-    answers given (the plan reports it)."""
+    saves it. A number (`.item()` of a non-boolean) has no safe guess: that is an error that names the fallback.
+    `guessed` counts the answers given (the plan reports it)."""
 
     def __init__(self):
         super().__init__()

@@ -25,7 +25,6 @@ class Owner:
     inner_calls: list = field(default_factory=list)  # the `InnerCall`s of its forwards running now (a subclass's own)
 
 
-
 def find_owners(model: nn.Module) -> list[Owner]:
     """Every module that owns trainable parameters, layer rules first (so a tied weight owned by a Linear and an
     Embedding gets both rules), then the generic fallback for the rest. Raises ValueError for a parameter that

@@ -387,8 +387,11 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
         # root is then bracketed from it (`_below`), most often by two fine PLDs where the search built ten
         coarse = functools.cache(lambda s: _mixture_epsilon(
             s, delta, sample_rate, steps, int(user_records), interval=PLD_DISCRETIZATION * MIXTURE_SEARCH_COARSENING))
-        bracket = _below(eps, epsilon, _root(coarse, epsilon, *_bracket(coarse, epsilon, MAX_SIGMA, unreachable),
-                                             tolerance), tolerance)
+        try:
+            bracket = _below(eps, epsilon, _root(coarse, epsilon, *_bracket(coarse, epsilon, MAX_SIGMA, unreachable),
+                                                 tolerance), tolerance)
+        except UnreachableTarget:  # the coarse grid's ε at MAX_SIGMA, above the fine one's: the fine grid decides
+            bracket = None
         if bracket and bracket[1] - bracket[0] <= tolerance:  # the fine root within tolerance below the coarse one
             return bracket[1] / joint_sigma(1.0, loss_noise)
     lo, hi = bracket or _bracket(eps, epsilon, MAX_SIGMA, unreachable)
