@@ -27,28 +27,22 @@ error beside jax-privacy's, and the step's memory and time beside Opake's correl
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
-import functools
 import math
-import os
 import statistics
 import sys
 import tempfile
 import time
 import traceback
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import Contestant, build, make_batch, measure, per_sample_loss  # noqa: E402
-from dpmem.composition import CONF_DIR  # noqa: E402
+from bench_runs import config, pool_map  # noqa: E402
 from dpmem.data import build_data  # noqa: E402
 from dpmem.engine.assemble import assemble  # noqa: E402
 from dpmem.engine.trainer import accounting_of, run_training  # noqa: E402
@@ -127,22 +121,7 @@ def noise_overrides(noise: str, bands: int | None) -> list[str]:
     return [f"privacy.noise={noise}", f"privacy.bands={bands}", "train.sampling=cyclic"]
 
 
-def config(overrides):
-    """The composed configuration, a copy of its own (a run may change it)."""
-    return copy.deepcopy(_composed(tuple(overrides)))
-
-
-@functools.cache  # one composition per setting: this script asks for each many times, and Hydra takes ~0.3 s
-def _composed(overrides: tuple[str, ...]):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose("config", overrides=list(overrides))
-
-
 # -- work done in the pool's processes (each run alone, so that runs on 2 cores go two at a time) ----------------------
-def start_worker(threads: int) -> None:
-    torch.set_num_threads(threads)
-
-
 def train(overrides: tuple[str, ...]) -> dict:
     """One `dpmem train` run; what the tables need of its summary."""
     with tempfile.TemporaryDirectory() as folder:
@@ -161,15 +140,6 @@ def sigma_of(overrides: tuple[str, ...], epsilon: float, n: int) -> tuple[float,
 def _sigma_job(args: tuple) -> tuple:
     """`sigma_of` of one tuple: what a pool's map hands each call."""
     return sigma_of(*args)
-
-
-def pool_map(fn, items: list, jobs: int) -> list:
-    if jobs == 1:
-        return [fn(item) for item in items]
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn"), initializer=start_worker,
-                             initargs=(threads,)) as pool:
-        return list(pool.map(fn, items))
 
 
 # -- 2. the strategies' error ------------------------------------------------------------------------------------------

@@ -37,25 +37,20 @@ about 16–17 minutes on a quiet 2-core machine.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import functools
 import math
-import os
 import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import Contestant, build, make_batch, measure, per_sample_loss  # noqa: E402
-from dpmem.composition import CONF_DIR  # noqa: E402
+from bench_runs import config, pool_map  # noqa: E402
 from dpmem.config import resolve_delta  # noqa: E402
 from dpmem.data import build_data  # noqa: E402
 from dpmem.data.bundle import Grouped  # noqa: E402
@@ -131,17 +126,6 @@ WHY = [
 ]
 
 
-def config(overrides):
-    """The composed configuration, a copy of its own (a run may change it)."""
-    return copy.deepcopy(_composed(tuple(overrides)))
-
-
-@functools.cache  # one composition per setting (Hydra takes ~0.3 s)
-def _composed(overrides: tuple[str, ...]):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose("config", overrides=list(overrides))
-
-
 def group_terms(epsilon: float, delta: float, k: int) -> tuple[float, float]:
     """The record-level (ε', δ') whose group privacy for k records is (ε, δ): k·ε' = ε, and δ'·Σ_{i<k} e^{iε'} = δ
     (the group-privacy lemma iterated k times over a chain of neighbours; k·e^{(k−1)ε'} bounds the sum)."""
@@ -183,10 +167,6 @@ def way_overrides(task: Task, users: Users, way: str, epsilon: float) -> tuple[t
 
 
 # -- work done in the pool's processes (each run alone, so that runs on 2 cores go two at a time) ----------------------
-def start_worker(threads: int) -> None:
-    torch.set_num_threads(threads)
-
-
 def keep_bounded(data, k: int, seed: int):
     """The data at most k records per user, the records ELS keeps (`dpmem.data.users.for_training`'s bound)."""
     kept = bounded(data.users, k, seed)
@@ -208,15 +188,6 @@ def train(job: tuple[tuple[str, ...], int | None]) -> dict:
         raise RuntimeError(f"{' '.join(overrides)}: {s['status']} {s.get('error')}")
     return {key: s.get(key) for key in ("metric_final", "sigma", "steps", "wall_time_s", "delta", "sample_rate",
                                         "epsilon_spent", "unit", "user_data")}
-
-
-def pool_map(fn, items: list, jobs: int) -> list:
-    if jobs == 1:
-        return [fn(item) for item in items]
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn"), initializer=start_worker,
-                             initargs=(threads,)) as pool:
-        return list(pool.map(fn, items))
 
 
 # -- 1. accuracy -------------------------------------------------------------------------------------------------------
