@@ -1,6 +1,7 @@
 """The harness of the benchmarks that train many `dpmem train` runs side by side (bench_correlated.py,
 bench_user_level.py): a configuration composed once per setting and copied for each run, and a pool of spawned
-processes, one run each, that share the cores."""
+processes, one run each, that share the cores. Composed, not validated: a record-level run of data
+that names its users (the user-level benchmark's baseline) is what `dpmem train` refuses and these pages compare."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
 import torch
-from hydra import compose, initialize_config_dir
+from hydra import compose
 
-from dpmem.composition import CONF_DIR
+from dpmem.composition import initialized
 
 
 def config(overrides):
@@ -23,7 +24,7 @@ def config(overrides):
 
 @functools.cache  # one composition per setting: a benchmark asks for each many times, and Hydra takes ~0.3 s
 def _composed(overrides: tuple[str, ...]):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+    with initialized():
         return compose("config", overrides=list(overrides))
 
 

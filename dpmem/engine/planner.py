@@ -85,7 +85,7 @@ class AttentionKernels(TorchFunctionMode):
 
 # what a forward may ask of a tensor's values: a truth value, `x in tensor` (DeBERTa-v2's "is there padding?", before
 # its warning of a missing attention mask), a number
-TRUTH_VALUES = (torch.Tensor.__bool__, torch.Tensor.__contains__, torch.Tensor.item)
+VALUE_READS = (torch.Tensor.__bool__, torch.Tensor.__contains__, torch.Tensor.item)
 
 
 class UnknownValues(TorchFunctionMode):
@@ -102,7 +102,7 @@ class UnknownValues(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # every other call passes at the first test; a fake tensor made from a number has its value
-        if func in TRUTH_VALUES and args and (
+        if func in VALUE_READS and args and (
                 getattr(args[0], "is_meta", False) or isinstance(args[0], FakeTensor) and args[0].constant is None):
             if func is not torch.Tensor.item or args[0].dtype == torch.bool:
                 self.guessed += 1
