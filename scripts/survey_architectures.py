@@ -59,7 +59,7 @@ PLANS = ("materialize", "bk", "ghost", "mixed", "fgc")
 # that are not samples (the layer), a weight read where no tap sees it (the parameter)
 BROADCAST = re.compile(r"^([\w.]+)(?: \(and \d+ more before it failed: ([\w., ]+)\))?: its output is shared")
 ROWS = re.compile(r"^(?:.*: )?([\w.]+)(?::|'s output has \d+·B rows).*freeze its parameters")
-OUTSIDE = re.compile(r": ([\w.]+) is used outside the module that owns it.*or freeze it$")
+OUTSIDE = re.compile(r": ([\w.]+) is used outside the module that owns it.*or freeze it\b")
 
 
 def to_freeze(model, line: str) -> list:

@@ -250,6 +250,29 @@ def test_a_new_layout_is_proved_again_before_its_release():
             privatize.gradient([step(2 * B)], net_loss, shapes)
 
 
+@pytest.mark.parametrize("plan", PLANS)
+def test_a_misread_layer_whose_gradients_are_a_millionth_of_the_largest_is_still_refused(plan):
+    """Each parameter's rounding is measured against its own module's gradients, not the whole model's: a table of
+    B rows read as the batch's, its contribution scaled by 1e-6, is refused (its whole gradient is within 1e-4 of the
+    model's largest entry, which the proof took for rounding when it measured every parameter against that)."""
+    class Small(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.pos, self.head = nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+            self.register_buffer("table", torch.randn(B, 4))  # B rows that are not samples
+
+        def forward(self, ids):
+            return self.head(self.emb(ids).mean(1) + 1e-6 * self.pos(self.table).sum(0))
+
+    torch.manual_seed(0)
+    model = Small()
+    with Privatizer(model, GaussianMechanism(0.0, 1.0, 1.0, seeded(0)), ClippingPlan.of(plan)) as privatize:
+        with pytest.raises(RuntimeError, match=r"per-sample gradients of pos\.(weight|bias).*pos's output has B rows"):
+            privatize.gradient([net_batch()], net_loss, {p: p.shape for p in privatize.params})
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is None for g in grads.values())  # the proof clears what it compared
+
+
 def test_an_input_with_no_batch_dimension_is_refused_in_the_forward_naming_the_layer():
     """T5's buckets at batch 3: 8 rows are neither B, 1 nor B·k; never cut into pieces."""
     model, loss, batch = t5()

@@ -146,16 +146,19 @@ def test_bench_attribution_writes_a_row_per_model_and_plan(tmp_path):
 
 def test_survey_architectures_says_exact_refused_or_exact_after_the_fix_it_gives(tmp_path):
     """BERT exact; MPNet's relative position bias (no batch dimension) and Swin's position bias (a broadcast the model
-    sizes by windows) refused naming the layer to freeze, frozen as the line says, and then exact; a ResNet's batch
-    norm refused (its fix is another layer, not followed)."""
+    sizes by windows) refused naming the layer to freeze, frozen as the line says, and then exact; DeBERTa-v3's
+    relative-position table (a weight read outside its module) likewise; a ResNet's batch norm refused (its fix is
+    another layer, not followed)."""
     out = tmp_path / "architectures.md"
-    r = run_script("survey_architectures.py", "--types", "bert,mpnet,swin,resnet", "--plans", "bk", "--out", str(out))
+    r = run_script("survey_architectures.py", "--types", "bert,mpnet,swin,deberta-v2,resnet", "--plans", "bk",
+                   "--out", str(out))
     assert r.returncode == 0, r.stderr
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in out.read_text().splitlines() if line.startswith("| ") and not line.startswith("| model")}
     assert rows["bert"][:2] == ["classifier", "exact"]
     assert rows["mpnet"][1] == "exact" and "mpnet.encoder.relative_attention_bias frozen" in rows["mpnet"][2]
     assert rows["swin"][1] == "exact" and "relative_position_bias frozen" in rows["swin"][2], rows["swin"]
+    assert rows["deberta-v2"][1] == "exact" and "rel_embeddings.weight frozen" in rows["deberta-v2"][2]
     assert rows["resnet"][1] == "refused" and "BatchNorm2d mixes samples" in rows["resnet"][2]
     assert "WRONG: a clipped sum that the proof let through, off by more than that: 0 here." in out.read_text()
 

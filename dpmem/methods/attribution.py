@@ -65,36 +65,49 @@ def verify_attribution(model: nn.Module, params: list[nn.Parameter], totals: dic
         pairs = [(p, None if g is None else sharding.full(g), t) for p, g, t in pairs]
     names = {p: n for n, p in model.named_parameters()}
     tol = tolerance(compute)
-    # gradients that vanish analytically (attention key biases) are compared against the scale of the whole
-    # gradient, not their own
     # a parameter whose gradient is not finite (diverged weights) proves nothing and sets no scale: the trainer's
     # non-finite check ends such a run; every finite one is still compared
     finite = [(p, b, t) for p, b, t in pairs if b is not None and bool(b.isfinite().all())]
-    scale = max((float(b.abs().max()) for _, b, _ in finite), default=0.0)
     # a parameter that reached the loss where no tap saw it (DeBERTa's relative-position table, read as .weight): its
     # per-sample gradients are missing, however small its gradient
     wrong = [names[p] for p, b, t in finite if t is None and bool(b.any())]
-    for p, batch_grad, total in finite:
-        if total is None:
-            continue
-        want = (transform(p, batch_grad) if transform is not None else batch_grad).float()
-        total = total.float()
-        if torch.allclose(total, want, rtol=tol, atol=0.1 * tol * scale):
-            continue
-        # the gap itself is a function of the private batch: compared here, printed nowhere
-        gap = float((total - want).norm() / want.norm().clamp_min(0.1 * tol * scale))
-        if gap <= ROUNDING_BAND * tol:
-            print(f"dpmem: warning: the per-sample gradients of {names[p]} match autograd's beyond {compute.name} "
-                  f"rounding's usual {tol:.1e} but within {ROUNDING_BAND} times it: rounding, not a wrong "
-                  "attribution; training goes on", file=sys.stderr)
-            continue
-        wrong.append(names[p])
+    # each parameter's rounding is measured against the largest gradient entry of its module: a rule forms all of
+    # a module's per-sample gradients from the same captured factors, so a gradient that vanishes analytically (a key
+    # projection's bias) rounds at the scale of its module's weight. Not against the whole model's: a misread small
+    # layer (a LayerNorm over a shared table) would pass within that. tol × the model's largest entry is the least
+    # scale, so that a module whose every gradient vanishes is not held to below rounding.
+    least = tol * max((float(torch.linalg.vector_norm(b, float("inf"))) for _, b, _ in finite), default=0.0)
+    modules: dict[str, list[nn.Parameter]] = {}
+    for p, _, t in finite:
+        if t is not None:
+            modules.setdefault(names[p].rpartition(".")[0], []).append(p)
+    grads = {p: b for p, b, _ in finite}
+    for params_of_module in modules.values():  # one module's gradients at a time: no copy of the whole gradient
+        wants = [(transform(p, grads[p]) if transform is not None else grads[p]).float() for p in params_of_module]
+        floor = 0.1 * tol * max([least, *(float(torch.linalg.vector_norm(w, float("inf"))) for w in wants)])
+        for p, wanted in zip(params_of_module, wants):
+            wrong += _differs(names[p], totals[p].float(), wanted, floor, tol, compute)
     if wrong:
         why = explain(wrong) if explain is not None else used_outside(wrong)
         more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
         raise RuntimeError(f"the per-sample gradients of {wrong[0]}{more} are not each sample's own (Σᵢ wᵢ gᵢ differs "
                            f"from autograd's ∇Σᵢ wᵢ ℓᵢ by more than the {ROUNDING_BAND * tol:.1e} rounding explains): "
                            f"{why}")
+
+
+def _differs(name: str, total: torch.Tensor, want: torch.Tensor, floor: float, tol: float,
+             compute: Compute) -> list[str]:
+    """[name] where Σᵢ wᵢ gᵢ (`total`) differs from autograd's (`want`) by more than rounding explains; a gap within
+    ROUNDING_BAND times it is a warning."""
+    if torch.allclose(total, want, rtol=tol, atol=floor):
+        return []
+    # the gap itself is a function of the private batch: compared here, printed nowhere
+    if float((total - want).norm() / want.norm().clamp_min(floor)) > ROUNDING_BAND * tol:
+        return [name]
+    print(f"dpmem: warning: the per-sample gradients of {name} match autograd's beyond {compute.name} rounding's "
+          f"usual {tol:.1e} but within {ROUNDING_BAND} times it: rounding, not a wrong attribution; training goes on",
+          file=sys.stderr)
+    return []
 
 
 def used_outside(names: list[str]) -> str:
