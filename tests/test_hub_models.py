@@ -142,3 +142,39 @@ def test_lora_on_any_checkpoint_targets_its_linear_layers_by_type_and_trains_its
     adapted = {n.split(".lora_")[0] for n in trainable if ".lora_" in n}
     assert adapted == {f"transformer.h.0.{m}" for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
     assert {n for n in trainable if ".lora_" not in n} == {"score.weight"}
+
+
+PLANNED = [("gpt2", "classifier"), ("bert", "classifier"), ("qwen2", "causal"), ("vit", "classifier"),
+           ("llama", "causal"), ("mistral", "causal"), ("gemma3_text", "causal"), ("phi3", "classifier"),
+           ("gpt_neox", "causal"), ("falcon", "causal"), ("distilbert", "classifier"), ("deberta-v2", "classifier"),
+           ("poolformer", "classifier")]
+
+
+@pytest.mark.parametrize("method", [["method=dp-adam"], ["method=dp-adam", "method.clipping=ghost"],
+                                    ["method=grape", "method.rank=4"]], ids=["bk", "ghost", "grape"])
+@pytest.mark.parametrize("name, head", PLANNED)
+def test_the_meta_plan_of_a_checkpoint_equals_its_counted_cpu_steps(checkpoints, name, head, method):
+    """`dpmem memory`'s plan, built from the checkpoint's config on the meta device, holds the bytes the same private
+    steps hold on real CPU tensors with its weights (the live-tensor counter), part by part: one pass (bk), two
+    (ghost) and grape's projection. GPT-2's and DeBERTa-v2's forwards ask a meta tensor for a truth value, which the
+    plan answers with the branch that keeps more: equal here too. Falcon's boolean attention mask is
+    kept as the CPU kernel's float copy, which the plan once left out."""
+    from hydra import compose, initialize_config_dir
+
+    from dpmem.composition import CONF_DIR
+    from dpmem.config import ConfigError
+    from dpmem.engine.planner import plan
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("config", overrides=[
+            "model=auto", f"model.pretrained={checkpoints / name}", f"model.head={head}", *FROZEN.get(name, []),
+            *IMAGE.get(name, []), *method, "data=synthetic", "data.seq_len=16", "train.batch_size=4",
+            "memory.steps=2", "memory.target=cpu", "logging.progress=false"])
+    if name == "poolformer" and "method=grape" in method:  # its layers are Conv2d: nothing for grape to project
+        with pytest.raises(ConfigError, match=r"method\.rank: the model has no layer to project \(Linear, Conv1D\)"):
+            plan(cfg)
+        return
+    meta, cpu = plan(cfg), plan(cfg, device="cpu")
+    assert meta["device"] == "meta" and cpu["device"] == "cpu"
+    assert meta["peak_bytes"] == cpu["peak_bytes"] and meta["breakdown"] == cpu["breakdown"], (meta, cpu)
+    for part in ("training", "evaluation"):
+        assert meta[part]["breakdown"] == cpu[part]["breakdown"], part

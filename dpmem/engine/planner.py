@@ -74,12 +74,10 @@ class AttentionKernels(TorchFunctionMode):
             if self.target == "cpu" and _cpu_flash(tuple(q.shape), tuple(k.shape), q.dtype, signature, dropout,
                                                    causal, gqa):
                 return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    q, k, v, dropout, causal, attn_mask=mask, scale=scale)[0]
+                    q, k, v, dropout, causal, attn_mask=_additive(mask, q), scale=scale)[0]
             if self.target == "cuda" and not (gqa and q.shape[-3] != k.shape[-3]):
-                bias = mask if mask is None or mask.dtype != torch.bool else \
-                    torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
                 return torch.ops.aten._scaled_dot_product_efficient_attention(
-                    q, k, v, bias, q.requires_grad, dropout, causal, scale=scale)[0]
+                    q, k, v, _additive(mask, q), q.requires_grad, dropout, causal, scale=scale)[0]
         return func(*args, **kwargs)
 
 
@@ -127,6 +125,14 @@ class FullLength(StoppingCriteria):
         if input_ids.shape[1] >= self.length:
             raise FullLength.Reached
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _additive(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """The fused kernels' mask: the dispatcher turns a boolean one into an additive one of q's dtype first, and that
+    copy is what their backward keeps."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
 
 
 def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
