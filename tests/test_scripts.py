@@ -150,7 +150,7 @@ def test_survey_architectures_says_exact_refused_or_exact_after_the_fix_it_gives
     relative-position table (a weight read outside its module) likewise; a ResNet's batch norm refused (its fix is
     another layer, not followed)."""
     out = tmp_path / "architectures.md"
-    r = run_script("survey_architectures.py", "--types", "bert,mpnet,swin,deberta-v2,resnet", "--plans", "bk",
+    r = run_script("survey_architectures.py", "--types", "bert,mpnet,swin,deberta-v2,resnet", "--plans", "bk,grape",
                    "--out", str(out))
     assert r.returncode == 0, r.stderr
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
