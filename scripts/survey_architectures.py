@@ -2,12 +2,13 @@
 dpmem's private step form every per-sample gradient right, or refuse in one line? For each model type and clipping
 plan, the clipped sum (σ 0) against a loop of one-sample backward passes in float64 (C the median per-sample norm),
 the model in eval mode so that both sides run the same forward (dropout off); for grape, its projected release of
-the batch against the sum of its samples' releases, each alone (additive over samples; one has nothing to mix with).
+the batch against the sum of its samples' releases, each alone (additive over samples; one has nothing to mix with);
+and bk's step compiled whole (train.compile, fullgraph) against the loop, or why it is not one graph.
 A refusal whose fix is to freeze what it names is followed: that is frozen and the model tried again, so the page says
 whether the fix it gives trains exactly. "not built" is a tiny config this script could not make (not dpmem's).
 
-    python scripts/survey_architectures.py                          # every type below, every plan (about a minute)
-    python scripts/survey_architectures.py --types bert,mpnet --plans bk --out /tmp/a.md
+    python scripts/survey_architectures.py                          # every type below, every plan (a few minutes)
+    python scripts/survey_architectures.py --types bert,mpnet --plans bk --compiled bert --out /tmp/a.md
 
 The page lands in docs/benchmarks/architectures.md (`--out` elsewhere) and is printed.
 """
@@ -22,7 +23,9 @@ import torch
 import torch.nn.functional as F
 import transformers as tf
 
+from dpmem.compiling import Compiler
 from dpmem.config import ConfigError
+from dpmem.data.bundle import Padded
 from dpmem.methods import build_method, method_config
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import Privatizer
@@ -151,8 +154,27 @@ def private_clipped_sum(model, loss_fn, batch, plan: str, C: float) -> torch.Ten
     return torch.cat([got[p].flatten() for p in model.parameters() if p.requires_grad])
 
 
-def survey(model_type: str, plans) -> tuple[str, str]:
-    """(verdict, detail) for one model type."""
+def compiled_gap(model, loss_fn, batch, C: float, want: torch.Tensor) -> tuple[float | None, str]:
+    """bk's clipped sum with the micro-batch compiled whole (train.compile's step, fullgraph, dynamo's eager
+    backend: whether it is one graph does not depend on the backend), its second step, against the loop: (gap,
+    what the capture was), or (None, why it is not one graph)."""
+    compiler = Compiler(torch.device("cpu"), "eager")
+    try:
+        with Privatizer(model, GaussianMechanism(0.0, C, 1.0, None), ClippingPlan.of("bk")) as privatizer:
+            privatizer.compile(compiler)
+            for _ in range(2):  # the first is the eager rehearsal (the proof) and the compile; the second reuses it
+                got = privatizer.gradient([Padded(batch, B)], loss_fn, {p: p.shape for p in privatizer.params})
+    except Exception as e:  # noqa: BLE001  (a graph break under fullgraph, or a compile failure: reported)
+        return None, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+    got = torch.cat([got.gradient[p].flatten() for p in model.parameters() if p.requires_grad])
+    capture = compiler.capture()
+    shape = ("one graph" if capture["graphs"] == 1 and not capture["graph_breaks"] else
+             f"{capture['graphs']} graphs, {capture['graph_breaks']} breaks")
+    return float((got - want).norm() / want.norm()), shape
+
+
+def survey(model_type: str, plans, compiled: bool) -> tuple[str, str]:
+    """(verdict, detail) for one model type; `compiled`: bk's compiled step too."""
     try:
         torch.manual_seed(0)
         model, head = build(model_type)
@@ -184,19 +206,26 @@ def survey(model_type: str, plans) -> tuple[str, str]:
                 part.requires_grad_(False)
                 frozen.append(names[id(part)])
             continue
-        worst = max(gaps.values())
+        compiled_note = ""
+        if compiled:
+            gaps["compiled"], shape = compiled_gap(model, loss_fn, batch, C, want)
+            compiled_note = f"; compiled: {shape}" if gaps["compiled"] is not None else f"; not compiled: {shape}"
+        worst = max(g for g in gaps.values() if g is not None)
         verdict = "exact" if worst <= 1e-6 else "WRONG"  # float32 islands (RMSNorm, rotary) reach 1e-7
         return verdict, (f"largest relative gap {worst:.1e}" + (f", with {', '.join(frozen)} frozen" if frozen else "")
-                         + unprojected)
+                         + unprojected + compiled_note)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default=",".join(TYPES), help="comma-separated model types (default: all below)")
     ap.add_argument("--plans", default=",".join(PLANS), help=f"comma-separated, of {', '.join(PLANS)} (default: all)")
+    ap.add_argument("--compiled", default=None, help="comma-separated model types whose bk step is also compiled "
+                    "(default: every type surveyed)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     types, plans = args.types.split(","), args.plans.split(",")
+    compiled = set(types if args.compiled is None else args.compiled.split(","))
     unknown = [t for t in types if t not in TYPES] + [p for p in plans if p not in PLANS]
     if unknown:
         ap.error(f"unknown: {', '.join(unknown)}; types: {', '.join(TYPES)}; plans: {', '.join(PLANS)}")
@@ -205,7 +234,7 @@ def main(argv=None) -> None:
     torch.set_default_dtype(torch.float64)
     rows = []
     for model_type in types:
-        verdict, detail = survey(model_type, plans)
+        verdict, detail = survey(model_type, plans, model_type in compiled)
         rows.append(f"| {model_type} | {TYPES[model_type][0]} | {verdict} | {detail.replace('|', '/')} |")
         print(rows[-1], flush=True)
     text = page_header("Architectures without a dpmem config", machine("cpu"),
@@ -214,7 +243,8 @@ def main(argv=None) -> None:
     wrong = sum("| WRONG |" in row for row in rows)
     text += ("| model type | head | verdict | detail |\n|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
              "exact: every plan's clipped sum within 1e-6 of the loop's (1e-16 where nothing computes in float32), and "
-             "grape's release of the batch (σ 0, rank 4) within that of the sum of its samples' releases, each alone. "
+             "grape's release of the batch (σ 0, rank 4) within that of the sum of its samples' releases, each alone, "
+             "and bk's compiled step (fullgraph; its second call) within that of the loop's. "
              "refused: the run's own one-line refusal, before anything is released. WRONG: a clipped sum that the "
              f"proof let through, off by more than that: {wrong} here.\n")
     write_markdown(out, text)

@@ -151,11 +151,11 @@ def test_survey_architectures_says_exact_refused_or_exact_after_the_fix_it_gives
     another layer, not followed)."""
     out = tmp_path / "architectures.md"
     r = run_script("survey_architectures.py", "--types", "bert,mpnet,swin,deberta-v2,resnet", "--plans", "bk,grape",
-                   "--out", str(out))
+                   "--compiled", "bert", "--out", str(out))
     assert r.returncode == 0, r.stderr
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in out.read_text().splitlines() if line.startswith("| ") and not line.startswith("| model")}
-    assert rows["bert"][:2] == ["classifier", "exact"]
+    assert rows["bert"][:2] == ["classifier", "exact"] and rows["bert"][2].endswith("; compiled: one graph")
     assert rows["mpnet"][1] == "exact" and "mpnet.encoder.relative_attention_bias frozen" in rows["mpnet"][2]
     assert rows["swin"][1] == "exact" and "relative_position_bias frozen" in rows["swin"][2], rows["swin"]
     assert rows["deberta-v2"][1] == "exact" and "rel_embeddings.weight frozen" in rows["deberta-v2"][2]
