@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from dpmem.config import ConfigError
+
 # torch._dynamo is imported where a step compiles: it costs 2.3 CPU-s of each `dpmem` process's start-up
 # (torch's own import is 2.0), and most runs never compile
 
@@ -85,9 +87,14 @@ class Compiler:
             before, tic = _stats(), time.perf_counter()
             # the per-sample backward runs inside the graph (`dpmem.persample.taps`): dynamo traces autograd.grad;
             # a checkpointed block's taps record in the forward and not again in its recompute
-            with torch._dynamo.config.patch(trace_autograd_ops=True,
-                                             skip_fwd_side_effects_in_bwd_under_checkpoint=True):
-                out = compiled(*args, **kwargs)
+            try:
+                with torch._dynamo.config.patch(trace_autograd_ops=True,
+                                                 skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+                    out = compiled(*args, **kwargs)
+            except torch._dynamo.exc.Unsupported as e:  # fullgraph: a graph break (before the step releases)
+                why = str(e).strip().splitlines()[0]
+                raise ConfigError("train.compile", f"the step does not trace as one graph ({why}); this model "
+                                  "trains eager: train.compile=false") from e
             after = _stats()
             if after[0] > before[0]:  # this call traced (and compiled) a graph
                 self.seconds += time.perf_counter() - tic

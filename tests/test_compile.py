@@ -5,6 +5,7 @@ captured, then run by ATen: seconds, not minutes, on 2 cores); the bf16 case wit
 AOTAutograd); one runs inductor's generated code."""
 
 import json
+import logging
 import math
 
 import pytest
@@ -101,6 +102,32 @@ def test_the_compiled_step_is_one_graph_per_function_and_equals_the_eager_step(m
     assert capture["graph_breaks"] == 0 and capture["recompiles"] == 0, capture
     assert all(n == 1 for n in capture["graphs_per_function"].values()), capture
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+class Logging(nn.Module):
+    """A forward that logs (as Longformer's does): dynamo does not trace a Logger's method."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(20, 8), nn.Linear(8, 3)
+
+    def forward(self, ids):
+        logging.getLogger("a user's model").warning("a forward that logs")
+        return self.head(self.emb(ids).mean(1))
+
+
+def test_a_step_that_breaks_the_graph_is_refused_in_one_line_before_a_release():
+    torch.manual_seed(0)
+    model, noise = Logging(), GaussianMechanism(1.0, 0.5, 3.0, seeded(7))
+    method = build_method(method_config("dp-adam", max_grad_norm=0.5), model, 0.05, noise)
+    method.compile(Compiler(torch.device("cpu"), "eager"))
+    batch = Padded({"ids": torch.randint(0, 20, (3, 4)), "y": torch.tensor([0, 2, 1])}, 3)
+    loss = lambda m, b: F.cross_entropy(m(b["ids"]), b["y"], reduction="none")  # noqa: E731
+    with pytest.raises(ConfigError, match=r"^train\.compile: the step does not trace as one graph \([^\n]+\); this "
+                                          r"model trains eager: train\.compile=false$"):
+        method.step([batch], loss)
+    assert noise.draws.count == 0  # nothing released
+    method.close()
 
 
 @pytest.mark.parametrize("estimator", ["hutch", "hutchpp"])
