@@ -91,10 +91,13 @@ class Compiler:
                 with torch._dynamo.config.patch(trace_autograd_ops=True,
                                                  skip_fwd_side_effects_in_bwd_under_checkpoint=True):
                     out = compiled(*args, **kwargs)
-            except torch._dynamo.exc.Unsupported as e:  # fullgraph: a graph break (before the step releases)
+            except torch._dynamo.exc.TorchDynamoException as e:  # before the step releases anything
+                # fullgraph: a graph break (a forward that logs), or a graph the backend cannot lower (T5's
+                # classifier, whose end-of-sequence rows have a data-dependent count)
+                what = "trace as one graph" if isinstance(e, torch._dynamo.exc.Unsupported) else "compile"
                 why = str(e).strip().splitlines()[0]
-                raise ConfigError("train.compile", f"the step does not trace as one graph ({why}); this model "
-                                  "trains eager: train.compile=false") from e
+                raise ConfigError("train.compile", f"the step does not {what} ({why}); this model trains eager: "
+                                  "train.compile=false") from e
             after = _stats()
             if after[0] > before[0]:  # this call traced (and compiled) a graph
                 self.seconds += time.perf_counter() - tic

@@ -65,7 +65,7 @@ PLANS = ("materialize", "bk", "ghost", "mixed", "fgc", "grape")  # grape: its pr
 # the refusals whose fix is to freeze what they name: a shared output the model sizes itself (its layers), rows
 # that are not samples (the layer), a weight read where no tap sees it (the parameter)
 BROADCAST = re.compile(r"^([\w.]+)(?: \(and \d+ more before it failed: ([\w., ]+)\))?: its output is shared")
-ROWS = re.compile(r"^(?:.*: )?([\w.]+)(?::|'s output has \d+·B rows).*freeze its parameters")
+ROWS = re.compile(r"^(?:.*: )?([\w.]+)(?::|'s output has \d+·B rows).*freeze (?:its|their) parameters")
 OUTSIDE = re.compile(r": ([\w.]+) is used outside the module that owns it.*or freeze it\b")
 
 

@@ -48,6 +48,11 @@ def checkpoints(tmp_path_factory):
         "deberta-v2": tf.DebertaV2Model(tf.DebertaV2Config(
             **SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, relative_attention=True,
             position_buckets=8, pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm", share_att_key=True)),
+        # an encoder-decoder: a classifier reads each sequence at its end-of-sequence token (synthetic data ends
+        # with it, as a tokenizer does); its relative position bias is looked up from buckets with no batch dimension
+        "t5": tf.T5Model(tf.T5Config(vocab_size=60, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
+                                     num_heads=2, relative_attention_num_buckets=8, dropout_rate=0.0,
+                                     decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)),
         # a convnet (pooling token mixers, GroupNorm)
         "poolformer": tf.PoolFormerModel(tf.PoolFormerConfig(
             num_channels=3, hidden_sizes=[8, 8, 8, 8], depths=[1, 1, 1, 1], patch_sizes=[3, 3, 3, 3],
@@ -62,7 +67,8 @@ RUN = ["method=dp-adam", "data=synthetic", "data.n_train=32", "data.seq_len=16",
        "train.batch_size=8", "train.device=cpu", "logging.progress=false", "privacy=eps8"]
 
 
-FROZEN = {"deberta-v2": ["model.frozen=[deberta.encoder.rel_embeddings.*,deberta.encoder.LayerNorm.*]"]}
+FROZEN = {"deberta-v2": ["model.frozen=[deberta.encoder.rel_embeddings.*,deberta.encoder.LayerNorm.*]"],
+          "t5": ["model.frozen=[*relative_attention_bias.*]"]}
 IMAGE = {"poolformer": ["data.image_size=16"]}
 
 
@@ -70,10 +76,11 @@ IMAGE = {"poolformer": ["data.image_size=16"]}
     ("gpt2", "classifier"), ("bert", "classifier"), ("qwen2", "causal"), ("vit", "classifier"),
     ("vit-7-classes", "classifier"), ("llama", "causal"), ("mistral", "causal"), ("gemma3_text", "causal"),
     ("phi3", "classifier"), ("gpt_neox", "causal"), ("falcon", "causal"), ("distilbert", "classifier"),
-    ("deberta-v2", "classifier"), ("poolformer", "classifier")])
+    ("deberta-v2", "classifier"), ("t5", "classifier"), ("poolformer", "classifier")])
 def test_a_checkpoint_of_any_type_trains_privately_from_its_own_config(cli, checkpoints, name, head):
     """Each passes the attribution proof on its first step (every per-sample gradient its sample's), DeBERTa's with
-    its relative-position table (as its refusal says, below) and the LayerNorm over it frozen (model.frozen)."""
+    its relative-position table (as its refusal says, below) and the LayerNorm over it frozen (model.frozen), T5's
+    with its position biases frozen (below)."""
     r = cli("train", "model=auto", f"model.pretrained={checkpoints / name}", f"model.head={head}", *RUN,
             *FROZEN.get(name, []), *IMAGE.get(name, []), "hydra.run.dir=run")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -96,6 +103,29 @@ def test_a_layer_no_rule_splits_is_refused_before_a_release_naming_the_cli_fix(c
                     summary["error"])
     assert fix, summary["error"]
     assert fix[1].rstrip("*").rstrip(".") in summary["error"].split(":")[1]  # the refusal names what to freeze
+
+
+def test_t5_s_position_biases_trained_are_refused_before_a_release_naming_the_cli_fix(cli, checkpoints):
+    """Its buckets have no batch dimension: the forward refuses them at a batch that does not divide their rows, the
+    proof where one does (then both biases in one line); either way nothing is released."""
+    r = cli("train", "model=auto", f"model.pretrained={checkpoints / 't5'}", *RUN, "hydra.run.dir=run")
+    assert r.returncode != 0
+    summary = json.loads(open("run/summary.json").read())
+    assert summary["status"] == "failed" and summary["steps_done"] == 0 and summary["epsilon_spent"] == 0
+    assert re.search(r"in dpmem train: model\.frozen=\[transformer\.encoder\.block\.0\.layer\.0\.SelfAttention\."
+                     r"relative_attention_bias\.\*", summary["error"]), summary["error"]
+
+
+def test_t5_is_planned_on_real_tensors_where_meta_cannot_size_its_classifier(cli, checkpoints):
+    """T5's classifier selects each sequence's end-of-sequence rows by a boolean mask, whose size depends on the
+    ids: a meta plan says so in one line, naming memory.device=cpu, which plans it."""
+    plan = ["memory", "model=auto", f"model.pretrained={checkpoints / 't5'}", *FROZEN["t5"], "method=dp-adam",
+            "data=synthetic", "data.seq_len=16", "train.batch_size=8"]
+    r = cli(*plan)
+    assert r.returncode == 2 and re.search(r"memory\.device: meta: the model runs aten::unique_consecutive .*"
+                                           r"memory\.device=cpu", r.stderr), r.stderr[-2000:]
+    r = cli(*plan, "memory.device=cpu")
+    assert r.returncode == 0 and "| dp-adam | 8 |" in r.stdout, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("name, head", [("qwen2", "causal"), ("deberta-v2", "classifier")])

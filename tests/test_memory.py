@@ -344,5 +344,17 @@ def test_a_meta_plan_survives_a_forward_that_asks_a_truth_value(monkeypatch):
 
 
 def test_a_number_read_on_meta_is_an_error_that_names_the_fallback():
-    with UnknownValues(), pytest.raises(RuntimeError, match="memory.device=cpu"):
+    with UnknownValues(), pytest.raises(ConfigError, match=r"^memory\.device: meta: .*\(\.item\(\)\).*"
+                                                          r"memory\.device=cpu"):
         torch.ones(2, device="meta").sum().item()
+
+
+def test_an_op_whose_size_depends_on_values_on_meta_is_an_error_that_names_the_fallback():
+    """T5's classifier selects its end-of-sequence rows by a boolean mask (nonzero), after counting them
+    (unique_consecutive): neither has a meta kernel, since the output's size depends on the values."""
+    ids = torch.ones(2, 5, dtype=torch.long, device="meta")
+    with UnknownValues(), pytest.raises(ConfigError, match=r"^memory\.device: meta: the model runs "
+                                                          r"aten::unique_consecutive .*memory\.device=cpu"):
+        torch.unique_consecutive(ids.eq(1).sum(1))
+    with UnknownValues(), pytest.raises(ConfigError, match=r"torch\.nonzero.*memory\.device=cpu"):
+        torch.zeros(2, 5, 3, device="meta")[ids.eq(1)]

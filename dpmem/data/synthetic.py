@@ -41,9 +41,14 @@ def load(cfg, model_cfg) -> DataBundle:
         raise ConfigError("data.num_classes", f"{classes} label words do not fit a vocabulary of {vocab}")
     head = model_cfg.head
     label_words = list(range(vocab - classes, vocab))  # the last ids: never special tokens
+    # an encoder-decoder classifier (T5's) reads each sequence at its end-of-sequence token, which its tokenizer
+    # appends: so does this
+    eos = getattr(hub, "eos_token_id", None) if getattr(hub, "is_encoder_decoder", False) else None
 
     def columns(m):
         ids = torch.randint(3, vocab - classes, (m, cfg.seq_len), generator=gen)
+        if eos is not None and head == "classifier":
+            ids[:, -1] = eos
         return {"input_ids": ids, "labels": torch.randint(0, classes, (m,), generator=gen),
                 "mask_pos": torch.full((m,), cfg.seq_len - 1)}  # the mlm head reads the last position
     loss, predict = text.task(head, label_words, generative=head == "causal")  # causal: LM loss

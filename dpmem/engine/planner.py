@@ -100,14 +100,27 @@ class UnknownValues(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # every other call passes at the first test; a fake tensor made from a number has its value
-        if func in VALUE_READS and args and (
-                getattr(args[0], "is_meta", False) or isinstance(args[0], FakeTensor) and args[0].constant is None):
+        if func in VALUE_READS and args and _valueless(args[0]):
             if func is not torch.Tensor.item or args[0].dtype == torch.bool:
                 self.guessed += 1
                 return False
-            raise RuntimeError("the model reads a number out of a tensor (.item()) in its forward, which a meta plan "
-                               "has no values for; plan on real tensors: memory.device=cpu (or cuda)")
-        return func(*args, **(kwargs or {}))
+            raise ConfigError("memory.device", "meta: the model reads a number out of a tensor (.item()) in its "
+                              "forward, which a meta plan has no values for; plan on real tensors: memory.device=cpu "
+                              "(or cuda)")
+        try:
+            return func(*args, **(kwargs or {}))
+        except NotImplementedError as e:  # an op whose output's size depends on values (T5's classifier selects its
+            # end-of-sequence rows by a boolean mask): meta has no kernel for it
+            if not any(_valueless(a) for a in args):
+                raise
+            op = re.search(r"aten::\w+|torch\.\w+", str(e))
+            raise ConfigError("memory.device", f"meta: the model runs {op[0] if op else func.__name__} in its "
+                              "forward, whose output's size depends on tensor values, which a meta plan has none of; "
+                              "plan on real tensors: memory.device=cpu (or cuda)") from None
+
+
+def _valueless(t) -> bool:
+    return getattr(t, "is_meta", False) or isinstance(t, FakeTensor) and t.constant is None
 
 
 class FullLength(StoppingCriteria):

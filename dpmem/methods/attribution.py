@@ -116,14 +116,17 @@ def used_outside(names: list[str]) -> str:
 
 
 def rows_misread(layouts: dict[str, int], names: list[str]) -> str | None:
-    """The failing parameters' layer whose output's B·k rows were read as batch-major, if any (`owners.layout`)."""
-    for name in names:
-        module = name.rpartition(".")[0]
-        if isinstance(layouts.get(module), int) and layouts[module] > 1:
-            return (f"{module}'s output has {layouts[module]}·B rows, which are not B samples' rows batch-major (its "
-                    "input has no batch dimension: every sample uses all of it, as T5's position buckets); "
-                    f"{freeze_fix('its parameters', module + '.*')}")
-    return None
+    """The failing parameters' layers whose output's B·k rows were read as batch-major, if any (`owners.layout`):
+    the first named, and the fix for all of them (T5's encoder and decoder position biases, in one line)."""
+    modules = list(dict.fromkeys(name.rpartition(".")[0] for name in names))
+    misread = [m for m in modules if isinstance(layouts.get(m), int) and layouts[m] > 1]
+    if not misread:
+        return None
+    first, more = misread[0], misread[1:]
+    alike = f" (and {', '.join(more)} alike)" if more else ""
+    return (f"{first}'s output has {layouts[first]}·B rows, which are not B samples' rows batch-major (its input has "
+            f"no batch dimension: every sample uses all of it, as T5's position buckets){alike}; "
+            f"{freeze_fix('their parameters' if more else 'its parameters', ','.join(m + '.*' for m in misread))}")
 
 
 def where_samples_mix(model: nn.Module, forward: Callable[[], torch.Tensor], weights: torch.Tensor,
