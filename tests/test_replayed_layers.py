@@ -136,3 +136,38 @@ def test_what_a_replay_cannot_split_is_refused_naming_the_layer(make, words):
     with Privatizer(model, GaussianMechanism(0.0, 1.0, 1.0, seeded(0)), ClippingPlan.of("bk")) as privatize:
         with pytest.raises(ValueError, match=words):
             privatize.gradient([{"x": torch.randn(B, T, 3)}], forward, {p: p.shape for p in privatize.params})
+
+
+def counted_peak(name, plan, device):
+    """The live-tensor counter's peak over two dp-adam steps (the second holds Adam's moments) on `device`, with the
+    planner's attention routing (meta's scaled_dot_product_attention takes the CPU's kernel, as `dpmem memory`
+    plans it)."""
+    from dpmem.engine.planner import AttentionKernels, UnknownValues
+    from dpmem.metering import LiveTensorCounter
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = MODELS[name]()
+    data = {k: v.to(device) for k, v in batch(name).items()}
+    method = build_method(method_config("dp-adam", clipping=plan, max_grad_norm=1.0), model, 0.1,
+                          GaussianMechanism(1.0, 1.0, float(B), None))
+    with AttentionKernels("cpu"), UnknownValues(), LiveTensorCounter().track_state(model, method) as counter:
+        for _ in range(2):
+            method.step([data], loss)
+    method.close()
+    return counter.peak
+
+
+# a batch-first RNN under two-pass clipping: the CPU kernel's backward holds a time-major copy of its (B·T, in)
+# input at the peak, which meta's kernel does not (1.7% of this step's peak; docs/models.md, Not yet)
+SHORT_ON_META = pytest.mark.xfail(strict=True, reason="a batch-first RNN's CPU backward holds a time-major input copy")
+
+
+@pytest.mark.parametrize("name, plan", [
+    pytest.param(n, plan, marks=SHORT_ON_META if plan == "ghost" and n in ("lstm-2-layers-bidirectional", "rnn")
+                 else ()) for n in MODELS for plan in ("bk", "ghost")])
+def test_a_replayed_layers_step_holds_on_meta_the_bytes_it_holds_on_cpu(name, plan):
+    """What `dpmem memory` plans for a replayed layer (its dense B × parameters per-sample gradients, and the
+    replay's activations) is what a real step holds: the same steps on meta and on CPU tensors, counted. The
+    attention inside nn.MultiheadAttention (nn.TransformerEncoder's, torchvision's ViT's) takes the CPU's kernel on
+    meta too (it took the math path, and the plan was 10-18% over)."""
+    assert counted_peak(name, plan, "meta") == counted_peak(name, plan, "cpu") > 0

@@ -68,17 +68,39 @@ class AttentionKernels(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and (args[0].is_meta or isinstance(args[0], FakeTensor)):
-            q, k, v, mask, dropout, causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
-            signature = None if mask is None else (tuple(mask.shape), mask.dtype)
-            if self.target == "cpu" and _cpu_flash(tuple(q.shape), tuple(k.shape), q.dtype, signature, dropout,
-                                                   causal, gqa):
-                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    q, k, v, dropout, causal, attn_mask=_additive(mask, q), scale=scale)[0]
-            if self.target == "cuda" and not (gqa and q.shape[-3] != k.shape[-3]):
-                return torch.ops.aten._scaled_dot_product_efficient_attention(
-                    q, k, v, _additive(mask, q), q.requires_grad, dropout, causal, scale=scale)[0]
+        if func is _SDPA:
+            return self.attention(*args, **kwargs)
         return func(*args, **kwargs)
+
+    def attention(self, *args, **kwargs):
+        """scaled_dot_product_attention, on meta by the target's kernel."""
+        if not (args[0].is_meta or isinstance(args[0], FakeTensor)):
+            return _SDPA(*args, **kwargs)
+        q, k, v, mask, dropout, causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
+        signature = None if mask is None else (tuple(mask.shape), mask.dtype)
+        if self.target == "cpu" and _cpu_flash(tuple(q.shape), tuple(k.shape), q.dtype, signature, dropout,
+                                               causal, gqa):
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, dropout, causal, attn_mask=_additive(mask, q), scale=scale)[0]
+        if self.target == "cuda" and not (gqa and q.shape[-3] != k.shape[-3]):
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, _additive(mask, q), q.requires_grad, dropout, causal, scale=scale)[0]
+        return _SDPA(*args, **kwargs)
+
+    # torch's own callers inside another torch function (F.multi_head_attention_forward, which nn.MultiheadAttention
+    # and nn.TransformerEncoderLayer run) call it while this mode is off (a mode is off inside its handler): they
+    # reach it through torch.nn.functional's global, routed here while the mode is on
+    def __enter__(self):
+        self._outer = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = self.attention
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention = self._outer
+        return super().__exit__(*exc)
+
+
+_SDPA = F.scaled_dot_product_attention  # torch's, whatever the mode has put in its place
 
 
 # what a forward may ask of a tensor's values: a truth value, `x in tensor` (DeBERTa-v2's "is there padding?", before
