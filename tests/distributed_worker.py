@@ -82,6 +82,7 @@ def forced(run: Run, folder: Path) -> None:
             out, said = real(micro, loss_fn), "compiled"
         except Exception as e:  # noqa: BLE001  (whatever stopped it is the finding)
             step_state.microbatch, step_state.flat = None, None
+            e = e.__cause__ or e  # dynamo's own error under train.compile's one-line refusal
             out, said = real(micro, loss_fn), f"{type(e).__name__}: {e}"
         if distributed.is_main():
             (folder.parent / f"{folder.name}.compile.txt").write_text(said)
