@@ -135,10 +135,11 @@ class UnknownValues(TorchFunctionMode):
             # end-of-sequence rows by a boolean mask): meta has no kernel for it
             if not any(_valueless(a) for a in args):
                 raise
-            op = re.search(r"aten::\w+|torch\.\w+", str(e))
-            raise ConfigError("memory.device", f"meta: the model runs {op[0] if op else func.__name__} in its "
-                              "forward, whose output's size depends on tensor values, which a meta plan has none of; "
-                              "plan on real tensors: memory.device=cpu (or cuda)") from None
+            found = re.search(r"aten::\w+|torch\.\w+", str(e))
+            op = found[0] if found else getattr(func, "__name__", func)
+            raise ConfigError("memory.device", f"meta: the model runs {op} in its forward, whose output's size "
+                              "depends on tensor values, which a meta plan has none of; plan on real tensors: "
+                              "memory.device=cpu (or cuda)") from None
 
 
 def _valueless(t) -> bool:
