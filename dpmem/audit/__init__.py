@@ -21,6 +21,7 @@ from dpmem.engine.summary import json_ready
 from dpmem.engine.trainer import Run
 from dpmem.methods import method_class
 from dpmem.models import build_model
+from dpmem.privacy.record import PrivacyUnit
 from dpmem.report import markdown_table
 
 
@@ -98,7 +99,7 @@ def check(cfg) -> None:
     if cfg.train.checkpoint_every:  # the canaries' scores live in one process (`run_audit`)
         raise ConfigError("train.checkpoint_every", "dpmem audit does not resume; run it without checkpoints, "
                           "into a fresh audit.dir")
-    if enum_value(a.kind) == "input" and enum_value(cfg.privacy.get("unit", "record")) == "user":
+    if enum_value(a.kind) == "input" and PrivacyUnit.of(cfg.privacy).user:
         raise ConfigError("audit.kind", "input canaries are records of no user; under privacy.unit=user the "
                           "canaries are users of k records: audit.kind=gradient")
     if not 0 < a.beta < 1:
@@ -148,7 +149,7 @@ def planting(cfg) -> str:
         raise ConfigError("audit.plant", "FSDP's layers cannot be called alone; use audit.plant=sum (or auto)")
     if cfg.audit.uses < 1:
         raise ConfigError("audit.uses", f"{cfg.audit.uses}: need at least 1")
-    user = enum_value(cfg.privacy.get("unit", "record")) == "user"
+    user = PrivacyUnit.of(cfg.privacy).user
     if plant == "batch" and user:
         raise ConfigError("audit.plant", "a canary of privacy.unit=user is a user of k records, planted in the "
                           "clipped sum through the run's per-user clipping; use audit.plant=sum (or auto)")

@@ -20,6 +20,7 @@ from dpmem.methods.base import batch_size
 from dpmem.methods.privatize import Observer
 from dpmem.privacy.accounting import group_rate
 from dpmem.privacy.correlated import CorrelatedNoise
+from dpmem.privacy.record import PrivacyUnit
 from dpmem.privacy.strategies import Strategy
 
 
@@ -107,11 +108,11 @@ class GradientCanaries(Observer):
         """How many records of each canary join this step: a canary is a record (`sample`), or under privacy.unit=user
         a user of k records (privacy.records_per_user), each a gradient `norm` at the canary's coordinate: ULS
         samples the user at its rate and takes all k; ELS samples each record alone at the records' rate."""
-        s = mechanism.summary
-        if s.get("unit") != "user":
+        unit = PrivacyUnit.in_summary(mechanism.summary)
+        if not unit.user:
             return self.sample(mechanism).long()
-        k = int(s["records_per_user"])
-        if s["user_sampling"] == "users":
+        k = unit.k
+        if unit.uls:
             return self.sample(mechanism).long() * k
         drawn = torch.rand(self.m, k, generator=self.gen) < mechanism.sample_rate
         return self.included.long() * drawn.sum(1)
@@ -138,7 +139,7 @@ class GradientCanaries(Observer):
         self.background = self.at_canaries(summed)  # the real samples' clipped sum, before any canary joins it
         mechanism = privatizer.mechanism
         joined = self.records(mechanism)  # records a canary brings (a user's under privacy.unit=user)
-        uls = mechanism.summary.get("user_sampling") == "users" and mechanism.summary.get("unit") == "user"
+        uls = PrivacyUnit.in_summary(mechanism.summary).uls
         for key, (ids, flat) in self.where.items():
             hit = flat.repeat_interleave(joined[ids])  # a canary's records side by side (ULS: a user's k)
             if len(hit):  # each canary lives in one key: its norm there is its whole norm

@@ -21,7 +21,8 @@ import hashlib
 import numpy as np
 import torch
 
-from dpmem.config import ConfigError, enum_value
+from dpmem.config import ConfigError
+from dpmem.privacy.record import PrivacyUnit
 
 ZIPF = 1.0  # data.users: user u (1-based) writes a record with probability ∝ u^-ZIPF
 
@@ -118,19 +119,20 @@ def for_training(privacy, data, seed: int):
     a record-level run. Raises ConfigError where the data names no users, or the bound exceeds every user's records."""
     from dataclasses import replace
 
-    if enum_value(privacy.get("unit", "record")) != "user":
+    unit = PrivacyUnit.of(privacy)
+    if not unit.user:
         return data, None
     if data.users is None:
         raise ConfigError("privacy.unit", "user: the data names no users; set data.columns.user (data=csv|jsonl) or "
                           "make them up with data.users=N")
-    k = int(privacy.records_per_user)
+    k = unit.k
     said = describe(data.users, k)
     most = said["records_per_user_max"]
     if k > most:  # ULS lays out k slots per sampled user, ELS accounts a mixture of k + 1 Gaussians
         raise ConfigError("privacy.records_per_user", f"{k} is more than any user's records (the most: {most}): a "
                           "larger bound uses no more records, and costs memory (ULS: k slots a user) or ε (ELS); "
                           f"allowed: 1..{most}")
-    if enum_value(privacy.user_sampling) == "records":  # ELS: bounded once
+    if unit.els:  # ELS: bounded once
         kept = bounded(data.users, k, seed)
         data = replace(data, train={name: column[kept] for name, column in data.train.items()},
                        users=data.users[kept])
@@ -145,4 +147,4 @@ def count(data) -> int | None:
 
 def uls(privacy) -> bool:
     """Whether a run samples and clips users (privacy.unit=user, user_sampling=users)."""
-    return enum_value(privacy.get("unit", "record")) == "user" and enum_value(privacy.user_sampling) == "users"
+    return PrivacyUnit.of(privacy).uls

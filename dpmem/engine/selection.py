@@ -22,6 +22,7 @@ from dpmem.engine.checkpoint import MODEL  # a trial's final weights: the winner
 # a search's folder's names (no verb writes into one: folder.search_part): its key, its release, the holder's record
 from dpmem.engine.folder import HOLDER, KEY_FILE, RELEASED, SELECTION, TRIAL
 from dpmem.privacy.randomness import derive, os_key
+from dpmem.privacy.record import PrivacyUnit
 
 RELEASE = "release.json"  # in each trial's folder: not for release, and why
 TRIALS_LOG = "trials.log"  # what the trials printed (the holder's, as search.json is: they tell K)
@@ -177,7 +178,7 @@ def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
     # each trial calibrates its own σ to this ε (its ledger's accountant): a hair more noise than `sigma`, never less
     trial = epsilon_spent(sigma * (1 + 1e-3), **run)
     return Search(mean, shape, float(p.epsilon), delta, sigma, trial, objective, neighbouring, run["accountant"],
-                  enum_value(p.get("unit", "record")), joint_sigma(sigma, run["loss_noise"]), run["sample_rate"],
+                  PrivacyUnit.of(p).name, joint_sigma(sigma, run["loss_noise"]), run["sample_rate"],
                   run["steps"], run["sampling"], run["dataset_size"])
 
 
@@ -438,7 +439,7 @@ def released_epsilon(folder: Path, record: dict, planned: list[dict] = ()) -> tu
               and s.get("steps_done")]
     if any(s.get("derivable_from_config") for s in trials):  # (an older dpmem's search: seeds are refused now)
         return math.inf, f"{folder}: its trials' noise or batches derive from seeds in their config.yaml: ε ∞"
-    if any(s.get("unit") == "user" and s.get("user_sampling") == "records" for s in trials) or any(
+    if any(PrivacyUnit.in_summary(s).els for s in trials) or any(
             r.get("user_records") is not None for r in planned):  # (an older dpmem's search: refused now)
         return math.inf, f"{folder}: ε ∞ per user, since {ELS_REFUSED}"
     keyed = (read_json(folder / KEY_FILE) or {}).get("search") or {}

@@ -15,6 +15,7 @@ from dpmem.config import (Accountant, ConfigError, LossRelease, MethodConfig, Ne
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.privacy.accounting import MIN_SIGMA
 from dpmem.privacy.mechanism import GaussianMechanism
+from dpmem.privacy.record import PrivacyUnit
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]  # per-sample losses, shape (B,)
@@ -222,7 +223,8 @@ class Method:
         """privacy.unit=user: a private method whose accountant has a user-level analysis, under Poisson sampling;
         ULS (user_sampling=users) for the methods whose step clips per-sample gradients (`uls`)."""
         t, p, m = cfg.train, cfg.privacy, cfg.method
-        if enum_value(p.get("unit", "record")) != "user":
+        unit = PrivacyUnit.of(p)
+        if not unit.user:
             return
         if not cls.spec.private:
             raise ConfigError("privacy.unit", f"user: {m.name} is not private and protects no one; allowed: record")
@@ -232,7 +234,7 @@ class Method:
         if t.sampling not in (Sampling.poisson, Sampling.auto):
             raise ConfigError("train.sampling", f"{enum_value(t.sampling)}: user-level privacy is accounted under "
                               "Poisson sampling (of users, or of records for ELS); allowed: poisson, auto")
-        els = enum_value(p.user_sampling) == "records"
+        els = unit.els
         if els and p.accountant == Accountant.rdp:
             raise ConfigError("privacy.accountant", "rdp: ELS's user is a mixture of Gaussians, which dp-accounting "
                               "accounts by PLD alone; allowed: pld, auto")

@@ -29,6 +29,7 @@ from dpmem.persample.clipping import clip_factors
 from dpmem.privacy.accounting import UnreachableTarget, calibrate_sigma, epsilon_spent, group_rate, joint_sigma
 from dpmem.privacy.correlated import CorrelatedNoise
 from dpmem.privacy.randomness import Draws, key_of, normal, os_key, seed_key
+from dpmem.privacy.record import PrivacyUnit
 from dpmem.privacy.strategies import Strategy, make_strategy
 
 NOISE_BUCKET = 2**24  # elements of noise drawn at once (64 MiB in float32)
@@ -327,17 +328,18 @@ def unit_terms(privacy, n: int, users: int | None, batch_size: int) -> dict:
     δ·n read); `sample_rate`, the rate at which a step samples what it clips (records; ULS: users); `user_records`,
     ELS's k (a user of at most k records, each sampled at that rate: `accounting._event`); `uls`. Raises
     ConfigError where the data names no users or the batch outnumbers them."""
-    if enum_value(privacy.get("unit", "record")) != "user":
+    unit = PrivacyUnit.of(privacy)
+    if not unit.user:
         return {"units": n, "sample_rate": batch_size / n, "user_records": None, "uls": False}
     if users is None:
         raise ConfigError("privacy.unit", "user: the data names no users; set data.columns.user (data=csv|jsonl) "
                           "or make them up with data.users=N")
-    uls = enum_value(privacy.user_sampling) == "users"
+    uls = unit.uls
     if uls and batch_size > users:
         raise ConfigError("train.batch_size", f"{batch_size} users a step (ULS samples users) of {users}: allowed "
                           f"at most {users}")
     return {"units": users, "sample_rate": batch_size / (users if uls else n),
-            "user_records": None if uls else int(privacy.records_per_user), "uls": uls}
+            "user_records": None if uls else unit.k, "uls": uls}
 
 
 def noise_terms(privacy, n: int, batch_size: int, steps: int, sampling: str, restart: int | None = None) -> dict:
@@ -405,7 +407,7 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
     sampled = units if unit["uls"] else n  # what a step samples (and clips) from: records, or ULS's users
     delta = resolve_delta(p.delta, units) if accounted else None
     if accounted and delta * units >= 1:
-        what = "users" if enum_value(p.get("unit", "record")) == "user" else "records"
+        what = f"{PrivacyUnit.of(p).name}s"
         print(f"dpmem: warning: delta = {delta:.3g} is at least 1/n = {1 / units:.3g} (n = {units} {what}): at that "
               f"delta a mechanism that publishes one random {what[:-1]}'s data whole is still (epsilon, delta)-DP; "
               "the default privacy.delta=auto is min(1e-5, 1/n^1.1)", file=sys.stderr)
@@ -483,9 +485,9 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
         "group_rate": group_rate(q, n, keywords["groups"]) if keywords["groups"] else None,
         "privacy_analysis": _analysis(keywords, unit["uls"]) if accounted else None,
         # what ε protects: a record, or a user's records (ULS: sampled and clipped by user; ELS: by record)
-        "unit": enum_value(p.get("unit", "record")) if spec.private else None,
-        **({"user_sampling": enum_value(p.user_sampling), "records_per_user": p.records_per_user, "users": units}
-           if spec.private and enum_value(p.get("unit", "record")) == "user" else {}),
+        "unit": PrivacyUnit.of(p).name if spec.private else None,
+        **({"user_sampling": PrivacyUnit.of(p).sampling, "records_per_user": p.records_per_user, "users": units}
+           if spec.private and PrivacyUnit.of(p).user else {}),
     }
     # the batches' key: from privacy.sampler_seed if given; for an accounted run from the OS (rank 0's, on every
     # rank), since ε assumes nobody knows which steps held a record; otherwise from the run seed (a baseline's

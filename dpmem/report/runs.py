@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from dpmem.data import is_loss
 from dpmem.engine.folder import MARK
 from dpmem.engine.summary import METRICS, PRIVACY_LEDGER, most_spent, privacy_records
+from dpmem.privacy.record import PrivacyUnit
 from dpmem.report import figures, markdown_table
 from dpmem.report.labels import NOT_TRAINING, USER, epsilon_number, row_label, variants
 
@@ -492,7 +493,7 @@ def _planned(folder: dict) -> dict | str | None:
         else:
             n = least(folder.get("n_train"), *(line.get("dataset_size") for line in lines))
             count = least(folder.get("users"), *(line.get("users") for line in lines))
-        if n is None or (count is None and cfg.privacy.get("unit", "record") == "user"):
+        if n is None or (count is None and PrivacyUnit.of(cfg.privacy).user):
             return f"neither its summary nor its {PRIVACY_LEDGER} records the size of its data set"
         terms = accounting_of(cfg, n, count)
         rc = terms["accountant"] == "rc"

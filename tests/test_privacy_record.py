@@ -1,0 +1,29 @@
+"""The privacy unit as one value (`dpmem.privacy.record.PrivacyUnit`): what a run's config asks for is what its
+summary records, read back the same, and a summary that lost its sampling reads as the weaker guarantee."""
+
+import pytest
+from helpers import config
+
+from dpmem.engine.trainer import run_training
+from dpmem.privacy.record import PrivacyUnit
+
+
+@pytest.mark.parametrize("overrides, want", [
+    ((), PrivacyUnit()),
+    (("privacy.unit=user", "privacy.records_per_user=3", "privacy.user_sampling=records"),
+     PrivacyUnit(True, "records", 3)),
+    (("privacy.unit=user", "privacy.records_per_user=2", "privacy.user_sampling=users"),
+     PrivacyUnit(True, "users", 2)),
+])
+def test_the_unit_a_config_asks_for_is_the_one_its_summary_records(tmp_path, overrides, want):
+    cfg = config("data.users=100", "train.steps=1", "train.device=cpu", "privacy.epsilon=null",
+                 "privacy.noise_multiplier=1.0", *overrides)  # σ given: no calibration (ELS's takes seconds)
+    assert PrivacyUnit.of(cfg.privacy) == want
+    summary = run_training(cfg, tmp_path)
+    assert summary["status"] == "ok" and summary["unit"] == want.name  # the summary's own word for it
+    assert PrivacyUnit.in_summary(summary) == want
+
+
+def test_a_summary_without_its_sampling_reads_as_els_whose_search_has_no_user_level_epsilon():
+    assert PrivacyUnit.in_summary({"unit": "user", "records_per_user": 4}).els
+    assert not PrivacyUnit.in_summary({"unit": "record", "user_sampling": "users"}).user
