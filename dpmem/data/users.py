@@ -143,8 +143,3 @@ def for_training(privacy, data, seed: int):
 def count(data) -> int | None:
     """How many users the training records have (None: the data names none)."""
     return None if data.users is None else int(torch.unique(data.users).numel())
-
-
-def uls(privacy) -> bool:
-    """Whether a run samples and clips users (privacy.unit=user, user_sampling=users)."""
-    return PrivacyUnit.of(privacy).uls

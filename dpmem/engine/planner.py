@@ -34,6 +34,7 @@ from dpmem.metering import CUDA_BLOCK, LiveTensorCounter, labelled_forward, memo
 from dpmem.methods import check_fsdp, method_class
 from dpmem.models import build_model
 from dpmem.privacy.mechanism import unit_terms
+from dpmem.privacy.record import PrivacyUnit
 from dpmem.privacy.strategies import Strategy, make_strategy
 
 # GPU memory is quoted in binary units whatever the suffix (a "24GB" card and an "80GB" H100 hold 24 and 80 GiB)
@@ -226,7 +227,8 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     data, _ = users.for_training(cfg.privacy, build_data(cfg.data, cfg.model), cfg.data.split_seed)
     strategy = noise_strategy(cfg, data.n_train)  # the run's, at its own logical batch (a budget search varies it)
     # ULS: a batch of users, k record slots each (`Grouped`): its sizes count users
-    k = int(cfg.privacy.records_per_user) if users.uls(cfg.privacy) else None
+    unit = PrivacyUnit.of(cfg.privacy)
+    k = unit.k if unit.uls else None
     if k:  # a batch of more users than there are, refused as the run refuses it
         unit_terms(cfg.privacy, data.n_train, users.count(data), batch)
     # the run's mechanism (σ calibrated for its steps) where asked; else a stand-in, as σ changes no memory
@@ -387,7 +389,7 @@ def largest_batch(cfg, budget: int | str, limit: int = SEARCH_LIMIT) -> tuple[in
     batch size, the physical one; a fixed train.eval_batch_size is a floor)."""
     fits = {}
     budget = parse_bytes(budget)
-    if users.uls(cfg.privacy):  # a ULS step samples users: at most all of them
+    if PrivacyUnit.of(cfg.privacy).uls:  # a ULS step samples users: at most all of them
         limit = min(limit, users.count(build_data(cfg.data, cfg.model)))
 
     def ok(b):

@@ -33,6 +33,7 @@ from dpmem.metering import Meter
 from dpmem.methods import check_fsdp, method_class
 from dpmem.methods.subspace import SubspaceProjection, privacy_of
 from dpmem.privacy.mechanism import accounting, line_epsilon
+from dpmem.privacy.record import PrivacyUnit
 from dpmem.privacy.sampling import make_batches, user_batches
 
 
@@ -66,7 +67,7 @@ def run_length(cfg, n: int) -> tuple[int, str]:
     sampling (auto: Poisson for a private method, shuffled epochs otherwise)."""
     t = cfg.train
     if t.batch_size > n:
-        what = "users" if users.uls(cfg.privacy) else "training set"
+        what = "users" if PrivacyUnit.of(cfg.privacy).uls else "training set"
         raise ConfigError("train.batch_size", f"{t.batch_size} is larger than the {what} ({n})")
     steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * n / t.batch_size))
     return steps, resolved_sampling(cfg, method_class(cfg.method.name).spec.private)
@@ -78,7 +79,7 @@ def accounting_of(cfg, n: int | None = None, count: int | None = None) -> dict:
     if n is None:
         data, _ = users.for_training(cfg.privacy, build_data(cfg.data, cfg.model), cfg.data.split_seed)
         n, count = data.n_train, users.count(data)
-    steps, sampling = run_length(cfg, count if users.uls(cfg.privacy) and count else n)
+    steps, sampling = run_length(cfg, count if PrivacyUnit.of(cfg.privacy).uls and count else n)
     spec = method_class(cfg.method.name).spec
     return accounting(cfg.privacy, spec, n, cfg.train.batch_size, steps, sampling,
                       cfg.method.get("refresh") if spec.private else None, count)
@@ -163,11 +164,11 @@ class Run:
         if self.checkpoint is not None:
             self._check_data()
         data, self.users = users.for_training(cfg.privacy, data, cfg.data.split_seed)  # ELS's bound, once
-        self.grouped = users.Users(data.users) if users.uls(cfg.privacy) else None  # ULS samples these
+        self.grouped = users.Users(data.users) if PrivacyUnit.of(cfg.privacy).uls else None  # ULS samples these
         if self.data_hook is not None:
             data = self.data_hook(data)
         n = data.n_train
-        self.steps, self.sampling = run_length(cfg, users.count(data) if users.uls(cfg.privacy) else n)
+        self.steps, self.sampling = run_length(cfg, users.count(data) if PrivacyUnit.of(cfg.privacy).uls else n)
         if t.fsdp:
             check_fsdp(m)
         if t.fsdp and distributed.world_size() == 1:

@@ -469,7 +469,6 @@ def _planned(folder: dict) -> dict | str | None:
     largest q, with which σ is calibrated): the data set is not loaded, as it may not be on this machine, and a
     report reads many folders."""
     from dpmem.config import accounted
-    from dpmem.data.users import uls
     from dpmem.engine.trainer import accounting_of, config_hash
     from dpmem.methods import method_class
     from dpmem.privacy import calibrate_sigma, epsilon_spent
@@ -487,7 +486,7 @@ def _planned(folder: dict) -> dict | str | None:
         if not spec.private or not accounted(cfg.privacy):
             return None
         lines = folder["ledger"]
-        if uls(cfg.privacy):  # what it samples are users: the ledger's dataset_size
+        if PrivacyUnit.of(cfg.privacy).uls:  # what it samples are users: the ledger's dataset_size
             count = n = least(folder.get("users"), *(line.get("users") for line in lines),
                               *(line.get("dataset_size") for line in lines))
         else:
