@@ -35,6 +35,8 @@ class MethodSpec:
         compiled_step: train.compile has a compiled step for it (`Method.compile`).
         zeroth_order: forward passes only, no backward (its samples are cheap, its steps many: dpmem plan ranks it
             apart, and plans it without checkpointing).
+        no_uls: why its step cannot clip each user's summed gradient (privacy.user_sampling=users, ULS); "": it
+            can.
     """
     private: bool = False
     accountant: str = "pld"
@@ -43,6 +45,7 @@ class MethodSpec:
     shardable: bool = False
     compiled_step: bool = False
     zeroth_order: bool = False
+    no_uls: str = ""
 
     def clipping(self, method_cfg) -> ClippingPlan | None:
         """How its per-sample clipping forms the clipped sums under these options; None: it clips none."""
@@ -238,11 +241,9 @@ class Method:
         if els and p.accountant == Accountant.rdp:
             raise ConfigError("privacy.accountant", "rdp: ELS's user is a mixture of Gaussians, which dp-accounting "
                               "accounts by PLD alone; allowed: pld, auto")
-        if not els and not cls.uls:
-            raise ConfigError("privacy.user_sampling", f"users: {m.name} {cls.uls_refusal}; allowed: records (ELS)")
+        if not els and cls.spec.no_uls:
+            raise ConfigError("privacy.user_sampling", f"users: {m.name} {cls.spec.no_uls}; allowed: records (ELS)")
 
-    uls = True  # its step can clip each user's summed gradient (privacy.user_sampling=users)
-    uls_refusal = ""  # why not, where it cannot
 
     def compile(self, compiler) -> None:
         """train.compile: the step's functions compiled by `compiler` (`dpmem.compiling.Compiler`)."""

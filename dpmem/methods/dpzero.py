@@ -23,14 +23,14 @@ from dpmem.methods.privatize import per_sample
 from dpmem.privacy.mechanism import GaussianMechanism
 
 
+NO_ULS = "clips each record's scalar (L⁺ − L⁻)/2λ, its two forwards run record by record, not user by user"
+
+
 class ZerothOrder(Method):
     """MeZO; DPZero is the same step with per-sample clipping and noise."""
 
     config = ZerothOrderConfig
-    spec = MethodSpec(compiled_step=True, zeroth_order=True)  # its forwards compiled (`compile`)
-    uls = False
-    uls_refusal = ("clips each record's scalar (L⁺ − L⁻)/2λ, its two forwards run record by record, not user by "
-                   "user")
+    spec = MethodSpec(compiled_step=True, zeroth_order=True, no_uls=NO_ULS)  # its forwards compiled (`compile`)
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -141,7 +141,7 @@ class MeZO(ZerothOrder):
 
 class DPZero(ZerothOrder):
     config = DPZeroConfig
-    spec = MethodSpec(private=True, compiled_step=True, zeroth_order=True)
+    spec = MethodSpec(private=True, compiled_step=True, zeroth_order=True, no_uls=NO_ULS)
 
     def clipped_sum(self, estimates: torch.Tensor) -> torch.Tensor:
         """The logical batch's sum of scalars clipped to [-C, C] (over every rank: each adds the same noise draw)."""
