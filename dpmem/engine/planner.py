@@ -33,7 +33,6 @@ from dpmem.engine.trainer import accounting_of, eval_batch_size, run_length
 from dpmem.metering import CUDA_BLOCK, LiveTensorCounter, labelled_forward, memory_label
 from dpmem.methods import check_fsdp, method_class
 from dpmem.models import build_model
-from dpmem.privacy.mechanism import unit_terms
 from dpmem.privacy.record import PrivacyUnit
 from dpmem.privacy.strategies import Strategy, make_strategy
 
@@ -230,7 +229,7 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
     unit = PrivacyUnit.of(cfg.privacy)
     k = unit.k if unit.uls else None
     if k:  # a batch of more users than there are, refused as the run refuses it
-        unit_terms(cfg.privacy, data.n_train, users.count(data), batch)
+        unit.terms(data.n_train, users.count(data), batch)
     # the run's mechanism (σ calibrated for its steps) where asked; else a stand-in, as σ changes no memory
     length = (dict(zip(("steps", "sampling"), run_length(cfg, users.count(data) if k else data.n_train)))
               if account and world == 1 else {})

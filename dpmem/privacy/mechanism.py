@@ -316,30 +316,11 @@ def accounting(privacy, spec, n: int, batch_size: int, steps: int, sampling: str
     plan, a private search): the keyword arguments of calibrate_sigma and epsilon_spent after ε. `restart`: a
     projected method's refresh F (correlated noise restarts there: `noise_terms`). `users`: how many users the
     training records have (privacy.unit=user)."""
-    unit = unit_terms(privacy, n, users, batch_size)
+    unit = PrivacyUnit.of(privacy).terms(n, users, batch_size)
     return {"delta": resolve_delta(privacy.delta, unit["units"]), "sample_rate": unit["sample_rate"], "steps": steps,
             **_accountant_keywords(privacy, spec, unit["units"] if unit["uls"] else n, sampling,
                                    enum_value(privacy.train_loss)),
             **noise_terms(privacy, n, batch_size, steps, sampling, restart), "user_records": unit["user_records"]}
-
-
-def unit_terms(privacy, n: int, users: int | None, batch_size: int) -> dict:
-    """What the privacy unit (privacy.unit) makes of the accounting: `units`, the number of them (what δ = auto and
-    δ·n read); `sample_rate`, the rate at which a step samples what it clips (records; ULS: users); `user_records`,
-    ELS's k (a user of at most k records, each sampled at that rate: `accounting._event`); `uls`. Raises
-    ConfigError where the data names no users or the batch outnumbers them."""
-    unit = PrivacyUnit.of(privacy)
-    if not unit.user:
-        return {"units": n, "sample_rate": batch_size / n, "user_records": None, "uls": False}
-    if users is None:
-        raise ConfigError("privacy.unit", "user: the data names no users; set data.columns.user (data=csv|jsonl) "
-                          "or make them up with data.users=N")
-    uls = unit.uls
-    if uls and batch_size > users:
-        raise ConfigError("train.batch_size", f"{batch_size} users a step (ULS samples users) of {users}: allowed "
-                          f"at most {users}")
-    return {"units": users, "sample_rate": batch_size / (users if uls else n),
-            "user_records": None if uls else unit.k, "uls": uls}
 
 
 def noise_terms(privacy, n: int, batch_size: int, steps: int, sampling: str, restart: int | None = None) -> dict:
@@ -402,7 +383,7 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
     ignored = f"{asked} has no effect: {m.name} is not private" if not spec.private and asked else None
     if ignored and distributed.is_main():
         print(f"dpmem: warning: {ignored}", file=sys.stderr)
-    unit = unit_terms(p, n, users, t.batch_size)  # (privacy.unit=user with a non-private method: Method.check)
+    unit = PrivacyUnit.of(p).terms(n, users, t.batch_size)  # (unit=user with a non-private method: Method.check)
     units, q = unit["units"], unit["sample_rate"]  # n: the records; units: users under privacy.unit=user
     sampled = units if unit["uls"] else n  # what a step samples (and clips) from: records, or ULS's users
     delta = resolve_delta(p.delta, units) if accounted else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dpmem.config import enum_value
+from dpmem.config import ConfigError, enum_value
 
 
 @dataclass(frozen=True)
@@ -46,3 +46,19 @@ class PrivacyUnit:
     def els(self) -> bool:
         """A user's records sampled one by one, each clipped alone, a user bounded to k of them."""
         return self.user and self.sampling == "records"
+
+    def terms(self, n: int, users: int | None, batch_size: int) -> dict:
+        """What the unit makes of the accounting of `n` records of `users` users at `batch_size` a step: `units`,
+        the number of them (what δ = auto and δ·n read); `sample_rate`, the rate at which a step samples what it
+        clips (records; ULS: users); `user_records`, ELS's k (a user of at most k records, each sampled at that rate:
+        `accounting._event`); `uls`. Raises ConfigError where the data names no users or the batch outnumbers them."""
+        if not self.user:
+            return {"units": n, "sample_rate": batch_size / n, "user_records": None, "uls": False}
+        if users is None:
+            raise ConfigError("privacy.unit", "user: the data names no users; set data.columns.user (data=csv|jsonl) "
+                              "or make them up with data.users=N")
+        if self.uls and batch_size > users:
+            raise ConfigError("train.batch_size", f"{batch_size} users a step (ULS samples users) of {users}: "
+                              f"allowed at most {users}")
+        return {"units": users, "sample_rate": batch_size / (users if self.uls else n),
+                "user_records": None if self.uls else self.k, "uls": self.uls}
