@@ -98,7 +98,7 @@ def test_the_docs_whole_method_loop_spends_dp_sgd_rc_by_the_accountant_dpmem_tra
                      f"train.steps={steps}")
     trained = calibrate(cfg, method_class("dp-sgd-rc").spec, n, steps, "poisson", torch.device("cpu"),
                         envelope(cfg, model))
-    assert trained.accountant["accountant"] == "rc" and ns["sigma"] == pytest.approx(trained.sigma, rel=1e-9)
+    assert trained.event.accountant == "rc" and ns["sigma"] == pytest.approx(trained.sigma, rel=1e-9)
     assert printed == [pytest.approx(trained.epsilon(steps), rel=1e-9)] and 0.9875 < printed[0] <= 1.0 * 1.001
 
 

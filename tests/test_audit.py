@@ -543,7 +543,7 @@ def test_canaries_are_sampled_as_records_are_under_cyclic_sampling():
 
     from dpmem.audit.canaries import GradientCanaries
     canaries = GradientCanaries(400, 1.0, seed=3)
-    mechanism = SimpleNamespace(groups=4, sample_rate=0.05, accountant={"dataset_size": 1000}, releases=0)
+    mechanism = SimpleNamespace(groups=4, sample_rate=0.05, event=SimpleNamespace(dataset_size=1000), releases=0)
     joined = torch.zeros(400, 4)
     for t in range(400):
         mechanism.releases = t

@@ -27,3 +27,24 @@ def test_the_unit_a_config_asks_for_is_the_one_its_summary_records(tmp_path, ove
 def test_a_summary_without_its_sampling_reads_as_els_whose_search_has_no_user_level_epsilon():
     assert PrivacyUnit.in_summary({"unit": "user", "records_per_user": 4}).els
     assert not PrivacyUnit.in_summary({"unit": "record", "user_sampling": "users"}).user
+
+
+def test_an_events_epsilon_is_dp_accountings_composition_built_here():
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    from dpmem.privacy.accounting import PLD_DISCRETIZATION
+    from dpmem.privacy.record import Event
+    event = Event(sigma=1.1, delta=1e-5, sample_rate=0.02, dataset_size=5000)
+    oracle = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+    oracle.compose(dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(1.1)), 300)
+    assert event.epsilon(300) == pytest.approx(oracle.get_epsilon(1e-5), rel=1e-6)
+
+
+def test_an_event_holds_epsilon_spents_keywords_and_gives_them_back():
+    from dpmem.privacy.record import Event
+    plain = {"accountant": "pld", "neighbouring": "replace_one", "sampling": "cyclic", "dataset_size": 1000,
+             "loss_noise": 2.0, "groups": 4, "noise": ("bandmf", 4, 100), "user_records": None}
+    rc = {**plain, "accountant": "rc", "k": 8, "d": 2048.0, "estimator": "hutchpp"}
+    for terms in (plain, rc):
+        assert Event.of(1.0, 1e-5, 0.1, terms).terms() == terms

@@ -126,7 +126,7 @@ class GradientCanaries(Observer):
             return self.included & (torch.rand(self.m, generator=self.gen) < mechanism.sample_rate)
         if self.group is None:
             self.group = torch.randint(groups, (self.m,), generator=self.gen)
-        rate = group_rate(mechanism.sample_rate, mechanism.accountant["dataset_size"], groups)
+        rate = group_rate(mechanism.sample_rate, mechanism.event.dataset_size, groups)
         turn = self.group == mechanism.releases % groups  # releases so far: this step's index
         return self.included & turn & (torch.rand(self.m, generator=self.gen) < rate)
 

@@ -29,7 +29,7 @@ from dpmem.persample.clipping import clip_factors
 from dpmem.privacy.accounting import UnreachableTarget, calibrate_sigma, epsilon_spent, group_rate, joint_sigma
 from dpmem.privacy.correlated import CorrelatedNoise
 from dpmem.privacy.randomness import Draws, key_of, normal, os_key, seed_key
-from dpmem.privacy.record import PrivacyUnit
+from dpmem.privacy.record import Event, PrivacyUnit
 from dpmem.privacy.strategies import Strategy, make_strategy
 
 NOISE_BUCKET = 2**24  # elements of noise drawn at once (64 MiB in float32)
@@ -93,8 +93,8 @@ class GaussianMechanism:
     plan: object = None
     # -- a run's accounting (`calibrate`) ------------------------------------------------------------------------
     private: bool = True  # False: a non-private method's run, which is given no mechanism (ε ∞, nothing released)
-    delta: float | None = None  # privacy.delta resolved; None: nothing accounted (privacy=none, by hand, a plan)
-    accountant: dict = field(default_factory=dict)  # epsilon_spent's keywords after (σ, δ, q, steps)
+    event: Event | None = None  # what ε is computed from (δ None: nothing accounted: privacy=none, a plan); by hand:
+    # None
     loss_release: str = "exact"  # the training loss: private (in ε), exact (outside it) or none
     summary: dict = field(default_factory=dict)  # the run summary's privacy fields
     sampler: Draws | None = None  # the batches' draws: their key is kept in the checkpoint alone
@@ -124,6 +124,8 @@ class GaussianMechanism:
     def accounted(self) -> bool:
         return self.delta is not None
 
+    delta = property(lambda self: None if self.event is None else self.event.delta)
+
     def epsilon(self, steps: int) -> float:
         """ε spent after `steps` steps, and no less than an earlier attempt of the run released: math.inf when
         nothing is accounted or the run leaks; NaN on torchrun's ranks other than 0, which write no summary."""
@@ -131,8 +133,7 @@ class GaussianMechanism:
             return math.inf
         if not distributed.is_main():
             return math.nan
-        return max(epsilon_spent(self.sigma, self.delta, self.sample_rate, steps, **self.accountant),
-                   self.state.released)
+        return max(self.event.epsilon(steps), self.state.released)
 
     def spent_before(self, epsilon: float) -> None:
         """What an earlier attempt of this run released (a resume reads it from the ledger): ε never goes below."""
@@ -148,9 +149,9 @@ class GaussianMechanism:
         s = self.summary
         return {"delta": self.delta, "sigma": s["sigma"], "sigma_accounted": s["sigma_accounted"],
                 "sample_rate": self.sample_rate, "accountant": s["accountant"], "neighbouring": s["neighbouring"],
-                "sampling": s["sampling"], "dataset_size": self.accountant["dataset_size"],
-                "groups": self.accountant.get("groups"), "strategy": self.accountant.get("noise"),
-                "user_records": self.accountant.get("user_records"), "unit": s.get("unit"), "users": s.get("users"),
+                "sampling": s["sampling"], "dataset_size": self.event.dataset_size, "groups": self.event.groups,
+                "strategy": self.event.noise, "user_records": self.event.user_records, "unit": s.get("unit"),
+                "users": s.get("users"),
                 "privacy_analysis": s.get("privacy_analysis")}
 
     def outside_epsilon(self, static_shapes: bool) -> dict[str, str]:
@@ -440,6 +441,7 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
     private_loss = loss_release == "private"
     loss_sigma = sigma * p.loss_noise if private_loss else None
     plan = spec.clipping(m)
+    event = Event.of(sigma, delta, q, keywords)
     summary = {
         "private": spec.private, "epsilon_target": target if accounted else None, "privacy_ignored": ignored,
         # privacy.noise_multiplier: σ was given, and epsilon_target is what it spends over the planned steps
@@ -464,7 +466,7 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
         "lr_step_noise_matched": matched,
         "groups": keywords["groups"],
         "group_rate": group_rate(q, n, keywords["groups"]) if keywords["groups"] else None,
-        "privacy_analysis": _analysis(keywords, unit["uls"]) if accounted else None,
+        "privacy_analysis": event.analysis(unit["uls"]) if accounted else None,
         # what ε protects: a record, or a user's records (ULS: sampled and clipped by user; ELS: by record)
         "unit": PrivacyUnit.of(p).name if spec.private else None,
         **({"user_sampling": PrivacyUnit.of(p).sampling, "records_per_user": p.records_per_user, "users": units}
@@ -479,26 +481,8 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
     strategy = make_strategy(*keywords["noise"]) if keywords["noise"] else None
     return GaussianMechanism(sigma, m.max_grad_norm if spec.private else math.inf, q * sampled, draws, q,
                              p.loss_bound if private_loss else math.inf, loss_sigma or 0.0, tuple(observers), plan,
-                             spec.private, delta, keywords, loss_release, summary, sampler, strategy,
+                             spec.private, event, loss_release, summary, sampler, strategy,
                              restart if strategy is not None else None, keywords["groups"])
-
-
-def _analysis(keywords: dict, uls: bool = False) -> str:
-    """What ε is computed as, in words: the summary's, the ledger's and the report's name for the accountant's event
-    (`uls`: the units sampled are users)."""
-    noise, groups = keywords["noise"], keywords["groups"]
-    if keywords["accountant"] == "rc":
-        return "randomized clipping's envelope under Poisson sampling (rc)"
-    if keywords.get("user_records"):
-        return (f"a user of at most {keywords['user_records']} records (ELS): a mixture of Gaussians of sensitivity "
-                "j ~ Binomial(k, q) per step, composed over the steps")
-    if noise is None:
-        return f"{keywords['sampling']}-subsampled Gaussian{' of users (ULS)' if uls else ''}, composed over the steps"
-    if noise[0] == "bisr":
-        return (f"one Gaussian of bisr's sensitivity over participations {groups} steps apart (cyclic groups), no "
-                "amplification")
-    return (f"amplified bandmf: ceil(steps / {groups}) compositions of a Poisson-subsampled Gaussian at the group's "
-            "rate (cyclic groups)")
 
 
 def line_epsilon(line: dict) -> float | None:
