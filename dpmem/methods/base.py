@@ -224,7 +224,8 @@ class Method:
     @classmethod
     def _check_unit(cls, cfg) -> None:
         """privacy.unit=user: a private method whose accountant has a user-level analysis, under Poisson sampling;
-        ULS (user_sampling=users) for the methods whose step clips per-sample gradients (`uls`)."""
+        ULS (user_sampling=users) for the methods whose step clips per-sample gradients (`MethodSpec.no_uls` says
+        why a step cannot)."""
         t, p, m = cfg.train, cfg.privacy, cfg.method
         unit = PrivacyUnit.of(p)
         if not unit.user:
@@ -243,7 +244,6 @@ class Method:
                               "accounts by PLD alone; allowed: pld, auto")
         if not els and cls.spec.no_uls:
             raise ConfigError("privacy.user_sampling", f"users: {m.name} {cls.spec.no_uls}; allowed: records (ELS)")
-
 
     def compile(self, compiler) -> None:
         """train.compile: the step's functions compiled by `compiler` (`dpmem.compiling.Compiler`)."""

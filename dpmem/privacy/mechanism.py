@@ -93,8 +93,7 @@ class GaussianMechanism:
     plan: object = None
     # -- a run's accounting (`calibrate`) ------------------------------------------------------------------------
     private: bool = True  # False: a non-private method's run, which is given no mechanism (ε ∞, nothing released)
-    event: Event | None = None  # what ε is computed from (δ None: nothing accounted: privacy=none, a plan); by hand:
-    # None
+    event: Event | None = None  # what ε is computed from; no event, or δ None: nothing accounted (privacy=none, a plan)
     loss_release: str = "exact"  # the training loss: private (in ε), exact (outside it) or none
     summary: dict = field(default_factory=dict)  # the run summary's privacy fields
     sampler: Draws | None = None  # the batches' draws: their key is kept in the checkpoint alone
