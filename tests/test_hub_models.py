@@ -72,11 +72,14 @@ FROZEN = {"deberta-v2": ["model.frozen=[deberta.encoder.rel_embeddings.*,deberta
 IMAGE = {"poolformer": ["data.image_size=16"]}
 
 
-@pytest.mark.parametrize("name, head", [
+TRAINED = [
     ("gpt2", "classifier"), ("bert", "classifier"), ("qwen2", "causal"), ("vit", "classifier"),
     ("vit-7-classes", "classifier"), ("llama", "causal"), ("mistral", "causal"), ("gemma3_text", "causal"),
     ("phi3", "classifier"), ("gpt_neox", "causal"), ("falcon", "causal"), ("distilbert", "classifier"),
-    ("deberta-v2", "classifier"), ("t5", "classifier"), ("poolformer", "classifier")])
+    ("deberta-v2", "classifier"), ("t5", "classifier"), ("poolformer", "classifier")]
+
+
+@pytest.mark.parametrize("name, head", TRAINED)
 def test_a_checkpoint_of_any_type_trains_privately_from_its_own_config(cli, checkpoints, name, head):
     """Each passes the attribution proof on its first step (every per-sample gradient its sample's), DeBERTa's with
     its relative-position table (as its refusal says, below) and the LayerNorm over it frozen (model.frozen), T5's
@@ -174,10 +177,8 @@ def test_lora_on_any_checkpoint_targets_its_linear_layers_by_type_and_trains_its
     assert {n for n in trainable if ".lora_" not in n} == {"score.weight"}
 
 
-PLANNED = [("gpt2", "classifier"), ("bert", "classifier"), ("qwen2", "causal"), ("vit", "classifier"),
-           ("llama", "causal"), ("mistral", "causal"), ("gemma3_text", "causal"), ("phi3", "classifier"),
-           ("gpt_neox", "causal"), ("falcon", "causal"), ("distilbert", "classifier"), ("deberta-v2", "classifier"),
-           ("poolformer", "classifier")]
+# the fine-tuned ViT's plan is the ViT's; T5's is made on real tensors only (below)
+PLANNED = [(name, head) for name, head in TRAINED if name not in ("vit-7-classes", "t5")]
 
 
 @pytest.mark.parametrize("method", [["method=dp-adam"], ["method=dp-adam", "method.clipping=ghost"],

@@ -164,11 +164,12 @@ class Run:
         if self.checkpoint is not None:
             self._check_data()
         data, self.users = users.for_training(cfg.privacy, data, cfg.data.split_seed)  # ELS's bound, once
-        self.grouped = users.Users(data.users) if PrivacyUnit.of(cfg.privacy).uls else None  # ULS samples these
+        uls = PrivacyUnit.of(cfg.privacy).uls
+        self.grouped = users.Users(data.users) if uls else None  # ULS samples these
         if self.data_hook is not None:
             data = self.data_hook(data)
         n = data.n_train
-        self.steps, self.sampling = run_length(cfg, users.count(data) if PrivacyUnit.of(cfg.privacy).uls else n)
+        self.steps, self.sampling = run_length(cfg, users.count(data) if uls else n)
         if t.fsdp:
             check_fsdp(m)
         if t.fsdp and distributed.world_size() == 1:

@@ -383,12 +383,13 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
     ignored = f"{asked} has no effect: {m.name} is not private" if not spec.private and asked else None
     if ignored and distributed.is_main():
         print(f"dpmem: warning: {ignored}", file=sys.stderr)
-    unit = PrivacyUnit.of(p).terms(n, users, t.batch_size)  # (unit=user with a non-private method: Method.check)
+    asked_unit = PrivacyUnit.of(p)  # (privacy.unit=user with a non-private method: Method.check)
+    unit = asked_unit.terms(n, users, t.batch_size)
     units, q = unit["units"], unit["sample_rate"]  # n: the records; units: users under privacy.unit=user
     sampled = units if unit["uls"] else n  # what a step samples (and clips) from: records, or ULS's users
     delta = resolve_delta(p.delta, units) if accounted else None
     if accounted and delta * units >= 1:
-        what = f"{PrivacyUnit.of(p).name}s"
+        what = f"{asked_unit.name}s"
         print(f"dpmem: warning: delta = {delta:.3g} is at least 1/n = {1 / units:.3g} (n = {units} {what}): at that "
               f"delta a mechanism that publishes one random {what[:-1]}'s data whole is still (epsilon, delta)-DP; "
               "the default privacy.delta=auto is min(1e-5, 1/n^1.1)", file=sys.stderr)
@@ -467,9 +468,9 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
         "group_rate": group_rate(q, n, keywords["groups"]) if keywords["groups"] else None,
         "privacy_analysis": event.analysis(unit["uls"]) if accounted else None,
         # what ε protects: a record, or a user's records (ULS: sampled and clipped by user; ELS: by record)
-        "unit": PrivacyUnit.of(p).name if spec.private else None,
-        **({"user_sampling": PrivacyUnit.of(p).sampling, "records_per_user": p.records_per_user, "users": units}
-           if spec.private and PrivacyUnit.of(p).user else {}),
+        "unit": asked_unit.name if spec.private else None,
+        **({"user_sampling": asked_unit.sampling, "records_per_user": p.records_per_user, "users": units}
+           if spec.private and asked_unit.user else {}),
     }
     # the batches' key: from privacy.sampler_seed if given; for an accounted run from the OS (rank 0's, on every
     # rank), since ε assumes nobody knows which steps held a record; otherwise from the run seed (a baseline's
