@@ -44,6 +44,31 @@ def test_calibrate_sigma_matches_opacus(accountant, opacus_name, epsilon):
     assert epsilon * 0.99 <= spent <= epsilon * 1.0005
 
 
+@pytest.mark.parametrize("neighbouring, understated", [
+    ("add_remove", 0), ("replace_one", 0),
+    ("add_remove", 0.05),  # a search grid that understates ε (its root below): the search on the fine grid
+])
+def test_calibrate_sigma_is_dp_accountings_calibration_on_its_grid(monkeypatch, neighbouring, understated):
+    """calibrate_sigma searches a Poisson Gaussian on a coarser grid first and brackets the fine root from it: the σ
+    is dp-accounting's own calibration on dpmem's grid, to the tolerance, and spends no more than the target."""
+    from dpmem.privacy import accounting
+    fine, real = accounting.PLD_DISCRETIZATION, accounting._poisson_epsilon
+    monkeypatch.setattr(accounting, "_poisson_epsilon", lambda *a, interval=fine: real(
+        *a, interval=interval) - (understated if interval != fine else 0))
+    accounting.calibrate_sigma.cache_clear()
+    target, q, steps, tolerance = 2.0, 0.05, 30, 1e-3
+    sigma = accounting.calibrate_sigma(target, DELTA, q, steps, neighbouring=neighbouring)
+    accounting.calibrate_sigma.cache_clear()
+    relation = accounting.RELATIONS[neighbouring]
+    want = dp_accounting.calibrate_dp_mechanism(
+        lambda: pld.PLDAccountant(relation, value_discretization_interval=PLD_DISCRETIZATION),
+        lambda s: dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(s)), steps),
+        target, DELTA, dp_accounting.ExplicitBracketInterval(sigma - 0.01, sigma + 0.01), tol=tolerance)
+    assert epsilon_spent(sigma, DELTA, q, steps, neighbouring=neighbouring) <= target
+    assert abs(sigma - want) <= tolerance + 1e-9, (sigma, want)
+
+
 def analytic_gaussian_delta(eps, sigma, sensitivity):
     """Balle & Wang (2018), Theorem 8: the exact delta(eps) of the Gaussian mechanism."""
     a = sensitivity / (2 * sigma)

@@ -28,9 +28,10 @@ ACCOUNTANTS = ("pld", "rdp", "rc")
 SAMPLINGS = ("poisson", "fixed", "cyclic")
 # PLD discretisation: 1e-3 keeps a 1000-step composition under a second and errs on the pessimistic side.
 PLD_DISCRETIZATION = 1e-3
-# ELS's calibration searches on a grid this much coarser (`calibrate_sigma`): a mixture's PLD is built by
-# root-finding per bucket (4 s at σ 0.65 on the fine grid, 0.5 s on this one)
-MIXTURE_SEARCH_COARSENING = 10
+# calibrate_sigma searches on a grid this much coarser first, where dpmem builds the PLD itself, and then checks
+# the fine grid's root from it: a mixture's PLD is built by root-finding per bucket (4 s at σ 0.65 on the fine grid,
+# 0.5 s on this one), and a Poisson Gaussian's took 0.05-0.1 s a σ, seven σ a calibration
+SEARCH_COARSENING = 10
 MIN_SIGMA, MAX_SIGMA = 0.05, 1e3
 # Randomized clipping with few probes has a heavy-tailed sensitivity (k = 1, 2 need noise multipliers in the
 # hundreds to hundreds of thousands), so rc searches further before refusing a target.
@@ -106,12 +107,34 @@ def _mixture_epsilon(sigma: float, delta: float, sample_rate: float, steps: int,
 
 
 @functools.lru_cache(maxsize=32)
-def _poisson_step(sigma: float, sample_rate: float, neighbouring: str):
+def _poisson_step(sigma: float, sample_rate: float, neighbouring: str, interval: float = PLD_DISCRETIZATION):
     """One Poisson-subsampled Gaussian step as a privacy loss distribution, built as PLDAccountant builds it: most of
     a PLD's ε is this construction (0.15 s at σ ~ 1), so a run's ε at each logged step, of one σ, builds it once."""
     return pld.privacy_loss_distribution.from_gaussian_mechanism(
-        standard_deviation=sigma, value_discretization_interval=PLD_DISCRETIZATION, sampling_prob=sample_rate,
+        standard_deviation=sigma, value_discretization_interval=interval, sampling_prob=sample_rate,
         neighboring_relation=RELATIONS[neighbouring])
+
+
+def _poisson_epsilon(sigma: float, delta: float, sample_rate: float, steps: int, neighbouring: str,
+                     interval: float = PLD_DISCRETIZATION) -> float:
+    """What PLDAccountant composes for SelfComposed(PoissonSampled(Gaussian)), its one step kept."""
+    composed = _poisson_step(sigma, sample_rate, neighbouring, interval).self_compose(steps)
+    return float(pld.privacy_loss_distribution.identity(interval).compose(composed).get_epsilon_for_delta(delta))
+
+
+def _own_pld(delta: float, sample_rate: float, steps: int, accountant: str, neighbouring: str, sampling: str,
+             dataset_size: int | None, groups: int | None, noise, user_records: int | None, interval: float):
+    """ε(σ of the joint Gaussian) on the grid `interval`, for the events whose PLD dpmem builds itself (ELS's
+    mixture, a Poisson or a banded cyclic Gaussian); None for the others (dp-accounting's accountants compose them)."""
+    if user_records is not None and accountant == "pld" and neighbouring == "add_remove" and sampling == "poisson":
+        return lambda s: _mixture_epsilon(s, delta, sample_rate, steps, int(user_records), interval=interval)
+    banded = sampling == "cyclic" and groups and dataset_size is not None and not (noise and noise[0] == "bisr")
+    if accountant == "pld" and user_records is None and neighbouring in RELATIONS and (sampling == "poisson" or banded):
+        # a banded strategy's at its group's rate, once a participation
+        rate, count = ((group_rate(sample_rate, dataset_size, groups), math.ceil(steps / groups)) if banded
+                       else (sample_rate, steps))
+        return lambda s: _poisson_epsilon(s, delta, rate, count, neighbouring, interval=interval)
+    return None
 
 
 def group_rate(sample_rate: float, dataset_size: int, groups: int) -> float:
@@ -227,18 +250,10 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
         return math.inf
     if accountant == "rc":
         return rc.rc_epsilon(sigma, delta, sample_rate, steps, k, d, estimator, PLD_DISCRETIZATION, loss_noise)
-    if user_records is not None and accountant == "pld" and neighbouring == "add_remove" and sampling == "poisson":
-        # what PLDAccountant composes for `_event`'s mixture, its one step kept: a run asks for each logged step
-        return _mixture_epsilon(joint_sigma(sigma, loss_noise), delta, sample_rate, steps, int(user_records))
-    banded = sampling == "cyclic" and groups and dataset_size is not None and not (noise and noise[0] == "bisr")
-    if accountant == "pld" and user_records is None and neighbouring in RELATIONS and (sampling == "poisson" or banded):
-        # what PLDAccountant composes for `_event`'s SelfComposed(PoissonSampled(Gaussian)) (a banded strategy's at
-        # its group's rate, once a participation), its one step kept
-        rate, count = ((group_rate(sample_rate, dataset_size, groups), math.ceil(steps / groups)) if banded
-                       else (sample_rate, steps))
-        composed = _poisson_step(joint_sigma(sigma, loss_noise), rate, neighbouring).self_compose(count)
-        return float(pld.privacy_loss_distribution.identity(PLD_DISCRETIZATION).compose(composed)
-                     .get_epsilon_for_delta(delta))
+    own = _own_pld(delta, sample_rate, steps, accountant, neighbouring, sampling, dataset_size, groups, noise,
+                   user_records, PLD_DISCRETIZATION)
+    if own is not None:  # what PLDAccountant composes for `_event`, its one step kept: a run asks at each logged step
+        return own(joint_sigma(sigma, loss_noise))
     acc = _accountant(accountant, neighbouring)
     event = _event(joint_sigma(sigma, loss_noise), sample_rate, steps, sampling, dataset_size, groups,
                    _tuple(noise), user_records)
@@ -381,12 +396,13 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
     unreachable = (f"epsilon={epsilon} at delta={delta} is unreachable with sample rate {sample_rate:.4g} over "
                    f"{steps} steps")
     bracket = None
-    if user_records is not None and accountant == "pld" and neighbouring == "add_remove" and sampling == "poisson":
-        # ELS: the search on a coarser grid first, whose buckets round each privacy loss up to a multiple of the
-        # fine grid's, so that its ε is above the fine one's and its root above the fine root; the fine grid's
-        # root is then bracketed from it (`_below`), most often by two fine PLDs where the search built ten
-        coarse = functools.cache(lambda s: _mixture_epsilon(
-            s, delta, sample_rate, steps, int(user_records), interval=PLD_DISCRETIZATION * MIXTURE_SEARCH_COARSENING))
+    coarse = _own_pld(delta, sample_rate, steps, accountant, neighbouring, sampling, dataset_size, groups, noise,
+                      user_records, PLD_DISCRETIZATION * SEARCH_COARSENING)
+    if coarse is not None:
+        # the search on a coarser grid first, whose buckets round each privacy loss up to a multiple of the fine
+        # grid's, so that its ε is above the fine one's and its root above the fine root; the fine grid's root is
+        # then bracketed from it (`_below`), most often by two fine PLDs where the search built seven to ten
+        coarse = functools.cache(coarse)
         try:
             bracket = _below(eps, epsilon, _root(coarse, epsilon, *_bracket(coarse, epsilon, MAX_SIGMA, unreachable),
                                                  tolerance), tolerance)
