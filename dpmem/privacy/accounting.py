@@ -401,7 +401,7 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
     if coarse is not None:
         # the search on a coarser grid first, whose buckets round each privacy loss up to a multiple of the fine
         # grid's, so that its ε is above the fine one's and its root above the fine root; the fine grid's root is
-        # then bracketed from it (`_below`), most often by two fine PLDs where the search built seven to ten
+        # then bracketed from it (`_below`), by two to six fine PLDs where the search built seven to ten
         coarse = functools.cache(coarse)
         try:
             bracket = _below(eps, epsilon, _root(coarse, epsilon, *_bracket(coarse, epsilon, MAX_SIGMA, unreachable),
