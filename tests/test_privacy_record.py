@@ -48,3 +48,35 @@ def test_an_event_holds_epsilon_spents_keywords_and_gives_them_back():
     rc = {**plain, "accountant": "rc", "k": 8, "d": 2048.0, "estimator": "hutchpp"}
     for terms in (plain, rc):
         assert Event.of(1.0, 1e-5, 0.1, terms).terms() == terms
+
+
+def test_a_ledger_line_gives_back_the_epsilon_of_its_event_as_dp_accounting_composes_it():
+    """Event.line is what privacy.jsonl records, and line_epsilon reads it back through Event.from_line: the joint
+    multiplier of the gradient's and the loss's releases (the loss's noise loss_noise·σ: one Gaussian of
+    (σ⁻² + (loss_noise·σ)⁻²)^(-1/2), composed here by dp-accounting), and the correlated strategy as JSON gives it
+    back (a list)."""
+    import json
+
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    from dpmem.privacy.accounting import PLD_DISCRETIZATION
+    from dpmem.privacy.record import Event, line_epsilon
+    sigma, loss = 1.1, 2.0
+    event = Event(sigma=sigma, delta=1e-5, sample_rate=0.02, dataset_size=5000, loss_noise=loss)
+    line = json.loads(json.dumps({**event.line(), "steps_done": 300}))
+    joint = (sigma ** -2 + (loss * sigma) ** -2) ** -0.5
+    oracle = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+    oracle.compose(dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(joint)), 300)
+    assert line["sigma_accounted"] == pytest.approx(joint, rel=1e-12)
+    assert line_epsilon(line) == pytest.approx(oracle.get_epsilon(1e-5), rel=1e-6) == pytest.approx(event.epsilon(300))
+    banded = Event(sigma=1.1, delta=1e-5, sample_rate=0.05, sampling="cyclic", dataset_size=1000, groups=4,
+                   noise=("bandmf", 2, 40))
+    line = json.loads(json.dumps({**banded.line(), "steps_done": 40}))
+    assert line["strategy"] == ["bandmf", 2, 40] and Event.from_line(line) == banded
+    assert line_epsilon(line) == banded.epsilon(40)
+    # what a line cannot say is no ε: rc's envelope, a field gone, a σ that is not a number
+    assert line_epsilon({**line, "accountant": "rc"}) is None
+    assert line_epsilon({k: v for k, v in line.items() if k != "delta"}) is None
+    assert line_epsilon({**line, "sigma_accounted": "many"}) is None
+    assert Event(sigma=1.0, delta=None, sample_rate=0.1).line()["accountant"] is None  # nothing accounted

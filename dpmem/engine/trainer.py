@@ -32,8 +32,8 @@ from dpmem.engine.tracking import NoTracker, open_tracker
 from dpmem.metering import Meter
 from dpmem.methods import check_fsdp, method_class
 from dpmem.methods.subspace import SubspaceProjection, privacy_of
-from dpmem.privacy.mechanism import accounting, line_epsilon
-from dpmem.privacy.record import PrivacyUnit
+from dpmem.privacy.mechanism import accounting
+from dpmem.privacy.record import PrivacyUnit, line_epsilon
 from dpmem.privacy.sampling import make_batches, user_batches
 
 

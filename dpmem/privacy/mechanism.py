@@ -9,9 +9,9 @@ sums; the mechanism alone adds noise to them, so a broken mechanism (`dpmem.audi
 patch.
 
 A run's mechanism (`calibrate`) holds its accounting, which the run's summary and its append-only ledger
-(privacy.jsonl) write; `line_epsilon` reads a ledger line back. An infinite ε (no privacy: a non-private method,
-privacy=none, a leaking subspace) is math.inf here and "inf" in summary.json and metrics.jsonl (JSON has no
-infinity; `float("inf")` reads it back).
+(privacy.jsonl) write; `record.line_epsilon` reads a ledger line's event back. An infinite ε (no privacy: a
+non-private method, privacy=none, a leaking subspace) is math.inf here and "inf" in summary.json and metrics.jsonl
+(JSON has no infinity; `float("inf")` reads it back).
 """
 
 from __future__ import annotations
@@ -144,13 +144,9 @@ class GaussianMechanism:
         self.summary.update(private=False, epsilon_spent=math.inf)
 
     def ledger_fields(self) -> dict:
-        """What a privacy.jsonl line records beside its ε and steps: what ε is computed from (`line_epsilon`)."""
+        """What a privacy.jsonl line records beside its ε and steps: what ε is computed from (`Event.line`)."""
         s = self.summary
-        return {"delta": self.delta, "sigma": s["sigma"], "sigma_accounted": s["sigma_accounted"],
-                "sample_rate": self.sample_rate, "accountant": s["accountant"], "neighbouring": s["neighbouring"],
-                "sampling": s["sampling"], "dataset_size": self.event.dataset_size, "groups": self.event.groups,
-                "strategy": self.event.noise, "user_records": self.event.user_records, "unit": s.get("unit"),
-                "users": s.get("users"),
+        return {"sigma": s["sigma"], **self.event.line(), "unit": s.get("unit"), "users": s.get("users"),
                 "privacy_analysis": s.get("privacy_analysis")}
 
     def outside_epsilon(self, static_shapes: bool) -> dict[str, str]:
@@ -483,19 +479,3 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
                              p.loss_bound if private_loss else math.inf, loss_sigma or 0.0, tuple(observers), plan,
                              spec.private, event, loss_release, summary, sampler, strategy,
                              restart if strategy is not None else None, keywords["groups"])
-
-
-def line_epsilon(line: dict) -> float | None:
-    """ε recomputed from what a privacy.jsonl line says it was computed from (`ledger_fields`: σ accounted per
-    step, q, δ, steps, the accountant): what a damaged or edited ε field cannot lower. None where the line cannot
-    say (rc, whose envelope the line does not hold, or a field missing)."""
-    try:
-        if line.get("accountant") not in ("pld", "rdp") or not line.get("steps_done"):
-            return None
-        sigma = float(line.get("sigma_accounted") or line["sigma"])
-        return epsilon_spent(sigma, float(line["delta"]), float(line["sample_rate"]), int(line["steps_done"]),
-                             line["accountant"], line.get("neighbouring") or "add_remove",
-                             line.get("sampling") or "poisson", line.get("dataset_size"), groups=line.get("groups"),
-                             noise=line.get("strategy"), user_records=line.get("user_records"))
-    except (KeyError, TypeError, ValueError):
-        return None

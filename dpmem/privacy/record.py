@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dpmem.config import ConfigError, enum_value
-from dpmem.privacy.accounting import epsilon_spent
+from dpmem.privacy.accounting import epsilon_spent, joint_sigma
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,30 @@ class Event:
     def epsilon(self, steps: int) -> float:
         return epsilon_spent(self.sigma, self.delta, self.sample_rate, steps, **self.terms())
 
+    def line(self) -> dict:
+        """What a privacy.jsonl line records of the event (beside its ε and steps), for `from_line` to read back: σ
+        accounted per step (the gradient's and the loss's releases as one multiplier; None for rc, whose envelope
+        the line does not hold), and the analysis's terms; accountant, relation and σ None where nothing is
+        accounted."""
+        accounted = self.delta is not None
+        return {"delta": self.delta,
+                "sigma_accounted": joint_sigma(self.sigma, self.loss_noise) if accounted and not self.rc else None,
+                "sample_rate": self.sample_rate, "accountant": self.accountant if accounted else None,
+                "neighbouring": self.neighbouring if accounted else None, "sampling": self.sampling,
+                "dataset_size": self.dataset_size, "groups": self.groups, "strategy": self.noise,
+                "user_records": self.user_records}
+
+    @classmethod
+    def from_line(cls, line: dict) -> Event:
+        """The event a privacy.jsonl line (`line`), or a record named as one, says its ε was computed from: the
+        joint σ (its `sigma` where it has no `sigma_accounted`: an older line), with no loss noise beside it.
+        Raises KeyError, TypeError or ValueError where a field it needs is missing or not a number."""
+        strategy = line.get("strategy")
+        return cls(float(line.get("sigma_accounted") or line["sigma"]), float(line["delta"]),
+                   float(line["sample_rate"]), line["accountant"], line.get("neighbouring") or "add_remove",
+                   line.get("sampling") or "poisson", line.get("dataset_size"), groups=line.get("groups"),
+                   noise=None if strategy is None else tuple(strategy), user_records=line.get("user_records"))
+
     def analysis(self, uls: bool = False) -> str:
         """What ε is computed as, in words: the summary's, the ledger's and the report's name for the event (`uls`:
         the units sampled are users)."""
@@ -117,3 +141,15 @@ class Event:
                     "groups), no amplification")
         return (f"amplified bandmf: ceil(steps / {self.groups}) compositions of a Poisson-subsampled Gaussian at the "
                 "group's rate (cyclic groups)")
+
+
+def line_epsilon(line: dict) -> float | None:
+    """ε recomputed from what a privacy.jsonl line says it was computed from (`Event.from_line`) at the steps it
+    records: what a damaged or edited ε field cannot lower. None where the line cannot say (rc, whose envelope the
+    line does not hold, or a field missing or not a number)."""
+    try:
+        if line.get("accountant") not in ("pld", "rdp") or not line.get("steps_done"):
+            return None
+        return Event.from_line(line).epsilon(int(line["steps_done"]))
+    except (KeyError, TypeError, ValueError):
+        return None

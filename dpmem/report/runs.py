@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from dpmem.data import is_loss
 from dpmem.engine.folder import MARK
 from dpmem.engine.summary import METRICS, PRIVACY_LEDGER, most_spent, privacy_records
-from dpmem.privacy.record import PrivacyUnit
+from dpmem.privacy.record import PrivacyUnit, line_epsilon
 from dpmem.report import figures, markdown_table
 from dpmem.report.labels import NOT_TRAINING, USER, epsilon_number, row_label, variants
 
@@ -121,8 +121,6 @@ def _recomputed(folder: dict, steps: int) -> tuple[float, str]:
     """The least ε a folder's run spent over `steps` steps, whatever its ledger's ε fields say, and what gave it: its
     config.yaml's σ and q (`_planned`; σ no larger and q no smaller than a line says), or its lines' own (each
     line's σ, q and steps, `line_epsilon`) where no config.yaml says; 0 where neither can."""
-    from dpmem.privacy.mechanism import line_epsilon
-
     lines = folder["ledger"]
     furthest = [r for r in lines if int(r.get("steps_done") or 0) == steps]
     own = max((eps for r in furthest if (eps := line_epsilon(r)) is not None), default=0.0)
