@@ -7,6 +7,8 @@ rule, the attribution proof under the chosen plan, its step memory); the proof r
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
@@ -15,7 +17,7 @@ from dpmem.checking import Check, check
 from dpmem.config import resolve_delta
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.privatize import Privatizer
-from dpmem.privacy.accounting import calibrate_sigma, epsilon_spent
+from dpmem.privacy.accounting import Event
 from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, key_of
 from dpmem.privacy.sampling import poisson_batches
@@ -58,23 +60,24 @@ class PrivateTraining:
     for that many); `epsilon` is what the steps taken spent, from the mechanism's own σ. `check` is what the check
     before training found (print it)."""
 
-    def __init__(self, model, optimizer, privatizer: Privatizer, loss_fn, delta: float, sample_rate: float, steps: int,
+    def __init__(self, model, optimizer, privatizer: Privatizer, loss_fn, event: Event, steps: int,
                  report: Check, records: _Records, batches, physical_batch_size: int | None):
         self.model, self.optimizer, self.privatizer, self.loss_fn = model, optimizer, privatizer, loss_fn
         self.check, self._records, self._batches = report, records, batches
         self._shapes = {p: p.shape for p in privatizer.params}
-        self._delta, self._q, self._steps, self._physical = delta, sample_rate, steps, physical_batch_size
+        self._event, self._steps, self._physical = event, steps, physical_batch_size
         self.taken = 0
 
     sigma = property(lambda self: self.privatizer.mechanism.sigma, doc="σ, the noise multiplier the steps add")
-    delta = property(lambda self: self._delta, doc="δ")
-    sample_rate = property(lambda self: self._q, doc="q: each record joins each step with this probability")
+    delta = property(lambda self: self._event.delta, doc="δ")
+    sample_rate = property(lambda self: self._event.sample_rate, doc="q: each record joins each step with this "
+                                                                     "probability")
     steps = property(lambda self: self._steps, doc="the steps the noise was set for")
 
     @property
     def epsilon(self) -> float:
         """ε at `delta` after the steps taken (PLD accountant, Poisson sampling, add/remove neighbours)."""
-        return epsilon_spent(self.sigma, self._delta, self._q, self.taken)
+        return self._event.epsilon(self.taken)
 
     def step(self) -> None:
         """Sample the next batch, set each trainable parameter's `.grad` to its privatised gradient ((Σ clipped +
@@ -136,8 +139,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data, loss_
         raise ValueError(f"make_private: clipping {clipping!r}: allowed {', '.join(CLIPPING)}")
     q = batch_size / n
     steps = steps if steps is not None else math.ceil(epochs * n / batch_size)  # n records an epoch
-    delta = resolve_delta(delta, n)
-    sigma = calibrate_sigma(epsilon, delta, q, steps) if epsilon is not None else float(noise_multiplier)
+    event = Event(0.0, resolve_delta(delta, n), q)  # PLD, Poisson sampling, add/remove neighbours
+    event = event.calibrated(epsilon, steps) if epsilon is not None else replace(event, sigma=float(noise_multiplier))
+    sigma = event.sigma
     report = check(model, loss_fn, records(torch.arange(min(CHECKED_RECORDS, n))), plans=(clipping,))
     key = key_of(seed)
     noise = GaussianMechanism(sigma, max_grad_norm, expected_batch_size=q * n, draws=Draws(key, "noise"))
@@ -149,5 +153,5 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data, loss_
         more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
         raise ValueError(f"make_private: the optimizer does not update {left[0]}{more}, a trainable parameter: build "
                          "it over the model's parameters, or freeze what it should not train")
-    return PrivateTraining(model, optimizer, privatizer, loss_fn, delta, q, steps, report, records,
+    return PrivateTraining(model, optimizer, privatizer, loss_fn, event, steps, report, records,
                            poisson_batches(n, q, steps, Draws(key, "batches")), physical_batch_size)

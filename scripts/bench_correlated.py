@@ -46,7 +46,6 @@ from bench_runs import config, pool_map  # noqa: E402
 from dpmem.data import build_data  # noqa: E402
 from dpmem.engine.assemble import assemble  # noqa: E402
 from dpmem.engine.trainer import accounting_of, run_training  # noqa: E402
-from dpmem.privacy.accounting import calibrate_sigma  # noqa: E402
 from dpmem.privacy.mechanism import GaussianMechanism  # noqa: E402
 from dpmem.privacy.randomness import Draws, seed_key  # noqa: E402
 from dpmem.privacy.strategies import make_strategy  # noqa: E402
@@ -133,8 +132,8 @@ def train(overrides: tuple[str, ...]) -> dict:
 
 def sigma_of(overrides: tuple[str, ...], epsilon: float, n: int) -> tuple[float, int, tuple | None]:
     """The σ a run of `overrides` would be calibrated to (without building it), its steps and its strategy."""
-    acc = accounting_of(config(overrides), n)
-    return calibrate_sigma(epsilon, **acc), acc["steps"], acc["noise"]
+    event, steps = accounting_of(config(overrides), n)
+    return event.calibrated(epsilon, steps).sigma, steps, event.noise
 
 
 def _sigma_job(args: tuple) -> tuple:
@@ -584,7 +583,7 @@ def main() -> None:
     if "step" in args.parts:
         task = tasks[0]
         if task.name not in steps:
-            steps[task.name] = accounting_of(config(task.of("dp-adam")), n_train[task.name])["steps"]
+            steps[task.name] = accounting_of(config(task.of("dp-adam")), n_train[task.name])[1]
         sections += ["## The step", "", *step_part(task, steps[task.name], step_bands, rounds,
                                                     [] if quick else [2**22])]
     if reading:

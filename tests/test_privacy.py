@@ -55,10 +55,10 @@ def test_calibrate_sigma_is_dp_accountings_calibration_on_its_grid(monkeypatch, 
     fine, real = accounting.PLD_DISCRETIZATION, accounting._poisson_epsilon
     monkeypatch.setattr(accounting, "_poisson_epsilon", lambda *a, interval=fine: real(
         *a, interval=interval) - (understated if interval != fine else 0))
-    accounting.calibrate_sigma.cache_clear()
+    accounting.sigma_for.cache_clear()
     target, q, steps, tolerance = 2.0, 0.05, 30, 1e-3
     sigma = accounting.calibrate_sigma(target, DELTA, q, steps, neighbouring=neighbouring)
-    accounting.calibrate_sigma.cache_clear()
+    accounting.sigma_for.cache_clear()
     relation = accounting.RELATIONS[neighbouring]
     want = dp_accounting.calibrate_dp_mechanism(
         lambda: pld.PLDAccountant(relation, value_discretization_interval=PLD_DISCRETIZATION),

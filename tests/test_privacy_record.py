@@ -34,7 +34,7 @@ def test_an_events_epsilon_is_dp_accountings_composition_built_here():
     from dp_accounting.pld import pld_privacy_accountant
 
     from dpmem.privacy.accounting import PLD_DISCRETIZATION
-    from dpmem.privacy.record import Event
+    from dpmem.privacy.accounting import Event
     event = Event(sigma=1.1, delta=1e-5, sample_rate=0.02, dataset_size=5000)
     oracle = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
     oracle.compose(dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(1.1)), 300)
@@ -42,7 +42,7 @@ def test_an_events_epsilon_is_dp_accountings_composition_built_here():
 
 
 def test_an_event_holds_epsilon_spents_keywords_and_gives_them_back():
-    from dpmem.privacy.record import Event
+    from dpmem.privacy.accounting import Event
     plain = {"accountant": "pld", "neighbouring": "replace_one", "sampling": "cyclic", "dataset_size": 1000,
              "loss_noise": 2.0, "groups": 4, "noise": ("bandmf", 4, 100), "user_records": None}
     rc = {**plain, "accountant": "rc", "k": 8, "d": 2048.0, "estimator": "hutchpp"}
@@ -61,7 +61,8 @@ def test_a_ledger_line_gives_back_the_epsilon_of_its_event_as_dp_accounting_comp
     from dp_accounting.pld import pld_privacy_accountant
 
     from dpmem.privacy.accounting import PLD_DISCRETIZATION
-    from dpmem.privacy.record import Event, line_epsilon
+    from dpmem.privacy.accounting import Event
+    from dpmem.privacy.record import line_epsilon
     sigma, loss = 1.1, 2.0
     event = Event(sigma=sigma, delta=1e-5, sample_rate=0.02, dataset_size=5000, loss_noise=loss)
     line = json.loads(json.dumps({**event.line(), "steps_done": 300}))
@@ -80,3 +81,61 @@ def test_a_ledger_line_gives_back_the_epsilon_of_its_event_as_dp_accounting_comp
     assert line_epsilon({k: v for k, v in line.items() if k != "delta"}) is None
     assert line_epsilon({**line, "sigma_accounted": "many"}) is None
     assert Event(sigma=1.0, delta=None, sample_rate=0.1).line()["accountant"] is None  # nothing accounted
+
+
+def _pld_epsilon(event, steps: int, delta: float = 1e-5) -> float:
+    """ε of a Poisson-subsampled Gaussian (`event`'s σ and q) over `steps` steps, composed here by dp-accounting."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    from dpmem.privacy.accounting import PLD_DISCRETIZATION
+    oracle = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+    oracle.compose(dp_accounting.PoissonSampledDpEvent(event.sample_rate, dp_accounting.GaussianDpEvent(event.sigma)),
+                   steps)
+    return oracle.get_epsilon(delta)
+
+
+def test_composed_events_are_dp_accountings_composition_of_their_gaussians_built_here():
+    """composed_epsilon takes (Event, steps) pairs: two runs on the same data, one with its loss released beside its
+    gradient (one Gaussian of the joint multiplier), composed here by dp-accounting's PLD accountant."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    from dpmem.privacy.accounting import PLD_DISCRETIZATION, composed_epsilon
+    from dpmem.privacy.accounting import Event
+    a, b = Event(1.2, 1e-5, 0.02), Event(0.9, 1e-5, 0.05, loss_noise=3.0)
+    joint = (0.9 ** -2 + (3.0 * 0.9) ** -2) ** -0.5
+    oracle = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+    def steps(q: float, sigma: float, count: int):
+        return dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), count)
+
+    oracle.compose(dp_accounting.ComposedDpEvent([steps(0.02, 1.2, 200), steps(0.05, joint, 80)]))
+    assert composed_epsilon([(a, 200), (b, 80)], 1e-5) == pytest.approx(oracle.get_epsilon(1e-5), rel=1e-6)
+    assert composed_epsilon([(a, 200), (Event(0.0, 1e-5, 0.1), 5)], 1e-5) == float("inf")  # a run without noise
+
+
+def test_of_two_events_the_costlier_is_the_one_dp_accounting_says_spends_more():
+    """What `dpmem report` takes where a ledger and a config.yaml disagree: the event of the larger ε (each composed
+    here by dp-accounting), and never one that cannot be accounted."""
+    from dataclasses import replace
+
+    from dpmem.privacy.accounting import Event
+    less = Event(1.5, 1e-5, 0.02)
+    for more in (replace(less, sigma=1.2), replace(less, sample_rate=0.03)):
+        assert _pld_epsilon(more, 100) > _pld_epsilon(less, 100)
+        for one, other in ((less, more), (more, less)):
+            event, epsilon = one.costlier(other, 100)
+            assert event == more and epsilon == pytest.approx(_pld_epsilon(more, 100), rel=1e-6)
+    broken = replace(less, sampling="cyclic", noise="bandmf")  # a strategy that is not (name, bands, horizon)
+    assert less.costlier(broken, 100)[0] is less
+    assert less.costlier(replace(less, sample_rate="0.5"), 100)[0] is less  # a rate that is not a number
+
+
+def test_calibrating_an_event_gives_the_least_sigma_dp_accounting_says_meets_epsilon():
+    """Event.calibrated: its σ meets ε by dp-accounting's composition built here, and σ less by a little more than
+    the tolerance does not; the event's own σ is not read."""
+    from dpmem.privacy.accounting import Event
+    for start in (0.0, 5.0):
+        event = Event(start, 1e-5, 0.02).calibrated(2.0, 300)
+        assert _pld_epsilon(event, 300) <= 2.0 < _pld_epsilon(Event(event.sigma - 2e-3, 1e-5, 0.02), 300)

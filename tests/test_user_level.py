@@ -198,10 +198,10 @@ def test_els_calibration_finds_the_fine_grids_sigma(monkeypatch, understated, ta
     fine, real = accounting.PLD_DISCRETIZATION, accounting._mixture_epsilon
     monkeypatch.setattr(accounting, "_mixture_epsilon", lambda *a, interval=fine: real(
         *a, interval=interval) - (understated if interval != fine else 0))
-    accounting.calibrate_sigma.cache_clear()
+    accounting.sigma_for.cache_clear()
     delta, tolerance = 1e-5, 1e-3
     sigma = accounting.calibrate_sigma(target, delta, q, steps, user_records=k)
-    accounting.calibrate_sigma.cache_clear()
+    accounting.sigma_for.cache_clear()
 
     def event(s):
         mixture = dp_event.MixtureOfGaussiansDpEvent(s, list(range(k + 1)), [binom.pmf(j, k, q) for j in range(k + 1)])

@@ -19,7 +19,7 @@ from dpmem.engine.planner import plan, reserved_estimate
 from dpmem.engine.roofline import Device, OpCounter, step_seconds
 from dpmem.engine.trainer import accounting_of
 from dpmem.methods import method_class
-from dpmem.privacy import UnreachableTarget, calibrate_sigma
+from dpmem.privacy import UnreachableTarget
 
 STATE = ("parameters", "gradients", "optimizer_state", "noise_buffers")  # what activation checkpointing cannot shrink
 PROBE = 8  # the second physical batch size planned, to measure the peak's growth per sample
@@ -262,11 +262,11 @@ def check_reachable(cfg) -> None:
     (or one so loose it protects nothing) is refused under its key at once, not after every candidate."""
     if cfg.privacy.epsilon is None or not method_class(cfg.method.name).spec.private:
         return
-    run = accounting_of(cfg)
-    if run["accountant"] == "rc":
+    event, steps = accounting_of(cfg)
+    if event.accountant == "rc":
         return
     try:
-        calibrate_sigma(cfg.privacy.epsilon, **run)
+        event.calibrated(cfg.privacy.epsilon, steps)
     except UnreachableTarget as e:
         raise ConfigError("privacy.epsilon", str(e)) from None
 

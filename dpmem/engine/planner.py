@@ -304,7 +304,7 @@ def noise_strategy(cfg, n: int) -> Strategy | None:
     noise = enum_value(cfg.privacy.get("noise", "independent"))
     if noise == "independent" or not method_class(cfg.method.name).spec.private:
         return None
-    return make_strategy(*accounting_of(cfg, n)["noise"])
+    return make_strategy(*accounting_of(cfg, n)[0].noise)
 
 
 def most_bands(strategy: Strategy, n: int, batch_size: int) -> int | None:

@@ -11,7 +11,7 @@ import json
 import math
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +21,7 @@ from dpmem.config import ConfigError, enum_value
 from dpmem.engine.checkpoint import MODEL  # a trial's final weights: the winner's released, the others' removed
 # a search's folder's names (no verb writes into one: folder.search_part): its key, its release, the holder's record
 from dpmem.engine.folder import HOLDER, KEY_FILE, RELEASED, SELECTION, TRIAL
+from dpmem.privacy.accounting import Event
 from dpmem.privacy.randomness import derive, os_key
 from dpmem.privacy.record import PrivacyUnit
 
@@ -120,8 +121,7 @@ def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
     calibrate its trials' noise. Raises ConfigError naming the key."""
     from dpmem.engine.trainer import accounting_of
     from dpmem.methods import method_class
-    from dpmem.privacy import UnreachableTarget, epsilon_spent
-    from dpmem.privacy.accounting import joint_sigma
+    from dpmem.privacy import UnreachableTarget
     from dpmem.privacy.selection import ELS_REFUSED, calibrate_selection, check_law
 
     try:
@@ -147,15 +147,15 @@ def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
         if p.get(seed) is not None:
             raise ConfigError(f"privacy.{seed}", f"{p[seed]}: a private search's trials draw their noise and batches "
                               "from the OS; a seed in config.yaml replays them (ε ∞ to its holder): leave it out")
-    run = accounting_of(cfg)
-    if run["noise"] is not None:
-        raise ConfigError("privacy.noise", f"{run['noise'][0]}: a private search composes its trials as "
+    event, steps = accounting_of(cfg)
+    if event.noise is not None:
+        raise ConfigError("privacy.noise", f"{event.noise[0]}: a private search composes its trials as "
                           "Poisson-subsampled DP-SGD (RepeatAndSelectDpEvent); correlated noise's trials are not "
                           "accounted there yet: allowed: independent")
-    if run["accountant"] == "rc":
+    if event.accountant == "rc":
         raise ConfigError("privacy.accountant", f"{name}'s rc accountant has no RDP curve, which a private selection "
                           "composes (dp-accounting's RepeatAndSelectDpEvent): use a method accounted by pld or rdp")
-    if run["user_records"] is not None:
+    if event.user_records is not None:
         raise ConfigError("privacy.user_sampling", f"records: {ELS_REFUSED}")
     explicit = any(a.split("=", 1)[0] == "train.objective" for a in arguments)
     objective = enum_value(t.objective) if explicit else "train_loss"
@@ -166,20 +166,19 @@ def plan_search(cfg, mean, shape, arguments: list[str]) -> Search:
     if objective == "train_loss" and enum_value(p.train_loss) != "private":
         raise ConfigError("privacy.train_loss", f"{enum_value(p.train_loss)}: a private search scores trials by the "
                           "privately released loss: privacy.train_loss=private")
-    delta, neighbouring = run["delta"], run["neighbouring"]
     try:
-        sigma = calibrate_selection(p.epsilon, delta, run["sample_rate"], run["steps"], mean, shape, neighbouring,
-                                    run["sampling"], run["dataset_size"], run["loss_noise"],
-                                    user_records=run["user_records"])
+        sigma = calibrate_selection(p.epsilon, event.delta, event.sample_rate, steps, mean, shape,
+                                    event.neighbouring, event.sampling, event.dataset_size, event.loss_noise,
+                                    user_records=event.user_records)
     except UnreachableTarget as e:
         raise ConfigError("privacy.epsilon", str(e)) from None
     except ValueError as e:
         raise ConfigError("privacy.neighbouring", str(e)) from None
     # each trial calibrates its own σ to this ε (its ledger's accountant): a hair more noise than `sigma`, never less
-    trial = epsilon_spent(sigma * (1 + 1e-3), **run)
-    return Search(mean, shape, float(p.epsilon), delta, sigma, trial, objective, neighbouring, run["accountant"],
-                  PrivacyUnit.of(p).name, joint_sigma(sigma, run["loss_noise"]), run["sample_rate"],
-                  run["steps"], run["sampling"], run["dataset_size"])
+    trial = replace(event, sigma=sigma * (1 + 1e-3)).epsilon(steps)
+    return Search(mean, shape, float(p.epsilon), event.delta, sigma, trial, objective, event.neighbouring,
+                  event.accountant, PrivacyUnit.of(p).name, replace(event, sigma=sigma).joint_sigma,
+                  event.sample_rate, steps, event.sampling, event.dataset_size)
 
 
 def describe(search: Search, fixed: list[str], dims: list[Dimension]) -> dict:
@@ -351,9 +350,9 @@ def finish(folder: Path, search: Search, state: SearchState, results: list[tuple
         if i != best:
             (run_dir / MODEL).unlink(missing_ok=True)
 
-    runs = [{"sigma": s.get("sigma_accounted") or s.get("sigma") or 0.0, "sample_rate": s["sample_rate"],
-             "steps": s.get("steps_done") or 0, "sampling": s.get("sampling", "poisson"),
-             "dataset_size": s.get("n_train")} for s in summaries if s and s.get("sample_rate")]
+    runs = [(Event(s.get("sigma_accounted") or s.get("sigma") or 0.0, search.delta, s["sample_rate"],
+                   sampling=s.get("sampling", "poisson"), dataset_size=s.get("n_train")), s.get("steps_done") or 0)
+            for s in summaries if s and s.get("sample_rate")]
     try:
         together = composed_epsilon(runs, search.delta, search.accountant, search.neighbouring) if runs else 0.0
     except ValueError:
@@ -416,10 +415,10 @@ def release_of(folder: Path) -> Path:
     return folder if (folder / SELECTION).is_file() else folder / RELEASED
 
 
-def released_epsilon(folder: Path, record: dict, planned: list[dict] = ()) -> tuple[float, str | None]:
+def released_epsilon(folder: Path, record: dict, planned: list[tuple[Event, int]] = ()) -> tuple[float, str | None]:
     """The ε of the search in `folder` that `record` (its selection/selection.json) releases, recomputed from what
     it and its trials say was run: the least σ, the largest rate and steps of selection.json's trial event, the
-    trials' summaries and `planned` (what the release's and each trial's config.yaml imply: σ, sample_rate, steps),
+    trials' summaries and `planned` (what the release's and each trial's config.yaml imply: an event and its steps),
     under the law of the largest ε that selection.json, the key's record or a trial's .hydra/hydra.yaml names. Never
     selection.json's ε field alone: at least the recomputed ε, with a line where the two disagree; ∞ where nothing
     recomputes it, or where the trials ran under ELS (`ELS_REFUSED`), which has no user-level bound here."""
@@ -440,7 +439,7 @@ def released_epsilon(folder: Path, record: dict, planned: list[dict] = ()) -> tu
     if any(s.get("derivable_from_config") for s in trials):  # (an older dpmem's search: seeds are refused now)
         return math.inf, f"{folder}: its trials' noise or batches derive from seeds in their config.yaml: ε ∞"
     if any(PrivacyUnit.in_summary(s).els for s in trials) or any(
-            r.get("user_records") is not None for r in planned):  # (an older dpmem's search: refused now)
+            event.user_records is not None for event, _ in planned):  # (an older dpmem's search: refused now)
         return math.inf, f"{folder}: ε ∞ per user, since {ELS_REFUSED}"
     keyed = (read_json(folder / KEY_FILE) or {}).get("search") or {}
     laws = [(w.get("mean_trials"), w.get("shape")) for w in (record, keyed)]
@@ -451,7 +450,8 @@ def released_epsilon(folder: Path, record: dict, planned: list[dict] = ()) -> tu
     own = {"sigma": record.get("trial_sigma_accounted"), "sample_rate": record.get("trial_sample_rate"),
            "steps": record.get("trial_steps")}  # selection.json's own trial event (the trials may be gone)
     runs = [{"sigma": float(s.get("sigma_accounted") or s["sigma"]), "sample_rate": float(s["sample_rate"]),
-             "steps": int(s["steps_done"])} for s in trials] + list(planned) + ([own] if all(own.values()) else [])
+             "steps": int(s["steps_done"])} for s in trials] + ([own] if all(own.values()) else []) + [
+        {"sigma": event.sigma, "sample_rate": event.sample_rate, "steps": steps} for event, steps in planned]
     first = trials[0] if trials else {"n_train": record.get("dataset_size"), **record}
     try:
         laws = {(float(m), float(k)) for m, k in laws if m is not None and k is not None}

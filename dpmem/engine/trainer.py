@@ -33,6 +33,7 @@ from dpmem.metering import Meter
 from dpmem.methods import check_fsdp, method_class
 from dpmem.methods.subspace import SubspaceProjection, privacy_of
 from dpmem.privacy.mechanism import accounting
+from dpmem.privacy.accounting import Event
 from dpmem.privacy.record import PrivacyUnit, line_epsilon
 from dpmem.privacy.sampling import make_batches, user_batches
 
@@ -73,9 +74,9 @@ def run_length(cfg, n: int) -> tuple[int, str]:
     return steps, resolved_sampling(cfg, method_class(cfg.method.name).spec.private)
 
 
-def accounting_of(cfg, n: int | None = None, count: int | None = None) -> dict:
+def accounting_of(cfg, n: int | None = None, count: int | None = None) -> tuple[Event, int]:
     """`dpmem.privacy.mechanism.accounting` for a run of `cfg` over `n` records of `count` users (None: its data's,
-    loaded), before anything is built."""
+    loaded), before anything is built: its Event (σ 0) and its steps."""
     if n is None:
         data, _ = users.for_training(cfg.privacy, build_data(cfg.data, cfg.model), cfg.data.split_seed)
         n, count = data.n_train, users.count(data)

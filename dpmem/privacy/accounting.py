@@ -1,6 +1,8 @@
-"""Privacy accounting by dp-accounting: epsilon spent for a noise multiplier, and the noise multiplier for a
-target epsilon. One DP event per logical step: a sampled Gaussian mechanism with noise multiplier sigma; with
-accountant "rc" its sensitivity is random (DP-SGD-RC's randomized clipping, dpmem.privacy.rc_envelope).
+"""Privacy accounting by dp-accounting: a run's privacy event as one frozen value (`Event`: σ, δ, q and the
+analysis's terms), its epsilon after t steps (`epsilon_of`), the noise multiplier for a target epsilon (`sigma_for`),
+and several events composed (`composed_epsilon`); `epsilon_spent` and `calibrate_sigma` are their keyword form. One
+DP event per logical step: a sampled Gaussian mechanism with noise multiplier sigma; with accountant "rc" its
+sensitivity is random (DP-SGD-RC's randomized clipping, dpmem.privacy.rc_envelope).
 
 `loss_noise` (c): each step also releases the batch's training loss, Σᵢ min(max(ℓᵢ, 0), L) + N(0, (c·σ·L)²), on the
 same sampled batch. The pair is one Gaussian mechanism on that batch: a record moves the gradient's sum by at most
@@ -13,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from dataclasses import dataclass, replace
 
 import dp_accounting
 from absl import logging as absl_logging
@@ -38,6 +41,120 @@ MIN_SIGMA, MAX_SIGMA = 0.05, 1e3
 RC_MAX_SIGMA = 1e7
 # RDP's series for fractional orders near 1 warn and drop those orders; the result stays an upper bound.
 absl_logging.set_verbosity(absl_logging.ERROR)
+
+
+@dataclass(frozen=True)
+class Event:
+    """A run's privacy event: what its ε is computed from (`dpmem.privacy.accounting`): the noise multiplier, δ, the
+    rate a step samples at, and the analysis's terms (accountant, neighbouring relation, sampling, the data's size,
+    the loss's noise released with the gradient, cyclic groups and the correlated strategy, ELS's k, randomized
+    clipping's envelope). Frozen: a run's ε at t steps is `epsilon(t)`."""
+    sigma: float
+    delta: float | None  # None: nothing accounted (privacy=none; a plan)
+    sample_rate: float
+    accountant: str = "pld"
+    neighbouring: str = "add_remove"
+    sampling: str = "poisson"
+    dataset_size: int | None = None
+    loss_noise: float | None = None
+    groups: int | None = None
+    noise: tuple | None = None  # the correlated strategy (name, bands, horizon); None: independent noise
+    user_records: int | None = None
+    rc: tuple | None = None  # randomized clipping's (k, d, estimator)
+
+    @classmethod
+    def of(cls, sigma: float, delta: float, sample_rate: float, terms: dict) -> Event:
+        """From epsilon_spent's keywords after (σ, δ, q, steps); rc's envelope where they hold its k."""
+        rc = (terms["k"], terms["d"], terms["estimator"]) if terms.get("accountant") == "rc" and "k" in terms else None
+        return cls(sigma, delta, sample_rate, **{k: v for k, v in terms.items() if k not in ("k", "d", "estimator")},
+                   rc=rc)
+
+    def terms(self) -> dict:
+        """epsilon_spent's keywords after (σ, δ, q, steps)."""
+        out = {"accountant": self.accountant, "neighbouring": self.neighbouring, "sampling": self.sampling,
+               "dataset_size": self.dataset_size, "loss_noise": self.loss_noise, "groups": self.groups,
+               "noise": self.noise, "user_records": self.user_records}
+        return {**out, **dict(zip(("k", "d", "estimator"), self.rc))} if self.rc else out
+
+    @property
+    def joint_sigma(self) -> float:
+        """The multiplier of the one Gaussian that the step's gradient and loss releases make together."""
+        return joint_sigma(self.sigma, self.loss_noise)
+
+    def epsilon(self, steps: int) -> float:
+        """ε after `steps` steps (`accounting.epsilon_of`)."""
+        from dpmem.privacy import accounting  # (accounting reads Event: imported when first asked)
+        return accounting.epsilon_of(self, steps)
+
+    def calibrated(self, epsilon: float, steps: int, tolerance: float = 1e-3) -> Event:
+        """This event at the least σ whose ε after `steps` steps is at most `epsilon` (`accounting.sigma_for`; its
+        own σ is not read)."""
+        from dpmem.privacy import accounting
+        return replace(self, sigma=accounting.sigma_for(replace(self, sigma=0.0), epsilon, steps, tolerance))
+
+    def as_accounted(self) -> Event:
+        """The event as a ledger line accounts it (`line`, `from_line`): the gradient's and the loss's releases as one
+        Gaussian of the joint multiplier, no loss noise beside it; rc's as it is (its envelope composes the loss)."""
+        return self if self.rc else replace(self, sigma=self.joint_sigma, loss_noise=None)
+
+    def costlier(self, other: Event, steps: int) -> tuple[Event, float]:
+        """Of this event and `other`, the one that spends more ε over `steps` steps, and its ε: where two records of
+        one run disagree (its ledger and its config.yaml), the report composes the one that spends more. This one
+        where they tie, or where `other` cannot be accounted (a field of the wrong kind)."""
+        mine = self.epsilon(steps)
+        if other == self:
+            return self, mine
+        try:
+            theirs = other.epsilon(steps)
+        except (TypeError, ValueError):
+            return self, mine
+        return (other, theirs) if theirs > mine else (self, mine)
+
+    def line(self) -> dict:
+        """What a privacy.jsonl line records of the event (beside its ε and steps), for `from_line` to read back: σ
+        accounted per step (the gradient's and the loss's releases as one multiplier; None for rc, whose envelope
+        the line does not hold), and the analysis's terms; accountant, relation and σ None where nothing is
+        accounted."""
+        accounted = self.delta is not None
+        return {"delta": self.delta,
+                "sigma_accounted": self.joint_sigma if accounted and not self.rc else None,
+                "sample_rate": self.sample_rate, "accountant": self.accountant if accounted else None,
+                "neighbouring": self.neighbouring if accounted else None, "sampling": self.sampling,
+                "dataset_size": self.dataset_size, "groups": self.groups, "strategy": self.noise,
+                "user_records": self.user_records}
+
+    @classmethod
+    def from_line(cls, line: dict) -> Event:
+        """The event a privacy.jsonl line (`line`), or a record named as one, says its ε was computed from: the
+        joint σ (its `sigma` where it has no `sigma_accounted`: an older line), with no loss noise beside it.
+        Raises KeyError, TypeError or ValueError where a field it needs is missing or not a number."""
+        strategy = line.get("strategy")
+        return cls(float(line.get("sigma_accounted") or line["sigma"]), float(line["delta"]),
+                   float(line["sample_rate"]), line["accountant"], line.get("neighbouring") or "add_remove",
+                   line.get("sampling") or "poisson", line.get("dataset_size"), groups=line.get("groups"),
+                   noise=None if strategy is None else tuple(strategy), user_records=line.get("user_records"))
+
+    def analysis(self, uls: bool = False) -> str:
+        """What ε is computed as, in words: the summary's, the ledger's and the report's name for the event (`uls`:
+        the units sampled are users)."""
+        if self.accountant == "rc":
+            return "randomized clipping's envelope under Poisson sampling (rc)"
+        if self.user_records:
+            return (f"a user of at most {self.user_records} records (ELS): a mixture of Gaussians of sensitivity "
+                    "j ~ Binomial(k, q) per step, composed over the steps")
+        if self.noise is None:
+            return f"{self.sampling}-subsampled Gaussian{' of users (ULS)' if uls else ''}, composed over the steps"
+        if self.noise[0] == "bisr":
+            return (f"one Gaussian of bisr's sensitivity over participations {self.groups} steps apart (cyclic "
+                    "groups), no amplification")
+        return (f"amplified bandmf: ceil(steps / {self.groups}) compositions of a Poisson-subsampled Gaussian at the "
+                "group's rate (cyclic groups)")
+
+
+def joint_sigma(sigma: float, loss_noise: float | None) -> float:
+    """The noise multiplier of one Gaussian equivalent to a step's gradient release (multiplier `sigma`) and its loss
+    release (multiplier `loss_noise`·σ) together (`dpmem.privacy.accounting`'s docstring)."""
+    return sigma if loss_noise is None else sigma / math.sqrt(1 + loss_noise ** -2)
 
 
 class UnreachableTarget(ValueError):
@@ -122,18 +239,22 @@ def _poisson_epsilon(sigma: float, delta: float, sample_rate: float, steps: int,
     return float(pld.privacy_loss_distribution.identity(interval).compose(composed).get_epsilon_for_delta(delta))
 
 
-def _own_pld(delta: float, sample_rate: float, steps: int, accountant: str, neighbouring: str, sampling: str,
-             dataset_size: int | None, groups: int | None, noise, user_records: int | None, interval: float):
-    """ε(σ of the joint Gaussian) on the grid `interval`, for the events whose PLD dpmem builds itself (ELS's
-    mixture, a Poisson or a banded cyclic Gaussian); None for the others (dp-accounting's accountants compose them)."""
-    if user_records is not None and accountant == "pld" and neighbouring == "add_remove" and sampling == "poisson":
-        return lambda s: _mixture_epsilon(s, delta, sample_rate, steps, int(user_records), interval=interval)
-    banded = sampling == "cyclic" and groups and dataset_size is not None and not (noise and noise[0] == "bisr")
-    if accountant == "pld" and user_records is None and neighbouring in RELATIONS and (sampling == "poisson" or banded):
+def _own_pld(event: Event, steps: int, interval: float):
+    """ε(σ of the joint Gaussian) of `event` over `steps` steps on the grid `interval`, for the events whose PLD dpmem
+    builds itself (ELS's mixture, a Poisson or a banded cyclic Gaussian); None for the others (dp-accounting's
+    accountants compose them)."""
+    e = event
+    if e.user_records is not None and e.accountant == "pld" and e.neighbouring == "add_remove" \
+            and e.sampling == "poisson":
+        return lambda s: _mixture_epsilon(s, e.delta, e.sample_rate, steps, int(e.user_records), interval=interval)
+    banded = (e.sampling == "cyclic" and e.groups and e.dataset_size is not None
+              and not (e.noise and e.noise[0] == "bisr"))
+    if e.accountant == "pld" and e.user_records is None and e.neighbouring in RELATIONS \
+            and (e.sampling == "poisson" or banded):
         # a banded strategy's at its group's rate, once a participation
-        rate, count = ((group_rate(sample_rate, dataset_size, groups), math.ceil(steps / groups)) if banded
-                       else (sample_rate, steps))
-        return lambda s: _poisson_epsilon(s, delta, rate, count, neighbouring, interval=interval)
+        rate, count = ((group_rate(e.sample_rate, e.dataset_size, e.groups), math.ceil(steps / e.groups)) if banded
+                       else (e.sample_rate, steps))
+        return lambda s: _poisson_epsilon(s, e.delta, rate, count, e.neighbouring, interval=interval)
     return None
 
 
@@ -157,11 +278,6 @@ def cyclic_sensitivity(noise: tuple, steps: int, groups: int) -> float:
 def _tuple(noise) -> tuple | None:
     """A strategy as a tuple (a ledger's JSON gives a list)."""
     return None if noise is None else tuple(noise)
-
-
-def joint_sigma(sigma: float, loss_noise: float | None) -> float:
-    """The noise multiplier of one Gaussian equivalent to the step's gradient and loss releases together."""
-    return sigma if loss_noise is None else sigma / math.sqrt(1 + loss_noise ** -2)
 
 
 def _numbers(**values) -> None:
@@ -206,13 +322,46 @@ def _check_terms(accountant: str, sampling: str, groups, noise, user_records) ->
                              "allowed with user_records: pld")
 
 
+def epsilon_of(event: Event, steps: int) -> float:
+    """ε at the event's δ after `steps` steps of `event` (inf if its σ is 0), each with the batch's noised loss where
+    it has `loss_noise` (the module's docstring). Raises TypeError for a field that is not a number, ValueError for
+    one out of range or for terms of another kind of run (`_check_terms`)."""
+    e = event
+    _numbers(sigma=e.sigma)
+    _check(e.delta, e.sample_rate, steps)
+    _check_terms(e.accountant, e.sampling, e.groups, e.noise, e.user_records)
+    if e.accountant == "rc":
+        if e.neighbouring != "add_remove":
+            raise ValueError(f"accountant rc: neighbouring {e.neighbouring!r} is not supported, allowed add_remove")
+        if e.sampling != "poisson":
+            raise ValueError(f"accountant rc: sampling {e.sampling!r} is not supported, allowed poisson")
+        if e.rc is None:
+            raise ValueError("accountant rc: the event names no envelope (k, d, estimator)")
+        rc.check_args(*e.rc)
+    if steps == 0:
+        return 0.0
+    if e.sigma <= 0:
+        return math.inf
+    if e.accountant == "rc":
+        return rc.rc_epsilon(e.sigma, e.delta, e.sample_rate, steps, *e.rc, PLD_DISCRETIZATION, e.loss_noise)
+    own = _own_pld(e, steps, PLD_DISCRETIZATION)
+    if own is not None:  # what PLDAccountant composes for `_event`, its one step kept: a run asks at each logged step
+        return own(e.joint_sigma)
+    acc = _accountant(e.accountant, e.neighbouring)
+    composed = _event(e.joint_sigma, e.sample_rate, steps, e.sampling, e.dataset_size, e.groups, _tuple(e.noise),
+                      e.user_records)
+    if not acc.supports(composed):
+        raise ValueError(f"accountant {e.accountant} does not support {e.sampling} sampling under {e.neighbouring}")
+    return float(acc.compose(composed).get_epsilon(e.delta))
+
+
 def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, accountant: str = "pld",
                   neighbouring: str = "add_remove", sampling: str = "poisson",
                   dataset_size: int | None = None, k: int = 32, d: float | None = None,
                   estimator: str = "hutch", loss_noise: float | None = None, groups: int | None = None,
                   noise: tuple | None = None, user_records: int | None = None) -> float:
-    """Epsilon after `steps` sampled Gaussian steps with noise multiplier `sigma` (inf if sigma is 0), each with
-    the batch's noised loss when `loss_noise` is given (see the module's docstring).
+    """`epsilon_of` the event these keywords name: epsilon after `steps` sampled Gaussian steps with noise
+    multiplier `sigma` (inf if sigma is 0), each with the batch's noised loss when `loss_noise` is given.
 
     Args:
         sigma: the noise multiplier (std σ·C on the clipped sum).
@@ -235,47 +384,32 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
     Returns:
         ε at `delta`.
     """
-    _numbers(sigma=sigma)
-    _check(delta, sample_rate, steps)
-    _check_terms(accountant, sampling, groups, noise, user_records)
-    if accountant == "rc":
-        if neighbouring != "add_remove":
-            raise ValueError(f"accountant rc: neighbouring {neighbouring!r} is not supported, allowed add_remove")
-        if sampling != "poisson":
-            raise ValueError(f"accountant rc: sampling {sampling!r} is not supported, allowed poisson")
-        rc.check_args(k, d, estimator)
-    if steps == 0:
-        return 0.0
-    if sigma <= 0:
-        return math.inf
-    if accountant == "rc":
-        return rc.rc_epsilon(sigma, delta, sample_rate, steps, k, d, estimator, PLD_DISCRETIZATION, loss_noise)
-    own = _own_pld(delta, sample_rate, steps, accountant, neighbouring, sampling, dataset_size, groups, noise,
-                   user_records, PLD_DISCRETIZATION)
-    if own is not None:  # what PLDAccountant composes for `_event`, its one step kept: a run asks at each logged step
-        return own(joint_sigma(sigma, loss_noise))
-    acc = _accountant(accountant, neighbouring)
-    event = _event(joint_sigma(sigma, loss_noise), sample_rate, steps, sampling, dataset_size, groups,
-                   _tuple(noise), user_records)
-    if not acc.supports(event):
-        raise ValueError(f"accountant {accountant} does not support {sampling} sampling under {neighbouring}")
-    return float(acc.compose(event).get_epsilon(delta))
+    return epsilon_of(_keyword_event(sigma, delta, sample_rate, accountant, neighbouring, sampling, dataset_size, k,
+                                     d, estimator, loss_noise, groups, noise, user_records), steps)
 
 
-def composed_epsilon(runs: list[dict], delta: float, accountant: str = "pld",
+def _keyword_event(sigma, delta, sample_rate, accountant, neighbouring, sampling, dataset_size, k, d, estimator,
+                   loss_noise, groups, noise, user_records) -> Event:
+    """The Event that epsilon_spent's and calibrate_sigma's keywords name (a ledger's JSON list for a tuple)."""
+    return Event(sigma, delta, sample_rate, accountant, neighbouring, sampling, dataset_size, loss_noise, groups,
+                 tuple(noise) if isinstance(noise, list) else noise, user_records,
+                 (k, d, estimator) if accountant == "rc" else None)
+
+
+def composed_epsilon(releases: list[tuple[Event, int]], delta: float, accountant: str = "pld",
                      neighbouring: str = "add_remove") -> float:
     """Epsilon of releasing what several runs on the same data produced (a search's chosen result): their
-    mechanisms composed. Each run is {sigma, sample_rate, steps, sampling, dataset_size}; inf if any added no
-    noise."""
+    mechanisms composed at `delta` by `accountant` under `neighbouring`, each release an event and its steps; inf
+    if any added no noise."""
     events = []
-    for r in runs:
-        _check(delta, r["sample_rate"], r["steps"])
-        if r["steps"] == 0:
+    for e, steps in releases:
+        _check(delta, e.sample_rate, steps)
+        if steps == 0:
             continue
-        if r["sigma"] <= 0:
+        if e.sigma <= 0:
             return math.inf
-        events.append(_event(r["sigma"], r["sample_rate"], r["steps"], r["sampling"], r.get("dataset_size"),
-                             r.get("groups"), _tuple(r.get("noise")), r.get("user_records")))
+        events.append(_event(e.joint_sigma, e.sample_rate, steps, e.sampling, e.dataset_size, e.groups,
+                             _tuple(e.noise), e.user_records))
     if not events:
         return 0.0
     acc = _accountant(accountant, neighbouring)
@@ -342,14 +476,13 @@ def _root(eps, epsilon: float, lo: float, hi: float, tolerance: float) -> float:
     return hi
 
 
-@functools.lru_cache(maxsize=256)  # a sweep over seeds or learning rates calibrates the same sigma once per process
 def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "pld",
                     neighbouring: str = "add_remove", sampling: str = "poisson",
                     dataset_size: int | None = None, tolerance: float = 1e-3, k: int = 32, d: float | None = None,
                     estimator: str = "hutch", loss_noise: float | None = None, groups: int | None = None,
                     noise: tuple | None = None, user_records: int | None = None) -> float:
-    """The smallest noise multiplier of the gradient whose epsilon after `steps` steps (with the loss releases of
-    `loss_noise`) is at most `epsilon`.
+    """`sigma_for` the event these keywords name: the smallest noise multiplier of the gradient whose epsilon after
+    `steps` steps (with the loss releases of `loss_noise`) is at most `epsilon`.
 
     Args:
         epsilon: the target ε.
@@ -366,23 +499,35 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
         TypeError: an argument that is not a number (steps: an integer).
         ValueError: a bad argument, or (as `UnreachableTarget`) an ε no noise reaches.
     """
+    return sigma_for(_keyword_event(0.0, delta, sample_rate, accountant, neighbouring, sampling, dataset_size, k, d,
+                                    estimator, loss_noise, groups, noise, user_records), epsilon, steps, tolerance)
+
+
+@functools.lru_cache(maxsize=256)  # a sweep over seeds or learning rates calibrates the same sigma once per process
+def sigma_for(event: Event, epsilon: float, steps: int, tolerance: float = 1e-3) -> float:
+    """The smallest noise multiplier of the gradient for which `event` (its own σ is not read) spends at most
+    `epsilon` over `steps` steps, to `tolerance` (for rc relative above σ = 1). Raises TypeError for a field that is
+    not a number, ValueError for a bad one, and `UnreachableTarget` for an ε no noise reaches."""
+    e = event
     _numbers(epsilon=epsilon)
-    _check(delta, sample_rate, steps)
-    _check_terms(accountant, sampling, groups, noise, user_records)
+    _check(e.delta, e.sample_rate, steps)
+    _check_terms(e.accountant, e.sampling, e.groups, e.noise, e.user_records)
     if not epsilon > 0:
         raise ValueError(f"epsilon={epsilon} must be > 0")
     if steps <= 0:
         raise ValueError(f"steps={steps} must be positive")
+    rc_run = e.accountant == "rc"
+    joint = replace(e, loss_noise=e.loss_noise if rc_run else None)  # rc's of the gradient's σ, the others' joint
 
     @functools.cache  # `_bracket` and `_root` ask for some σ twice
-    def eps(s: float) -> float:  # rc's of the gradient's multiplier, the others' of the joint one
-        return epsilon_spent(s, delta, sample_rate, steps, accountant, neighbouring, sampling, dataset_size, k, d,
-                             estimator, loss_noise if accountant == "rc" else None, groups, noise, user_records)
+    def eps(s: float) -> float:
+        return epsilon_of(replace(joint, sigma=s), steps)
 
-    if accountant == "rc":
+    if rc_run:
         # bisection: rc has no dp-accounting event, and its epsilon is inf (not a number to interpolate) while the
         # +inf loss mass of the lower envelope tail exceeds delta
-        lo, hi = _bracket(eps, epsilon, RC_MAX_SIGMA, f"epsilon={epsilon} at delta={delta} is unreachable by "
+        k, d, estimator = e.rc or (None, None, None)
+        lo, hi = _bracket(eps, epsilon, RC_MAX_SIGMA, f"epsilon={epsilon} at delta={e.delta} is unreachable by "
                           f"DP-SGD-RC (k={k}, d={d}, {estimator}) over {steps} steps")
         while hi - lo > tolerance * max(1.0, lo):  # relative above 1: k = 1 needs sigma ~ 1e5
             mid = 0.5 * (lo + hi)
@@ -391,19 +536,17 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
     # a budget looser than the least noise's ε is refused by RDP's bound at once (RDP is above PLD's ε, and PLD at
     # σ = MIN_SIGMA needs a minute of buckets): what `_bracket` would conclude after halving down to MIN_SIGMA
     try:
-        least = epsilon_spent(MIN_SIGMA, delta, sample_rate, steps, "rdp", neighbouring, sampling, dataset_size,
-                              groups=groups, noise=noise, user_records=user_records)
+        least = epsilon_of(replace(joint, sigma=MIN_SIGMA, accountant="rdp"), steps)
     except ValueError:  # an event RDP does not support (Poisson under replace-one): `_bracket` alone decides
         least = math.inf
     if epsilon >= least:
         raise UnreachableTarget(f"{epsilon:g} is looser than the epsilon of the least noise dpmem adds (multiplier "
                                 f"{MIN_SIGMA:g}: {least:.4g} or less); a budget that large protects nothing: give a "
                                 "smaller epsilon, or privacy=none for a non-private run")
-    unreachable = (f"epsilon={epsilon} at delta={delta} is unreachable with sample rate {sample_rate:.4g} over "
+    unreachable = (f"epsilon={epsilon} at delta={e.delta} is unreachable with sample rate {e.sample_rate:.4g} over "
                    f"{steps} steps")
     bracket = None
-    coarse = _own_pld(delta, sample_rate, steps, accountant, neighbouring, sampling, dataset_size, groups, noise,
-                      user_records, PLD_DISCRETIZATION * SEARCH_COARSENING)
+    coarse = _own_pld(e, steps, PLD_DISCRETIZATION * SEARCH_COARSENING)
     if coarse is not None:
         # the search on a coarser grid first, whose buckets round each privacy loss up to a multiple of the fine
         # grid's, so that its ε is above the fine one's and its root above the fine root; the fine grid's root is
@@ -417,6 +560,6 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
         except UnreachableTarget:  # the coarse grid's ε at MAX_SIGMA, above the fine one's: the fine grid decides
             bracket = None
         if bracket and bracket[1] - bracket[0] <= tolerance:  # the fine root within tolerance below the coarse one
-            return bracket[1] / joint_sigma(1.0, loss_noise)
+            return bracket[1] / joint_sigma(1.0, e.loss_noise)
     lo, hi = bracket or _bracket(eps, epsilon, MAX_SIGMA, unreachable)
-    return _root(eps, epsilon, lo, hi, tolerance) / joint_sigma(1.0, loss_noise)  # the gradient's, of the joint one
+    return _root(eps, epsilon, lo, hi, tolerance) / joint_sigma(1.0, e.loss_noise)  # the gradient's, of the joint one

@@ -19,17 +19,17 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from dpmem import distributed, sharding
 from dpmem.config import ConfigError, asked_budget, enum_value, resolve_delta
 from dpmem.persample.clipping import clip_factors
-from dpmem.privacy.accounting import UnreachableTarget, calibrate_sigma, epsilon_spent, group_rate, joint_sigma
+from dpmem.privacy.accounting import Event, UnreachableTarget, group_rate
 from dpmem.privacy.correlated import CorrelatedNoise
 from dpmem.privacy.randomness import Draws, key_of, normal, os_key, seed_key
-from dpmem.privacy.record import Event, PrivacyUnit
+from dpmem.privacy.record import PrivacyUnit
 from dpmem.privacy.strategies import Strategy, make_strategy
 
 NOISE_BUCKET = 2**24  # elements of noise drawn at once (64 MiB in float32)
@@ -307,16 +307,16 @@ def accountant_of(privacy, spec) -> str:
 
 
 def accounting(privacy, spec, n: int, batch_size: int, steps: int, sampling: str, restart: int | None = None,
-               users: int | None = None) -> dict:
+               users: int | None = None) -> tuple[Event, int]:
     """What a run is accounted with, from its data's size alone (rc's envelope aside), before anything is built (a
-    plan, a private search): the keyword arguments of calibrate_sigma and epsilon_spent after ε. `restart`: a
-    projected method's refresh F (correlated noise restarts there: `noise_terms`). `users`: how many users the
-    training records have (privacy.unit=user)."""
+    plan, a private search): its Event (of σ 0, to be `Event.calibrated` or given its σ) and the steps it plans.
+    `restart`: a projected method's refresh F (correlated noise restarts there: `noise_terms`). `users`: how many
+    users the training records have (privacy.unit=user)."""
     unit = PrivacyUnit.of(privacy).terms(n, users, batch_size)
-    return {"delta": resolve_delta(privacy.delta, unit["units"]), "sample_rate": unit["sample_rate"], "steps": steps,
-            **_accountant_keywords(privacy, spec, unit["units"] if unit["uls"] else n, sampling,
-                                   enum_value(privacy.train_loss)),
-            **noise_terms(privacy, n, batch_size, steps, sampling, restart), "user_records": unit["user_records"]}
+    keywords = {**_accountant_keywords(privacy, spec, unit["units"] if unit["uls"] else n, sampling,
+                                       enum_value(privacy.train_loss)),
+                **noise_terms(privacy, n, batch_size, steps, sampling, restart), "user_records": unit["user_records"]}
+    return Event.of(0.0, resolve_delta(privacy.delta, unit["units"]), unit["sample_rate"], keywords), steps
 
 
 def noise_terms(privacy, n: int, batch_size: int, steps: int, sampling: str, restart: int | None = None) -> dict:
@@ -344,19 +344,18 @@ def _adam_like(method) -> bool:
     return method.name in ("grape", "galore-dp-naive") or enum_value(method.get("optimizer", "")) in ("adam", "adamw")
 
 
-def step_noise_matched_lr(lr: float, sigma: float, epsilon: float, delta: float, q: float, steps: int,
-                          keywords: dict) -> float:
+def step_noise_matched_lr(lr: float, event: Event, epsilon: float, steps: int) -> float:
     """docs/benchmarks/correlated.md's rule for correlated noise under an Adam-like method: the learning rate times
     the std of one step's noise over independent noise's, σ ÷ σ_independent (Poisson sampling at the same ε, δ, q
     and steps) × the norm of C⁻¹'s last row over the strategy's horizon. It reads no data."""
-    name, bands, horizon = keywords["noise"]
-    independent = {**keywords, "noise": None, "groups": None, "sampling": "poisson"}
+    name, bands, horizon = event.noise
+    independent = replace(event, noise=None, groups=None, sampling="poisson").calibrated(epsilon, steps)
     row = float(torch.linalg.vector_norm(torch.as_tensor(make_strategy(name, bands, horizon).noising_coefs(horizon))))
-    return lr * sigma / calibrate_sigma(epsilon, delta, q, steps, **independent) * row
+    return lr * event.sigma / independent.sigma * row
 
 
 def _accountant_keywords(privacy, spec, n: int, sampling: str, loss_release: str) -> dict:
-    """epsilon_spent's keywords after (σ, δ, q, steps); loss_noise only where the loss is released in ε."""
+    """The Event's terms after (σ, δ, q) (`Event.of`); loss_noise only where the loss is released in ε."""
     return {"accountant": accountant_of(privacy, spec), "neighbouring": enum_value(privacy.neighbouring),
             "sampling": sampling, "dataset_size": n,
             "loss_noise": privacy.loss_noise if loss_release == "private" else None}
@@ -403,9 +402,10 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
                               "smaller than the training set)")
         keywords.update(k=rc["k"], d=rc["d"], estimator=rc["estimator"])
     sigma, target = 0.0, p.epsilon
+    event = Event.of(0.0, delta, q, keywords)
     if accounted and fixed is not None:  # the ε a fixed σ spends over the planned steps is the run's target
         sigma = float(fixed)
-        found = epsilon_spent(sigma, delta, q, steps, **keywords) if distributed.is_main() else None
+        found = replace(event, sigma=sigma).epsilon(steps) if distributed.is_main() else None
         target = distributed.from_main(found)
     elif accounted:
         if keywords["user_records"] is not None and distributed.is_main():  # a minute or two without a word else
@@ -413,15 +413,16 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
                   f"{keywords['user_records'] + 1} Gaussians, a privacy loss distribution built per σ tried); this "
                   "can take minutes", file=sys.stderr)
         try:
-            found = calibrate_sigma(p.epsilon, delta, q, steps, **keywords) if distributed.is_main() else None
+            found = event.calibrated(p.epsilon, steps).sigma if distributed.is_main() else None
         except UnreachableTarget as e:
             found = str(e)
         sigma = distributed.from_main(found)
         if isinstance(sigma, str):
             raise ConfigError("privacy.epsilon", sigma)
     matched = None
-    if accounted and keywords["noise"] and _adam_like(m) and t.lr > 0 and distributed.is_main():
-        matched = step_noise_matched_lr(t.lr, sigma, target, delta, q, steps, keywords)
+    event = replace(event, sigma=sigma)
+    if accounted and event.noise and _adam_like(m) and t.lr > 0 and distributed.is_main():
+        matched = step_noise_matched_lr(t.lr, event, target, steps)
         if not 0.9 <= t.lr / matched <= 1.1:
             print(f"dpmem: warning: train.lr={t.lr:g} with privacy.noise={keywords['noise'][0]}: a step's noise is "
                   f"{matched / t.lr:.2f}x independent noise's (sigma ratio times the norm of C^-1's last row), and "
@@ -437,7 +438,6 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
     private_loss = loss_release == "private"
     loss_sigma = sigma * p.loss_noise if private_loss else None
     plan = spec.clipping(m)
-    event = Event.of(sigma, delta, q, keywords)
     summary = {
         "private": spec.private, "epsilon_target": target if accounted else None, "privacy_ignored": ignored,
         # privacy.noise_multiplier: σ was given, and epsilon_target is what it spends over the planned steps
@@ -446,8 +446,7 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
         "epsilon_spent": 0.0 if accounted else math.inf, "delta": delta,
         "delta_times_n": delta * units if accounted else None, "sigma": sigma if spec.private else None,
         # the multiplier dp-accounting composes per step: the gradient's and the loss's releases as one
-        "sigma_accounted": (joint_sigma(sigma, keywords["loss_noise"])
-                            if accounted and keywords["accountant"] != "rc" else None),
+        "sigma_accounted": event.joint_sigma if accounted and keywords["accountant"] != "rc" else None,
         "train_loss_release": loss_release if accounted else None,
         "loss_bound": p.loss_bound if private_loss else None, "loss_sigma": loss_sigma,
         "max_grad_norm": m.max_grad_norm if spec.private else None, "sample_rate": q, "sampling": sampling,

@@ -14,6 +14,7 @@ import re
 import statistics
 import sys
 from collections import defaultdict
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -21,6 +22,7 @@ from omegaconf import OmegaConf
 from dpmem.data import is_loss
 from dpmem.engine.folder import MARK
 from dpmem.engine.summary import METRICS, PRIVACY_LEDGER, most_spent, privacy_records
+from dpmem.privacy.accounting import Event
 from dpmem.privacy.record import PrivacyUnit, line_epsilon
 from dpmem.report import figures, markdown_table
 from dpmem.report.labels import NOT_TRAINING, USER, epsilon_number, row_label, variants
@@ -125,12 +127,14 @@ def _recomputed(folder: dict, steps: int) -> tuple[float, str]:
     furthest = [r for r in lines if int(r.get("steps_done") or 0) == steps]
     own = max((eps for r in furthest if (eps := line_epsilon(r)) is not None), default=0.0)
     planned = _planned(folder) if steps else None
-    if not isinstance(planned, dict):
+    if not isinstance(planned, Planned):
         return own, f"its {PRIVACY_LEDGER} lines' own σ and q"
-    sigma = min([planned["sigma"], *(float(r.get("sigma_accounted") or r["sigma"]) for r in lines if r.get("sigma"))])
-    rate = max([planned["sample_rate"], *(float(r["sample_rate"]) for r in lines if r.get("sample_rate"))])
+    sigma = min([planned.event.sigma, *(float(r.get("sigma_accounted") or r["sigma"]) for r in lines
+                                        if r.get("sigma"))])
+    rate = max([planned.event.sample_rate, *(float(r["sample_rate"]) for r in lines if r.get("sample_rate"))])
     try:
-        return max(own, planned["epsilon"](sigma, rate, steps)), f"its config.yaml's σ {sigma:.4g} and q {rate:.4g}"
+        again = replace(planned.event, sigma=sigma, sample_rate=rate).epsilon(steps)
+        return max(own, again), f"its config.yaml's σ {sigma:.4g} and q {rate:.4g}"
     except (TypeError, ValueError):  # a line's σ or q that cannot be accounted: its own lines' ε stands
         return own, f"its {PRIVACY_LEDGER} lines' own σ and q"
 
@@ -154,13 +158,13 @@ def _files_note(folder: dict) -> str:
         return ""
     folder["steps_shown"] = max(shown.values())
     planned = _planned(folder)
-    steps = f"{folder['steps_shown']}/{planned['steps'] if isinstance(planned, dict) else '?'} steps"
+    steps = f"{folder['steps_shown']}/{planned.steps if isinstance(planned, Planned) else '?'} steps"
     note = f"; no {PRIVACY_LEDGER} either, but its files show the run went on (it died or runs): {steps} " \
            f"({', '.join(shown)})"
-    if not isinstance(planned, dict):
+    if not isinstance(planned, Planned):
         return note + (f"; its epsilon cannot be computed here: {planned}" if planned else "")
     (release,), _ = releases(folder)
-    return note + (f"; epsilon {release['epsilon']:.4g} by its config.yaml's σ and q over the {release['steps']} "
+    return note + (f"; epsilon {release.epsilon:.4g} by its config.yaml's σ and q over the {release.steps} "
                    "steps it plans (no record is left that says fewer were released)")
 
 
@@ -349,128 +353,159 @@ def memory_table(summaries: list[dict]) -> list[str]:
             *markdown_table(["method", "model", *map(str, batches)], rows)]
 
 
-def releases(folder: dict) -> tuple[list[dict], str | None]:
-    """What a run folder released on its training data, one dict per release: each start in its privacy.jsonl with
-    the resumes after it (a resume redraws the same batches and noise for the steps it redoes), the last one the
-    folder's run and any earlier one an attempt abandoned with train.overwrite=true, which no summary shows; a
-    folder without a ledger (a run without noise, an older dpmem) is its summary's run. Each holds what composing it
-    needs (sigma: the noise multiplier accounted per step; steps: the most any line, or the summary, recorded), its
-    epsilon, and whether it was abandoned.
+@dataclass(frozen=True)
+class Release:
+    """What a run folder released once on its training data: its event (as its ledger accounts it,
+    `Event.as_accounted`), the steps it ran, its ε, and whether an overwrite abandoned it (no summary shows it)."""
+    event: Event
+    steps: int
+    epsilon: float
+    abandoned: bool = False
 
-    A release of the configuration its config.yaml records (the folder's run, and an abandoned attempt whose lines
-    name that configuration) is taken at the conservative end of what its lines and that configuration say
-    (`_planned`): σ no larger, q and steps no smaller, ε the larger of the recorded and the recomputed, so that no
-    edit of the ledger or the summary lowers it. Returns the releases and the one line that says where the config's
-    was taken over the lines', or that the lines were taken as written; None where there is nothing to say."""
+    @property
+    def composable(self) -> bool:
+        """Accounted with noise, and to a finite ε: what a search's composition (`search_privacy`) takes."""
+        return bool(self.event.accountant) and self.steps > 0 and self.event.sigma > 0 and math.isfinite(self.epsilon)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """What a private run's config.yaml implies for its releases (`_planned`): its event as its ledger accounts it,
+    of the σ the run calibrated (or was given), the steps it plans, and its `config_hash`."""
+    event: Event
+    steps: int
+    config: str
+
+
+def releases(folder: dict) -> tuple[list[Release], str | None]:
+    """What a run folder released on its training data: each start in its privacy.jsonl with the resumes after it
+    (a resume redraws the same batches and noise for the steps it redoes), the last one the folder's run and any
+    earlier one an attempt abandoned with train.overwrite=true; a folder without a ledger (a run without noise, an
+    older dpmem) is its summary's run. A release of the configuration its config.yaml records (the folder's run,
+    and an abandoned attempt whose lines name that configuration) is taken at the conservative end of what its
+    lines and that configuration say (`_conservative`), so that no edit of the ledger or the summary lowers its ε.
+    Returns the releases and the one line that says where the config's was taken over the lines', or that the
+    lines were taken as written; None where there is nothing to say."""
     s = folder  # a summary, or a folder without one ({run_dir, why, config, ledger})
-    summary = {k: s.get(k) for k in ("steps_done", "sigma", "sigma_accounted", "sample_rate", "accountant", "delta",
-                                      "sampling", "groups", "users")}
-    if s.get("user_sampling") == "records":  # ELS: a user of at most k records
-        summary["user_records"] = s.get("records_per_user")
-    if s.get("noise") not in (None, "independent"):  # correlated noise: the strategy its accounting reads
-        summary["strategy"] = [s["noise"], s.get("bands"), s.get("noise_horizon")]
-    summary.update(epsilon=s.get("epsilon_spent"), dataset_size=s.get("n_train"),  # as a ledger line names them
-                   neighbouring=s.get("neighbouring") or s["config"].get("privacy.neighbouring"))
-    summary = {k: v for k, v in summary.items() if v is not None}
-    attempts: list[list[dict]] = []
-    for line in s["ledger"]:
-        if (not attempts or line.get("event") == "start"
-                or (line.get("attempt") != attempts[-1][-1].get("attempt") and line.get("event") != "resume")):
-            attempts.append([])
-        attempts[-1].append(line)
-    attempts = attempts or [[]]
-    attempts[-1].append(summary)  # the summary is the last run's, maybe past its last line
+    attempts = _attempts(s["ledger"], _summary_line(s))
     # (a folder with neither ledger nor summary released nothing, unless its other files show steps run: its
     # config.yaml is not read)
-    released = s["ledger"] or "status" in s or s.get("steps_shown")
-    out, planned, said, as_written = [], _planned(s) if released else None, {}, []
+    planned = _planned(s) if s["ledger"] or "status" in s or s.get("steps_shown") else None
+    out, said, as_written = [], {}, 0
     for i, lines in enumerate(attempts):
-        # what an older ledger's lines lack, taken from the folder's summary
-        known = {k: summary[k] for k in ("sampling", "dataset_size", "neighbouring", "groups", "strategy",
-                                         "user_records") if k in summary}
-        for line in lines:
-            known.update((k, v) for k, v in line.items() if v is not None)
+        abandoned = i < len(attempts) - 1
+        steps = max((int(line.get("steps_done") or 0) for line in lines), default=0)
         spent = [float(line["epsilon"]) for line in lines if line.get("epsilon") is not None]
-        r = {"sigma": float(known.get("sigma_accounted", known.get("sigma", 0.0))),
-             "sample_rate": known.get("sample_rate"), "sampling": known.get("sampling", "poisson"),
-             "steps": max((int(line.get("steps_done") or 0) for line in lines), default=0),
-             "dataset_size": known.get("dataset_size"), "accountant": known.get("accountant"),
-             "groups": known.get("groups"), "noise": known.get("strategy"), "user_records": known.get("user_records"),
-             "neighbouring": known.get("neighbouring", "add_remove"), "delta": known.get("delta"),
-             "epsilon": max(spent, default=math.inf), "abandoned": i < len(attempts) - 1}
-        out.append(r)
         # the folder's run is its config.yaml's; an abandoned attempt is where its lines name no other configuration
-        if not isinstance(planned, dict) or (r["abandoned"] and not {line["config"] for line in lines
-                                                                     if line.get("config")} <= {planned["config"]}):
-            as_written.append(r)
+        if not isinstance(planned, Planned) or (abandoned and not {line["config"] for line in lines
+                                                                   if line.get("config")} <= {planned.config}):
+            out.append(Release(_written(lines, attempts[-1][-1]), steps, max(spent, default=math.inf), abandoned))
+            as_written += 1
             continue
         # the steps it plans: no line lowers them; the folder's summary may (a run that failed or ran out of memory
         # is not counted as finished), the lines then raising them again
-        steps = planned["steps"]
-        if not r["abandoned"] and isinstance(s.get("steps_done"), int):
-            steps = min(steps, s["steps_done"])
-        sigma_known = "sigma" in known or "sigma_accounted" in known  # (neither: a folder of no record but its steps)
-        taken = {"sigma": min(r["sigma"], planned["sigma"]) if sigma_known else planned["sigma"],
-                 "steps": max(r["steps"], steps),
-                 "sample_rate": max(r["sample_rate"] or 0.0, planned["sample_rate"])}
-        again = planned["epsilon"](taken["sigma"], taken["sample_rate"], taken["steps"])
-        # how it sampled and correlated its noise: where its lines and its config.yaml disagree, the event of the two
-        # that spends more is composed (an edit of either cannot pick the more favourable one)
-        event = {k: planned[k] for k in ("sampling", "groups", "noise", "user_records")}
-        written = {"sampling": r["sampling"], "groups": r["groups"], "noise": r["noise"] and tuple(r["noise"]),
-                   "user_records": r["user_records"]}
-        if written != event:
-            try:
-                other = planned["epsilon"](taken["sigma"], taken["sample_rate"], taken["steps"], **written)
-            except (TypeError, ValueError):  # what the lines say cannot be accounted: the config's stands
-                other = -math.inf
-            if other > again:
-                said[f"{_event_text(written)} where its config.yaml gives {_event_text(event)} (that of the larger "
-                     "ε taken)"] = None
-                again, event = other, written
-        # what its lines say, each at its most favourable: the largest σ, the smallest q, the least ε at its end
-        sigmas = [float(line.get("sigma_accounted") or line["sigma"]) for line in lines if line.get("sigma")]
-        rates = [float(line["sample_rate"]) for line in lines if line.get("sample_rate")]
-        ended = [float(line["epsilon"]) for line in lines
-                 if line.get("epsilon") is not None and int(line.get("steps_done") or 0) == taken["steps"]]
-        for what, line, config in (("σ", -max(sigmas, default=planned["sigma"]), -planned["sigma"]),
-                                   ("q", min(rates, default=planned["sample_rate"]), planned["sample_rate"]),
-                                   ("steps", r["steps"], steps),
-                                   ("ε", min(ended, default=again), again)):
-            # (a folder of no record but the steps its files show has no line to disagree)
-            if line < config - 1e-6 * abs(config) and (s["ledger"] or "status" in s):  # the side of less ε
-                said[f"{what} {abs(line):.4g} where its config.yaml gives {abs(config):.4g}"] = None
-        r.update(taken, epsilon=max([*spent, again]), **event,
-                 **{k: planned[k] for k in ("delta", "accountant", "neighbouring", "dataset_size")})
+        plans = min(planned.steps, s["steps_done"]) if not abandoned and isinstance(s.get("steps_done"), int) \
+            else planned.steps
+        release, disagree = _conservative(lines, _written(lines, attempts[-1][-1]), planned, steps, plans,
+                                          bool(s["ledger"] or "status" in s))
+        out.append(Release(release.event, release.steps, max([*spent, release.epsilon]), abandoned))
+        said.update(dict.fromkeys(disagree))
     note = f"{PRIVACY_LEDGER} says {'; '.join(said)}: composed at the config's" if said else None
     if as_written and isinstance(planned, str):
         note = f"{planned}: composed from its {PRIVACY_LEDGER} and summary as written"
-    elif as_written and isinstance(planned, dict):
-        other = (f"{_count(len(as_written), 'attempt')} of another configuration than its config.yaml composed from "
+    elif as_written and isinstance(planned, Planned):
+        other = (f"{_count(as_written, 'attempt')} of another configuration than its config.yaml composed from "
                  f"{PRIVACY_LEDGER} as written")
         note = f"{note}; {other}" if note else other
     return out, note and f"{s['run_dir']}: {note}"
 
 
-def _event_text(event: dict) -> str:
+def _summary_line(s: dict) -> dict:
+    """What a folder's summary says of its run's accounting, named as a privacy.jsonl line names it."""
+    line = {k: s.get(k) for k in ("steps_done", "sigma", "sigma_accounted", "sample_rate", "accountant", "delta",
+                                  "sampling", "groups", "users")}
+    if s.get("user_sampling") == "records":  # ELS: a user of at most k records
+        line["user_records"] = s.get("records_per_user")
+    if s.get("noise") not in (None, "independent"):  # correlated noise: the strategy its accounting reads
+        line["strategy"] = [s["noise"], s.get("bands"), s.get("noise_horizon")]
+    line.update(epsilon=s.get("epsilon_spent"), dataset_size=s.get("n_train"),
+                neighbouring=s.get("neighbouring") or s["config"].get("privacy.neighbouring"))
+    return {k: v for k, v in line.items() if v is not None}
+
+
+def _attempts(ledger: list[dict], summary: dict) -> list[list[dict]]:
+    """A ledger's lines by attempt: a start, and the resumes after it; the summary's line (maybe past the last
+    line) is the last attempt's."""
+    attempts: list[list[dict]] = []
+    for line in ledger:
+        if (not attempts or line.get("event") == "start"
+                or (line.get("attempt") != attempts[-1][-1].get("attempt") and line.get("event") != "resume")):
+            attempts.append([])
+        attempts[-1].append(line)
+    attempts = attempts or [[]]
+    attempts[-1].append(summary)
+    return attempts
+
+
+def _written(lines: list[dict], summary: dict) -> Event:
+    """The event an attempt's lines say it ran, the later line's field over the earlier's, and what an older
+    ledger's lines lack from the folder's summary (`summary`, `_summary_line`)."""
+    known = {k: summary[k] for k in ("sampling", "dataset_size", "neighbouring", "groups", "strategy", "user_records")
+             if k in summary}
+    for line in lines:
+        known.update((k, v) for k, v in line.items() if v is not None)
+    strategy = known.get("strategy")
+    return Event(float(known.get("sigma_accounted", known.get("sigma", 0.0))), known.get("delta"),
+                 known.get("sample_rate"), known.get("accountant"), known.get("neighbouring", "add_remove"),
+                 known.get("sampling", "poisson"), known.get("dataset_size"), groups=known.get("groups"),
+                 noise=tuple(strategy) if isinstance(strategy, list) else strategy,
+                 user_records=known.get("user_records"))
+
+
+def _conservative(lines: list[dict], written: Event, planned: Planned, ran: int, plans: int,
+                  told: bool) -> tuple[Release, list[str]]:
+    """An attempt of its config.yaml's run at the conservative end of what its lines (`written`; `ran`, the steps
+    they record) and the config (`plans` steps) say: σ no larger, q no smaller, steps no fewer, and of how it
+    sampled and correlated its noise the one of the two that spends more (an edit of either cannot pick the more
+    favourable). Returns the Release, and where the lines (where `told`: a folder of no record but the steps its
+    files show has none to disagree) or their event are on the side of less ε."""
+    sigma_known = any(line.get("sigma") is not None or line.get("sigma_accounted") is not None for line in lines)
+    p, steps = planned.event, max(ran, plans)
+    taken = replace(p, sigma=min(written.sigma, p.sigma) if sigma_known else p.sigma,
+                    sample_rate=max(written.sample_rate or 0.0, p.sample_rate))
+    event, again = taken.costlier(replace(taken, **{k: getattr(written, k) for k in
+                                                    ("sampling", "groups", "noise", "user_records")}), steps)
+    said = [] if event is taken else [f"{_event_text(written)} where its config.yaml gives {_event_text(p)} (that "
+                                      "of the larger ε taken)"]
+    # what its lines say, each at its most favourable: the largest σ, the smallest q, the least ε at its end
+    sigmas = [float(line.get("sigma_accounted") or line["sigma"]) for line in lines if line.get("sigma")]
+    rates = [float(line["sample_rate"]) for line in lines if line.get("sample_rate")]
+    ended = [float(line["epsilon"]) for line in lines
+             if line.get("epsilon") is not None and int(line.get("steps_done") or 0) == steps]
+    said += [f"{what} {abs(line):.4g} where its config.yaml gives {abs(config):.4g}"
+             for what, line, config in (("σ", -max(sigmas, default=p.sigma), -p.sigma),
+                                        ("q", min(rates, default=p.sample_rate), p.sample_rate),
+                                        ("steps", ran, plans), ("ε", min(ended, default=again), again))
+             if told and line < config - 1e-6 * abs(config)]  # the side of less ε
+    return Release(event, steps, again), said
+
+
+def _event_text(event: Event) -> str:
     """How a run sampled and correlated its noise, in words: "poisson", "cyclic (bandmf, 4 bands, 4 groups)"."""
-    noise, k = event["noise"], event.get("user_records")
-    return (event["sampling"] + (f" ({noise[0]}, {noise[1]} bands, {event['groups']} groups)" if noise else "")
+    noise, k = event.noise, event.user_records
+    return (str(event.sampling) + (f" ({noise[0]}, {noise[1]} bands, {event.groups} groups)" if noise else "")
             + (f", a user's {k} records (ELS)" if k else ""))
 
 
-def _planned(folder: dict) -> dict | str | None:
-    """What a private run's config.yaml implies for its releases: σ accounted per step (calibrated to its
-    privacy.epsilon by its accountant, as the run calibrated it, or its privacy.noise_multiplier), q, the steps it
-    plans, δ, the accountant's terms, its `config_hash`, and `epsilon` (σ, q, steps -> ε). None for a run that
-    accounts no ε; where config.yaml cannot say, why. The data set's size is the smallest the folder records (the
-    largest q, with which σ is calibrated): the data set is not loaded, as it may not be on this machine, and a
-    report reads many folders."""
+def _planned(folder: dict) -> Planned | str | None:
+    """What a private run's config.yaml implies for its releases (`Planned`): its event, of σ calibrated to its
+    privacy.epsilon by its accountant as the run calibrated it (or its privacy.noise_multiplier), the steps it plans
+    and its `config_hash`. None for a run that accounts no ε; where config.yaml cannot say, why. The data set's
+    size is the smallest the folder records (the largest q, with which σ is calibrated): the data set is not
+    loaded, as it may not be on this machine, and a report reads many folders."""
     from dpmem.config import accounted
     from dpmem.engine.trainer import accounting_of, config_hash
     from dpmem.methods import method_class
-    from dpmem.privacy import calibrate_sigma, epsilon_spent
-    from dpmem.privacy.accounting import joint_sigma
 
     path = Path(folder["run_dir"]) / "config.yaml"
     if not path.is_file():
@@ -492,23 +527,16 @@ def _planned(folder: dict) -> dict | str | None:
             count = least(folder.get("users"), *(line.get("users") for line in lines))
         if n is None or (count is None and PrivacyUnit.of(cfg.privacy).user):
             return f"neither its summary nor its {PRIVACY_LEDGER} records the size of its data set"
-        terms = accounting_of(cfg, n, count)
-        rc = terms["accountant"] == "rc"
-        if rc:
-            terms.update(k=cfg.method.k, d=_rc_dimension(cfg, folder), estimator=str(cfg.method.estimator))
+        event, steps = accounting_of(cfg, n, count)
+        if event.accountant == "rc":
+            event = replace(event, rc=(cfg.method.k, _rc_dimension(cfg, folder), str(cfg.method.estimator)))
         fixed = cfg.privacy.get("noise_multiplier")  # σ given, or calibrated to privacy.epsilon as the run did
-        sigma = float(fixed) if fixed is not None else calibrate_sigma(cfg.privacy.epsilon, **terms)
+        event = (replace(event, sigma=float(fixed)) if fixed is not None
+                 else event.calibrated(cfg.privacy.epsilon, steps))
         config = config_hash(cfg)
     except Exception as e:  # noqa: BLE001  (a key missing or of another type, an unknown method, a budget unreachable)
         return f"its {path.name} cannot say what it ran ({type(e).__name__})"
-    # rc composes the gradient's σ with the loss's noise itself; the others take the joint multiplier (the ledger's)
-    fixed = {k: v for k, v in terms.items() if k not in ("sample_rate", "steps")} | ({} if rc else {"loss_noise": None})
-    return {"sigma": sigma if rc else joint_sigma(sigma, terms["loss_noise"]), "sample_rate": terms["sample_rate"],
-            "steps": terms["steps"], "dataset_size": n, "config": config,
-            **{k: terms[k] for k in ("delta", "accountant", "neighbouring", "sampling", "groups", "noise",
-                                     "user_records")},
-            "epsilon": lambda sigma, q, steps, **event: epsilon_spent(sigma, sample_rate=q, steps=steps,
-                                                                     **(fixed | event))}
+    return Planned(event.as_accounted(), steps, config)
 
 
 def _rc_dimension(cfg, folder: dict):
@@ -547,28 +575,28 @@ def search_privacy(folders: list[dict]) -> list[str]:
         made = []
         for f in group:
             out, note = releases(f)
-            made += [r for r in out if r["steps"]]
-            if note and any(r["accountant"] and r["steps"] for r in out):  # one line per folder with a private release
+            made += [r for r in out if r.steps]
+            if note and any(r.event.accountant and r.steps for r in out):  # one line per folder with a private release
                 notes.append(note)
-        accounted = [r for r in made if r["accountant"] and r["sigma"] > 0 and math.isfinite(r["epsilon"])]
+        accounted = [r for r in made if r.composable]
         if len(accounted) < 2:
             continue
         if all(f.get("data_public", f["config"].get("data.public")) for f in group):
             lines.append(f"{name}: {len(group)} runs on data declared public (data.public=true), a proxy: searching "
                          "there spends nothing of a private data set's budget")
             continue
-        abandoned, loose = sum(r["abandoned"] for r in accounted), len(made) - len(accounted)
+        abandoned, loose = sum(r.abandoned for r in accounted), len(made) - len(accounted)
         runs = _count(len(accounted) - abandoned, "run") + (f" + {_count(abandoned, 'abandoned attempt')}"
                                                            if abandoned else "")
         head = (f"{name}: {len(accounted)} private releases on the same training data ({runs}), each ε ≤ "
-                f"{max(r['epsilon'] for r in accounted):.3g}; ")
-        accountants = {(r["accountant"], r["neighbouring"]) for r in accounted}
-        delta = max(r["delta"] for r in accounted)
+                f"{max(r.epsilon for r in accounted):.3g}; ")
+        accountants = {(r.event.accountant, r.event.neighbouring) for r in accounted}
+        delta = max(r.event.delta for r in accounted)
         try:
             if len(accountants) > 1 or ("rc", "add_remove") in accountants:
                 raise ValueError("rc, or several accountants")
             accountant, neighbouring = accountants.pop()
-            composed = composed_epsilon(accounted, delta, accountant, neighbouring)
+            composed = composed_epsilon([(r.event, r.steps) for r in accounted], delta, accountant, neighbouring)
         except ValueError as e:  # or what an older ledger does not record (the data set's size for fixed sampling)
             lines.append(head + f"their composition is not computed here ({e})")
             continue
@@ -649,7 +677,8 @@ def _search_epsilon(search: Path) -> tuple[float, str | None]:
         summary = read_json(trial / "summary.json") or {}
         planned.append(_planned({"run_dir": str(trial), "n_train": summary.get("n_train"),
                                  "users": summary.get("users"), "ledger": privacy_records(trial)}))
-    return released_epsilon(search, record, [plan for plan in planned if isinstance(plan, dict)])
+    return released_epsilon(search, record, [(plan.event, plan.steps) for plan in planned
+                                             if isinstance(plan, Planned)])
 
 
 def _release_unit(release: Path) -> str | None:
