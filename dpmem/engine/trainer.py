@@ -32,7 +32,7 @@ from dpmem.engine.tracking import NoTracker, open_tracker
 from dpmem.metering import Meter
 from dpmem.methods import check_fsdp, method_class
 from dpmem.methods.subspace import SubspaceProjection, privacy_of
-from dpmem.privacy.mechanism import accounting
+from dpmem.privacy.mechanism import record_of
 from dpmem.privacy.accounting import Event
 from dpmem.privacy.record import PrivacyUnit, line_epsilon
 from dpmem.privacy.sampling import make_batches, user_batches
@@ -75,15 +75,15 @@ def run_length(cfg, n: int) -> tuple[int, str]:
 
 
 def accounting_of(cfg, n: int | None = None, count: int | None = None) -> tuple[Event, int]:
-    """`dpmem.privacy.mechanism.accounting` for a run of `cfg` over `n` records of `count` users (None: its data's,
-    loaded), before anything is built: its Event (σ 0) and its steps."""
+    """What a run of `cfg` over `n` records of `count` users (None: its data's, loaded) is accounted with, before
+    anything is built: its Event (σ 0: `dpmem.privacy.mechanism.record_of`) and its steps."""
     if n is None:
         data, _ = users.for_training(cfg.privacy, build_data(cfg.data, cfg.model), cfg.data.split_seed)
         n, count = data.n_train, users.count(data)
     steps, sampling = run_length(cfg, count if PrivacyUnit.of(cfg.privacy).uls and count else n)
     spec = method_class(cfg.method.name).spec
-    return accounting(cfg.privacy, spec, n, cfg.train.batch_size, steps, sampling,
-                      cfg.method.get("refresh") if spec.private else None, count)
+    return record_of(cfg.privacy, spec, n, cfg.train.batch_size, steps, sampling,
+                     cfg.method.get("refresh") if spec.private else None, count).event, steps
 
 
 def config_hash(cfg) -> str:

@@ -8,10 +8,10 @@ release. It turns per-sample squared norms into clip factors, and a clipped sum 
 sums; the mechanism alone adds noise to them, so a broken mechanism (`dpmem.audit.variants`) is a subclass, not a
 patch.
 
-A run's mechanism (`calibrate`) holds its accounting, which the run's summary and its append-only ledger
-(privacy.jsonl) write; `record.line_epsilon` reads a ledger line's event back. An infinite ε (no privacy: a
-non-private method, privacy=none, a leaking subspace) is math.inf here and "inf" in summary.json and metrics.jsonl
-(JSON has no infinity; `float("inf")` reads it back).
+A run's mechanism (`calibrate`) holds its privacy as one value (`record.Record`, from its config by `record_of`),
+which the run's summary and its append-only ledger (privacy.jsonl) write; `record.line_epsilon` reads a ledger
+line's event back. An infinite ε (no privacy: a non-private method, privacy=none, a leaking subspace) is math.inf
+here and "inf" in summary.json and metrics.jsonl (JSON has no infinity; `float("inf")` reads it back).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import torch
 from dpmem import distributed, sharding
 from dpmem.config import ConfigError, asked_budget, enum_value, resolve_delta
 from dpmem.persample.clipping import clip_factors
-from dpmem.privacy.accounting import Event, UnreachableTarget, group_rate
+from dpmem.privacy.accounting import Event, UnreachableTarget
 from dpmem.privacy.correlated import CorrelatedNoise
 from dpmem.privacy.randomness import Draws, key_of, normal, os_key, seed_key
-from dpmem.privacy.record import PrivacyUnit
+from dpmem.privacy.record import PrivacyUnit, Record
 from dpmem.privacy.strategies import Strategy, make_strategy
 
 NOISE_BUCKET = 2**24  # elements of noise drawn at once (64 MiB in float32)
@@ -92,9 +92,7 @@ class GaussianMechanism:
     observers: tuple = ()
     plan: object = None
     # -- a run's accounting (`calibrate`) ------------------------------------------------------------------------
-    private: bool = True  # False: a non-private method's run, which is given no mechanism (ε ∞, nothing released)
-    event: Event | None = None  # what ε is computed from; no event, or δ None: nothing accounted (privacy=none, a plan)
-    loss_release: str = "exact"  # the training loss: private (in ε), exact (outside it) or none
+    record: Record | None = None  # the run's privacy (`calibrate`); None: one built by hand, which accounts nothing
     summary: dict = field(default_factory=dict)  # the run summary's privacy fields
     sampler: Draws | None = None  # the batches' draws: their key is kept in the checkpoint alone
     strategy: Strategy | None = None
@@ -123,6 +121,12 @@ class GaussianMechanism:
     def accounted(self) -> bool:
         return self.delta is not None
 
+    # the record's, read where the mechanism is read: a non-private method's run, which is given no mechanism (ε ∞,
+    # nothing released); the event ε is computed from (none, or δ None: nothing accounted: privacy=none, a plan);
+    # the training loss's release (private, in ε; exact, outside it; none)
+    private = property(lambda self: True if self.record is None else self.record.private)
+    event = property(lambda self: None if self.record is None else self.record.event)
+    loss_release = property(lambda self: "exact" if self.record is None else self.record.loss_release)
     delta = property(lambda self: None if self.event is None else self.event.delta)
 
     def epsilon(self, steps: int) -> float:
@@ -306,17 +310,30 @@ def accountant_of(privacy, spec) -> str:
     return spec.accountant if accountant == "auto" else accountant
 
 
-def accounting(privacy, spec, n: int, batch_size: int, steps: int, sampling: str, restart: int | None = None,
-               users: int | None = None) -> tuple[Event, int]:
-    """What a run is accounted with, from its data's size alone (rc's envelope aside), before anything is built (a
-    plan, a private search): its Event (of σ 0, to be `Event.calibrated` or given its σ) and the steps it plans.
-    `restart`: a projected method's refresh F (correlated noise restarts there: `noise_terms`). `users`: how many
-    users the training records have (privacy.unit=user)."""
-    unit = PrivacyUnit.of(privacy).terms(n, users, batch_size)
-    keywords = {**_accountant_keywords(privacy, spec, unit["units"] if unit["uls"] else n, sampling,
-                                       enum_value(privacy.train_loss)),
-                **noise_terms(privacy, n, batch_size, steps, sampling, restart), "user_records": unit["user_records"]}
-    return Event.of(0.0, resolve_delta(privacy.delta, unit["units"]), unit["sample_rate"], keywords), steps
+def record_of(privacy, spec, n: int, batch_size: int, steps: int, sampling: str, restart: int | None = None,
+              users: int | None = None, rc: dict | None = None, accounted: bool = True) -> Record:
+    """A run's privacy from its configuration and its data's size alone, before anything is built (a plan, a
+    private search, a report, `calibrate`): its Record, whose event is of σ 0 (to be `Event.calibrated`, or given
+    its σ). `restart`: a projected method's refresh F (correlated noise restarts there: `noise_terms`). `users`: how
+    many users the training records have (privacy.unit=user). `rc`: randomized clipping's envelope ({k, d,
+    estimator}, from the model). `accounted` False: nothing is (privacy=none, or a method that is not private): no
+    δ, and the loss exact (or none, where privacy.train_loss=none asks for none). Raises ConfigError naming the
+    key."""
+    unit = PrivacyUnit.of(privacy)
+    terms = unit.terms(n, users, batch_size)
+    loss_release = (enum_value(privacy.train_loss) if accounted
+                    else "none" if enum_value(privacy.train_loss) == "none" else "exact")
+    keywords = {**_accountant_keywords(privacy, spec, terms["units"] if terms["uls"] else n, sampling, loss_release),
+                **noise_terms(privacy, n, batch_size, steps, sampling, restart), "user_records": terms["user_records"]}
+    if keywords["accountant"] == "rc" and rc is not None:  # the envelope of randomized clipping depends on the model
+        if accounted and terms["sample_rate"] >= 1:
+            raise ConfigError("train.batch_size", f"{batch_size} samples every record at every step (sampling rate "
+                              f"{terms['sample_rate']:g}): the rc accountant needs a rate below 1 (a logical batch "
+                              "smaller than the training set)")
+        keywords.update(k=rc["k"], d=rc["d"], estimator=rc["estimator"])
+    delta = resolve_delta(privacy.delta, terms["units"]) if accounted else None
+    return Record(Event.of(0.0, delta, terms["sample_rate"], keywords), unit, terms["units"], loss_release,
+                  spec.private)
 
 
 def noise_terms(privacy, n: int, batch_size: int, steps: int, sampling: str, restart: int | None = None) -> dict:
@@ -363,118 +380,99 @@ def _accountant_keywords(privacy, spec, n: int, sampling: str, loss_release: str
 
 def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device, rc: dict | None = None,
               observers: tuple = (), users: int | None = None) -> GaussianMechanism:
-    """The mechanism of a run of `cfg` (its method's MethodSpec `spec`) over `n` records for `steps` steps: σ
-    calibrated to privacy.epsilon at δ (under torchrun on rank 0, every rank taking its σ or its error), the noise
-    keyed from the OS unless privacy.noise_seed is given (rank 0's key on every rank: dpmem.distributed), the
-    batches' sampler, the clipping plan, and the summary's privacy fields. `rc`: randomized clipping's envelope
-    ({k, d, d_max_layer, estimator}, from the model) where the accountant is rc. A non-private method's is
-    `private=False`: it says what the run releases, and draws nothing. Raises ConfigError naming the key."""
+    """The mechanism of a run of `cfg` (its method's MethodSpec `spec`) over `n` records for `steps` steps: its
+    Record (`record_of`) with σ calibrated to privacy.epsilon at δ or given (`_noised`), the noise keyed from the
+    OS unless privacy.noise_seed is given (rank 0's key on every rank: dpmem.distributed), the batches' sampler, the
+    clipping plan, and the summary's privacy fields. `rc`: randomized clipping's envelope ({k, d, d_max_layer,
+    estimator}, from the model) where the accountant is rc. A non-private method's is `private=False`: it says what
+    the run releases, and draws nothing. Raises ConfigError naming the key."""
     p, m, t = cfg.privacy, cfg.method, cfg.train
     asked = asked_budget(p)  # None: privacy=none
-    accounted = spec.private and asked is not None  # privacy=none: a private method clips only
-    fixed = p.get("noise_multiplier")  # σ given (privacy.noise_multiplier), not calibrated to privacy.epsilon
     # a budget given to a non-private method buys nothing: said once, and kept in the summary, so that a sweep
     # over privacy=eps2,eps8 with method=adam is seen to have run adam twice
     ignored = f"{asked} has no effect: {m.name} is not private" if not spec.private and asked else None
-    if ignored and distributed.is_main():
-        print(f"dpmem: warning: {ignored}", file=sys.stderr)
-    asked_unit = PrivacyUnit.of(p)  # (privacy.unit=user with a non-private method: Method.check)
-    unit = asked_unit.terms(n, users, t.batch_size)
-    units, q = unit["units"], unit["sample_rate"]  # n: the records; units: users under privacy.unit=user
-    sampled = units if unit["uls"] else n  # what a step samples (and clips) from: records, or ULS's users
-    delta = resolve_delta(p.delta, units) if accounted else None
-    if accounted and delta * units >= 1:
-        what = f"{asked_unit.name}s"
-        print(f"dpmem: warning: delta = {delta:.3g} is at least 1/n = {1 / units:.3g} (n = {units} {what}): at that "
-              f"delta a mechanism that publishes one random {what[:-1]}'s data whole is still (epsilon, delta)-DP; "
-              "the default privacy.delta=auto is min(1e-5, 1/n^1.1)", file=sys.stderr)
-    # the training loss: released with the gradient, in ε (loss_noise), outside it, or not at all;
-    # a non-private run's loss is exact, or none where privacy.train_loss=none asks for no loss at all
-    loss_release = (enum_value(p.train_loss) if accounted
-                    else "none" if enum_value(p.train_loss) == "none" else "exact")
-    keywords = _accountant_keywords(p, spec, sampled, sampling, loss_release)
+    _warn(ignored)
     restart = m.get("refresh") if spec.private else None  # a projected method's window: correlated noise restarts
-    keywords.update(noise_terms(p, n, t.batch_size, steps, sampling, restart), user_records=unit["user_records"])
-    if keywords["accountant"] == "rc":  # the envelope of randomized clipping depends on the model
-        if accounted and q >= 1:
-            raise ConfigError("train.batch_size", f"{t.batch_size} samples every record at every step "
-                              f"(sampling rate {q:g}): the rc accountant needs a rate below 1 (a logical batch "
-                              "smaller than the training set)")
-        keywords.update(k=rc["k"], d=rc["d"], estimator=rc["estimator"])
-    sigma, target = 0.0, p.epsilon
-    event = Event.of(0.0, delta, q, keywords)
-    if accounted and fixed is not None:  # the ε a fixed σ spends over the planned steps is the run's target
-        sigma = float(fixed)
-        found = replace(event, sigma=sigma).epsilon(steps) if distributed.is_main() else None
-        target = distributed.from_main(found)
-    elif accounted:
-        if keywords["user_records"] is not None and distributed.is_main():  # a minute or two without a word else
-            print(f"dpmem: calibrating σ to ε = {p.epsilon:g} per user (ELS: each step a mixture of "
-                  f"{keywords['user_records'] + 1} Gaussians, a privacy loss distribution built per σ tried); this "
-                  "can take minutes", file=sys.stderr)
-        try:
-            found = event.calibrated(p.epsilon, steps).sigma if distributed.is_main() else None
-        except UnreachableTarget as e:
-            found = str(e)
-        sigma = distributed.from_main(found)
-        if isinstance(sigma, str):
-            raise ConfigError("privacy.epsilon", sigma)
-    matched = None
-    event = replace(event, sigma=sigma)
-    if accounted and event.noise and _adam_like(m) and t.lr > 0 and distributed.is_main():
-        matched = step_noise_matched_lr(t.lr, event, target, steps)
-        if not 0.9 <= t.lr / matched <= 1.1:
-            print(f"dpmem: warning: train.lr={t.lr:g} with privacy.noise={keywords['noise'][0]}: a step's noise is "
-                  f"{matched / t.lr:.2f}x independent noise's (sigma ratio times the norm of C^-1's last row), and "
-                  f"Adam's step shrinks as much; the step-noise-matched rate, a rule that reads no data, is "
-                  f"train.lr={matched:.3g} (docs/benchmarks/correlated.md)",
-                  file=sys.stderr)
+    record = record_of(p, spec, n, t.batch_size, steps, sampling, restart, users, rc,
+                       accounted=spec.private and asked is not None)  # privacy=none: a private method clips only
+    accounted, event, fixed = record.accounted, record.event, p.get("noise_multiplier")
+    if accounted and event.delta * record.units >= 1:
+        _warn(f"delta = {event.delta:.3g} is at least 1/n = {1 / record.units:.3g} (n = {record.units} "
+              f"{record.unit.name}s): at that delta a mechanism that publishes one random {record.unit.name}'s data "
+              "whole is still (epsilon, delta)-DP; the default privacy.delta=auto is min(1e-5, 1/n^1.1)")
+    record, target = _noised(record, p, steps) if accounted else (record, p.epsilon)
+    matched = _step_noise_matched(record.event, m, t.lr, target, steps) if accounted else None
     # what an adversary holding config.yaml can replay: ε does not hold against one
     derivable = [what for what, seed in (("batches", p.sampler_seed), ("noise", p.noise_seed)) if seed is not None]
-    if accounted and derivable and distributed.is_main():
-        print(f"dpmem: warning: privacy.{'sampler' if 'batches' in derivable else 'noise'}_seed is set: the run's "
-              f"{' and '.join(derivable)} can be derived from its config, and epsilon does not hold against "
-              "anyone who has it (for debugging and tests)", file=sys.stderr)
-    private_loss = loss_release == "private"
-    loss_sigma = sigma * p.loss_noise if private_loss else None
-    plan = spec.clipping(m)
-    summary = {
-        "private": spec.private, "epsilon_target": target if accounted else None, "privacy_ignored": ignored,
-        # privacy.noise_multiplier: σ was given, and epsilon_target is what it spends over the planned steps
-        "noise_multiplier_fixed": float(fixed) if accounted and fixed is not None else None,
-        "derivable_from_config": derivable if accounted else None,
-        "epsilon_spent": 0.0 if accounted else math.inf, "delta": delta,
-        "delta_times_n": delta * units if accounted else None, "sigma": sigma if spec.private else None,
-        # the multiplier dp-accounting composes per step: the gradient's and the loss's releases as one
-        "sigma_accounted": event.joint_sigma if accounted and keywords["accountant"] != "rc" else None,
-        "train_loss_release": loss_release if accounted else None,
-        "loss_bound": p.loss_bound if private_loss else None, "loss_sigma": loss_sigma,
-        "max_grad_norm": m.max_grad_norm if spec.private else None, "sample_rate": q, "sampling": sampling,
-        "accountant": keywords["accountant"] if accounted else None,
-        "neighbouring": keywords["neighbouring"] if accounted else None,
-        "clipping": plan.name if plan is not None else None,
-        "rc_accountant": rc if keywords["accountant"] == "rc" else None,
-        # correlated noise: the strategy and what its accounting reads (`dpmem.privacy.accounting._event`)
-        "noise": enum_value(p.get("noise", "independent")) if spec.private else None,
-        "bands": keywords["noise"][1] if keywords["noise"] else None,
-        "noise_horizon": keywords["noise"][2] if keywords["noise"] else None,
-        "lr_step_noise_matched": matched,
-        "groups": keywords["groups"],
-        "group_rate": group_rate(q, n, keywords["groups"]) if keywords["groups"] else None,
-        "privacy_analysis": event.analysis(unit["uls"]) if accounted else None,
-        # what ε protects: a record, or a user's records (ULS: sampled and clipped by user; ELS: by record)
-        "unit": asked_unit.name if spec.private else None,
-        **({"user_sampling": asked_unit.sampling, "records_per_user": p.records_per_user, "users": units}
-           if spec.private and asked_unit.user else {}),
-    }
-    # the batches' key: from privacy.sampler_seed if given; for an accounted run from the OS (rank 0's, on every
-    # rank), since ε assumes nobody knows which steps held a record; otherwise from the run seed (a baseline's
-    # batches reproduce)
-    sampler = Draws(os_key() if accounted and p.sampler_seed is None
-                    else seed_key(t.seed if p.sampler_seed is None else p.sampler_seed), "batches")
-    draws = Draws(key_of(p.noise_seed), "noise", device) if spec.private and device.type != "meta" else None
-    strategy = make_strategy(*keywords["noise"]) if keywords["noise"] else None
-    return GaussianMechanism(sigma, m.max_grad_norm if spec.private else math.inf, q * sampled, draws, q,
-                             p.loss_bound if private_loss else math.inf, loss_sigma or 0.0, tuple(observers), plan,
-                             spec.private, event, loss_release, summary, sampler, strategy,
-                             restart if strategy is not None else None, keywords["groups"])
+    if accounted and derivable:
+        _warn(f"privacy.{'sampler' if 'batches' in derivable else 'noise'}_seed is set: the run's "
+              f"{' and '.join(derivable)} can be derived from its config, and epsilon does not hold against anyone "
+              "who has it (for debugging and tests)")
+    plan, private_loss, q = spec.clipping(m), record.loss_release == "private", event.sample_rate
+    summary = {**record.summary(), "epsilon_target": target if accounted else None, "privacy_ignored": ignored,
+               # privacy.noise_multiplier: σ was given, and epsilon_target is what it spends over the planned steps
+               "noise_multiplier_fixed": float(fixed) if accounted and fixed is not None else None,
+               "derivable_from_config": derivable if accounted else None,
+               "loss_bound": p.loss_bound if private_loss else None,
+               "max_grad_norm": m.max_grad_norm if spec.private else None,
+               "clipping": plan.name if plan is not None else None,
+               "rc_accountant": rc if event.accountant == "rc" else None, "lr_step_noise_matched": matched}
+    strategy = make_strategy(*event.noise) if event.noise else None
+    noise = Draws(key_of(p.noise_seed), "noise", device) if spec.private and device.type != "meta" else None
+    return GaussianMechanism(record.event.sigma, m.max_grad_norm if spec.private else math.inf,
+                             q * (record.units if record.unit.uls else n), noise, q,
+                             p.loss_bound if private_loss else math.inf, summary["loss_sigma"] or 0.0,
+                             tuple(observers), plan, record, summary, _sampler(cfg, accounted), strategy,
+                             restart if strategy is not None else None, event.groups)
+
+
+def _sampler(cfg, accounted: bool) -> Draws:
+    """The batches' draws: keyed from privacy.sampler_seed if given; for an accounted run from the OS (rank 0's, on
+    every rank), since ε assumes nobody knows which steps held a record; otherwise from the run seed (a baseline's
+    batches reproduce)."""
+    p, t = cfg.privacy, cfg.train
+    return Draws(os_key() if accounted and p.sampler_seed is None
+                 else seed_key(t.seed if p.sampler_seed is None else p.sampler_seed), "batches")
+
+
+def _warn(what: str | None) -> None:
+    """A warning of the run's privacy, said once (by rank 0 under torchrun)."""
+    if what and distributed.is_main():
+        print(f"dpmem: warning: {what}", file=sys.stderr)
+
+
+def _noised(record: Record, p, steps: int) -> tuple[Record, float]:
+    """An accounted record at its σ: privacy.noise_multiplier's, whose ε over the planned steps is then the run's
+    target, or the least σ that meets privacy.epsilon (calibrated on rank 0 under torchrun, every rank taking its
+    σ or its error); and that target."""
+    event, fixed = record.event, p.get("noise_multiplier")
+    if fixed is not None:
+        event = replace(event, sigma=float(fixed))
+        return replace(record, event=event), distributed.from_main(event.epsilon(steps) if distributed.is_main()
+                                                                    else None)
+    if event.user_records is not None and distributed.is_main():  # a minute or two without a word else
+        print(f"dpmem: calibrating σ to ε = {p.epsilon:g} per user (ELS: each step a mixture of "
+              f"{event.user_records + 1} Gaussians, a privacy loss distribution built per σ tried); this can take "
+              "minutes", file=sys.stderr)
+    try:
+        found = event.calibrated(p.epsilon, steps).sigma if distributed.is_main() else None
+    except UnreachableTarget as e:
+        found = str(e)
+    sigma = distributed.from_main(found)
+    if isinstance(sigma, str):
+        raise ConfigError("privacy.epsilon", sigma)
+    return replace(record, event=replace(event, sigma=sigma)), p.epsilon
+
+
+def _step_noise_matched(event: Event, m, lr: float, target: float, steps: int) -> float | None:
+    """Correlated noise under an Adam-like method (`step_noise_matched_lr`): the rate, said where train.lr is more
+    than 10 % off it (rank 0 only, which alone has the σ's); None otherwise."""
+    if not (event.noise and _adam_like(m) and lr > 0 and distributed.is_main()):
+        return None
+    matched = step_noise_matched_lr(lr, event, target, steps)
+    if not 0.9 <= lr / matched <= 1.1:
+        _warn(f"train.lr={lr:g} with privacy.noise={event.noise[0]}: a step's noise is {matched / lr:.2f}x "
+              "independent noise's (sigma ratio times the norm of C^-1's last row), and Adam's step shrinks as much; "
+              f"the step-noise-matched rate, a rule that reads no data, is train.lr={matched:.3g} "
+              "(docs/benchmarks/correlated.md)")
+    return matched

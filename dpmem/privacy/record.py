@@ -1,14 +1,16 @@
 """What a run's ε is of: the privacy unit (`PrivacyUnit`), a frozen value read from the configuration (or a
 summary) once, where each reader used to ask privacy.unit and privacy.user_sampling again; the privacy event itself
-(`accounting.Event`, what dp-accounting composes) is the accountant's; and the ε a ledger line's event gives back
-(`line_epsilon`)."""
+(`accounting.Event`, what dp-accounting composes) is the accountant's; the run's privacy as one value (`Record`:
+the event, the unit, the loss's release, whether private), from which its summary's privacy fields derive; and the
+ε a ledger line's event gives back (`line_epsilon`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dpmem.config import ConfigError, enum_value
-from dpmem.privacy.accounting import Event
+from dpmem.privacy.accounting import Event, group_rate
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,48 @@ class PrivacyUnit:
                               f"allowed at most {users}")
         return {"units": users, "sample_rate": batch_size / (users if self.uls else n),
                 "user_records": None if self.uls else self.k, "uls": self.uls}
+
+
+@dataclass(frozen=True)
+class Record:
+    """A run's privacy as one value: its event (δ None: nothing accounted: privacy=none, or a method that is not
+    private), its unit and how many of them the data holds (`units`: records, or users), the training loss's
+    release (private, in ε; exact, outside it; none), and whether its method is private. The summary's privacy
+    fields are derived from it (`summary`)."""
+    event: Event
+    unit: PrivacyUnit = PrivacyUnit()
+    units: int | None = None
+    loss_release: str = "exact"
+    private: bool = True
+
+    @property
+    def accounted(self) -> bool:
+        return self.event.delta is not None
+
+    def summary(self) -> dict:
+        """The summary's privacy fields that the record says: ε spent so far (0 before a step; ∞ where nothing is
+        accounted), δ, σ, the joint σ dp-accounting composes, q, the analysis's terms, and the unit."""
+        e, accounted, private = self.event, self.accounted, self.private
+        return {
+            "private": private, "epsilon_spent": 0.0 if accounted else math.inf, "delta": e.delta,
+            "delta_times_n": e.delta * self.units if accounted else None, "sigma": e.sigma if private else None,
+            # the multiplier dp-accounting composes per step: the gradient's and the loss's releases as one
+            "sigma_accounted": e.joint_sigma if accounted and e.accountant != "rc" else None,
+            "train_loss_release": self.loss_release if accounted else None,
+            "loss_sigma": e.sigma * e.loss_noise if self.loss_release == "private" else None,
+            "sample_rate": e.sample_rate, "sampling": e.sampling,
+            "accountant": e.accountant if accounted else None, "neighbouring": e.neighbouring if accounted else None,
+            # correlated noise: the strategy and what its accounting reads (`dpmem.privacy.accounting._event`)
+            "noise": (e.noise[0] if e.noise else "independent") if private else None,
+            "bands": e.noise[1] if e.noise else None, "noise_horizon": e.noise[2] if e.noise else None,
+            "groups": e.groups,
+            "group_rate": group_rate(e.sample_rate, e.dataset_size, e.groups) if e.groups else None,
+            "privacy_analysis": e.analysis(self.unit.uls) if accounted else None,
+            # what ε protects: a record, or a user's records (ULS: sampled and clipped by user; ELS: by record)
+            "unit": self.unit.name if private else None,
+            **({"user_sampling": self.unit.sampling, "records_per_user": self.unit.k, "users": self.units}
+               if private and self.unit.user else {}),
+        }
 
 
 def line_epsilon(line: dict) -> float | None:
