@@ -134,6 +134,34 @@ class Event:
                    line.get("sampling") or "poisson", line.get("dataset_size"), groups=line.get("groups"),
                    noise=None if strategy is None else tuple(strategy), user_records=line.get("user_records"))
 
+    @classmethod
+    def from_lines(cls, lines: list[dict], fallback: dict) -> Event:
+        """The event an attempt's privacy.jsonl lines say it ran, the later line's field over the earlier's, and
+        how it sampled and correlated its noise from `fallback` (its summary's, `record.summary_line`) where an
+        older ledger's lines do not say; as written, nothing required (`from_line` requires what ε needs)."""
+        known = {k: fallback[k] for k in ("sampling", "dataset_size", "neighbouring", "groups", "strategy",
+                                          "user_records") if k in fallback}
+        for line in lines:
+            known.update((k, v) for k, v in line.items() if v is not None)
+        strategy = known.get("strategy")
+        return cls(float(known.get("sigma_accounted", known.get("sigma", 0.0))), known.get("delta"),
+                   known.get("sample_rate"), known.get("accountant"), known.get("neighbouring", "add_remove"),
+                   known.get("sampling", "poisson"), known.get("dataset_size"), groups=known.get("groups"),
+                   noise=tuple(strategy) if isinstance(strategy, list) else strategy,
+                   user_records=known.get("user_records"))
+
+    def sampled_as(self, other: Event) -> Event:
+        """This event, sampled and its noise correlated as `other` says (sampling, groups, strategy, ELS's k)."""
+        return replace(self, sampling=other.sampling, groups=other.groups, noise=other.noise,
+                       user_records=other.user_records)
+
+    def sampling_text(self) -> str:
+        """How the event samples and correlates its noise, in words: "poisson", "cyclic (bandmf, 4 bands, 4
+        groups)", "poisson, a user's 4 records (ELS)"."""
+        noise, k = self.noise, self.user_records
+        return (str(self.sampling) + (f" ({noise[0]}, {noise[1]} bands, {self.groups} groups)" if noise else "")
+                + (f", a user's {k} records (ELS)" if k else ""))
+
     def analysis(self, uls: bool = False) -> str:
         """What ε is computed as, in words: the summary's, the ledger's and the report's name for the event (`uls`:
         the units sampled are users)."""

@@ -111,6 +111,20 @@ class Record:
         }
 
 
+def summary_line(summary: dict) -> dict:
+    """What a run's summary says of its accounting (`Record.summary`'s fields), named as a privacy.jsonl line names
+    them (`Event.line`), None fields left out: what `dpmem report` reads where an older ledger's lines lack them."""
+    s = summary
+    line = {k: s.get(k) for k in ("steps_done", "sigma", "sigma_accounted", "sample_rate", "accountant", "delta",
+                                  "sampling", "groups", "users", "neighbouring")}
+    if s.get("user_sampling") == "records":  # ELS: a user of at most k records
+        line["user_records"] = s.get("records_per_user")
+    if s.get("noise") not in (None, "independent"):  # correlated noise: the strategy its accounting reads
+        line["strategy"] = [s["noise"], s.get("bands"), s.get("noise_horizon")]
+    line.update(epsilon=s.get("epsilon_spent"), dataset_size=s.get("n_train"))
+    return {k: v for k, v in line.items() if v is not None}
+
+
 def line_epsilon(line: dict) -> float | None:
     """ε recomputed from what a privacy.jsonl line says it was computed from (`Event.from_line`) at the steps it
     records: what a damaged or edited ε field cannot lower. None where the line cannot say (rc, whose envelope the

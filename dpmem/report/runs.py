@@ -23,7 +23,7 @@ from dpmem.data import is_loss
 from dpmem.engine.folder import MARK
 from dpmem.engine.summary import METRICS, PRIVACY_LEDGER, most_spent, privacy_records
 from dpmem.privacy.accounting import Event
-from dpmem.privacy.record import PrivacyUnit, line_epsilon
+from dpmem.privacy.record import PrivacyUnit, line_epsilon, summary_line
 from dpmem.report import figures, markdown_table
 from dpmem.report.labels import NOT_TRAINING, USER, epsilon_number, row_label, variants
 
@@ -387,7 +387,10 @@ def releases(folder: dict) -> tuple[list[Release], str | None]:
     Returns the releases and the one line that says where the config's was taken over the lines', or that the
     lines were taken as written; None where there is nothing to say."""
     s = folder  # a summary, or a folder without one ({run_dir, why, config, ledger})
-    attempts = _attempts(s["ledger"], _summary_line(s))
+    summary = summary_line(s)  # what an older ledger's lines lack, and the last attempt's last word
+    if not summary.get("neighbouring") and s["config"].get("privacy.neighbouring"):
+        summary["neighbouring"] = s["config"]["privacy.neighbouring"]
+    attempts = _attempts(s["ledger"], summary)
     # (a folder with neither ledger nor summary released nothing, unless its other files show steps run: its
     # config.yaml is not read)
     planned = _planned(s) if s["ledger"] or "status" in s or s.get("steps_shown") else None
@@ -399,14 +402,14 @@ def releases(folder: dict) -> tuple[list[Release], str | None]:
         # the folder's run is its config.yaml's; an abandoned attempt is where its lines name no other configuration
         if not isinstance(planned, Planned) or (abandoned and not {line["config"] for line in lines
                                                                    if line.get("config")} <= {planned.config}):
-            out.append(Release(_written(lines, attempts[-1][-1]), steps, max(spent, default=math.inf), abandoned))
+            out.append(Release(Event.from_lines(lines, summary), steps, max(spent, default=math.inf), abandoned))
             as_written += 1
             continue
         # the steps it plans: no line lowers them; the folder's summary may (a run that failed or ran out of memory
         # is not counted as finished), the lines then raising them again
         plans = min(planned.steps, s["steps_done"]) if not abandoned and isinstance(s.get("steps_done"), int) \
             else planned.steps
-        release, disagree = _conservative(lines, _written(lines, attempts[-1][-1]), planned, steps, plans,
+        release, disagree = _conservative(lines, Event.from_lines(lines, summary), planned, steps, plans,
                                           bool(s["ledger"] or "status" in s))
         out.append(Release(release.event, release.steps, max([*spent, release.epsilon]), abandoned))
         said.update(dict.fromkeys(disagree))
@@ -418,19 +421,6 @@ def releases(folder: dict) -> tuple[list[Release], str | None]:
                  f"{PRIVACY_LEDGER} as written")
         note = f"{note}; {other}" if note else other
     return out, note and f"{s['run_dir']}: {note}"
-
-
-def _summary_line(s: dict) -> dict:
-    """What a folder's summary says of its run's accounting, named as a privacy.jsonl line names it."""
-    line = {k: s.get(k) for k in ("steps_done", "sigma", "sigma_accounted", "sample_rate", "accountant", "delta",
-                                  "sampling", "groups", "users")}
-    if s.get("user_sampling") == "records":  # ELS: a user of at most k records
-        line["user_records"] = s.get("records_per_user")
-    if s.get("noise") not in (None, "independent"):  # correlated noise: the strategy its accounting reads
-        line["strategy"] = [s["noise"], s.get("bands"), s.get("noise_horizon")]
-    line.update(epsilon=s.get("epsilon_spent"), dataset_size=s.get("n_train"),
-                neighbouring=s.get("neighbouring") or s["config"].get("privacy.neighbouring"))
-    return {k: v for k, v in line.items() if v is not None}
 
 
 def _attempts(ledger: list[dict], summary: dict) -> list[list[dict]]:
@@ -447,21 +437,6 @@ def _attempts(ledger: list[dict], summary: dict) -> list[list[dict]]:
     return attempts
 
 
-def _written(lines: list[dict], summary: dict) -> Event:
-    """The event an attempt's lines say it ran, the later line's field over the earlier's, and what an older
-    ledger's lines lack from the folder's summary (`summary`, `_summary_line`)."""
-    known = {k: summary[k] for k in ("sampling", "dataset_size", "neighbouring", "groups", "strategy", "user_records")
-             if k in summary}
-    for line in lines:
-        known.update((k, v) for k, v in line.items() if v is not None)
-    strategy = known.get("strategy")
-    return Event(float(known.get("sigma_accounted", known.get("sigma", 0.0))), known.get("delta"),
-                 known.get("sample_rate"), known.get("accountant"), known.get("neighbouring", "add_remove"),
-                 known.get("sampling", "poisson"), known.get("dataset_size"), groups=known.get("groups"),
-                 noise=tuple(strategy) if isinstance(strategy, list) else strategy,
-                 user_records=known.get("user_records"))
-
-
 def _conservative(lines: list[dict], written: Event, planned: Planned, ran: int, plans: int,
                   told: bool) -> tuple[Release, list[str]]:
     """An attempt of its config.yaml's run at the conservative end of what its lines (`written`; `ran`, the steps
@@ -473,10 +448,9 @@ def _conservative(lines: list[dict], written: Event, planned: Planned, ran: int,
     p, steps = planned.event, max(ran, plans)
     taken = replace(p, sigma=min(written.sigma, p.sigma) if sigma_known else p.sigma,
                     sample_rate=max(written.sample_rate or 0.0, p.sample_rate))
-    event, again = taken.costlier(replace(taken, **{k: getattr(written, k) for k in
-                                                    ("sampling", "groups", "noise", "user_records")}), steps)
-    said = [] if event is taken else [f"{_event_text(written)} where its config.yaml gives {_event_text(p)} (that "
-                                      "of the larger ε taken)"]
+    event, again = taken.costlier(taken.sampled_as(written), steps)
+    said = [] if event is taken else [f"{written.sampling_text()} where its config.yaml gives {p.sampling_text()} "
+                                      "(that of the larger ε taken)"]
     # what its lines say, each at its most favourable: the largest σ, the smallest q, the least ε at its end
     sigmas = [float(line.get("sigma_accounted") or line["sigma"]) for line in lines if line.get("sigma")]
     rates = [float(line["sample_rate"]) for line in lines if line.get("sample_rate")]
@@ -488,13 +462,6 @@ def _conservative(lines: list[dict], written: Event, planned: Planned, ran: int,
                                         ("steps", ran, plans), ("ε", min(ended, default=again), again))
              if told and line < config - 1e-6 * abs(config)]  # the side of less ε
     return Release(event, steps, again), said
-
-
-def _event_text(event: Event) -> str:
-    """How a run sampled and correlated its noise, in words: "poisson", "cyclic (bandmf, 4 bands, 4 groups)"."""
-    noise, k = event.noise, event.user_records
-    return (str(event.sampling) + (f" ({noise[0]}, {noise[1]} bands, {event.groups} groups)" if noise else "")
-            + (f", a user's {k} records (ELS)" if k else ""))
 
 
 def _planned(folder: dict) -> Planned | str | None:
