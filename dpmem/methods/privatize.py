@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from dpmem import distributed, sharding
-from dpmem.data.bundle import Grouped, weights
 from dpmem.metering import memory_label
 from dpmem.methods.base import batch_size
+from dpmem.methods.clipped_unit import ClippedUnit
 from dpmem.methods.clipping_plan import ClippingPlan
 from dpmem.methods.compiled_step import CompiledStep
 from dpmem.methods.attribution import public_weights, rows_misread, used_outside, verify_attribution, where_samples_mix
@@ -258,7 +258,7 @@ class Privatizer:
         rule and reducer, the clip factors, the weighted sum. A fault there shows in the audit. `k`: the rows are
         users' records, k to a user, clipped per user as a `Grouped` micro-batch's are."""
         reduce = self._reducer()
-        if k is not None and self.mechanism.per_user:
+        if k is not None and self.mechanism.per_user:  # (rows, not a micro-batch: `ClippedUnit.reducers`' rule)
             reduce = reducers.by_user(reduce, k)
         reduced = {key: reduce(g) for key, g in grads.items()}
         factors = self.mechanism.clip_factors(_squares(reduced))
@@ -321,20 +321,19 @@ class Privatizer:
         attribution on it (the first micro-batch; one whose layers are read anew proves itself, `NewLayout`).
         `shapes`: each parameter's kept shape, which a streamed value takes; None: nothing streams (a compiled
         one-pass step)."""
-        grouped = isinstance(mb, Grouped)  # ULS: a user's k records, normed and clipped as one
-        k = mb.k if grouped and self.mechanism.per_user else None
+        unit = ClippedUnit.of(mb, self.mechanism.per_user)  # ULS: a user's k records, normed and clipped as one
         while True:
             try:
-                return self._microbatch(mb, loss_fn, projections, summed, zero, check, probes, shapes, grouped, k)
+                return self._microbatch(mb, loss_fn, projections, summed, zero, check, probes, shapes, unit)
             except NewLayout:  # layers read per sample as no proof has seen yet: this micro-batch proves them
                 check = True
             except Reread:  # the proof failed where a layer reads both ways: proved again, read the other way
                 check = True
 
-    def _microbatch(self, mb, loss_fn, projections, summed, zero, check, probes, shapes, grouped, k):
+    def _microbatch(self, mb, loss_fn, projections, summed, zero, check, probes, shapes, unit: ClippedUnit):
         two_pass = self.plan.passes == 2
         # the proof's public weights: one per clipped unit (a user under ULS), its records weighed as it is
-        w = public_weights(len(mb.weights) if k else batch_size(mb), self.device) if check else None
+        w = public_weights(unit.count(mb), self.device) if check else None
 
         def reducer(draws):
             if two_pass:  # norms only; with the check, Σᵢ wᵢ gᵢ too
@@ -342,13 +341,9 @@ class Privatizer:
                 return reducers.with_sum(norm, w) if check else norm
             return self._reducer(draws)  # materialize: dense per-sample gradients; book-keeping: the factors
         keeps = [reducer(d) for d in probes] if probes else [reducer(None)] * len(self.params)
-        reduce = {p: reducers.projected(projections[p], keep) if p in projections else keep
-                  for p, keep in zip(self.params, keeps)}
-        if k is not None:
-            reduce = {p: reducers.by_user(r, k) for p, r in reduce.items()}
-        if grouped:
-            loss_fn = _present_only(loss_fn)
-        record_w = None if w is None else w.repeat_interleave(k) if k else w  # each record weighed as its unit
+        reduce = unit.reducers({p: reducers.projected(projections[p], keep) if p in projections else keep
+                                for p, keep in zip(self.params, keeps)})
+        record_w, loss_fn = unit.per_record(w), unit.loss_fn(loss_fn)  # each record weighed as its unit
         losses, kept, batch_grads, read = self._backward(mb, loss_fn, zero, reduce, check, shapes, two_pass, record_w)
         for p, g in batch_grads.items():
             p.grad = g
@@ -366,17 +361,14 @@ class Privatizer:
                     self._verify(weighted_sum(grads, w), lambda p, g: reducers.projection(projections[p]).project(g)
                                  if p in projections else g, mb, loss_fn, record_w, read)
             del kept
-            factors = self.mechanism.clip_factors(squares) * (mb.present if grouped and not k else weights(mb))
+            factors = self.mechanism.clip_factors(squares) * unit.weights(mb)
             with memory_label("gradients"):
                 for p, part in weighted_sums(grads, factors):
                     _accumulate(summed, p, part)
             del grads
         if two_pass:
-            self._second_pass(losses, factors.repeat_interleave(k) if k else factors, summed)
-        clipped = self.mechanism.clipped_losses(losses.detach())
-        if k:  # a user's loss: the mean of its records' clipped losses, in [0, L] as a record's is
-            clipped = clipped.view(-1, k).sum(1) / mb.present.view(-1, k).sum(1).clamp(min=1)
-        return (clipped * (mb.present if grouped and not k else weights(mb))).sum()
+            self._second_pass(losses, unit.per_record(factors), summed)
+        return unit.loss(self.mechanism.clipped_losses(losses.detach()), mb)
 
     def _second_pass(self, losses, factors, summed) -> None:
         """Two-pass clipping's second backward pass: autograd forms Σᵢ fᵢ gᵢ, in the model's own precision, added
@@ -499,12 +491,6 @@ class Reread(Exception):
 class NewLayout(Exception):
     """A micro-batch's layers were read per sample (`Tape.layouts`) as no attribution proof has seen: it runs again
     with the proof (raised after its forward pass, before any backward pass)."""
-
-
-def _present_only(loss_fn):
-    """ULS: the per-record losses with an empty slot's weighing 0 (`Grouped.present`), so that its gradient, which
-    joins its user's sum, is 0."""
-    return lambda model, mb: loss_fn(model, mb) * mb.present
 
 
 def _squares(kept: dict) -> dict:
