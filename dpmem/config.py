@@ -1,8 +1,9 @@
 """Structured configs: the schema of every config group, its defaults and its validation.
 
 Hydra checks types, enum values and unknown keys against these dataclasses; `validate_groups` checks what a
-type cannot say (ranges, cross-field rules) within the groups, and each method's class what depends on the method
-(`dpmem.methods.validate` runs both). Each ends in a `ConfigError` whose message names the key and what is
+type cannot say (ranges, cross-field rules) within the groups, privacy's cross-key rules aside
+(`dpmem.privacy.calibrate.check`, with what depends on the method), and each method's class the rest of what
+depends on the method (`dpmem.methods.validate` runs them all). Each ends in a `ConfigError` whose message names the key and what is
 allowed, which the CLI prints as one line.
 """
 
@@ -639,55 +640,21 @@ def validate_groups(cfg: Any) -> None:
         raise ConfigError("logging.every", f"{cfg.logging.every} must be a positive number of steps")
     if not 0 < cfg.data.test_fraction < 1:
         raise ConfigError("data.test_fraction", f"{cfg.data.test_fraction}: the held-out share, allowed 0 < x < 1")
-    p = cfg.privacy  # its own values; how they fit the method is the method's check (Method.check)
+    p = cfg.privacy  # its own values; how they fit each other and the method: dpmem.privacy.calibrate.check
     if p.epsilon is not None and not 0 < p.epsilon < math.inf:
         raise ConfigError("privacy.epsilon", f"{p.epsilon} must be a finite number > 0 (or null for non-private)")
     sigma = p.get("noise_multiplier")
     if sigma is not None and (isinstance(sigma, bool) or not 0 < sigma < math.inf):
         raise ConfigError("privacy.noise_multiplier", f"{sigma} must be a finite number > 0 (σ = 0 adds no noise: "
                           "privacy=none for a non-private run)")
-    if sigma is not None and p.epsilon is not None:
-        raise ConfigError("privacy.noise_multiplier", f"{sigma:g} fixes σ, and privacy.epsilon={p.epsilon:g} asks "
-                          "for σ calibrated to it: give one (privacy.epsilon=null with a fixed σ)")
     if accounted(p):
         resolve_delta(p.delta, n=2)  # the form is checked here; '1/n' is resolved once n is known
     for key in ("loss_bound", "loss_noise"):
         if not 0 < p[key] < math.inf:
             raise ConfigError(f"privacy.{key}", f"{p[key]} must be a finite number > 0")
-    correlated = p.get("noise", Noise.independent) != Noise.independent
-    if correlated and not accounted(p):
-        raise ConfigError("privacy.noise", f"{enum_value(p.noise)} correlates the noise of a private run, and this "
-                          "one adds none (privacy=none: no privacy.epsilon or privacy.noise_multiplier); allowed "
-                          "without a budget: independent")
-    bands = p.get("bands")
-    if bands is not None and (isinstance(bands, bool) or bands < 1 or (bands > 1 and not correlated)):
-        raise ConfigError("privacy.bands", f"{bands}: the bands of a correlated strategy (privacy.noise=bandmf|bisr), "
-                          "a positive integer; independent noise has none (leave it null)")
-    if correlated and p.get("bands") is None:
-        raise ConfigError("privacy.bands", f"privacy.noise={enum_value(p.noise)} needs its number of bands, e.g. "
-                          "privacy.bands=4 (bandmf: b − 1 noise buffers; bisr: p draws per step)")
-    k, by_user = p.get("records_per_user"), p.get("unit", Unit.record) == Unit.user
-    if k is not None and (isinstance(k, bool) or k < 1 or not by_user):
-        raise ConfigError("privacy.records_per_user", f"{k}: the most records of one user a step (ULS) or the run "
-                          "(ELS) uses, a positive integer, with privacy.unit=user")
-    if by_user and k is None:
-        raise ConfigError("privacy.records_per_user", "privacy.unit=user needs the most records of one user that "
-                          "count, e.g. privacy.records_per_user=4 (the rest are left out: docs/privacy.md)")
-    if by_user and correlated:
-        raise ConfigError("privacy.noise", f"{enum_value(p.noise)}: correlated noise is accounted per record "
-                          "(cyclic groups of records); with privacy.unit=user allowed: independent")
-    if by_user and p.neighbouring != Neighbouring.add_remove:
-        raise ConfigError("privacy.neighbouring", "user-level privacy is accounted for adding or removing one "
-                          "user; allowed with privacy.unit=user: add_remove")
     users = cfg.data.get("users")
     if users is not None and (isinstance(users, bool) or users < 1):
         raise ConfigError("data.users", f"{users}: the number of users to give the records to, a positive integer")
-    user_column = (cfg.data.get("columns") or {}).get("user")
-    if not by_user and (users is not None or user_column is not None):  # refused, not ignored: ε would be a record's
-        key, value = ("data.users", users) if users is not None else ("data.columns.user", user_column)
-        raise ConfigError(key, f"{value} names the data's users, which only privacy.unit=user reads: this run's ε "
-                          "protects one record (privacy.unit=record). For a user's: privacy.unit=user "
-                          f"privacy.records_per_user=K; for a record's, leave {key} unset")
     d = p.rc_dimension
     if d not in ("model", "max_layer") and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
         raise ConfigError("privacy.rc_dimension", f"{d!r}: allowed model, max_layer or a positive integer")

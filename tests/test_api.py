@@ -78,7 +78,7 @@ def test_the_docs_whole_method_loop_spends_dp_sgd_rc_by_the_accountant_dpmem_tra
 
     from dpmem.engine.assemble import envelope
     from dpmem.methods import method_class
-    from dpmem.privacy.mechanism import calibrate
+    from dpmem.privacy.calibrate import calibrate
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
     block = next(b for b in re.findall(r"```python\n(.*?)```", docs, re.S) if "build_method(cfg" in b)

@@ -17,7 +17,8 @@ from dpmem.config import ConfigError
 from dpmem.engine.trainer import Run, run_length, run_training
 from dpmem.methods import METHODS, validate
 from dpmem.privacy.accounting import calibrate_sigma
-from dpmem.privacy.mechanism import GaussianMechanism, calibrate
+from dpmem.privacy.calibrate import calibrate
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, derive, seed_key
 from dpmem.privacy.sampling import cyclic_batches
 from dpmem.privacy.strategies import make_strategy

@@ -165,11 +165,11 @@ def test_els_calibration_says_what_it_does_before_it_starts(monkeypatch, capsys)
     from dataclasses import replace
 
     from dpmem.methods import method_class
-    from dpmem.privacy import mechanism
+    from dpmem.privacy import calibrate
     from dpmem.privacy.accounting import Event
     said = []
     monkeypatch.setattr(Event, "calibrated", lambda self, *a, **k: said.append(capsys.readouterr().err)
                         or replace(self, sigma=1.0))
     cfg = config(*USERS, "privacy.user_sampling=records", "method=dp-adam")
-    mechanism.calibrate(cfg, method_class("dp-adam").spec, 1000, 2, "poisson", torch.device("cpu"), users=200)
+    calibrate.calibrate(cfg, method_class("dp-adam").spec, 1000, 2, "poisson", torch.device("cpu"), users=200)
     assert len(said) == 1 and said[0].count("\n") == 1 and "calibrating σ to ε = 8 per user (ELS" in said[0]

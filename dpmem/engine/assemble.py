@@ -18,7 +18,8 @@ from dpmem.methods.privatize import Observer
 from dpmem.methods.rc import check_probes, max_layer_dimension, rc_dimension
 from dpmem.methods.subspace import SubspaceProjection
 from dpmem.models import build_model, checkpoint_activations
-from dpmem.privacy.mechanism import GaussianMechanism, accountant_of, calibrate
+from dpmem.privacy.calibrate import accountant_of, calibrate
+from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, seed_key
 
 
@@ -51,7 +52,7 @@ def assemble(cfg, device: torch.device, data: DataBundle, model: nn.Module | Non
     `observers` see the private step (they hang on the mechanism). `mechanism_of(mechanism, model)`: the mechanism
     to use in place of the calibrated one (dpmem audit's variants).
 
-    With `steps` and `sampling` the mechanism is the run's, calibrated (`dpmem.privacy.mechanism.calibrate`);
+    With `steps` and `sampling` the mechanism is the run's, calibrated (`dpmem.privacy.calibrate.calibrate`);
     without, a stand-in of σ = 1 (σ and the draws change values, not memory or time), accounting nothing."""
     t, m = cfg.train, cfg.method
     spec = method_class(m.name).spec  # (train.fsdp's caller has checked dpmem.methods.check_fsdp)

@@ -299,7 +299,7 @@ def plan(cfg, batch_size: int | None = None, physical_batch_size: int | None = N
 
 def noise_strategy(cfg, n: int) -> Strategy | None:
     """The correlated strategy a run of `cfg` over `n` records draws its noise with, its bands cut at its horizon as
-    the run's are (`dpmem.privacy.mechanism.noise_terms`, which refuses groups smaller than a batch); None for
+    the run's are (`dpmem.privacy.calibrate.noise_terms`, which refuses groups smaller than a batch); None for
     independent noise."""
     noise = enum_value(cfg.privacy.get("noise", "independent"))
     if noise == "independent" or not method_class(cfg.method.name).spec.private:

@@ -32,7 +32,7 @@ from dpmem.engine.tracking import NoTracker, open_tracker
 from dpmem.metering import Meter
 from dpmem.methods import check_fsdp, method_class
 from dpmem.methods.subspace import SubspaceProjection, privacy_of
-from dpmem.privacy.mechanism import record_of
+from dpmem.privacy.calibrate import record_of
 from dpmem.privacy.accounting import Event
 from dpmem.privacy.record import PrivacyUnit, line_epsilon
 from dpmem.privacy.sampling import make_batches, user_batches
@@ -76,7 +76,7 @@ def run_length(cfg, n: int) -> tuple[int, str]:
 
 def accounting_of(cfg, n: int | None = None, count: int | None = None) -> tuple[Event, int]:
     """What a run of `cfg` over `n` records of `count` users (None: its data's, loaded) is accounted with, before
-    anything is built: its Event (σ 0: `dpmem.privacy.mechanism.record_of`) and its steps."""
+    anything is built: its Event (σ 0: `dpmem.privacy.calibrate.record_of`) and its steps."""
     if n is None:
         data, _ = users.for_training(cfg.privacy, build_data(cfg.data, cfg.model), cfg.data.split_seed)
         n, count = data.n_train, users.count(data)

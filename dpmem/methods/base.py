@@ -10,12 +10,10 @@ import torch
 from torch import nn
 
 from dpmem import sharding
-from dpmem.config import (Accountant, ConfigError, LossRelease, MethodConfig, Neighbouring, Noise, Objective, Sampling,
-                          accounted, asked_budget, enum_value, resolved_sampling)
+from dpmem.config import ConfigError, MethodConfig, accounted, asked_budget, enum_value
 from dpmem.methods.clipping_plan import ClippingPlan
-from dpmem.privacy.accounting import MIN_SIGMA
+from dpmem.privacy.calibrate import check as check_privacy
 from dpmem.privacy.mechanism import GaussianMechanism
-from dpmem.privacy.record import PrivacyUnit
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]  # per-sample losses, shape (B,)
@@ -147,103 +145,20 @@ class Method:
     @classmethod
     def check(cls, cfg) -> None:
         """What the whole run config must satisfy for this method, beyond each group's own checks
-        (dpmem.config.validate_groups): finite options; for a private method, a clipping threshold, and sampling
-        and an accountant that account for it. A method with options of its own extends it. Raises ConfigError."""
-        t, p, m = cfg.train, cfg.privacy, cfg.method
+        (dpmem.config.validate_groups): finite options; for a private method, a clipping threshold; and the privacy
+        settings that fit it (`dpmem.privacy.calibrate.check`). A method with options of its own extends it. Raises
+        ConfigError."""
+        t, m = cfg.train, cfg.method
         if t.get("compile") and t.get("static_shapes") is False:
             raise ConfigError("train.static_shapes", "false: a compiled step has one shape, every micro-batch padded "
                               "to the physical batch size; leave it unset (null) or true with train.compile=true")
         for key, value in m.items():  # a NaN or infinite option trains garbage that looks fine: none is allowed
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"method.{key}", f"{value} must be a finite number")
-        cls._check_noise(cfg)
-        cls._check_unit(cfg)
-        if not cls.spec.private:
-            return
-        if not m.max_grad_norm > 0:
+        if cls.spec.private and not m.max_grad_norm > 0:
             # for dpzero C bounds the per-sample scalar (L⁺ − L⁻)/2λ, not a gradient norm
             raise ConfigError("method.max_grad_norm", f"{m.max_grad_norm} must be > 0 for a private method")
-        if not accounted(p):  # privacy=none: it clips, nothing is accounted
-            return
-        sigma = p.get("noise_multiplier")
-        if sigma is not None and sigma < MIN_SIGMA:  # what calibration never goes below: its PLD outgrows memory
-            raise ConfigError("privacy.noise_multiplier", f"{sigma:g} is below {MIN_SIGMA:g}, the least noise dpmem "
-                              "accounts (the ε of less protects nothing, and accounting it takes minutes and "
-                              f"gigabytes); allowed: {MIN_SIGMA:g} or more, or privacy=none for a non-private run")
-        if t.objective == Objective.train_loss and p.train_loss != LossRelease.private:
-            raise ConfigError("train.objective", "train_loss chooses among private runs by their training loss, which "
-                              f"privacy.train_loss={enum_value(p.train_loss)} releases outside epsilon (or not at "
-                              "all); allowed: privacy.train_loss=private (noised, in epsilon), or "
-                              "train.objective=metric")
-        if t.sampling == Sampling.shuffle:
-            raise ConfigError("train.sampling", "shuffle has no privacy accountant; allowed for private "
-                              "training: poisson (default), fixed (with privacy.accountant=rdp, "
-                              "privacy.neighbouring=replace_one)")
-        if t.sampling == Sampling.fixed and (
-                p.accountant != Accountant.rdp or p.neighbouring != Neighbouring.replace_one):
-            raise ConfigError("train.sampling", "fixed-size sampling is accounted only by privacy.accountant=rdp "
-                              "with privacy.neighbouring=replace_one")
-        if (t.sampling in (Sampling.poisson, Sampling.auto)
-                and p.accountant == Accountant.rdp and p.neighbouring == Neighbouring.replace_one):
-            raise ConfigError("privacy.accountant", "rdp accounts Poisson sampling only under add_remove; "
-                              "allowed with replace_one: pld")
-        randomized = cls.spec.accountant == "rc"  # the accountant privacy.accountant=auto picks for it
-        if randomized and p.accountant in (Accountant.pld, Accountant.rdp):
-            raise ConfigError("privacy.accountant", f"{m.name} clips with estimated norms, which pld and rdp do not "
-                              "account for (epsilon would be understated); allowed: rc, auto")
-        if not randomized and p.accountant == Accountant.rc:
-            raise ConfigError("privacy.accountant", f"rc accounts randomized clipping (dp-sgd-rc), not {m.name}; "
-                              "allowed: auto, pld, rdp")
-        if randomized and p.neighbouring != Neighbouring.add_remove:
-            raise ConfigError("privacy.neighbouring", f"the rc accountant of {m.name} is for add_remove only; "
-                              "allowed: add_remove")
-
-    @classmethod
-    def _check_noise(cls, cfg) -> None:
-        """Correlated noise (privacy.noise) and cyclic sampling come together, for a method whose accountant has an
-        analysis of them."""
-        p, m = cfg.privacy, cfg.method
-        noise = p.get("noise", Noise.independent)
-        cyclic = resolved_sampling(cfg, cls.spec.private) == "cyclic"
-        if noise == Noise.independent:
-            if cyclic:
-                raise ConfigError("train.sampling", "cyclic samples the groups of correlated noise (privacy.noise="
-                                  "bandmf|bisr); independent noise is amplified more by poisson (the default)")
-            return
-        name = enum_value(noise)
-        if not cls.spec.private:
-            raise ConfigError("privacy.noise", f"{name}: {m.name} is not private and adds no noise; allowed: "
-                              "independent")
-        if cls.spec.accountant == "rc":
-            raise ConfigError("privacy.noise", f"{name}: {m.name}'s accountant (randomized clipping's envelope) has "
-                              "no analysis of correlated noise; allowed: independent")
-        if not cyclic:
-            raise ConfigError("train.sampling", f"privacy.noise={name} is accounted under cyclic Poisson sampling "
-                              "(a record joins only every G-th step); set train.sampling=cyclic (or auto)")
-
-    @classmethod
-    def _check_unit(cls, cfg) -> None:
-        """privacy.unit=user: a private method whose accountant has a user-level analysis, under Poisson sampling;
-        ULS (user_sampling=users) for the methods whose step clips per-sample gradients (`MethodSpec.no_uls` says
-        why a step cannot)."""
-        t, p, m = cfg.train, cfg.privacy, cfg.method
-        unit = PrivacyUnit.of(p)
-        if not unit.user:
-            return
-        if not cls.spec.private:
-            raise ConfigError("privacy.unit", f"user: {m.name} is not private and protects no one; allowed: record")
-        if cls.spec.accountant == "rc":
-            raise ConfigError("privacy.unit", f"user: {m.name}'s accountant (randomized clipping's envelope) bounds "
-                              "one record's random sensitivity, not a user's; allowed: record")
-        if t.sampling not in (Sampling.poisson, Sampling.auto):
-            raise ConfigError("train.sampling", f"{enum_value(t.sampling)}: user-level privacy is accounted under "
-                              "Poisson sampling (of users, or of records for ELS); allowed: poisson, auto")
-        els = unit.els
-        if els and p.accountant == Accountant.rdp:
-            raise ConfigError("privacy.accountant", "rdp: ELS's user is a mixture of Gaussians, which dp-accounting "
-                              "accounts by PLD alone; allowed: pld, auto")
-        if not els and cls.spec.no_uls:
-            raise ConfigError("privacy.user_sampling", f"users: {m.name} {cls.spec.no_uls}; allowed: records (ELS)")
+        check_privacy(cfg, cls.spec)
 
     def compile(self, compiler) -> None:
         """train.compile: the step's functions compiled by `compiler` (`dpmem.compiling.Compiler`)."""
