@@ -146,10 +146,11 @@ class GaussianMechanism:
         self.summary.update(private=False, epsilon_spent=math.inf)
 
     def ledger_fields(self) -> dict:
-        """What a privacy.jsonl line records beside its ε and steps: what ε is computed from (`Event.line`)."""
-        s = self.summary
-        return {"sigma": s["sigma"], **self.event.line(), "unit": s.get("unit"), "users": s.get("users"),
-                "privacy_analysis": s.get("privacy_analysis")}
+        """What a privacy.jsonl line records beside its ε and steps: what ε is computed from (`Event.line`), and
+        the record's unit and analysis as the summary names them (`Record.summary`)."""
+        said = self.record.summary()
+        return {"sigma": said["sigma"], **self.event.line(), "unit": said["unit"], "users": said.get("users"),
+                "privacy_analysis": said["privacy_analysis"]}
 
     def outside_epsilon(self, static_shapes: bool) -> dict[str, str]:
         """What an accounted run's folder (and wandb, and its progress bar) shows that ε does not cover, and why (what
