@@ -41,13 +41,15 @@ def test_an_events_epsilon_is_dp_accountings_composition_built_here():
     assert event.epsilon(300) == pytest.approx(oracle.get_epsilon(1e-5), rel=1e-6)
 
 
-def test_an_event_holds_epsilon_spents_keywords_and_gives_them_back():
+def test_an_event_holds_epsilon_spents_keywords():
     from dpmem.privacy.accounting import Event
     plain = {"accountant": "pld", "neighbouring": "replace_one", "sampling": "cyclic", "dataset_size": 1000,
              "loss_noise": 2.0, "groups": 4, "noise": ("bandmf", 4, 100), "user_records": None}
     rc = {**plain, "accountant": "rc", "k": 8, "d": 2048.0, "estimator": "hutchpp"}
     for terms in (plain, rc):
-        assert Event.of(1.0, 1e-5, 0.1, terms).terms() == terms
+        event = Event.of(1.0, 1e-5, 0.1, terms)
+        held = {k: getattr(event, k) for k in plain} | dict(zip(("k", "d", "estimator"), event.rc or ()))
+        assert held == terms and (event.sigma, event.delta, event.sample_rate) == (1.0, 1e-5, 0.1)
 
 
 def test_a_ledger_line_gives_back_the_epsilon_of_its_event_as_dp_accounting_composes_it():

@@ -69,13 +69,6 @@ class Event:
         return cls(sigma, delta, sample_rate, **{k: v for k, v in terms.items() if k not in ("k", "d", "estimator")},
                    rc=rc)
 
-    def terms(self) -> dict:
-        """epsilon_spent's keywords after (σ, δ, q, steps)."""
-        out = {"accountant": self.accountant, "neighbouring": self.neighbouring, "sampling": self.sampling,
-               "dataset_size": self.dataset_size, "loss_noise": self.loss_noise, "groups": self.groups,
-               "noise": self.noise, "user_records": self.user_records}
-        return {**out, **dict(zip(("k", "d", "estimator"), self.rc))} if self.rc else out
-
     @property
     def joint_sigma(self) -> float:
         """The multiplier of the one Gaussian that the step's gradient and loss releases make together."""
