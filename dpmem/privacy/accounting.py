@@ -64,10 +64,13 @@ class Event:
 
     @classmethod
     def of(cls, sigma: float, delta: float, sample_rate: float, terms: dict) -> Event:
-        """From epsilon_spent's keywords after (σ, δ, q, steps); rc's envelope where they hold its k."""
+        """From epsilon_spent's keywords after (σ, δ, q, steps); rc's envelope where they hold its k (and are rc's),
+        a strategy given as a list (a ledger's JSON) as a tuple."""
         rc = (terms["k"], terms["d"], terms["estimator"]) if terms.get("accountant") == "rc" and "k" in terms else None
-        return cls(sigma, delta, sample_rate, **{k: v for k, v in terms.items() if k not in ("k", "d", "estimator")},
-                   rc=rc)
+        kept = {k: v for k, v in terms.items() if k not in ("k", "d", "estimator")}
+        if isinstance(kept.get("noise"), list):
+            kept["noise"] = tuple(kept["noise"])
+        return cls(sigma, delta, sample_rate, **kept, rc=rc)
 
     @property
     def joint_sigma(self) -> float:
@@ -75,15 +78,13 @@ class Event:
         return joint_sigma(self.sigma, self.loss_noise)
 
     def epsilon(self, steps: int) -> float:
-        """ε after `steps` steps (`accounting.epsilon_of`)."""
-        from dpmem.privacy import accounting  # (accounting reads Event: imported when first asked)
-        return accounting.epsilon_of(self, steps)
+        """ε after `steps` steps (`epsilon_of`)."""
+        return epsilon_of(self, steps)
 
     def calibrated(self, epsilon: float, steps: int, tolerance: float = 1e-3) -> Event:
-        """This event at the least σ whose ε after `steps` steps is at most `epsilon` (`accounting.sigma_for`; its
-        own σ is not read)."""
-        from dpmem.privacy import accounting
-        return replace(self, sigma=accounting.sigma_for(replace(self, sigma=0.0), epsilon, steps, tolerance))
+        """This event at the least σ whose ε after `steps` steps is at most `epsilon` (`sigma_for`; its own σ is
+        not read, and is 0 in the calibration's cache key)."""
+        return replace(self, sigma=sigma_for(replace(self, sigma=0.0), epsilon, steps, tolerance))
 
     def as_accounted(self) -> Event:
         """The event as a ledger line accounts it (`line`, `from_line`): the gradient's and the loss's releases as one
@@ -405,16 +406,10 @@ def epsilon_spent(sigma: float, delta: float, sample_rate: float, steps: int, ac
     Returns:
         ε at `delta`.
     """
-    return epsilon_of(_keyword_event(sigma, delta, sample_rate, accountant, neighbouring, sampling, dataset_size, k,
-                                     d, estimator, loss_noise, groups, noise, user_records), steps)
-
-
-def _keyword_event(sigma, delta, sample_rate, accountant, neighbouring, sampling, dataset_size, k, d, estimator,
-                   loss_noise, groups, noise, user_records) -> Event:
-    """The Event that epsilon_spent's and calibrate_sigma's keywords name (a ledger's JSON list for a tuple)."""
-    return Event(sigma, delta, sample_rate, accountant, neighbouring, sampling, dataset_size, loss_noise, groups,
-                 tuple(noise) if isinstance(noise, list) else noise, user_records,
-                 (k, d, estimator) if accountant == "rc" else None)
+    terms = {"accountant": accountant, "neighbouring": neighbouring, "sampling": sampling,
+             "dataset_size": dataset_size, "k": k, "d": d, "estimator": estimator, "loss_noise": loss_noise,
+             "groups": groups, "noise": noise, "user_records": user_records}
+    return epsilon_of(Event.of(sigma, delta, sample_rate, terms), steps)
 
 
 def composed_epsilon(releases: list[tuple[Event, int]], delta: float, accountant: str = "pld",
@@ -520,8 +515,10 @@ def calibrate_sigma(epsilon: float, delta: float, sample_rate: float, steps: int
         TypeError: an argument that is not a number (steps: an integer).
         ValueError: a bad argument, or (as `UnreachableTarget`) an ε no noise reaches.
     """
-    return sigma_for(_keyword_event(0.0, delta, sample_rate, accountant, neighbouring, sampling, dataset_size, k, d,
-                                    estimator, loss_noise, groups, noise, user_records), epsilon, steps, tolerance)
+    terms = {"accountant": accountant, "neighbouring": neighbouring, "sampling": sampling,
+             "dataset_size": dataset_size, "k": k, "d": d, "estimator": estimator, "loss_noise": loss_noise,
+             "groups": groups, "noise": noise, "user_records": user_records}
+    return Event.of(0.0, delta, sample_rate, terms).calibrated(epsilon, steps, tolerance).sigma
 
 
 @functools.lru_cache(maxsize=256)  # a sweep over seeds or learning rates calibrates the same sigma once per process

@@ -167,7 +167,9 @@ def record_of(privacy, spec, n: int, batch_size: int, steps: int, sampling: str,
     terms = unit.terms(n, users, batch_size)
     loss_release = (enum_value(privacy.train_loss) if accounted
                     else "none" if enum_value(privacy.train_loss) == "none" else "exact")
-    keywords = {**_accountant_keywords(privacy, spec, terms["units"] if terms["uls"] else n, sampling, loss_release),
+    keywords = {"accountant": accountant_of(privacy, spec), "neighbouring": enum_value(privacy.neighbouring),
+                "sampling": sampling, "dataset_size": terms["units"] if terms["uls"] else n,  # what a step samples
+                "loss_noise": privacy.loss_noise if loss_release == "private" else None,  # in ε only where private
                 **noise_terms(privacy, n, batch_size, steps, sampling, restart), "user_records": terms["user_records"]}
     if keywords["accountant"] == "rc" and rc is not None:  # the envelope of randomized clipping depends on the model
         if accounted and terms["sample_rate"] >= 1:
@@ -215,13 +217,6 @@ def step_noise_matched_lr(lr: float, event: Event, epsilon: float, steps: int) -
     return lr * event.sigma / independent.sigma * row
 
 
-def _accountant_keywords(privacy, spec, n: int, sampling: str, loss_release: str) -> dict:
-    """The Event's terms after (σ, δ, q) (`Event.of`); loss_noise only where the loss is released in ε."""
-    return {"accountant": accountant_of(privacy, spec), "neighbouring": enum_value(privacy.neighbouring),
-            "sampling": sampling, "dataset_size": n,
-            "loss_noise": privacy.loss_noise if loss_release == "private" else None}
-
-
 def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device, rc: dict | None = None,
               observers: tuple = (), users: int | None = None) -> GaussianMechanism:
     """The mechanism of a run of `cfg` (its method's MethodSpec `spec`) over `n` records for `steps` steps: its
@@ -264,7 +259,7 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
     strategy = make_strategy(*event.noise) if event.noise else None
     noise = Draws(key_of(p.noise_seed), "noise", device) if spec.private and device.type != "meta" else None
     return GaussianMechanism(record.event.sigma, m.max_grad_norm if spec.private else math.inf,
-                             q * (record.units if record.unit.uls else n), noise, q,
+                             q * event.dataset_size, noise, q,
                              p.loss_bound if private_loss else math.inf, summary["loss_sigma"] or 0.0,
                              tuple(observers), plan, record, summary, _sampler(cfg, accounted), strategy,
                              restart if strategy is not None else None, event.groups)
