@@ -119,7 +119,7 @@ def test_a_loss_mixing_samples_is_named_in_the_loss_contract_and_refused_before_
             return losses + losses.mean()
         with pytest.raises(RuntimeError, match="the loss function mixes samples"):
             privatize.gradient([batch], mixed, {p: p.shape for p in privatize.params})
-    assert noise.draws.count == 0
+    assert noise.state.noise.count == 0
 
 
 @pytest.mark.parametrize("field, args", [("sigma", (-1.0, 1.0, 5.0)), ("sigma", (float("nan"), 1.0, 5.0)),

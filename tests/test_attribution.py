@@ -219,7 +219,7 @@ def test_what_mixes_samples_is_refused_before_a_release_naming_it(case, plan):
     with Privatizer(model, noise, ClippingPlan.of(plan)) as privatize:
         with pytest.raises(RuntimeError, match=words):
             privatize.gradient([net_batch()], loss, {p: p.shape for p in privatize.params})
-    assert noise.draws.count == 0  # nothing drawn, so nothing released
+    assert noise.state.noise.count == 0  # nothing drawn, so nothing released
 
 
 def test_a_new_layout_is_proved_again_before_its_release():
@@ -388,7 +388,7 @@ def test_the_proof_refuses_a_mixing_module_under_a_compiled_step_and_user_level_
         data = Grouped(data, 2, torch.ones(B))
     with pytest.raises(RuntimeError, match=r"mix mixes samples"):
         method.step([data], net_loss)
-    assert method.privatizer.mechanism.draws.count == 0
+    assert method.privatizer.mechanism.state.noise.count == 0
 
 
 @pytest.mark.parametrize("plan", ["bk", "ghost"])
@@ -536,7 +536,7 @@ def test_an_output_shared_by_the_batch_whose_broadcast_breaks_the_forward_is_ref
                                                r"relative_position_bias: its output is shared by the batch.*broke the "
                                                r"model's forward.*freeze its parameters"):
             privatize.gradient([image_batch()], image_loss, {p: p.shape for p in privatize.params})
-    assert noise.draws.count == 0
+    assert noise.state.noise.count == 0
 
 
 def test_a_loss_of_the_wrong_shape_is_refused_as_such_where_a_shared_output_was_broadcast():

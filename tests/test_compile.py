@@ -126,7 +126,7 @@ def test_a_step_that_breaks_the_graph_is_refused_in_one_line_before_a_release():
     with pytest.raises(ConfigError, match=r"^train\.compile: the step does not trace as one graph \([^\n]+\); this "
                                           r"model trains eager: train\.compile=false$"):
         method.step([batch], loss)
-    assert noise.draws.count == 0  # nothing released
+    assert noise.state.noise.count == 0  # nothing released
     method.close()
 
 

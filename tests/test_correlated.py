@@ -344,7 +344,7 @@ def test_a_correlated_run_checkpointed_on_another_kind_of_device_is_refused_in_o
         run_training(config(*overrides), tmp_path)
     monkeypatch.setattr(METHODS["dp-adam"], "step", real_step)
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
-    state["method"]["mechanism"]["noise"]["device"] = "cuda"
+    state["mechanism"]["noise"]["device"] = "cuda"
     torch.save(state, tmp_path / "checkpoint.pt")
     with pytest.raises(ConfigError, match="train.device: the checkpoint's noise was drawn on cuda.*resume it on cuda"):
         run_training(config(*overrides), tmp_path)

@@ -49,7 +49,7 @@ def test_a_run_takes_its_seeds_whole(tmp_path):
         run = Run(config("method=dp-adam", f"privacy.sampler_seed={seed}", f"privacy.noise_seed={seed}",
                          "train.device=cpu"), tmp_path)
         run.prepare()
-        return [b.tolist() for b in run.batches()], run.method.mechanism.draws.randn(20)
+        return [b.tolist() for b in run.batches()], run.method.mechanism.state.noise.randn(20)
 
     (b1, z1), (b2, z2), (b3, z3) = prepared(5), prepared(5 + 2**32), prepared(5)
     assert b1 != b2 and not torch.equal(z1, z2)
@@ -62,7 +62,7 @@ def test_an_accounted_run_without_seeds_draws_its_keys_from_the_os(tmp_path):
         run.prepare()
     first, second = (run.mechanism.sampler.key for run in runs)
     assert first != second and len(first) * 8 >= 128
-    assert runs[0].method.mechanism.draws.key != runs[1].method.mechanism.draws.key
+    assert runs[0].method.mechanism.state.noise.key != runs[1].method.mechanism.state.noise.key
 
 
 def test_draws_are_keyed_by_purpose_and_count_alone():

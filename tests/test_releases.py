@@ -1,6 +1,7 @@
 """What a private run releases (issue 42): the training loss in ε (clipped, noised, composed with the gradient),
 outside it under a key that says so, or not at all; no exact batch sizes; no checkpoint secrets left behind."""
 
+import dataclasses
 import json
 import math
 
@@ -18,6 +19,7 @@ from dpmem.privacy import calibrate_sigma, epsilon_spent
 from dpmem.privacy.accounting import PLD_DISCRETIZATION
 from dpmem.privacy.mechanism import GaussianMechanism
 from dpmem.privacy.randomness import Draws, seed_key
+from dpmem.privacy.strategies import make_strategy
 from helpers import Layers, config, layers_batch, layers_loss
 from tests.test_privacy import analytic_gaussian_delta
 
@@ -112,3 +114,25 @@ def test_no_checkpoint_tmp_survives_a_run_that_ends(tmp_path):
     run_training(config("method=dp-adam", "train.device=cpu", "train.steps=2", "train.overwrite=true",
                         "train.checkpoint_every=0"), tmp_path)
     assert not (tmp_path / "checkpoint.pt.tmp").exists() and summary(tmp_path)["status"] == "ok"
+
+
+def test_a_derived_mechanism_continues_its_bases_state():
+    """Issue 76: one state per run. A mechanism derived by `dataclasses.replace` (the method's with a subspace's
+    observer, the audit's broken ones, the planner's strategy) counts, keys and accounts with its base's state, so
+    the trainer's mechanism and the method's release as one; a changed strategy is drawn afresh from the same key,
+    before the first release only."""
+    base = GaussianMechanism(1.0, 1.0, 4.0, Draws(seed_key(5), "noise"))
+    derived = dataclasses.replace(base, observers=("seen",))
+    assert derived.state is base.state and derived.observers == ("seen",)
+    derived.release({"w": torch.zeros(3)})
+    assert base.releases == 1 and base.state.noise.count == 1  # the base sees its derived one's release
+    fresh = GaussianMechanism(1.0, 1.0, 4.0, Draws(seed_key(5), "noise"))
+    banded = dataclasses.replace(fresh, strategy=make_strategy("bandmf", 2, 4))
+    assert banded.state is fresh.state and banded.correlated.key == seed_key(5)
+    first = banded.release({"w": torch.zeros(3)})["w"].clone()
+    oracle = GaussianMechanism(1.0, 1.0, 4.0, Draws(seed_key(5), "noise"), strategy=make_strategy("bandmf", 2, 4))
+    assert torch.equal(first, oracle.release({"w": torch.zeros(3)})["w"])
+    with pytest.raises(RuntimeError, match="changed after it released"):
+        dataclasses.replace(banded, strategy=None)
+    with pytest.raises(ValueError, match="draws= and state= both given"):
+        GaussianMechanism(1.0, 1.0, 4.0, Draws(seed_key(5), "noise"), state=base.state)

@@ -2,6 +2,7 @@
 never died (the oracle), for every method; a finished run is skipped by a re-launched sweep."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -330,3 +331,39 @@ def test_a_damaged_ledger_does_not_lower_the_epsilon_a_resume_records(tmp_path, 
     resumed = json.loads((run / "summary.json").read_text())
     assert resumed["epsilon_spent"] >= spent * (1 - 1e-9)
     assert ("the larger is kept" in capsys.readouterr().err) == (damage == "halved")
+
+
+def written_before_2026_12_07(state: dict) -> dict:
+    """A checkpoint in the layout dpmem wrote until 2026-12-07 (written out here as that code wrote it, not by the
+    reader under test): the batches' key was the checkpoint's `sampler_key`, and the mechanism's state and the step's
+    keys (where the step draws any) were the method's."""
+    mechanism = dict(state.pop("mechanism"))
+    sampler, steps = mechanism.pop("sampler"), mechanism.pop("steps", None)
+    state["sampler_key"] = sampler["key"]
+    state["method"]["mechanism"] = mechanism
+    if steps is not None and steps["count"]:
+        state["method"]["steps"] = steps
+    return state
+
+
+@pytest.mark.parametrize("method, own", [("dp-adam", ["privacy.noise=bandmf", "privacy.bands=2",
+                                                     "train.sampling=cyclic"]), ("dp-sgd-rc", [])])
+def test_a_checkpoint_in_the_layout_before_2026_12_07_resumes_as_todays(tmp_path, monkeypatch, method, own):
+    """Issue 76: every key is the mechanism's state now (noise, loss, batches, step keys). A checkpoint of the old
+    layout resumes to the same weights and ε as the same checkpoint in today's, with secret keys (unseeded: a key
+    lost in the reading would draw other batches or noise)."""
+    captured = kept_runs(monkeypatch)
+    secret = ["privacy.sampler_seed=null", "privacy.noise_seed=null", "train.checkpoint_every=2", *own]
+    real_step = dies_at(monkeypatch, METHODS[method], 5)
+    with pytest.raises(RuntimeError, match="went away"):
+        run_training(config(method, *secret), tmp_path / "today")
+    monkeypatch.setattr(METHODS[method], "step", real_step)
+    shutil.copytree(tmp_path / "today", tmp_path / "old")
+    state = torch.load(tmp_path / "old" / "checkpoint.pt", weights_only=True)
+    torch.save(written_before_2026_12_07(state), tmp_path / "old" / "checkpoint.pt")
+    assert "sampler_key" in torch.load(tmp_path / "old" / "checkpoint.pt", weights_only=True)
+    results = {name: run_training(config(method, *secret), tmp_path / name) for name in ("today", "old")}
+    assert results["old"]["status"] == "ok" and results["old"]["resumed_from_step"] == 4
+    assert results["old"]["epsilon_spent"] == results["today"]["epsilon_spent"]
+    for (name, a), b in zip(captured["today"].model.named_parameters(), captured["old"].model.parameters()):
+        assert torch.equal(a, b), name

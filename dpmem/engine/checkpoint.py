@@ -1,7 +1,7 @@
-"""checkpoint.pt: what a run needs to go on after it dies (weights, method state with the noise's key and count,
-every rank's RNG, the sampler's key, the summary so far), written atomically. It holds the secret keys of the noise
-and the batches: as private as the data, removed when the run ends (docs/run-folders.md). `dpmem.engine.folder.claim`
-resumes it."""
+"""checkpoint.pt: what a run needs to go on after it dies (weights, the method's state, the mechanism's with every
+key and count it draws with: noise, batches, step keys; every rank's RNG, the summary so far), written atomically.
+It holds the secret keys of the noise and the batches: as private as the data, removed when the run ends
+(docs/run-folders.md). `dpmem.engine.folder.claim` resumes it (an older layout too: `legacy_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ FILE = "checkpoint.pt"
 TMP = FILE + ".tmp"  # a save cut short leaves it: never resumed, removed when the run ends
 
 
-def save(run_dir: Path, step: int, cfg, parts: Parts, sampler_key: bytes, summary: dict) -> None:
+def save(run_dir: Path, step: int, cfg, parts: Parts, summary: dict) -> None:
     """Under torchrun rank 0 writes it, with every rank's RNG state (the ranks' dropout masks differ); under FSDP
     every rank takes part in gathering the sharded tensors whole, and the file is the same."""
     rngs = distributed.gathered({"torch_rng": torch.get_rng_state(),
@@ -27,11 +27,12 @@ def save(run_dir: Path, step: int, cfg, parts: Parts, sampler_key: bytes, summar
     fsdp, main = cfg.train.fsdp, distributed.is_main()
     model = sharding.model_state(parts.model) if fsdp else None
     method = parts.method.state_dict() if fsdp or main else None
+    mechanism = parts.mechanism.state_dict() if fsdp or main else None  # correlated noise's FSDP shards gathered
     if not main:
         return
     state = {"step": step, "config": fingerprint(cfg), "world_size": len(rngs),
-             "model": model if fsdp else parts.model.state_dict(), "method": method, "rngs": rngs,
-             "sampler_key": sampler_key.hex(), "summary": summary}
+             "model": model if fsdp else parts.model.state_dict(), "method": method, "mechanism": mechanism,
+             "rngs": rngs, "summary": summary}
     tmp = Path(run_dir) / TMP
     try:  # through a Python file: a full disk is then an OSError with its errno, not the zip writer's RuntimeError
         with open(tmp, "wb") as f:
@@ -50,13 +51,14 @@ def _nbytes(obj) -> int:
 
 
 def restore(state: dict, cfg, parts: Parts) -> int:
-    """Load a checkpoint's weights, method state and this rank's RNG into the parts (under FSDP each rank takes its
-    shards); returns its step."""
+    """Load a checkpoint's weights, method and mechanism state and this rank's RNG into the parts (under FSDP each
+    rank takes its shards); returns its step."""
     if cfg.train.fsdp:
         sharding.load_model_state(parts.model, state["model"])
     else:
         parts.model.load_state_dict(state["model"])
     parts.method.load_state_dict(state["method"])
+    parts.mechanism.load_state_dict(state["mechanism"])
     rng = state["rngs"][distributed.rank()]
     torch.set_rng_state(rng["torch_rng"])
     if rng["cuda_rng"] is not None and parts.device.type == "cuda":

@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from dpmem import distributed
 from dpmem.config import ConfigError
 from dpmem.engine.summary import PRIVACY_LEDGER, read_ledger, replace_file
+from dpmem.privacy.mechanism import legacy_checkpoint
 
 # what a run leaves; train.overwrite=true removes them, never privacy.jsonl (append-only: every attempt's ε)
 RECORDS = ("summary.json", "metrics.jsonl", "checkpoint.pt", "checkpoint.pt.tmp", "model.pt")
@@ -160,7 +161,7 @@ def claim(cfg, run_dir: Path, lock: FolderLock | None = None) -> dict | None:
     if isinstance(verdict, tuple):
         raise FolderRefused(*verdict)
     if verdict == "resume" and state is None:  # the other ranks read what rank 0 checked
-        state = _load(run_dir / "checkpoint.pt")
+        state = legacy_checkpoint(_load(run_dir / "checkpoint.pt"))
     return state
 
 
@@ -357,8 +358,8 @@ def _held(run_dir: Path) -> str | None:
 def _resumable(cfg, path: Path) -> dict:
     """The checkpoint's state, if it can resume this run (readable, as many processes, the same configuration)."""
     try:
-        state = _load(path)
-        missing = [k for k in ("step", "config", "world_size", "model", "method", "rngs", "summary", "sampler_key")
+        state = legacy_checkpoint(_load(path))  # an older checkpoint's layout read as today's
+        missing = [k for k in ("step", "config", "world_size", "model", "method", "mechanism", "rngs", "summary")
                    if k not in state]
     except Exception as e:  # noqa: BLE001  (a truncated file fails in zipfile, pickle or torch, each its own way)
         raise FolderRefused("train.resume", f"{path} is not a readable checkpoint ({type(e).__name__}: "

@@ -323,15 +323,14 @@ def _drawing(strategy: Strategy | None):
 
 
 def _fill_noise_buffers(mechanism, block: int) -> int | None:
-    """bandmf keeps its last b − 1 noise vectors; after the plan's first step it has one. The others are made here
-    (zeros: the values change no memory), so that the metered steps hold what a run holds from its b-th step on.
+    """bandmf keeps its last b − 1 noise vectors; after the plan's first step it has one. The others are made
+    (`CorrelatedNoise.fill_buffers`), so that the metered steps hold what a run holds from its b-th step on.
     Returns one band's bytes, one vector per run of the release each rounded to `block`; None where nothing is
     kept."""
     noise = mechanism.correlated if mechanism is not None else None
     if noise is None or not noise.buffers:
         return None
-    for kept in noise.buffers.values():
-        kept.extend(torch.zeros_like(kept[0]) for _ in range(noise.strategy.buffers - len(kept)))
+    noise.fill_buffers()
     return sum(-(-kept[0].untyped_storage().nbytes() // block) * block for kept in noise.buffers.values())
 
 

@@ -447,8 +447,8 @@ class Run:
 
     # -- checkpoints (dpmem.engine.checkpoint) -------------------------------------------------------------
     def _checkpoint(self, step: int) -> None:
-        checkpoint.save(self.run_dir, step, self.cfg, self.parts, self.mechanism.sampler.key,
-                        {k: self.summary[k] for k in RESUMED if k in self.summary})
+        checkpoint.save(self.run_dir, step, self.cfg, self.parts, {k: self.summary[k] for k in RESUMED
+                                                                    if k in self.summary})
 
     def _resume(self) -> int:
         """The steps done by the earlier run whose checkpoint this run resumes, their state restored. ε spent is
@@ -457,14 +457,13 @@ class Run:
         attempt reached, not the checkpoint's, is what was released."""
         state = self.checkpoint
         self.checkpoint = None  # not kept beside the model it was loaded into
-        step = checkpoint.restore(state, self.cfg, self.parts)
-        self.mechanism.sampler.key = bytes.fromhex(state["sampler_key"])  # the lost run's batches
+        step = checkpoint.restore(state, self.cfg, self.parts)  # the lost run's keys: its batches and noise
         if self.main:
             print(f"dpmem: resuming {self.run_dir} from its checkpoint at step {step}", file=sys.stderr)
         self._read_earlier_release()
-        if self.method.noise_reseeded is not None:
-            self.summary["noise_reseeded"] = self.method.noise_reseeded
-            print(f"dpmem: warning: {self.method.noise_reseeded}, whose states do not carry over: the noise is "
+        if self.mechanism.reseeded is not None:
+            self.summary["noise_reseeded"] = self.mechanism.reseeded
+            print(f"dpmem: warning: {self.mechanism.reseeded}, whose states do not carry over: the noise is "
                   f"seeded afresh, so steps after {step} that the earlier run had done are redrawn with new noise "
                   "(what they released then, their metrics, is not in epsilon)", file=sys.stderr)
         self.summary["epsilon_spent"], self._eps_steps = self.mechanism.epsilon(step), step
@@ -564,8 +563,7 @@ class Run:
 
     def batches(self):
         """The logical batches of the run's `steps` steps, as the sampler draws them."""
-        sampler = self.mechanism.sampler
-        sampler.count = 0  # step t's batch is draw t
+        sampler = self.mechanism.state.batches()
         if self.grouped is not None:
             return user_batches(self.grouped, self.mechanism.sample_rate, int(self.cfg.privacy.records_per_user),
                                 self.steps, sampler)

@@ -184,7 +184,6 @@ class Method:
         """`mechanism` privatises the step (None for a non-private method); its observers see the private step."""
         self.model, self.cfg, self.lr, self.mechanism = model, cfg, lr, mechanism
         self.optimizer: torch.optim.Optimizer | None = None  # methods with their own update leave it None
-        self.noise_reseeded: str | None = None  # why a resumed run's noise generator could not take its saved state
 
     def clipping_plan(self, cfg):
         """How its private step clips: the mechanism's plan (a run's, or a broken one), else its configured one (a
@@ -206,16 +205,12 @@ class Method:
         return [] if self.optimizer is None else optimizer_state(self.optimizer)
 
     def state_dict(self) -> dict:
-        """What a checkpoint needs besides the weights: optimiser state and the mechanism's (its draws, so a resumed
-        run draws the noise the lost steps drew: the same batches give the same release, nothing new)."""
+        """What a checkpoint needs of the method besides the weights: its optimiser's state (the run's keys and
+        draws are its mechanism's: `dpmem.engine.checkpoint` saves them apart)."""
         state = {}
         if self.optimizer is not None:  # under FSDP, gathered whole (every rank takes part; rank 0 gets it)
             state["optimizer"] = (sharding.optimizer_state(self.model, self.optimizer)
                                   if sharding.model_sharded(self.model) else self.optimizer.state_dict())
-        if self.mechanism is not None:
-            state["mechanism"] = self.mechanism.state_dict()
-        if self.privatizer is not None and self.privatizer.step_keys is not None:  # probes', FSDP noise's step keys
-            state["steps"] = self.privatizer.step_keys.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -224,12 +219,6 @@ class Method:
                 sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
             else:
                 self.optimizer.load_state_dict(state["optimizer"])
-        # an older checkpoint kept the noise's and the loss's draws apart
-        saved = state.get("mechanism") or {k: state[k] for k in ("noise", "loss_noise") if k in state}
-        if self.mechanism is not None and saved:
-            self.noise_reseeded = self.mechanism.load_state_dict(saved)
-        if "steps" in state:
-            self.privatizer.step_keys.load_state_dict(state["steps"])
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr

@@ -28,7 +28,7 @@ from dpmem.persample.fallback import freeze_fix
 from dpmem.persample.taps import RepeatedUse, Taps
 from dpmem.precision import exact_float32
 from dpmem.privacy.mechanism import GaussianMechanism
-from dpmem.privacy.randomness import Draws, Drawn, Recorded
+from dpmem.privacy.randomness import Draws, Drawn, Recorded, rewound
 
 
 class Observer:
@@ -110,13 +110,13 @@ class Privatizer:
         self._ambiguous: dict = {}  # the last recorded forward's layers that read both ways (`Tape.ambiguous`)
         self._zero = self.taps.zero()  # the probes' leaf (`Taps.zero`)
         self.compiled = CompiledStep()  # what `compile` compiled, and its state between steps
-        # Keys drawn once per logical step, the same on every rank, from the noise's secret key (host-side: no sync):
-        # dp-sgd-rc's probes (each micro-batch, on each rank, draws them again from the step's key, so neither the
-        # physical batch size nor the number of ranks changes them) and, under FSDP, each rank's noise on its shards.
+        # The mechanism's step keys (`MechanismState.steps`), where the step draws any: dp-sgd-rc's probes (each
+        # micro-batch, on each rank, draws them again from the step's key, so neither the physical batch size nor
+        # the number of ranks changes them) and, under FSDP, each rank's noise on its shards.
         self.step_keys = self._probe_draws = None
-        draws = mechanism.draws
+        draws = mechanism.state.noise
         if draws is not None and (plan.estimated or self.sharded):
-            self.step_keys = Draws(draws.key, "steps", draws.device)
+            self.step_keys = mechanism.state.steps
         if self.step_keys is not None and plan.estimated:
             self._probe_draws = Draws(draws.key, "probes", draws.device)
         for observer in self.observers:
@@ -220,12 +220,11 @@ class Privatizer:
         first as an uninterrupted one's: bit for bit the same (an eager step differs by float rounding, outside ε
         where a lost attempt released it). What they draw is put back: the global generator (dropout), the step's
         probe key, `.grad`."""
-        grads, count = [p.grad for p in self.params], self.step_keys.count if self.step_keys is not None else None
+        grads = [p.grad for p in self.params]
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             while self._unsettled():
-                self._eager_pass([mb], loss_fn, shapes, projections)
-                if self.step_keys is not None:
-                    self.step_keys.count = count
+                with rewound(self.step_keys):
+                    self._eager_pass([mb], loss_fn, shapes, projections)
         for p, g in zip(self.params, grads):
             p.grad = g
 

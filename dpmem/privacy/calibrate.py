@@ -15,7 +15,7 @@ from dpmem import distributed
 from dpmem.config import (Accountant, ConfigError, LossRelease, Neighbouring, Noise, Objective, Sampling,
                           accounted, asked_budget, enum_value, resolve_delta, resolved_sampling)
 from dpmem.privacy.accounting import MIN_SIGMA, Event, UnreachableTarget
-from dpmem.privacy.mechanism import GaussianMechanism
+from dpmem.privacy.mechanism import GaussianMechanism, MechanismState
 from dpmem.privacy.randomness import Draws, key_of, os_key, seed_key
 from dpmem.privacy.record import PrivacyUnit, Record
 from dpmem.privacy.strategies import make_strategy
@@ -259,10 +259,12 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
     strategy = make_strategy(*event.noise) if event.noise else None
     noise = Draws(key_of(p.noise_seed), "noise", device) if spec.private and device.type != "meta" else None
     return GaussianMechanism(record.event.sigma, m.max_grad_norm if spec.private else math.inf,
-                             q * event.dataset_size, noise, q,
-                             p.loss_bound if private_loss else math.inf, summary["loss_sigma"] or 0.0,
-                             tuple(observers), plan, record, summary, _sampler(cfg, accounted), strategy,
-                             restart if strategy is not None else None, event.groups)
+                             q * event.dataset_size, sample_rate=q,
+                             loss_bound=p.loss_bound if private_loss else math.inf,
+                             loss_sigma=summary["loss_sigma"] or 0.0, observers=tuple(observers), plan=plan,
+                             record=record, summary=summary, strategy=strategy,
+                             restart=restart if strategy is not None else None, groups=event.groups,
+                             state=MechanismState(noise, _sampler(cfg, accounted)))
 
 
 def _sampler(cfg, accounted: bool) -> Draws:

@@ -63,6 +63,12 @@ class CorrelatedNoise:
         if self.block_start(self.index) == self.index:
             self.buffers.clear()
 
+    def fill_buffers(self) -> None:
+        """Every run's buffers made full (zeros past those it holds: the values change no memory), for a plan's
+        metered steps (`dpmem.engine.planner`): what a run holds from its b-th release on."""
+        for kept in self.buffers.values():
+            kept.extend(torch.zeros_like(kept[0]) for _ in range(self.strategy.buffers - len(kept)))
+
     def _z(self, i: int, run: str, shape: tuple, device, dtype) -> torch.Tensor:
         """z of release i, run `run`: keyed by (key, i, run); torch's generator where there is no key (a plan)."""
         if self.key is None:

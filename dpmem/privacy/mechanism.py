@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import torch
 
@@ -34,20 +34,106 @@ NOISE_BUCKET = 2**24  # elements of noise drawn at once (64 MiB in float32)
 
 
 class MechanismState:
-    """What a mechanism changes as it releases, and all a checkpoint needs of it (`GaussianMechanism.state_dict`):
-    the releases so far, the loss's draws, correlated noise's state (bandmf's buffers), and what ε it must not go
-    below. The draws' keys and counts live in their `Draws` objects (the description's `draws` and `sampler`)."""
+    """Every key a private run's checkpoint holds, and what its mechanism changes as it releases (`state_dict`): the
+    noise's draws, the loss's, the batches' (`sampler`), the step's (`steps`: dp-sgd-rc's probes, FSDP's shard
+    noise), the releases so far, correlated noise's state (bandmf's buffers), and the ε it must not go below. One
+    per run: a mechanism derived from another (`dataclasses.replace`, a broken one of `dpmem.audit.variants`)
+    continues its state, so the trainer's and the method's mechanisms release, count and account as one."""
 
-    def __init__(self, draws: Draws | None, loss_sigma: float, strategy: Strategy | None, restart: int | None):
-        # the loss's draws apart from the gradient's: only rank 0 draws them (`released_loss`)
-        self.loss_draws = Draws(draws.key, "loss", draws.device) if draws is not None and loss_sigma > 0 else None
-        self.releases = 0  # gradient releases so far (steps), counted by `release`
-        correlated = strategy is not None and strategy.name != "independent"
-        self.correlated = (CorrelatedNoise(strategy, draws.key if draws is not None else None, restart)
-                           if correlated else None)
+    def __init__(self, noise: Draws | None, sampler: Draws | None = None):
+        self.noise, self.sampler = noise, sampler
+        # keys drawn once per logical step, the same on every rank, from the noise's key (host-side: no sync)
+        self.steps = Draws(noise.key, "steps", noise.device) if noise is not None else None
+        self.loss: Draws | None = None  # the loss's draws apart from the gradient's: only rank 0 draws them
+        self.correlated: CorrelatedNoise | None = None
+        self.releases = 0  # gradient releases so far (steps), counted by `GaussianMechanism.release`
         self.leak: str | None = None  # why a private run is not private after all (a subspace from its own data)
         self.released = 0.0  # the most ε an earlier attempt of this run recorded (privacy.jsonl): already spent
         self.flat_runs = None  # a compiled step's runs over its flat sum, the same every step (`release`)
+        self.reseeded: str | None = None  # why a resumed run's noise is keyed afresh (`load_state_dict`)
+        self._made_for = None
+
+    def made_for(self, loss_noised: bool, strategy: Strategy | None, restart: int | None) -> None:
+        """The loss's draws and correlated noise as a mechanism of this loss release and strategy draws them, from
+        the same key: made again where a derived mechanism changes them (the planner's strategy), before the first
+        release only (a release's noise is then the strategy's it was drawn with)."""
+        wanted = (loss_noised, strategy, restart)
+        if wanted == self._made_for:
+            return
+        if self.releases:
+            raise RuntimeError("a mechanism's loss release or noise strategy changed after it released: derive it "
+                               "before the first step")
+        key, device = (self.noise.key, self.noise.device) if self.noise is not None else (None, None)
+        self.loss = Draws(key, "loss", device) if key is not None and loss_noised else None
+        correlated = strategy is not None and strategy.name != "independent"
+        self.correlated = CorrelatedNoise(strategy, key, restart) if correlated else None
+        self._made_for = wanted
+
+    def batches(self) -> Draws | None:
+        """The sampler's draws from the first step's: step t's batch is draw t (a resumed run draws the lost steps'
+        again, to skip them)."""
+        if self.sampler is not None:
+            self.sampler.count = 0
+        return self.sampler
+
+    def state_dict(self) -> dict:
+        """The keys (and counts) of every draw, the releases so far and correlated noise's state. As private as the
+        data: it derives the noise and the batches."""
+        state = {"releases": self.releases}
+        for name, draws in (("sampler", self.sampler), ("steps", self.steps), ("loss_noise", self.loss)):
+            if draws is not None:
+                state[name] = draws.state_dict()
+        if self.noise is not None:
+            state["noise"] = {**self.noise.state_dict(), "device": self.noise.device.type}
+        if self.correlated is not None:
+            state["correlated"] = self.correlated.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> str | None:
+        """The saved state, if its noise was drawn on this kind of device. A CUDA draw and a CPU draw of one key
+        differ (two Philox streams, numpy's PCG64DXSM): on another device independent noise is keyed afresh from the
+        OS (steps redrawn after the checkpoint get new noise), and that is returned as why; correlated noise cannot
+        be (its past draws are the strategy's), and is refused. The batches' and the step's keys are host-side:
+        they carry over. (A checkpoint of before 2026-12-07 kept those two apart: `legacy_checkpoint`.)"""
+        self.releases = state.get("releases", self.releases)
+        for name, draws in (("sampler", self.sampler), ("steps", self.steps)):
+            if draws is not None and name in state:
+                draws.load_state_dict(state[name])
+        saved = state.get("noise")
+        if saved is None or self.noise is None:
+            return None
+        if saved["device"] != self.noise.device.type:
+            why = f"the checkpoint's noise was drawn on {saved['device']}, this run is on {self.noise.device.type}"
+            if self.correlated is not None:
+                raise ConfigError("train.device", f"{why}: correlated noise continues its earlier draws, which only "
+                                  f"the same kind of device draws again; resume it on {saved['device']}")
+            self.noise.key = os_key()
+            if self.loss is not None:
+                self.loss.key = self.noise.key
+            self.reseeded = why
+            return why
+        self.noise.load_state_dict(saved)
+        if self.loss is not None and "loss_noise" in state:
+            self.loss.load_state_dict(state["loss_noise"])
+        if self.correlated is not None:
+            self.correlated.key = self.noise.key
+            self.correlated.load_state_dict(state["correlated"], self.noise.device)
+        return None
+
+
+def legacy_checkpoint(state: dict) -> dict:
+    """A checkpoint of before 2026-12-07 in today's layout: the batches' key was the checkpoint's `sampler_key`, and
+    the mechanism's state, the step's keys (and, earlier still, the noise's and the loss's draws) the method's."""
+    if "sampler_key" not in state:
+        return state
+    method = dict(state.get("method") or {})
+    mechanism = method.pop("mechanism", None) or {k: method[k] for k in ("noise", "loss_noise") if k in method}
+    for k in ("noise", "loss_noise"):
+        method.pop(k, None)
+    if "steps" in method:
+        mechanism["steps"] = method.pop("steps")
+    mechanism["sampler"] = {"key": state["sampler_key"], "purpose": "batches", "count": 0}
+    return {**{k: v for k, v in state.items() if k != "sampler_key"}, "method": method, "mechanism": mechanism}
 
 
 @dataclass(frozen=True)
@@ -83,7 +169,7 @@ class GaussianMechanism:
     sigma: float
     max_grad_norm: float
     expected_batch_size: float
-    draws: Draws | None
+    draws: InitVar[Draws | None] = None
     sample_rate: float | None = None
     loss_bound: float = math.inf
     loss_sigma: float = 0.0
@@ -92,13 +178,15 @@ class GaussianMechanism:
     # -- a run's accounting (`calibrate`) ------------------------------------------------------------------------
     record: Record | None = None  # the run's privacy (`calibrate`); None: one built by hand, which accounts nothing
     summary: dict = field(default_factory=dict)  # the run summary's privacy fields
-    sampler: Draws | None = None  # the batches' draws: their key is kept in the checkpoint alone
     strategy: Strategy | None = None
     restart: int | None = None
     groups: int | None = None  # cyclic sampling's G: the sampler's groups (`dpmem.privacy.sampling`)
     per_user: bool = True
+    # every key and count it draws with, and what it changes as it releases: made from `draws` (and a run's sampler,
+    # `calibrate`), or a derived mechanism's base's (`dataclasses.replace` passes it on)
+    state: MechanismState | None = field(default=None, compare=False, repr=False)
 
-    def __post_init__(self):
+    def __post_init__(self, draws: Draws | None):
         # refused here, where a bad value would otherwise flip the noise's sign, zero every gradient or divide by 0
         for name, ok, allowed in (("sigma", lambda v: 0 <= v < math.inf, ">= 0 (0: no noise)"),
                                   ("max_grad_norm", lambda v: v > 0, "> 0 (inf: no clipping)"),
@@ -106,13 +194,19 @@ class GaussianMechanism:
             value = getattr(self, name)
             if not isinstance(value, numbers.Real) or isinstance(value, bool) or not ok(value):  # NaN fails `ok`
                 raise ValueError(f"GaussianMechanism: {name}={value!r}: allowed a number {allowed}")
-        object.__setattr__(self, "state", MechanismState(self.draws, self.loss_sigma, self.strategy, self.restart))
+        if self.state is None:
+            object.__setattr__(self, "state", MechanismState(draws))
+        elif draws is not None:
+            raise ValueError("GaussianMechanism: draws= and state= both given: the state holds the draws")
+        self.state.made_for(self.loss_sigma > 0, self.strategy, self.restart)
 
     # the state's, read where the description is read
+    sampler = property(lambda self: self.state.sampler)
     releases = property(lambda self: self.state.releases)
-    loss_draws = property(lambda self: self.state.loss_draws)
+    loss_draws = property(lambda self: self.state.loss)
     correlated = property(lambda self: self.state.correlated)
     leak = property(lambda self: self.state.leak)
+    reseeded = property(lambda self: self.state.reseeded)
 
     # -- accounting -----------------------------------------------------------------------------------------------
     @property
@@ -219,8 +313,8 @@ class GaussianMechanism:
         start = 0
         for index, (size, std) in enumerate(self.state.flat_runs):
             if std:
-                flat[start:start + size].add_(self._noise(str(index), self.draws, (size,), flat.device, flat.dtype),
-                                              alpha=std)
+                noise = self._noise(str(index), self.state.noise, (size,), flat.device, flat.dtype)
+                flat[start:start + size].add_(noise, alpha=std)
             start += size
         flat.div_(self.expected_batch_size)
         self._released()
@@ -247,42 +341,12 @@ class GaussianMechanism:
 
     # -- state ----------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of the mechanism: its draws (key and count), the loss's, the releases so far and
-        correlated noise's state (bandmf's buffers). As private as the data: it derives the noise."""
-        state = {"releases": self.state.releases}
-        if self.draws is not None:
-            state["noise"] = {**self.draws.state_dict(), "device": self.draws.device.type}
-        if self.loss_draws is not None:
-            state["loss_noise"] = self.loss_draws.state_dict()
-        if self.correlated is not None:
-            state["correlated"] = self.correlated.state_dict()
-        return state
+        """What a checkpoint keeps of the run's privacy (`MechanismState.state_dict`)."""
+        return self.state.state_dict()
 
     def load_state_dict(self, state: dict) -> str | None:
-        """The saved state, if its noise was drawn on this kind of device. A CUDA draw and a CPU draw of one key
-        differ (two Philox streams, numpy's PCG64DXSM): on another device independent noise is keyed afresh from the
-        OS (steps redrawn after the checkpoint get new noise), and that is returned as why; correlated noise cannot
-        be (its past draws are the strategy's), and is refused."""
-        self.state.releases = state.get("releases", self.state.releases)
-        saved = state.get("noise")
-        if saved is None or self.draws is None:
-            return None
-        if saved["device"] != self.draws.device.type:
-            why = f"the checkpoint's noise was drawn on {saved['device']}, this run is on {self.draws.device.type}"
-            if self.correlated is not None:
-                raise ConfigError("train.device", f"{why}: correlated noise continues its earlier draws, which only "
-                                  f"the same kind of device draws again; resume it on {saved['device']}")
-            self.draws.key = os_key()
-            if self.loss_draws is not None:
-                self.loss_draws.key = self.draws.key
-            return why
-        self.draws.load_state_dict(saved)
-        if self.loss_draws is not None and "loss_noise" in state:
-            self.loss_draws.load_state_dict(state["loss_noise"])
-        if self.correlated is not None:
-            self.correlated.key = self.draws.key
-            self.correlated.load_state_dict(state["correlated"], self.draws.device)
-        return None
+        """The saved state (`MechanismState.load_state_dict`): why the noise was keyed afresh, if it was."""
+        return self.state.load_state_dict(state)
 
     def _runs(self, summed: dict, own: Draws | None):
         """Consecutive (part, draws, std) of one source of draws, device, dtype and std, at most NOISE_BUCKET
@@ -290,7 +354,7 @@ class GaussianMechanism:
         run, size = [], 0
         for key, s in summed.items():
             part = sharding.local(s)
-            item = (part, own if part is not s and own is not None else self.draws, self.noise_std(key))
+            item = (part, own if part is not s and own is not None else self.state.noise, self.noise_std(key))
             if run and (size + part.numel() > NOISE_BUCKET or item[1:] != run[0][1:]
                         or (part.device, part.dtype) != (run[0][0].device, run[0][0].dtype)):
                 yield run

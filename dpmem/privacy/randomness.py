@@ -13,6 +13,7 @@ advances any other.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import secrets
@@ -98,6 +99,18 @@ class Draws:
 
     def load_state_dict(self, state: dict) -> None:
         self.key, self.purpose, self.count = bytes.fromhex(state["key"]), state["purpose"], state["count"]
+
+
+@contextlib.contextmanager
+def rewound(draws: Draws | None):
+    """What is drawn inside not kept: the count put back after (a compiled run's rehearsal draws what its step will
+    draw again)."""
+    count = draws.count if draws is not None else None
+    try:
+        yield
+    finally:
+        if draws is not None:
+            draws.count = count
 
 
 def normal(draws: Draws | None, shape: tuple, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
