@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from dpmem import distributed
 from dpmem.config import ConfigError
 from dpmem.engine.summary import PRIVACY_LEDGER, read_ledger, replace_file
-from dpmem.privacy.mechanism import legacy_checkpoint
+from dpmem.privacy.state import legacy_checkpoint
 
 # what a run leaves; train.overwrite=true removes them, never privacy.jsonl (append-only: every attempt's ε)
 RECORDS = ("summary.json", "metrics.jsonl", "checkpoint.pt", "checkpoint.pt.tmp", "model.pt")

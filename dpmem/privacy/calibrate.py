@@ -15,7 +15,8 @@ from dpmem import distributed
 from dpmem.config import (Accountant, ConfigError, LossRelease, Neighbouring, Noise, Objective, Sampling,
                           accounted, asked_budget, enum_value, resolve_delta, resolved_sampling)
 from dpmem.privacy.accounting import MIN_SIGMA, Event, UnreachableTarget
-from dpmem.privacy.mechanism import GaussianMechanism, MechanismState
+from dpmem.privacy.mechanism import GaussianMechanism
+from dpmem.privacy.state import MechanismState
 from dpmem.privacy.randomness import Draws, key_of, os_key, seed_key
 from dpmem.privacy.record import PrivacyUnit, Record
 from dpmem.privacy.strategies import make_strategy
