@@ -240,9 +240,9 @@ class GaussianMechanism:
         """What a checkpoint keeps of the run's privacy (`MechanismState.state_dict`)."""
         return self.state.state_dict()
 
-    def load_state_dict(self, state: dict) -> str | None:
-        """The saved state (`MechanismState.load_state_dict`): why the noise was keyed afresh, if it was."""
-        return self.state.load_state_dict(state)
+    def load_state_dict(self, state: dict) -> None:
+        """The saved state (`MechanismState.load_state_dict`; `reseeded` says why the noise was keyed afresh)."""
+        self.state.load_state_dict(state)
 
     def _runs(self, summed: dict, own: Draws | None):
         """Consecutive (part, draws, std) of one source of draws, device, dtype and std, at most NOISE_BUCKET

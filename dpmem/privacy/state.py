@@ -66,10 +66,10 @@ class MechanismState:
             state["correlated"] = self.correlated.state_dict()
         return state
 
-    def load_state_dict(self, state: dict) -> str | None:
+    def load_state_dict(self, state: dict) -> None:
         """The saved state, if its noise was drawn on this kind of device. A CUDA draw and a CPU draw of one key
         differ (two Philox streams, numpy's PCG64DXSM): on another device independent noise is keyed afresh from the
-        OS (steps redrawn after the checkpoint get new noise), and that is returned as why; correlated noise cannot
+        OS (steps redrawn after the checkpoint get new noise), and `reseeded` says why; correlated noise cannot
         be (its past draws are the strategy's), and is refused. The batches' and the step's keys are host-side:
         they carry over. (A checkpoint of before 2026-12-07 kept those two apart: `legacy_checkpoint`.)"""
         self.releases = state.get("releases", self.releases)
@@ -78,7 +78,7 @@ class MechanismState:
                 draws.load_state_dict(state[name])
         saved = state.get("noise")
         if saved is None or self.noise is None:
-            return None
+            return
         if saved["device"] != self.noise.device.type:
             why = f"the checkpoint's noise was drawn on {saved['device']}, this run is on {self.noise.device.type}"
             if self.correlated is not None:
@@ -88,14 +88,13 @@ class MechanismState:
             if self.loss is not None:
                 self.loss.key = self.noise.key
             self.reseeded = why
-            return why
+            return
         self.noise.load_state_dict(saved)
         if self.loss is not None and "loss_noise" in state:
             self.loss.load_state_dict(state["loss_noise"])
         if self.correlated is not None:
             self.correlated.key = self.noise.key
             self.correlated.load_state_dict(state["correlated"], self.noise.device)
-        return None
 
 
 def legacy_checkpoint(state: dict) -> dict:
