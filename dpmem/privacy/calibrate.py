@@ -264,7 +264,7 @@ def calibrate(cfg, spec, n: int, steps: int, sampling: str, device: torch.device
                              loss_bound=p.loss_bound if private_loss else math.inf,
                              loss_sigma=summary["loss_sigma"] or 0.0, observers=tuple(observers), plan=plan,
                              record=record, summary=summary, strategy=strategy,
-                             restart=restart if strategy is not None else None, groups=event.groups,
+                             restart=restart if strategy is not None else None,
                              state=MechanismState(noise, _sampler(cfg, accounted)))
 
 

@@ -76,7 +76,6 @@ class GaussianMechanism:
     summary: dict = field(default_factory=dict)  # the run summary's privacy fields
     strategy: Strategy | None = None
     restart: int | None = None
-    groups: int | None = None  # cyclic sampling's G: the sampler's groups (`dpmem.privacy.sampling`)
     per_user: bool = True
     # every key and count it draws with, and what it changes as it releases: made from `draws` (and a run's sampler,
     # `calibrate`), or a derived mechanism's base's (`dataclasses.replace` passes it on)
@@ -116,6 +115,8 @@ class GaussianMechanism:
     event = property(lambda self: None if self.record is None else self.record.event)
     loss_release = property(lambda self: "exact" if self.record is None else self.record.loss_release)
     delta = property(lambda self: None if self.event is None else self.event.delta)
+    # cyclic sampling's G, the sampler's groups (`dpmem.privacy.sampling`); None: not cyclic, or built by hand
+    groups = property(lambda self: None if self.event is None else self.event.groups)
 
     def epsilon(self, steps: int) -> float:
         """ε spent after `steps` steps, and no less than an earlier attempt of the run released: math.inf when
